@@ -1,0 +1,79 @@
+"""The @triton.jit pieces shared by every kernel: constants, the online-softmax step, score
+transforms, masks and the merge of two softmax states. Kernels import these; nothing here launches.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # ln(2):   log(x) == log2(x) * LN2
+NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def soft_cap(s, softcap):
+    """``softcap * tanh(s / softcap)``, with tanh written through exp2 so that it runs on every
+    Triton target and in the interpreter: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both tails."""
+    e = tl.exp2(s * (2.0 * LOG2E / softcap))
+    return softcap - (2.0 * softcap) / (e + 1.0)
+
+
+@triton.jit
+def visible(q_pos, k_pos, seqlen_k, delta, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Which keys each query row may attend: ``[M, 1] x [1, N] -> [M, N]`` boolean.
+
+    ``delta = Sk - Sq`` aligns the causal diagonal bottom-right (flash-attn's convention); causal is
+    ``window_right == 0``."""
+    ok = k_pos < seqlen_k
+    if HAS_LEFT:
+        ok = ok & (k_pos >= q_pos + delta - window_left)
+    if HAS_RIGHT:
+        ok = ok & (k_pos <= q_pos + delta + window_right)
+    return ok
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s):
+    """Fold one tile of scores ``s`` ``[M, N]`` (log2 domain, masked entries ``-inf``) into the
+    running max ``m_i`` and sum ``l_i`` ``[M]``, rescaling ``acc`` ``[M, D]``.
+
+    Returns the new state and the tile's probabilities ``p`` (to be multiplied into V by the caller).
+    A row that has seen only masked keys keeps ``m = -inf`` and contributes exact zeros, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
+def finalize(m_i, l_i, acc):
+    """Normalize the accumulator; return ``(out, lse)`` with lse in natural log.
+
+    Rows that saw no key (``l == 0``) give out 0 and lse ``-inf``."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, NEG_INF, (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    return out, lse
+
+
+@triton.jit
+def merge_state(o_a, lse_a, o_b, lse_b):
+    """Merge two softmax states over disjoint key sets: ``o`` ``[..., D]`` fp32, ``lse`` ``[...]``
+    natural log. An lse of ``+inf`` or ``-inf`` is an empty state; two empty states give 0, -inf."""
+    lse_a = tl.where(lse_a == float("inf"), NEG_INF, lse_a)
+    lse_b = tl.where(lse_b == float("inf"), NEG_INF, lse_b)
+    m = tl.maximum(lse_a, lse_b)
+    m_safe = tl.where(m == NEG_INF, 0.0, m)
+    w_a = tl.exp2((lse_a - m_safe) * LOG2E)
+    w_b = tl.exp2((lse_b - m_safe) * LOG2E)
+    total = w_a + w_b
+    empty = total == 0.0
+    denom = tl.where(empty, 1.0, total)
+    out = (o_a * (w_a / denom)[:, None] + o_b * (w_b / denom)[:, None])
+    lse = tl.where(empty, NEG_INF, m_safe + tl.log2(denom) * LN2)
+    return out, lse

@@ -1,0 +1,420 @@
+"""The one attention kernel behind every public entry point.
+
+One program computes one tile of query rows against one KV head, streaming K/V tiles through an
+online softmax (FlashAttention-2). Constexpr switches select, at compile time only:
+
+- ``VARLEN_Q`` / ``VARLEN_K``: packed sequences (``cu_seqlens``) or a dense batch dimension;
+- ``HAS_SEQUSED``: per-sequence KV lengths from a tensor (the KV-cache API's ``cache_seqlens``);
+- ``PAGED``: keys/values read through a block table from ``[num_blocks, page_size, Hkv, D]`` pages
+  (the only difference is :func:`_kv_offsets`, the address helper);
+- ``G_PACK``: how many query heads that share a KV head are packed into the rows of one tile
+  (1 for prefill; the whole group for decode, so each KV byte is read once per group);
+- ``NUM_SPLITS``: the KV range of a tile split over programs (flash-decoding); each split writes a
+  partial (out, lse) and :mod:`pagedflash.ops.combine` merges them;
+- ``HAS_LEFT`` / ``HAS_RIGHT`` / ``HAS_SOFTCAP``: sliding window, causal (``right == 0``), softcap.
+
+The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
+unmasked tiles in the middle (no mask arithmetic, no bounds on loads), masked tiles at the end (the
+causal diagonal and the ragged end of the sequence). Every load is bounded by the sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import _env
+from pagedflash.ops import _jit
+from pagedflash.ops._jit import LOG2E, NEG_INF
+from pagedflash.ops.combine import combine_splits
+
+
+@triton.jit
+def _find_seq(CuSeqlensQ, pid, batch, BLOCK_Q: tl.constexpr):
+    """Varlen grid: the sequence whose tiles include program ``pid``. Sequence ``b`` owns programs
+    ``[cu[b] // BLOCK_Q + b, cu[b+1] // BLOCK_Q + b + 1)`` (at least one each), so no host pass over
+    the lengths is needed to lay out the grid."""
+    lo = 0
+    hi = batch - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(CuSeqlensQ + mid) // BLOCK_Q + mid <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_b, stride_t,
+                MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Element offsets ``[BLOCK_N]`` (int64) of key positions ``pos`` of sequence ``b``.
+
+    Dense: row ``k_row0 + pos`` of batch ``b``. Paged: page ``block_table[b, pos // PAGE_SIZE]``,
+    slot ``pos % PAGE_SIZE``; one table read per tile when the tile lies inside one page."""
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N == 0:
+            blk = tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE).to(tl.int64)
+            return blk * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_t
+        else:
+            if MASKED:
+                blk = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=n_ok, other=0)
+            else:
+                blk = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE)
+            return blk.to(tl.int64) * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_t
+    else:
+        return b.to(tl.int64) * stride_b + (k_row0 + pos).to(tl.int64) * stride_t
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q, K, V, lo, hi,
+    b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+    BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt,
+    offs_n, offs_d, d_ok,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state."""
+    for start_n in range(lo, hi, BLOCK_N):
+        pos = start_n + offs_n
+        n_ok = pos < seqlen_k
+        kv_mask = (n_ok[:, None] | (not MASKED)) & (d_ok[None, :] | EVEN_D)
+        BOUNDED: tl.constexpr = MASKED or not EVEN_D  # the interior of an even-D range loads unmasked
+        k_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_kb, stride_kt,
+                            MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+        if BOUNDED:
+            k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(K + k_off[:, None] + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            s = _jit.soft_cap(s * sm_scale, softcap) * LOG2E
+        else:
+            s = s * qk_scale
+        if MASKED:
+            ok = _jit.visible(q_pos[:, None], pos[None, :], seqlen_k, delta, window_left, window_right,
+                              HAS_LEFT, HAS_RIGHT)
+            s = tl.where(ok, s, NEG_INF)
+        m_i, l_i, acc, p = _jit.online_softmax_step(m_i, l_i, acc, s)
+        v_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_vb, stride_vt,
+                            MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+        if BOUNDED:
+            v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(V + v_off[:, None] + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_kernel(
+    Q,  # [B, Sq, Hq, D] or [total_q, Hq, D]
+    K,  # [B, Sk, Hkv, D], [total_k, Hkv, D] or pages [num_blocks, page_size, Hkv, D]
+    V,  # like K
+    Out,  # like Q
+    Lse,  # [B, Hq, Sq] or [Hq, total_q], fp32
+    OutPart,  # [NUM_SPLITS, tokens, Hq, D] fp32 (split-KV only)
+    LsePart,  # [NUM_SPLITS, tokens, Hq] fp32 (split-KV only)
+    CuSeqlensQ,  # [B + 1] int32 (varlen)
+    CuSeqlensK,  # [B + 1] int32 (varlen K or paged)
+    SequsedK,  # [B] int32 (KV-cache lengths)
+    BlockTable,  # [B, max_blocks] int32 (paged)
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh, stride_lt,
+    stride_tb,
+    stride_ps, stride_pt, stride_ph,
+    stride_lps, stride_lpt,
+    batch, seqlen_q, seqlen_k, num_q_tiles,
+    sm_scale, softcap, window_left, window_right,
+    GROUP: tl.constexpr, G_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
+    pid_q = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # --- which sequence and which tile of its queries
+    if VARLEN_Q:
+        b = _find_seq(CuSeqlensQ, pid_q, batch, BLOCK_Q)
+        q_start = tl.load(CuSeqlensQ + b)
+        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
+        tile = pid_q - (q_start // BLOCK_Q + b)
+        tok_base = q_start
+    else:
+        b = pid_q // num_q_tiles
+        tile = pid_q % num_q_tiles
+        q_start = 0
+        tok_base = b * seqlen_q
+    q0 = tile * BLOCK_Q
+    if q0 >= seqlen_q:
+        return
+    k_row0 = 0
+    if VARLEN_K:
+        k_row0 = tl.load(CuSeqlensK + b)
+        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_row0
+    if HAS_SEQUSED:
+        seqlen_k = tl.load(SequsedK + b)
+    delta = seqlen_k - seqlen_q
+
+    # --- rows of this tile: (query token, query head) pairs; heads of one KV group packed
+    kvh = pid_h // (GROUP // G_PACK)
+    h0 = kvh * GROUP + (pid_h % (GROUP // G_PACK)) * G_PACK
+    offs_m = tl.arange(0, BLOCK_M)
+    row_tok = offs_m // G_PACK
+    row_head = h0 + offs_m % G_PACK
+    q_pos = q0 + row_tok
+    row_ok = (row_tok < BLOCK_Q) & (q_pos < seqlen_q)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    q_rows = b.to(tl.int64) * stride_qb + (q_start + q_pos).to(tl.int64) * stride_qt + row_head * stride_qh
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # --- key range: [lo, hi) touches any visible key; [full_lo, full_hi) is visible to every row
+    q_last = tl.minimum(q0 + BLOCK_Q, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(q0 + delta - window_left, 0)
+        full_lo = tl.maximum(q_last + delta - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.maximum(tl.minimum(q_last + delta + window_right + 1, seqlen_k), 0)
+        full_hi = tl.minimum(q0 + delta + window_right + 1, seqlen_k)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo), hi)
+    if NUM_SPLITS > 1:  # this program's share of the tiles of [lo, hi)
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
+        s_lo = lo + split * per_split
+        s_hi = tl.minimum(s_lo + per_split, hi)
+    else:
+        s_lo = lo
+        s_hi = hi
+
+    # --- stream K/V
+    qk_scale = sm_scale * LOG2E
+    m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    K += kvh.to(tl.int64) * stride_kh
+    V += kvh.to(tl.int64) * stride_vh
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
+        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, K, V, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+    )
+    out, lse = _jit.finalize(m_i, l_i, acc)
+
+    # --- write the tile: final output, or this split's partial state
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_rows = b.to(tl.int64) * stride_ob + (q_start + q_pos).to(tl.int64) * stride_ot + row_head * stride_oh
+        tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
+        if WRITE_LSE:
+            l_rows = b.to(tl.int64) * stride_lb + row_head * stride_lh + (q_start + q_pos).to(tl.int64) * stride_lt
+            tl.store(Lse + l_rows, lse, mask=row_ok)
+    else:
+        tok = (tok_base + q_pos).to(tl.int64)
+        p_rows = split * stride_ps + tok * stride_pt + row_head * stride_ph
+        tl.store(OutPart + p_rows[:, None] + offs_d[None, :], out, mask=out_mask)
+        tl.store(LsePart + split * stride_lps + tok * stride_lpt + row_head, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch choices: tile shapes, packing and the number of KV splits, all decided here.
+# ----------------------------------------------------------------------------------------------
+
+MAX_SPLITS = 128
+MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
+PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # rows per tile: query tokens x packed heads
+    block_n: int  # keys per tile
+    g_pack: int  # query heads of one KV group in a tile (1 or the whole group)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 16 under the interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _cuda_sm_count(index: int) -> int:
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype) -> LaunchConfig:
+    """Tile shape for a launch. Decode-like launches (few query rows) pack the KV group's query heads
+    into the rows of one tile; prefill launches tile query tokens of one head.
+
+    The GPU table was chosen by ``python -m pagedflash bench tune`` on an H200 (docs/performance.md)."""
+    pack = max_seqlen_q * group <= PACK_MAX_ROWS
+    g_pack = group if pack else 1
+    if pack:
+        block_m = max(16, triton.next_power_of_2(max_seqlen_q * group))
+    if _env.interpreted():  # small tiles: fast on the CPU and every loop stage is exercised
+        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
+    block_d = triton.next_power_of_2(head_dim)
+    if pack:
+        if block_d <= 128:
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
+        return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+    if block_d <= 64:
+        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8, num_stages=3)
+    return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
+    """Split the KV range when the grid would leave SMs idle: aim for about two programs per SM,
+    keep at least ``MIN_TILES_PER_SPLIT`` tiles per split. Uses only host-known sizes (the cache
+    capacity or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
+    sms = num_sms(device)
+    if programs >= sms:
+        return 1
+    kv_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _bsh_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch or page, token or slot, head) strides of a 4-D tensor; batch stride 0 for a 3-D one."""
+    if t.dim() == 4:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(0), t.stride(1)
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    batch: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the attention kernel on validated inputs (public functions validate first).
+
+    q is ``[B, Sq, Hq, D]`` (dense) or ``[total_q, Hq, D]`` (with ``cu_seqlens_q``); k/v are
+    ``[B, Sk, Hkv, D]``, ``[total_k, Hkv, D]`` (with ``cu_seqlens_k``) or pages
+    ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). Returns ``(out, lse)``; out has q's
+    shape and dtype, lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``).
+    """
+    varlen_q = cu_seqlens_q is not None
+    paged = block_table is not None
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-2]
+    group = hq // hkv
+    cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, dtype=q.dtype)
+    block_q = cfg.block_m // cfg.g_pack
+    tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
+    if varlen_q:
+        num_q_tiles = 0
+        grid_q = tokens // block_q + batch
+    else:
+        num_q_tiles = triton.cdiv(q.shape[1], block_q)
+        grid_q = batch * num_q_tiles
+    grid_h = hkv * (group // cfg.g_pack)
+    if num_splits <= 0:
+        num_splits = choose_num_splits(
+            programs=batch * triton.cdiv(max(max_seqlen_q, 1), block_q) * grid_h,
+            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, device=q.device,
+        )
+    num_splits = min(num_splits, MAX_SPLITS)
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if return_lse:
+        lse_shape = (hq, tokens) if varlen_q else (q.shape[0], hq, q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if num_splits > 1:
+        out_part = torch.empty((num_splits, tokens, hq, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((num_splits, tokens, hq), dtype=torch.float32, device=q.device)
+    else:
+        out_part = lse_part = out  # unused
+
+    dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)
+    lse_arg = lse if lse is not None else dummy
+    if lse is None:
+        stride_l = (0, 0, 0)
+    elif varlen_q:  # [Hq, total_q]
+        stride_l = (0, lse.stride(0), lse.stride(1))
+    else:  # [B, Hq, Sq]
+        stride_l = lse.stride()
+    left, right = window
+    if tokens > 0 and grid_q > 0:
+        _attention_kernel[(grid_q, grid_h, num_splits)](
+            q, k, v, out, lse_arg, out_part, lse_part,
+            cu_seqlens_q if varlen_q else dummy,
+            cu_seqlens_k if cu_seqlens_k is not None else dummy,
+            seqused_k if seqused_k is not None else dummy,
+            block_table if paged else dummy,
+            *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out),
+            *stride_l,
+            block_table.stride(0) if paged else 0,
+            *(out_part.stride()[:3] if num_splits > 1 else (0, 0, 0)),
+            *(lse_part.stride()[:2] if num_splits > 1 else (0, 0)),
+            batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
+            num_q_tiles, sm_scale, softcap, left, right,
+            GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k.shape[1] if paged else 1,
+            NUM_SPLITS=num_splits, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
+            HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
+            HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if num_splits > 1:
+            combine_splits(out_part, lse_part, out, lse, tokens_per_batch=tokens if varlen_q else q.shape[1])
+    return out, lse

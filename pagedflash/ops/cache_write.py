@@ -1,0 +1,125 @@
+"""Writing new keys/values into a KV cache.
+
+One kernel, two ways to name where each token goes:
+
+- by slot (:func:`write_kv_cache`, the serving engine's path): ``slot = page * page_size + offset``
+  per token, negative slots skipped (padding);
+- by append (:func:`append_kv`, used by ``flash_attn_with_kvcache(k=..., v=...)``): token ``t`` of
+  row ``b`` goes to position ``cache_seqlens[b] + t``, through the block table when paged. The
+  position is computed on the device, so appending needs no host sync and is graph-safe.
+
+A contiguous cache ``[B, S_max, Hkv, D]`` is addressed as ``B`` pages of ``S_max`` slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+
+
+@triton.jit
+def _write_kv_kernel(
+    K, V,  # new tokens: [T, Hkv, D] (slots) or [B, S_new, Hkv, D] (append)
+    KCache, VCache,  # [num_pages, page_size, Hkv, D]
+    Slots,  # [T] int64 (BY_SLOT)
+    CacheSeqlens,  # [B] int32 (append)
+    BlockTable,  # [B, max_blocks] int32 (append, PAGED)
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_cp, stride_cs, stride_ch,
+    stride_tb, new_per_row, num_heads,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BY_SLOT: tl.constexpr, PAGED: tl.constexpr,
+):
+    i = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    if BY_SLOT:
+        slot = tl.load(Slots + i)
+        if slot < 0:
+            return
+        page = slot // PAGE_SIZE
+        offset = slot % PAGE_SIZE
+        src_row = i.to(tl.int64) * stride_kt
+        src_row_v = i.to(tl.int64) * stride_vt
+    else:
+        b = i // new_per_row
+        t = i % new_per_row
+        pos = tl.load(CacheSeqlens + b) + t
+        if PAGED:
+            page = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE).to(tl.int64)
+        else:
+            page = b.to(tl.int64)
+        offset = pos % PAGE_SIZE
+        src_row = b.to(tl.int64) * stride_kb + t * stride_kt
+        src_row_v = b.to(tl.int64) * stride_vb + t * stride_vt
+    mask = (heads[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
+    dst = page * stride_cp + offset * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(K + src_row + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + src_row_v + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(KCache + dst, k, mask=mask)
+    tl.store(VCache + dst, v, mask=mask)
+
+
+def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, block_table=None, new_per_row=1):
+    hkv, d = k_cache.shape[-2], k_cache.shape[-1]
+    block_h = min(16, triton.next_power_of_2(hkv))
+    ks = (0, *k.stride()[:2]) if k.dim() == 3 else k.stride()[:3]
+    vs = (0, *v.stride()[:2]) if v.dim() == 3 else v.stride()[:3]
+    if tokens == 0:
+        return
+    dummy = k_cache
+    _write_kv_kernel[(tokens, triton.cdiv(hkv, block_h))](
+        k, v, k_cache, v_cache,
+        slots if slots is not None else dummy,
+        cache_seqlens if cache_seqlens is not None else dummy,
+        block_table if block_table is not None else dummy,
+        *ks, *vs, *k_cache.stride()[:3],
+        block_table.stride(0) if block_table is not None else 0, new_per_row, hkv,
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=block_h,
+        BY_SLOT=slots is not None, PAGED=block_table is not None, num_warps=4,
+    )
+
+
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table=None) -> None:
+    """Write k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (validated by the caller)."""
+    _launch(k, v, k_cache, v_cache, tokens=k.shape[0] * k.shape[1], cache_seqlens=cache_seqlens,
+            block_table=block_table, new_per_row=k.shape[1])
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter new keys/values into a paged cache, in place.
+
+    Args:
+        k, v: ``[T, Hkv, D]``, the cache's dtype.
+        k_cache, v_cache: ``[num_blocks, page_size, Hkv, D]``, equal shapes and strides.
+        slot_mapping: int64 ``[T]``; ``slot = block_id * page_size + offset``; a negative slot skips
+            its token (padding).
+    """
+    validate.check_tensor("k_cache", k_cache, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
+    device = k_cache.device
+    validate.check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
+    validate.check_paged_caches(k_cache, v_cache)
+    for name, t in (("k", k), ("v", v)):
+        validate.check_tensor(name, t, ndim=3, dtypes=(k_cache.dtype,), device=device)
+        if tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
+            raise ValueError(f"{name}: expected shape [T, {k_cache.shape[2]}, {k_cache.shape[3]}] (the cache's "
+                             f"heads and head dim), got {tuple(t.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+    validate.check_last_dim_contiguous(k=k, v=v, k_cache=k_cache)
+    validate.check_tensor("slot_mapping", slot_mapping, ndim=1, device=device)
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping: expected dtype torch.int64, got {slot_mapping.dtype}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping: expected shape ({k.shape[0]},) (one slot per token), got {tuple(slot_mapping.shape)}")
+    if not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping: expected a contiguous tensor, got strides {slot_mapping.stride()}")
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.numel() and validate.value_checks_enabled(slot_mapping):
+        top = int(slot_mapping.max())
+        if top >= capacity:
+            raise ValueError(f"slot_mapping: slots must be < num_blocks * page_size = {capacity}, got {top}")
+    _launch(k, v, k_cache, v_cache, tokens=k.shape[0], slots=slot_mapping)

@@ -1,0 +1,141 @@
+"""Merging partial attention states by their log-sum-exp.
+
+- :func:`combine_splits`: the second stage of split-KV (flash-decoding): ``NUM_SPLITS`` partial
+  states of every (token, head) folded into the final output, in a fixed order (deterministic).
+- :func:`merge_attn_states`: the public two-state merge for cascade / shared-prefix attention.
+
+Both use :func:`pagedflash.ops._jit.merge_state`, which treats an lse of ``±inf`` as an empty state.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+from pagedflash.ops import _jit
+
+BLOCK_H = 16  # heads merged per program
+
+
+@triton.jit
+def _combine_kernel(
+    OutPart,  # [NUM_SPLITS, tokens, H, D] fp32
+    LsePart,  # [NUM_SPLITS, tokens, H] fp32
+    Out,  # [B, S, H, D] or [tokens, H, D]
+    Lse,  # [B, H, S] or [H, tokens] fp32 (WRITE_LSE)
+    stride_ps, stride_pt, stride_ph,
+    stride_lps, stride_lpt,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh, stride_lt,
+    num_heads, tokens_per_batch,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = heads < num_heads
+    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        p_rows = s * stride_ps + tok * stride_pt + heads * stride_ph
+        o_s = tl.load(OutPart + p_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        lse_s = tl.load(LsePart + s * stride_lps + tok * stride_lpt + heads, mask=h_ok, other=float("-inf"))
+        out, lse = _jit.merge_state(out, lse, o_s, lse_s)
+    b = tok // tokens_per_batch
+    t = tok % tokens_per_batch
+    o_rows = b * stride_ob + t * stride_ot + heads * stride_oh
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    if WRITE_LSE:
+        tl.store(Lse + b * stride_lb + heads * stride_lh + t * stride_lt, lse, mask=h_ok)
+
+
+def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> None:
+    """Fold split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` into ``out`` (and ``lse``).
+
+    ``out`` is ``[B, Sq, H, D]`` with ``tokens_per_batch = Sq`` or ``[tokens, H, D]`` with
+    ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None."""
+    num_splits, tokens, heads, d = out_part.shape
+    if lse is None:
+        stride_l = (0, 0, 0)
+    elif lse.dim() == 2:
+        stride_l = (0, lse.stride(0), lse.stride(1))
+    else:
+        stride_l = lse.stride()
+    stride_o = (0, out.stride(0), out.stride(1)) if out.dim() == 3 else out.stride()[:3]
+    _combine_kernel[(tokens, triton.cdiv(heads, BLOCK_H))](
+        out_part, lse_part, out, lse if lse is not None else out,
+        *out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l,
+        heads, tokens_per_batch,
+        NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=BLOCK_H,
+        WRITE_LSE=lse is not None, num_warps=4,
+    )
+
+
+@triton.jit
+def _merge_kernel(
+    OutA, LseA, OutB, LseB, Out, Lse,  # out [R, D] views; lse [R]
+    stride_a, stride_b, stride_o, stride_la, stride_lb, rows,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = r < rows
+    mask = r_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_a = tl.load(OutA + r[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    o_b = tl.load(OutB + r[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    lse_a = tl.load(LseA + r * stride_la, mask=r_ok, other=float("-inf"))
+    lse_b = tl.load(LseB + r * stride_lb, mask=r_ok, other=float("-inf"))
+    out, lse = _jit.merge_state(o_a, lse_a, o_b, lse_b)
+    tl.store(Out + r[:, None] * stride_o + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Lse + r, lse, mask=r_ok)
+
+
+def _rows_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``[..., H, D]`` as ``[R, D]`` without copying, or a clear error."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name}: expected a tensor whose leading dims can be flattened without a copy, "
+                         f"got strides {t.stride()} for shape {tuple(t.shape)}") from None
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b):
+    """Merge two attention states computed over disjoint key sets (cascade / shared prefix).
+
+    Args:
+        out_a, out_b: ``[..., H, D]`` fp16/bf16/fp32, same shape and dtype.
+        lse_a, lse_b: ``[..., H]`` fp32 natural-log LSE of each state. ``-inf`` (or ``+inf``) marks an
+            empty state: it contributes nothing and never produces NaN.
+
+    Returns:
+        ``(out, lse)``: out ``[..., H, D]`` in the inputs' dtype, lse ``[..., H]`` fp32.
+    """
+    validate.check_tensor("out_a", out_a, dtypes=validate.SUPPORTED_DTYPES)
+    device = out_a.device
+    validate.check_tensor("out_b", out_b, dtypes=(out_a.dtype,), device=device)
+    if out_b.shape != out_a.shape:
+        raise ValueError(f"out_b: expected shape {tuple(out_a.shape)} (out_a's), got {tuple(out_b.shape)}")
+    if out_a.dim() < 2:
+        raise ValueError(f"out_a: expected at least 2 dims [..., H, D], got shape {tuple(out_a.shape)}")
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        validate.check_tensor(name, lse, dtypes=(torch.float32,), device=device)
+        if lse.shape != out_a.shape[:-1]:
+            raise ValueError(f"{name}: expected shape {tuple(out_a.shape[:-1])} (out's without D), got {tuple(lse.shape)}")
+    validate.check_last_dim_contiguous(out_a=out_a, out_b=out_b)
+    a, b = _rows_view("out_a", out_a), _rows_view("out_b", out_b)
+    la, lb = lse_a.reshape(-1), lse_b.reshape(-1)
+    out = torch.empty_like(out_a)
+    lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=device)
+    rows, d = a.shape
+    block_r = 16
+    if rows > 0:
+        _merge_kernel[(triton.cdiv(rows, block_r),)](
+            a, la, b, lb, out.view(-1, d), lse.view(-1),
+            a.stride(0), b.stride(0), d, la.stride(0), lb.stride(0), rows,
+            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r, num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,126 @@
+"""Decode against a KV cache with split-KV (flash-decoding): ``flash_attn_with_kvcache``.
+
+With one query row per sequence there is no parallelism along the queries, so the KV range is split
+over programs and the partial states merged by LSE (:mod:`pagedflash.ops.combine`). The query heads
+that share a KV head are packed into one program, so each KV byte is read once per group. The
+contiguous cache and the paged cache go through the same kernel; only the address helper differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedflash import validate
+from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.cache_write import append_kv
+
+
+def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | None:
+    if cache_seqlens is None:
+        return None
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens: expected an int or an int32 tensor [B], got {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens: expected a length >= 0, got {cache_seqlens}")
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    validate.check_int32_vector("cache_seqlens", cache_seqlens, length=batch, device=device)
+    return cache_seqlens
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    num_splits: int = 0,
+    return_lse: bool = False,
+):
+    """Attention of new queries over a KV cache, flash-attn's ``flash_attn_with_kvcache``.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``; Sq = 1 is decode, small Sq (speculative verification) attends causally,
+            bottom-right aligned.
+        k_cache, v_cache: contiguous ``[B, S_max, Hkv, D]``, or with ``block_table`` paged
+            ``[num_blocks, page_size, Hkv, D]`` (any page size).
+        k, v: optional new tokens ``[B, S_new, Hkv, D]``, written in place at positions
+            ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` before attention, which covers them.
+        cache_seqlens: int32 ``[B]`` (or an int) valid cached tokens per row before the new ones;
+            None means all ``S_max`` (contiguous cache only).
+        block_table: int32 ``[B, max_blocks_per_seq]``.
+        num_splits: 0 chooses from B·Hkv, the cache capacity and the SM count (no host sync);
+            >= 1 forces a split count (use a fixed one for CUDA-graph capture).
+        Other arguments as :func:`pagedflash.flash_attn_func`.
+
+    Returns:
+        out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32.
+    """
+    validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
+    device = q.device
+    validate.check_tensor("k_cache", k_cache, ndim=4, device=device)
+    validate.check_tensor("v_cache", v_cache, ndim=4, device=device)
+    validate.check_same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    validate.check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    validate.check_head_dims(q, k_cache, v_cache)
+    validate.check_paged_caches(k_cache, v_cache)
+    batch = q.shape[0]
+    paged = block_table is not None
+    if not paged and k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache: expected batch {batch} (q's), got {k_cache.shape[0]}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    if (k is None) != (v is None):
+        raise ValueError(f"k, v: pass both new keys and new values or neither, got k={'set' if k is not None else None}, "
+                         f"v={'set' if v is not None else None}")
+    s_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            validate.check_tensor(name, t, ndim=4, dtypes=(q.dtype,), device=device)
+            want = (batch, t.shape[1], k_cache.shape[2], k_cache.shape[3])
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name}: expected shape [B, S_new, Hkv, D] = {list(want)}, got {list(t.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+        validate.check_last_dim_contiguous(k=k, v=v)
+        s_new = k.shape[1]
+    seqlens = _check_cache_seqlens(cache_seqlens, batch, device)
+    if paged:
+        if seqlens is None:
+            raise ValueError("cache_seqlens: required with block_table (a paged cache has no implied length)")
+        capacity = block_table.shape[1] * k_cache.shape[1] if block_table.dim() == 2 else 0
+    else:
+        capacity = k_cache.shape[1]
+        if seqlens is None and s_new:
+            raise ValueError("cache_seqlens: required when appending new k/v (where should they go?)")
+    max_len = int(cache_seqlens) + s_new if isinstance(cache_seqlens, int) else capacity
+    if max_len > capacity:
+        raise ValueError(f"cache_seqlens: cache_seqlens + S_new = {max_len} exceeds the cache capacity {capacity}")
+    lengths = None
+    if seqlens is not None and validate.value_checks_enabled(seqlens):
+        lengths = [n + s_new for n in seqlens.tolist()]
+        if min(lengths) < s_new:
+            raise ValueError(f"cache_seqlens: expected lengths >= 0, got {seqlens.tolist()}")
+        if max(lengths) > capacity:
+            raise ValueError(f"cache_seqlens: cache_seqlens + S_new = {max(lengths)} exceeds the cache "
+                             f"capacity {capacity} (S_max or block_table columns x page_size)")
+    if paged:
+        validate.check_block_table(block_table, batch=batch, num_blocks=k_cache.shape[0],
+                                   page_size=k_cache.shape[1], seqlens=lengths, device=device)
+
+    if s_new:
+        append_kv(k, v, k_cache, v_cache, seqlens, block_table)
+        seqlens = seqlens + s_new
+    out, lse = attention_forward(
+        q, k_cache, v_cache, batch=batch, max_seqlen_q=q.shape[1], max_seqlen_k=max_len,
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
+        seqused_k=seqlens, block_table=block_table, num_splits=num_splits, return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out

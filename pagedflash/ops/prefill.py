@@ -1,0 +1,132 @@
+"""Fused prefill attention (FlashAttention-2 style): ``flash_attn_func`` and ``flash_attn_varlen_func``.
+
+Both validate on the host, then launch :mod:`pagedflash.ops.attention`. Memory is O(N·D): the
+scores are never materialized. With ``block_table`` the varlen form reads keys/values from a paged
+cache, which makes it chunked prefill over a cached prefix and the mixed prefill+decode launch of a
+serving step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedflash import validate
+from pagedflash.ops.attention import attention_forward
+
+
+def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int):
+    validate.check_tensor("q", q, ndim=q_ndim, dtypes=validate.SUPPORTED_DTYPES)
+    validate.check_tensor("k", k, ndim=kv_ndim, device=q.device)
+    validate.check_tensor("v", v, ndim=kv_ndim, device=q.device)
+    validate.check_same_dtype("q", q, k=k, v=v)
+    validate.check_last_dim_contiguous(q=q, k=k, v=v)
+    return validate.check_head_dims(q, k, v)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+):
+    """Attention over a dense batch, flash-attn's ``flash_attn_func``.
+
+    Args:
+        q: ``[B, Sq, Hq, D]``; k, v: ``[B, Sk, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA/MQA without
+            repeating K/V). fp16, bf16 or fp32; ``16 <= D <= 256``; last dim contiguous.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        causal: bottom-right aligned when ``Sq != Sk``: query i sees key j iff ``j <= i + Sk - Sq``.
+        window_size: ``(left, right)`` local attention, -1 = unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
+        return_lse: also return the natural-log LSE.
+
+    Returns:
+        out ``[B, Sq, Hq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)``, lse ``[B, Hq, Sq]``
+        fp32. A row that sees no key gets 0 and lse ``-inf``.
+    """
+    _check_common(q, k, v, q_ndim=4, kv_ndim=4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+    out, lse = attention_forward(
+        q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
+        return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    block_table: torch.Tensor | None = None,
+    num_splits: int = 0,
+):
+    """Attention over packed variable-length sequences, flash-attn's ``flash_attn_varlen_func``.
+
+    Args:
+        q: ``[total_q, Hq, D]``, sequence b's queries are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+        k, v: ``[total_k, Hkv, D]`` packed like q by ``cu_seqlens_k``; or, with ``block_table``, the
+            paged caches ``[num_blocks, page_size, Hkv, D]`` and ``cu_seqlens_k`` gives each
+            sequence's total KV length (cached prefix + its new tokens, already written).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, contiguous, non-decreasing, starting at 0.
+        max_seqlen_q, max_seqlen_k: upper bounds of the lengths (host ints; they pick tile shapes
+            and the KV split, never the result).
+        block_table: int32 ``[B, max_blocks_per_seq]`` page ids (paged mode).
+        num_splits: KV splits; 0 chooses from the sizes and the GPU, >= 1 forces (graph capture).
+        Other arguments as :func:`flash_attn_func`; causal is bottom-right aligned per sequence.
+
+    Returns:
+        out ``[total_q, Hq, D]``; with ``return_lse`` also lse ``[Hq, total_q]`` fp32.
+    """
+    paged = block_table is not None
+    _check_common(q, k, v, q_ndim=3, kv_ndim=4 if paged else 3)
+    if paged:
+        validate.check_paged_caches(k, v)
+    elif v.shape != k.shape:
+        raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
+    validate.check_int32_vector("cu_seqlens_q", cu_seqlens_q, length=None, device=q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 1:
+        raise ValueError(f"cu_seqlens_q: expected at least 2 entries ([B + 1]), got {cu_seqlens_q.shape[0]}")
+    validate.check_int32_vector("cu_seqlens_k", cu_seqlens_k, length=batch + 1, device=q.device)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name}: expected a non-negative int, got {value!r}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    validate.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, total_name="q.shape[0]")
+    if paged:
+        lengths = None
+        if validate.value_checks_enabled(cu_seqlens_k):
+            validate.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]), max_seqlen_k,
+                                      total_name="its last entry")
+            lengths = torch.diff(cu_seqlens_k).tolist()
+        validate.check_block_table(block_table, batch=batch, num_blocks=k.shape[0], page_size=k.shape[1],
+                                   seqlens=lengths, device=q.device)
+    else:
+        validate.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, total_name="k.shape[0]")
+    out, lse = attention_forward(
+        q, k, v, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
+        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+        num_splits=num_splits, return_lse=return_lse,
+    )
+    return (out, lse) if return_lse else out

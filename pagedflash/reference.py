@@ -1,0 +1,171 @@
+"""Plain-PyTorch references for every kernel, in fp32, with the kernels' layouts and arguments.
+
+These are the ground truth for tests and for the benchmarks' correctness checks. They are written
+for clarity, not speed: they materialize the full score matrix, loop over sequences, and never
+import a kernel.
+
+Masking semantics (shared with the kernels, as in flash-attn): query ``i`` (0-based within its
+sequence of length ``Sq``) may attend key ``j`` (within a sequence of length ``Sk``) iff ``j < Sk``
+and, with ``delta = Sk - Sq`` (bottom-right alignment),
+
+- ``causal``: ``j <= i + delta``
+- ``window_size = (left, right)``: ``j >= i + delta - left`` if ``left >= 0`` and
+  ``j <= i + delta + right`` if ``right >= 0``.
+
+A query row that sees no key gets output 0 and LSE ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _visible(sq: int, sk: int, causal: bool, window_size: tuple[int, int], device) -> torch.Tensor:
+    """Boolean ``[sq, sk]``: which keys each query row may attend."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    delta = sk - sq
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        mask &= j >= i + delta - left
+    if right >= 0:
+        mask &= j <= i + delta + right
+    return mask
+
+
+def _attend(q, k, v, scale, causal, window_size, softcap):
+    """One sequence. q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]`` -> out ``[Sq, Hq, D]``, lse ``[Hq, Sq]``."""
+    sq, hq, _ = q.shape
+    sk, hkv, _ = k.shape
+    group = hq // hkv
+    qf, kf, vf = q.float(), k.float(), v.float()
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    mask = _visible(sq, sk, causal, window_size, q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hq, Sq]; -inf for rows that see nothing
+    p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
+    p = p.masked_fill(~mask, 0.0)
+    out = torch.einsum("hqk,khd->qhd", p, vf)
+    return out, lse
+
+
+def _scale(softmax_scale, d):
+    return 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+    """Dense attention. q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``.
+
+    Returns out ``[B, Sq, Hq, D]`` fp32 and lse ``[B, Hq, Sq]`` fp32.
+    """
+    scale = _scale(softmax_scale, q.shape[-1])
+    outs, lses = zip(*(_attend(q[b], k[b], v[b], scale, causal, window_size, softcap) for b in range(q.shape[0])))
+    return torch.stack(outs), torch.stack(lses)
+
+
+def varlen_attention_ref(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0
+):
+    """Packed variable lengths. q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``, cu_seqlens ``[B+1]``.
+
+    Returns out ``[total_q, Hq, D]`` fp32 and lse ``[Hq, total_q]`` fp32.
+    """
+    scale = _scale(softmax_scale, q.shape[-1])
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(cq) - 1):
+        o, l = _attend(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], scale, causal, window_size, softcap)
+        out[cq[b] : cq[b + 1]] = o
+        lse[:, cq[b] : cq[b + 1]] = l
+    return out, lse
+
+
+def gather_paged(cache, block_table, seqlen: int, b: int):
+    """The first ``seqlen`` tokens of sequence ``b`` from a paged cache ``[num_blocks, page, Hkv, D]``."""
+    page = cache.shape[1]
+    pos = torch.arange(seqlen, device=cache.device)
+    blocks = block_table[b, pos // page].long()
+    return cache[blocks, pos % page]
+
+
+def paged_varlen_attention_ref(
+    q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, *, softmax_scale=None, causal=False,
+    window_size=(-1, -1), softcap=0.0,
+):
+    """Varlen queries against a paged cache: sequence ``b``'s keys are its first
+    ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` cached tokens, read through ``block_table[b]``."""
+    ck = cu_seqlens_k.tolist()
+    ks = [gather_paged(k_cache, block_table, ck[b + 1] - ck[b], b) for b in range(len(ck) - 1)]
+    vs = [gather_paged(v_cache, block_table, ck[b + 1] - ck[b], b) for b in range(len(ck) - 1)]
+    return varlen_attention_ref(
+        q, torch.cat(ks), torch.cat(vs), cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap,
+    )
+
+
+def kvcache_attention_ref(
+    q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, causal=True,
+    window_size=(-1, -1), softcap=0.0,
+):
+    """Attention of q ``[B, Sq, Hq, D]`` over each row's first ``cache_seqlens[b]`` cached tokens
+    (contiguous cache ``[B, S_max, Hkv, D]`` or paged with ``block_table``). New tokens must already
+    be in the cache (see :func:`append_ref`). Returns out ``[B, Sq, Hq, D]``, lse ``[B, Hq, Sq]``."""
+    scale = _scale(softmax_scale, q.shape[-1])
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        n = int(cache_seqlens[b])
+        if block_table is None:
+            kb, vb = k_cache[b, :n], v_cache[b, :n]
+        else:
+            kb, vb = gather_paged(k_cache, block_table, n, b), gather_paged(v_cache, block_table, n, b)
+        o, l = _attend(q[b], kb, vb, scale, causal, window_size, softcap)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
+    """Write new tokens k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (in place)."""
+    for b in range(k.shape[0]):
+        for t in range(k.shape[1]):
+            pos = int(cache_seqlens[b]) + t
+            if block_table is None:
+                k_cache[b, pos], v_cache[b, pos] = k[b, t], v[b, t]
+            else:
+                page = k_cache.shape[1]
+                blk = int(block_table[b, pos // page])
+                k_cache[blk, pos % page], v_cache[blk, pos % page] = k[b, t], v[b, t]
+
+
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
+    """Scatter k/v ``[T, Hkv, D]`` into paged caches by ``slot_mapping`` (negative slots skipped)."""
+    page = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // page, slot % page] = k[t]
+            v_cache[slot // page, slot % page] = v[t]
+
+
+def merge_attn_states_ref(out_a, lse_a, out_b, lse_b):
+    """Merge two partial states over disjoint key sets. out ``[..., H, D]``, lse ``[..., H]``.
+
+    An lse of ``+inf`` is treated as an empty state, like ``-inf``.
+    """
+    la = lse_a.float().masked_fill(lse_a == float("inf"), float("-inf"))
+    lb = lse_b.float().masked_fill(lse_b == float("inf"), float("-inf"))
+    lse = torch.logaddexp(la, lb)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    wa = torch.exp(la - safe)[..., None]
+    wb = torch.exp(lb - safe)[..., None]
+    out = wa * out_a.float() + wb * out_b.float()
+    return out, lse

@@ -1,0 +1,185 @@
+"""Host-side checks that every public entry point runs before it launches anything.
+
+Each check raises ``ValueError`` (bad value or shape) or ``TypeError`` (bad dtype or type) with a
+message that names the argument, what was expected and what came.
+
+Checks split in two kinds:
+
+- *structural* (dtype, device, rank, shape, strides): always on, cost nothing on the device;
+- *value* checks that must read int32 metadata from the device (``cu_seqlens`` monotone and
+  matching the totals, page ids inside the pool, lengths within the cache): they synchronize with
+  the device, so they are skipped during CUDA-graph capture and can be turned off for hot loops
+  with :func:`set_value_checks` (a serving engine that builds its own metadata does this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+_value_checks = True
+
+
+def set_value_checks(enabled: bool) -> bool:
+    """Turn the device-reading metadata checks on or off; returns the previous setting."""
+    global _value_checks
+    previous, _value_checks = _value_checks, bool(enabled)
+    return previous
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Context manager form of :func:`set_value_checks`."""
+    previous = set_value_checks(enabled)
+    try:
+        yield
+    finally:
+        set_value_checks(previous)
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    if not _value_checks:
+        return False
+    if any(t.is_cuda for t in tensors if t is not None) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got {t.dim()}-D of shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where q is), got one on {t.device}")
+
+
+def check_same_dtype(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_axis: int = -2) -> tuple[int, int]:
+    """Check D range and GQA divisibility; return ``(Hq, Hkv)``."""
+    d = q.shape[-1]
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-1] != d:
+            raise ValueError(f"{name}: expected head dim {d} (q's), got {t.shape[-1]}")
+    hq, hkv = q.shape[head_axis], k.shape[head_axis]
+    if v.shape[head_axis] != hkv:
+        raise ValueError(f"v: expected {hkv} heads (k's), got {v.shape[head_axis]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"heads: Hq must be a multiple of Hkv, got Hq={hq}, Hkv={hkv}")
+    return hq, hkv
+
+
+def check_window(window_size, causal: bool) -> tuple[int, int]:
+    """Normalize ``window_size`` to ``(left, right)`` with -1 meaning unbounded; causal sets right=0."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected entries >= -1 (-1 = unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    softcap = float(softcap)
+    if softcap < 0 or softcap != softcap:
+        raise ValueError(f"softcap: expected a value >= 0 (0 disables it), got {softcap}")
+    return softcap
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    scale = float(softmax_scale)
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"softmax_scale: expected a finite value > 0, got {softmax_scale}")
+    return scale
+
+
+def check_int32_vector(name: str, t, *, length: int | None, device) -> None:
+    check_tensor(name, t, ndim=1, device=device)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {t.dtype}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name}: expected shape ({length},), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, *, total_name: str) -> None:
+    """Monotone, starts at 0, ends at the packed total, no sequence longer than ``max_seqlen``."""
+    if not value_checks_enabled(cu):
+        return
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: expected to start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values[:-1], values[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{name}: expected the last offset to equal {total_name} = {total}, got {values[-1]}")
+    if lengths and max(lengths) > max_seqlen:
+        raise ValueError(f"{name}: a sequence has {max(lengths)} tokens, more than max_seqlen {max_seqlen}")
+
+
+def check_block_table(block_table, *, batch: int, num_blocks: int, page_size: int, seqlens, device) -> None:
+    """int32 ``[B, max_blocks]``, enough columns for every length, every used page id in the pool.
+
+    ``seqlens`` is a host list of per-sequence KV lengths, or None when only the structure can be
+    checked (value checks off)."""
+    check_tensor("block_table", block_table, ndim=2, device=device)
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table: expected dtype torch.int32, got {block_table.dtype}")
+    if block_table.shape[0] != batch:
+        raise ValueError(f"block_table: expected {batch} rows (one per sequence), got {block_table.shape[0]}")
+    if block_table.stride(-1) != 1:
+        raise ValueError(f"block_table: the last dimension must be contiguous, got strides {block_table.stride()}")
+    if seqlens is None:
+        return
+    capacity = block_table.shape[1] * page_size
+    for b, n in enumerate(seqlens):
+        if n > capacity:
+            raise ValueError(
+                f"block_table: sequence {b} has {n} tokens but the table holds {block_table.shape[1]} pages "
+                f"of {page_size} = {capacity} tokens"
+            )
+    used = [block_table[b, : -(-n // page_size)] for b, n in enumerate(seqlens) if n > 0]
+    if used:
+        ids = torch.cat(used)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= num_blocks:
+            raise ValueError(f"block_table: page ids must be in [0, {num_blocks}), got ids in [{lo}, {hi}]")
+
+
+def check_paged_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (k_cache's), got {tuple(v_cache.shape)}")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"v_cache: expected strides {k_cache.stride()} (k_cache's), got {v_cache.stride()}")
