@@ -94,7 +94,9 @@ def flash_attn_with_kvcache(
     if paged:
         if seqlens is None:
             raise ValueError("cache_seqlens: required with block_table (a paged cache has no implied length)")
-        capacity = block_table.shape[1] * k_cache.shape[1] if block_table.dim() == 2 else 0
+        validate.check_block_table(block_table, batch=batch, num_blocks=k_cache.shape[0],
+                                   page_size=k_cache.shape[1], seqlens=None, device=device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
     else:
         capacity = k_cache.shape[1]
         if seqlens is None and s_new:
@@ -110,7 +112,7 @@ def flash_attn_with_kvcache(
         if max(lengths) > capacity:
             raise ValueError(f"cache_seqlens: cache_seqlens + S_new = {max(lengths)} exceeds the cache "
                              f"capacity {capacity} (S_max or block_table columns x page_size)")
-    if paged:
+    if paged and lengths is not None:
         validate.check_block_table(block_table, batch=batch, num_blocks=k_cache.shape[0],
                                    page_size=k_cache.shape[1], seqlens=lengths, device=device)
 

@@ -1,0 +1,176 @@
+"""Split-KV decode over a contiguous cache, and the LSE merge."""
+
+import pytest
+import torch
+from conftest import DTYPES, ON_GPU, assert_close, ids, randn
+
+from pagedflash import flash_attn_with_kvcache, merge_attn_states
+from pagedflash import reference as ref
+
+SPLITS = [1, 3, 8, 0]
+HEADS = [(8, 8), (8, 2), (5, 1), (32, 4)] if ON_GPU else [(4, 4), (8, 2), (5, 1)]
+
+
+def _lse_tol(dtype):
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("num_splits", SPLITS)
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=str)
+@pytest.mark.parametrize("sq", [1, 4])
+def test_decode_contiguous(dtype, num_splits, hq, hkv, sq):
+    b, s_max, d = 3, 200 if ON_GPU else 70, 64
+    q = randn(b, sq, hq, d, dtype=dtype)
+    k_cache, v_cache = randn(b, s_max, hkv, d, dtype=dtype), randn(b, s_max, hkv, d, dtype=dtype)
+    seqlens = torch.tensor([s_max, 33, 5], dtype=torch.int32, device=q.device)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                       return_lse=True)
+    ref_out, ref_lse = ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, _lse_tol(dtype), name="lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("s_new", [1, 3, 16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_append_new_tokens(dtype, s_new, num_splits):
+    b, s_max, hq, hkv, d = 2, 64, 8, 2, 80
+    q = randn(b, s_new, hq, d, dtype=dtype)
+    k_cache, v_cache = randn(b, s_max, hkv, d, dtype=dtype), randn(b, s_max, hkv, d, dtype=dtype)
+    k_new, v_new = randn(b, s_new, hkv, d, dtype=dtype), randn(b, s_new, hkv, d, dtype=dtype)
+    seqlens = torch.tensor([0, 40], dtype=torch.int32, device=q.device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                  num_splits=num_splits)
+    ref.append_ref(k_ref, v_ref, k_new, v_new, seqlens)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), "new tokens not written in place"
+    ref_out, _ = ref.kvcache_attention_ref(q, k_ref, v_ref, seqlens + s_new)
+    assert_close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_empty_rows_give_zero_and_neg_inf(num_splits):
+    q = randn(3, 1, 4, 32)
+    k_cache, v_cache = randn(3, 50, 2, 32), randn(3, 50, 2, 32)
+    seqlens = torch.tensor([0, 17, 0], dtype=torch.int32, device=q.device)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=num_splits,
+                                       return_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.isneginf(lse[0]).all() and torch.isneginf(lse[2]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[1]).all()
+
+
+def test_loads_are_bounded_by_the_length():
+    # cache slots past each row's length hold NaN: a load that relies on the score mask shows it
+    q = randn(2, 1, 4, 64)
+    k_cache, v_cache = randn(2, 77, 4, 64), randn(2, 77, 4, 64)
+    seqlens = torch.tensor([31, 50], dtype=torch.int32, device=q.device)
+    for b, n in enumerate(seqlens.tolist()):
+        k_cache[b, n:] = float("nan")
+        v_cache[b, n:] = float("nan")
+    for splits in (1, 4):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=splits)
+        assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)[0], torch.float32)
+
+
+@pytest.mark.parametrize("opts", [dict(window_size=(9, 0)), dict(softcap=5.0), dict(causal=False)], ids=str)
+def test_window_softcap_noncausal(opts):
+    q = randn(2, 3, 4, 32)
+    k_cache, v_cache = randn(2, 60, 2, 32), randn(2, 60, 2, 32)
+    seqlens = torch.tensor([60, 21], dtype=torch.int32, device=q.device)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=3, **opts)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens, **opts)[0], torch.float32)
+
+
+def test_int_and_none_cache_seqlens():
+    q = randn(2, 1, 4, 32)
+    k_cache, v_cache = randn(2, 40, 4, 32), randn(2, 40, 4, 32)
+    full = torch.tensor([40, 40], dtype=torch.int32, device=q.device)
+    want = ref.kvcache_attention_ref(q, k_cache, v_cache, full)[0]
+    assert_close(flash_attn_with_kvcache(q, k_cache, v_cache), want, torch.float32)
+    assert_close(flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40), want, torch.float32)
+
+
+def test_deterministic_across_runs():
+    q = randn(2, 1, 8, 64, dtype=DTYPES[-1])
+    k_cache, v_cache = randn(2, 300, 2, 64, dtype=q.dtype), randn(2, 300, 2, 64, dtype=q.dtype)
+    seqlens = torch.tensor([300, 123], dtype=torch.int32, device=q.device)
+    first = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=6, return_lse=True)
+    for _ in range(3):
+        again = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=6, return_lse=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
+@pytest.mark.parametrize("n", [16384, 131072])
+def test_long_context_bf16(n):
+    q = randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k_cache, v_cache = randn(1, n, 8, 128, dtype=torch.bfloat16), randn(1, n, 8, 128, dtype=torch.bfloat16)
+    seqlens = torch.tensor([n - 3], dtype=torch.int32, device=q.device)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)[0], torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replay_with_changing_lengths(paged):
+    b, s_max, hq, hkv, d, page = 4, 1024, 16, 4, 128, 16
+    dtype = torch.bfloat16
+    q = randn(b, 1, hq, d, dtype=dtype)
+    if paged:
+        pool = b * s_max // page * 2
+        k_cache, v_cache = randn(pool, page, hkv, d, dtype=dtype), randn(pool, page, hkv, d, dtype=dtype)
+        block_table = torch.randperm(pool, device=q.device)[: b * s_max // page].view(b, -1).int()
+    else:
+        k_cache, v_cache = randn(b, s_max, hkv, d, dtype=dtype), randn(b, s_max, hkv, d, dtype=dtype)
+        block_table = None
+    k_new, v_new = randn(b, 1, hkv, d, dtype=dtype), randn(b, 1, hkv, d, dtype=dtype)
+    seqlens = torch.tensor([10, 100, 500, 1000], dtype=torch.int32, device=q.device)
+
+    def step():
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
+                                       block_table=block_table, num_splits=8)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lengths in ([1, 2, 3, 4], [1023, 0, 511, 64], [200, 300, 400, 1000]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(randn(b, 1, hq, d, dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens + 1, block_table=block_table)[0]
+        assert_close(out, want, dtype)
+
+
+def test_merge_attn_states_matches_reference_and_handles_inf():
+    out_a, out_b = randn(3, 5, 4, 48), randn(3, 5, 4, 48)
+    lse_a, lse_b = randn(3, 5, 4) * 4, randn(3, 5, 4) * 4
+    lse_a[0, 0, 0] = lse_b[0, 0, 0] = float("-inf")
+    lse_a[1, 1, 1] = float("inf")
+    lse_b[2, 2, 2] = float("-inf")
+    out, lse = merge_attn_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = ref.merge_attn_states_ref(out_a, lse_a, out_b, lse_b)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close(out, ref_out, torch.float32)
+    assert_close(lse, ref_lse, torch.float32, name="lse")
+    assert torch.equal(out[0, 0, 0], torch.zeros_like(out[0, 0, 0])) and torch.isneginf(lse[0, 0, 0])
+
+
+def test_merge_of_two_halves_equals_attention_over_all():
+    q = randn(2, 1, 4, 32)
+    k_cache, v_cache = randn(2, 60, 4, 32), randn(2, 60, 4, 32)
+    full = flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True)
+    a = flash_attn_with_kvcache(q, k_cache[:, :25].contiguous(), v_cache[:, :25].contiguous(), causal=False,
+                                return_lse=True)
+    b = flash_attn_with_kvcache(q, k_cache[:, 25:].contiguous(), v_cache[:, 25:].contiguous(), causal=False,
+                                return_lse=True)
+    out, lse = merge_attn_states(a[0][:, 0], a[1][..., 0], b[0][:, 0], b[1][..., 0])
+    assert_close(out, full[0][:, 0], torch.float32)
+    assert_close(lse, full[1][..., 0], torch.float32, name="lse")

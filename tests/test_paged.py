@@ -1,0 +1,143 @@
+"""Paged KV cache: decode through a block table, varlen prefill over cached prefixes, mixed
+prefill+decode batches, and slot-mapped cache writes."""
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, ids, randn
+
+from pagedflash import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
+from pagedflash import reference as ref
+
+PAGE_SIZES = [1, 5, 16, 32, 64, 256] if ON_GPU else [1, 5, 16, 64]
+
+
+def make_pool(seqlens, page, hkv, d, dtype, *, share_first=0, spare=3):
+    """A NaN-poisoned pool ``spare`` x larger than needed, block tables a random permutation of it.
+    ``share_first`` > 0 makes every sequence alias the first sequence's first pages (prefix caching)."""
+    pages = [-(-n // page) for n in seqlens]
+    num_blocks = max(1, sum(pages) * spare)
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    perm = torch.randperm(num_blocks, device=DEVICE)
+    width = max(max(pages), 1)
+    table = torch.zeros(len(seqlens), width, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[used: used + p].int()
+        used += p
+    if share_first:
+        table[1:, :share_first] = table[0, :share_first]
+    for b, n in enumerate(seqlens):  # fill only the slots that are in use
+        pos = torch.arange(n, device=DEVICE)
+        blk, off = table[b, pos // page].long(), pos % page
+        k_cache[blk, off] = randn(n, hkv, d, dtype=dtype)
+        v_cache[blk, off] = randn(n, hkv, d, dtype=dtype)
+    return k_cache, v_cache, table
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("page", PAGE_SIZES)
+@pytest.mark.parametrize("num_splits", [1, 4, 0])
+def test_paged_decode(dtype, page, num_splits):
+    seqlens = [1, page - 1 or 1, page, page + 1, 77]
+    hq, hkv, d = 8, 2, 64
+    k_cache, v_cache, table = make_pool(seqlens, page, hkv, d, dtype)
+    q = randn(len(seqlens), 1, hq, d, dtype=dtype)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                       num_splits=num_splits, return_lse=True)
+    ref_out, ref_lse = ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_paged_decode_appends_through_the_table(page):
+    seqlens = [0, 17, 40]
+    k_cache, v_cache, table = make_pool([n + 2 for n in seqlens], page, 2, 32, torch.float32)
+    q = randn(3, 2, 4, 32)
+    k_new, v_new = randn(3, 2, 2, 32), randn(3, 2, 2, 32)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
+                                  block_table=table, num_splits=2)
+    ref.append_ref(k_ref, v_ref, k_new, v_new, lens, block_table=table)
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert_close(out, ref.kvcache_attention_ref(q, k_ref, v_ref, lens + 2, block_table=table)[0], torch.float32)
+
+
+def test_sequences_sharing_pages():
+    page = 16
+    seqlens = [70, 50, 33]
+    k_cache, v_cache, table = make_pool(seqlens, page, 2, 32, torch.float32, share_first=2)
+    q = randn(3, 1, 4, 32)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)[0], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_mixed_prefill_and_decode_batch(dtype, page, num_splits):
+    # prefill rows (many new tokens over a cached prefix) and decode rows (one) in one launch
+    new = [40, 1, 1, 17, 1, 3]
+    cached = [0, 63, 5, 32, 0, 100]
+    total = [c + n for c, n in zip(cached, new)]
+    hq, hkv, d = 6, 2, 40
+    k_cache, v_cache, table = make_pool(total, page, hkv, d, dtype)
+    q = randn(sum(new), hq, d, dtype=dtype)
+    cq, ck = cu_seqlens(new), cu_seqlens(total)
+    out, lse = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(new), max(total), causal=True,
+                                      block_table=table, num_splits=num_splits, return_lse=True)
+    ref_out, ref_lse = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cq, ck, table, causal=True)
+    assert_close(out, ref_out, dtype)
+    assert_close(lse, ref_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
+
+
+def test_hundreds_of_decode_rows():
+    n = 300 if ON_GPU else 120
+    seqlens = [int(x) for x in torch.randint(1, 40, (n,))]
+    k_cache, v_cache, table = make_pool(seqlens, 16, 1, 32, torch.float32)
+    q = randn(n, 4, 32)
+    cq, ck = cu_seqlens([1] * n), cu_seqlens(seqlens)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, 1, max(seqlens), causal=True, block_table=table)
+    assert_close(out, ref.paged_varlen_attention_ref(q, k_cache, v_cache, cq, ck, table, causal=True)[0],
+                 torch.float32)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_write_kv_cache_by_slot(page):
+    num_blocks, hkv, d = 8, 2, 48
+    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    t = 6
+    slots = torch.randperm(num_blocks * page, device=DEVICE)[:t].long()
+    slots[2] = -1  # padding: skipped
+    k, v = randn(t, hkv, d), randn(t, hkv, d)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    ref.write_kv_cache_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache.nan_to_num(3.0), k_ref.nan_to_num(3.0))
+    assert torch.equal(v_cache.nan_to_num(3.0), v_ref.nan_to_num(3.0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a pool past 2^31 elements needs GPU memory")
+def test_pool_offsets_past_int32():
+    # page ids whose element offset block_id * stride exceeds 2^31
+    page, hkv, d = 16, 8, 128
+    stride = page * hkv * d
+    num_blocks = (2**31 // stride) + 64
+    k_cache = torch.zeros((num_blocks, page, hkv, d), dtype=torch.bfloat16, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    seqlens = [40, 33]
+    table = torch.tensor([[num_blocks - 1, num_blocks - 5, num_blocks - 9],
+                          [num_blocks - 2, num_blocks - 3, num_blocks - 4]], dtype=torch.int32, device=DEVICE)
+    slots = torch.cat([table[b, torch.arange(n, device=DEVICE) // page].long() * page
+                       + torch.arange(n, device=DEVICE) % page for b, n in enumerate(seqlens)])
+    k, v = randn(sum(seqlens), hkv, d, dtype=torch.bfloat16), randn(sum(seqlens), hkv, d, dtype=torch.bfloat16)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    q = randn(2, 1, 32, d, dtype=torch.bfloat16)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)[0], torch.bfloat16)
