@@ -1,0 +1,490 @@
+"""Block manager: unit tests for every method and error, prefix caching, and a stateful random test.
+
+``check_invariants`` is asserted after every step, as in vLLM's prefix-caching tests. The stateful
+test also simulates the K/V pool: each written slot holds the token prefix its K/V depends on, so any
+wrong sharing or overwrite of a shared block shows as a mismatched slot.
+"""
+
+import math
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedflash.cache import block_manager as bm_module
+from pagedflash.cache.block_manager import BlockManager, NoFreeBlocksError, chain_hash
+
+
+def check_invariants(bm: BlockManager) -> None:
+    """Every structural invariant of the manager (reads its private state)."""
+    blocks, uncached, evictable = bm._blocks, list(bm._free_uncached), list(bm._evictable)
+    free = uncached + evictable
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert not set(uncached) & set(evictable)
+    assert set(free) == {b.block_id for b in blocks if b.ref_count == 0}
+    used = [b for b in blocks if b.ref_count > 0]
+    assert bm.num_free_blocks == len(free) and len(free) + len(used) == bm.num_blocks
+    assert all(blocks[b].hash is None for b in uncached)
+    assert all(blocks[b].hash is not None for b in evictable)
+    # Reference counts are exactly the number of live tables holding a block.
+    owners: dict[int, list] = {}
+    for seq_id, seq in bm._seqs.items():
+        assert len(seq.block_table) == math.ceil(len(seq.token_ids) / bm.page_size)
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for b in seq.block_table:
+            owners.setdefault(b, []).append(seq_id)
+    for b in blocks:
+        assert b.ref_count == len(owners.get(b.block_id, [])) >= 0
+    # Hash chain of every full block; partial blocks unhashed and unshared.
+    p = bm.page_size
+    for seq in bm._seqs.values():
+        parent_hash = None
+        for i, b in enumerate(seq.block_table):
+            block, tokens = blocks[b], seq.token_ids[i * p : (i + 1) * p]
+            if len(tokens) < p:
+                assert block.hash is None and block.ref_count == 1
+            elif bm.enable_prefix_caching:
+                assert block.token_ids == tuple(tokens)
+                assert block.hash == bm_module.chain_hash(parent_hash, tokens)  # the patched one, if any
+                parent_hash = block.hash
+            else:
+                assert block.hash is None
+    # A shared block holds the same token prefix in every sequence holding it.
+    for b, seq_ids in owners.items():
+        prefixes = set()
+        for s in seq_ids:
+            seq = bm._seqs[s]
+            i = seq.block_table.index(b)
+            prefixes.add(tuple(seq.token_ids[: (i + 1) * p]))
+        assert len(prefixes) == 1, f"block {b} shared by sequences with different prefixes"
+    for h, b in bm._hash_to_block.items():
+        assert blocks[b].hash == h
+    if not bm.enable_prefix_caching:
+        assert not bm._hash_to_block and not evictable
+
+
+def snapshot(bm: BlockManager):
+    """Everything an all-or-nothing failure must leave unchanged."""
+    return (
+        [(b.ref_count, b.hash, b.token_ids, b.parent, b.reuses) for b in bm._blocks],
+        list(bm._free_uncached),
+        list(bm._evictable),
+        dict(bm._hash_to_block),
+        {s: (list(q.token_ids), list(q.block_table)) for s, q in bm._seqs.items()},
+        (bm.stats.queried_tokens, bm.stats.hit_tokens),
+    )
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_blocks=0, page_size=4), "num_blocks must be a positive int, got 0"),
+        (dict(num_blocks=4, page_size=0), "page_size must be a positive int, got 0"),
+        (dict(num_blocks=4, page_size=2.0), "page_size must be a positive int, got 2.0"),
+        (dict(num_blocks=True, page_size=2), "num_blocks must be a positive int, got True"),
+    ],
+    ids=["zero-blocks", "zero-page", "float-page", "bool-blocks"],
+)
+def test_constructor_rejects_bad_sizes(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BlockManager(**kwargs)
+
+
+def test_fresh_manager():
+    bm = BlockManager(5, 3)
+    assert bm.num_free_blocks == 5 and bm.num_blocks == 5 and bm.page_size == 3
+    assert bm.stats.hit_rate == 0.0
+    check_invariants(bm)
+
+
+# ----------------------------------------------------------------------------- allocate / free
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 4])
+def test_allocate_and_free(page_size):
+    bm = BlockManager(8, page_size)
+    tokens = list(range(7))
+    table, cached = bm.allocate("a", tokens)
+    assert cached == 0 and len(table) == math.ceil(7 / page_size) and len(set(table)) == len(table)
+    assert bm.block_table("a") == table and bm.num_tokens("a") == 7 and "a" in bm
+    assert bm.num_free_blocks == 8 - len(table)
+    assert all(bm.ref_count(b) == 1 for b in table)
+    check_invariants(bm)
+    bm.free("a")
+    assert "a" not in bm and bm.num_free_blocks == 8 and all(bm.ref_count(b) == 0 for b in table)
+    check_invariants(bm)
+
+
+def test_block_table_is_a_copy():
+    bm = BlockManager(4, 2)
+    table, _ = bm.allocate(0, [1, 2, 3])
+    table.append(99)
+    bm.block_table(0).append(98)
+    assert len(bm.block_table(0)) == 2
+
+
+def test_allocate_errors():
+    bm = BlockManager(2, 2)
+    with pytest.raises(ValueError, match="token_ids must hold at least one token .* got 0"):
+        bm.allocate(0, [])
+    bm.allocate(0, [1])
+    with pytest.raises(ValueError, match="seq_id 0 is already allocated"):
+        bm.allocate(0, [1])
+    before = snapshot(bm)
+    with pytest.raises(
+        NoFreeBlocksError, match=r"needs 2 new blocks for 4 tokens \(0 cached\), but only 1 are free"
+    ):
+        bm.allocate(1, [5, 6, 7, 8])
+    assert snapshot(bm) == before
+    assert issubclass(NoFreeBlocksError, RuntimeError)
+
+
+def test_token_ids_must_be_integers():
+    bm = BlockManager(4, 2)
+    with pytest.raises(TypeError):
+        bm.allocate(0, [1.0])
+    assert 0 not in bm
+    bm.allocate(0, [1])
+    with pytest.raises(TypeError):
+        bm.append_token(0, 2.5)
+    assert bm.num_tokens(0) == 1
+    check_invariants(bm)
+
+
+def test_unknown_seq_errors():
+    bm = BlockManager(2, 2)
+    bm.allocate("x", [1])
+    bm.free("x")
+    for call in (bm.free, bm.block_table, bm.num_tokens, bm.can_append, lambda s: bm.append_token(s, 1)):
+        with pytest.raises(ValueError, match="unknown seq_id 'x': never allocated or already freed"):
+            call("x")
+
+
+def test_can_allocate():
+    bm = BlockManager(3, 4)
+    assert bm.can_allocate(12) and not bm.can_allocate(13)
+    bm.allocate(0, [1] * 5)
+    assert bm.can_allocate(4) and not bm.can_allocate(5)
+    with pytest.raises(ValueError, match="num_tokens must be a positive int, got 0"):
+        bm.can_allocate(0)
+
+
+def test_blocks_are_never_handed_out_twice():
+    bm = BlockManager(6, 1, enable_prefix_caching=False)
+    tables = [bm.allocate(i, [i, i])[0] for i in range(3)]
+    assert len({b for t in tables for b in t}) == 6
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(3, [0])
+
+
+# ----------------------------------------------------------------------------- append_token
+
+
+def test_append_token_fills_then_grows():
+    bm = BlockManager(4, 2)
+    table, _ = bm.allocate(0, [1])
+    assert bm.can_append(0)
+    assert bm.append_token(0, 2) == table  # fills block 0, no new block
+    assert bm.block_hash(table[0]) == chain_hash(None, [1, 2])  # registered once full
+    assert bm.num_free_blocks == 3
+    grown = bm.append_token(0, 3)
+    assert grown[:1] == table and len(grown) == 2 and bm.num_free_blocks == 2
+    assert bm.block_hash(grown[1]) is None  # partial
+    bm.append_token(0, 4)
+    assert bm.block_hash(grown[1]) == chain_hash(chain_hash(None, [1, 2]), [3, 4])
+    assert bm.num_tokens(0) == 4
+    check_invariants(bm)
+
+
+def test_append_token_exhausted():
+    bm = BlockManager(1, 2)
+    bm.allocate(0, [1, 2])
+    assert not bm.can_append(0)
+    before = snapshot(bm)
+    with pytest.raises(
+        NoFreeBlocksError, match=r"append_token\(seq_id=0\) needs a new block, but none of the 1"
+    ):
+        bm.append_token(0, 3)
+    assert snapshot(bm) == before
+
+
+# ----------------------------------------------------------------------------- prefix caching
+
+
+def test_shared_prefix_shares_blocks_and_counts_refs():
+    bm = BlockManager(10, 2)
+    a, cached_a = bm.allocate("a", [1, 2, 3, 4, 5])
+    b, cached_b = bm.allocate("b", [1, 2, 3, 4, 9, 9])
+    assert cached_a == 0 and cached_b == 4 and b[:2] == a[:2] and b[2] != a[2]
+    assert [bm.ref_count(x) for x in a] == [2, 2, 1]
+    assert bm.stats.queried_tokens == 11 and bm.stats.hit_tokens == 4
+    assert bm.stats.hit_rate == pytest.approx(4 / 11)
+    check_invariants(bm)
+    bm.free("a")
+    assert [bm.ref_count(x) for x in a] == [1, 1, 0]
+    check_invariants(bm)
+
+
+def test_hit_after_free_reuses_unreferenced_cached_blocks():
+    bm = BlockManager(4, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.free("a")
+    assert bm.num_free_blocks == 4  # cached blocks count as free
+    b, cached = bm.allocate("b", [1, 2, 3, 4, 6])
+    assert cached == 4 and b[:2] == a[:2] and bm.ref_count(a[0]) == 1
+    check_invariants(bm)
+
+
+def test_whole_prompt_cached_recomputes_last_block():
+    bm = BlockManager(8, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    b, cached = bm.allocate("b", [1, 2, 3, 4])  # everything cached: back off one block
+    assert cached == 2 and b[0] == a[0] and b[1] != a[1]
+    _, cached = bm.allocate("c", [1, 2, 3, 4, 5])  # both full blocks reusable, token 4 computed
+    assert cached == 4
+    _, cached = bm.allocate("d", [1])
+    assert cached == 0
+    check_invariants(bm)
+
+
+def test_page_size_one_never_caches_whole_prompt():
+    bm = BlockManager(8, 1)
+    bm.allocate("a", [7, 8, 9])
+    assert bm.allocate("b", [7, 8, 9])[1] == 2
+    assert bm.allocate("c", [7])[1] == 0
+
+
+def test_partial_block_never_shared():
+    bm = BlockManager(8, 4)
+    a, _ = bm.allocate("a", [1, 2, 3])
+    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    assert cached == 0 and not set(a) & set(b)
+    bm.free("a")
+    assert bm.allocate("c", [1, 2, 3, 9])[1] == 0  # freed partial block was not cached
+    check_invariants(bm)
+
+
+def test_only_a_leading_run_of_blocks_hits():
+    bm = BlockManager(8, 2)
+    bm.allocate("a", [1, 2, 3, 4, 5])
+    table, cached = bm.allocate("b", [9, 9, 3, 4, 5])  # block [3, 4] has another parent
+    assert cached == 0 and bm.ref_count(table[1]) == 1
+
+
+def test_lru_eviction_order_and_evicted_block_loses_hash():
+    bm = BlockManager(4, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    c, _ = bm.allocate("c", [5, 6])
+    bm.free("a")  # freed last to first: a[1] is evicted before a[0]
+    bm.free("c")
+    old_hash = bm.block_hash(a[1])
+    fresh, _ = bm.allocate("x", [8, 8, 8])  # 1 uncached block, then evict the LRU: a[1]
+    assert set(fresh) == ({0, 1, 2, 3} - set(a) - set(c)) | {a[1]}
+    assert bm.block_hash(a[1]) is None and old_hash not in bm._hash_to_block
+    assert bm.allocate("y", [1, 2, 3, 4])[1] == 2  # a[0] still cached, a[1] evicted
+    check_invariants(bm)
+
+
+def test_hit_makes_a_block_most_recently_used():
+    bm = BlockManager(4, 2)
+    bm.allocate("a", [1, 2])
+    bm.allocate("c", [5, 6])
+    bm.free("a")
+    bm.free("c")  # LRU order: a, c
+    bm.allocate("h", [1, 2, 9])  # hits a's block
+    bm.free("h")  # LRU order: c, a
+    bm.allocate("x", [8] * 5)  # the two uncached blocks, then evicts c's
+    bm.free("x")
+    assert bm.allocate("y", [1, 2, 0])[1] == 2
+    bm.free("y")
+    assert bm.allocate("z", [5, 6, 0])[1] == 0
+
+
+def test_hits_are_not_evicted_to_make_room():
+    bm = BlockManager(3, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    c, _ = bm.allocate("c", [7, 8])
+    bm.free("a")
+    bm.free("c")  # LRU order: a[1], a[0], c[0]; all three cached, none uncached
+    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    assert cached == 4 and b == a + c  # the needed block came from c, the first non-hit
+    check_invariants(bm)
+
+
+def test_allocation_counting_free_hits_is_all_or_nothing():
+    bm = BlockManager(3, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    bm.free("a")
+    bm.allocate("k", [0])  # takes the uncached block; a's two blocks are free but cached
+    before = snapshot(bm)
+    with pytest.raises(NoFreeBlocksError, match=r"needs 1 new blocks for 5 tokens \(2 cached\), but only 0"):
+        bm.allocate("b", [1, 2, 3, 4, 5])
+    assert snapshot(bm) == before
+
+
+def test_append_registered_block_is_hit_later():
+    bm = BlockManager(8, 2)
+    bm.allocate("a", [1])
+    bm.append_token("a", 2)
+    bm.append_token("a", 3)
+    assert bm.allocate("b", [1, 2, 3])[1] == 2
+
+
+def test_duplicate_full_blocks_keep_first_index_entry():
+    bm = BlockManager(8, 2)
+    a, _ = bm.allocate("a", [1, 2, 3])
+    b, _ = bm.allocate("b", [1, 2, 3])
+    bm.append_token("a", 4)
+    bm.append_token("b", 4)  # same hash as a's block: b's copy is hashed but not indexed
+    assert bm.block_hash(a[1]) == bm.block_hash(b[1]) and bm._hash_to_block[bm.block_hash(a[1])] == a[1]
+    check_invariants(bm)
+    bm.free("a")
+    table, cached = bm.allocate("c", [1, 2, 3, 4, 5])
+    assert cached == 4 and table[1] == a[1]
+
+
+def test_hash_collision_checks_tokens(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: 42)  # every block collides
+    bm = BlockManager(16, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4, 0])
+    b, cached = bm.allocate("b", [5, 6, 3, 4, 0])  # the index sends [5, 6] to a's [1, 2] block
+    assert cached == 0 and not set(a) & set(b)
+    assert bm.allocate("c", [1, 2, 0])[1] == 2  # the indexed block itself still hits
+    check_invariants(bm)
+
+
+def test_hash_collision_checks_parent(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
+    bm = BlockManager(16, 2)
+    x, _ = bm.allocate("x", [5, 6, 3, 4, 0])  # indexes [3, 4] computed after [5, 6]
+    bm.allocate("a", [1, 2, 0])
+    table, cached = bm.allocate("y", [1, 2, 3, 4, 0])  # [1, 2] hits; x's [3, 4] has another parent
+    assert cached == 2 and x[1] not in table
+    assert bm.allocate("z", [3, 4, 0])[1] == 0  # nor is it a first block
+    check_invariants(bm)
+
+
+def test_hash_collision_checks_parent_incarnation(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
+    bm = BlockManager(4, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    bm.allocate("u", [7, 7, 7, 7])  # the pool is full, nothing uncached
+    bm.free("a")
+    bm._evictable.move_to_end(a[1])  # make the parent a[0] older than its child a[1]
+    assert bm.allocate("x", [5, 6])[0] == [a[0]]  # evicts a[0] and refills it as a first block
+    bm.free("u")
+    # a[1] follows block a[0] as it was before the eviction: its K/V saw [1, 2], not [5, 6].
+    _, cached = bm.allocate("y", [5, 6, 3, 4, 0])
+    assert cached == 2
+    check_invariants(bm)
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    assert cached == 0 and not set(a) & set(b)
+    bm.append_token("a", 5)
+    bm.append_token("a", 6)
+    assert all(bm.block_hash(x) is None for x in bm.block_table("a"))
+    bm.free("a")
+    assert bm.allocate("c", [1, 2, 3, 4, 5])[1] == 0
+    assert bm.stats.hit_tokens == 0 and bm.stats.queried_tokens == 14
+    check_invariants(bm)
+
+
+# ----------------------------------------------------------------------------- stateful random test
+
+TOKENS = st.integers(0, 2)  # a tiny vocabulary so prefixes repeat
+WEAK_HASH_BUCKETS = 3  # with the weak hash nearly every block collides: hits must be confirmed by content
+
+
+def weak_chain_hash(parent_hash, token_ids):
+    return hash((parent_hash, *token_ids)) % WEAK_HASH_BUCKETS
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocate / append_token / free over a small pool, with a simulated K/V pool."""
+
+    @initialize(
+        num_blocks=st.integers(8, 32),
+        page_size=st.integers(1, 4),
+        caching=st.booleans(),
+        weak_hash=st.booleans(),
+    )
+    def setup(self, num_blocks, page_size, caching, weak_hash):
+        if weak_hash:
+            bm_module.chain_hash = weak_chain_hash  # restored in teardown
+        self.bm = BlockManager(num_blocks, page_size, enable_prefix_caching=caching)
+        self.pool: dict[int, tuple[int, ...]] = {}  # slot -> token prefix its K/V was computed from
+        self.next_id = 0
+
+    def _write(self, seq_id, start):
+        """The engine's job: compute K/V of tokens ``start ..`` into their slots."""
+        tokens, table, p = self.bm._seqs[seq_id].token_ids, self.bm.block_table(seq_id), self.bm.page_size
+        for i in range(start, len(tokens)):
+            self.pool[table[i // p] * p + i % p] = tuple(tokens[: i + 1])
+
+    def _lru_check(self, before_evictable, before_uncached, *, hits, num_fresh):
+        """New blocks come from the uncached ones first, then evict the least recently used."""
+        candidates = [b for b in before_evictable if b not in hits]
+        num_evicted = max(0, num_fresh - before_uncached)
+        assert [b for b in candidates if b not in self.bm._evictable] == candidates[:num_evicted]
+
+    @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12))
+    def allocate(self, tokens):
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        before, evictable, uncached = snapshot(self.bm), list(self.bm._evictable), len(self.bm._free_uncached)
+        try:
+            table, cached = self.bm.allocate(seq_id, tokens)
+        except NoFreeBlocksError:
+            assert snapshot(self.bm) == before
+            assert not self.bm.can_allocate(len(tokens))
+            return
+        p = self.bm.page_size
+        assert cached % p == 0 and cached < len(tokens)
+        self._lru_check(evictable, uncached, hits=table[: cached // p], num_fresh=len(table) - cached // p)
+        self._write(seq_id, cached)
+
+    @precondition(lambda self: self.bm._seqs)
+    @rule(data=st.data(), token=TOKENS)
+    def append_token(self, data, token):
+        seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
+        before, evictable, uncached = snapshot(self.bm), list(self.bm._evictable), len(self.bm._free_uncached)
+        can, num_blocks = self.bm.can_append(seq_id), len(self.bm.block_table(seq_id))
+        try:
+            table = self.bm.append_token(seq_id, token)
+        except NoFreeBlocksError:
+            assert not can and snapshot(self.bm) == before
+            return
+        assert can
+        self._lru_check(evictable, uncached, hits=[], num_fresh=len(table) - num_blocks)
+        self._write(seq_id, self.bm.num_tokens(seq_id) - 1)
+
+    @precondition(lambda self: self.bm._seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
+        self.bm.free(seq_id)
+
+    def teardown(self):
+        bm_module.chain_hash = chain_hash
+
+    @invariant()
+    def invariants_hold(self):
+        check_invariants(self.bm)
+
+    @invariant()
+    def every_token_reads_its_own_kv(self):
+        p = self.bm.page_size
+        for seq in self.bm._seqs.values():
+            for i in range(len(seq.token_ids)):
+                assert self.pool[seq.block_table[i // p] * p + i % p] == tuple(seq.token_ids[: i + 1])
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_block_manager_state_machine = BlockManagerMachine.TestCase
