@@ -1,0 +1,5 @@
+import sys
+
+from pagedflash.cli import main
+
+sys.exit(main())

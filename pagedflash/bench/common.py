@@ -1,0 +1,547 @@
+"""Shared benchmark plumbing: timing, SDPA baselines, correctness checks, results, tables, plots.
+
+Timing on a GPU is ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")`` in
+milliseconds (``warmup``/``rep`` are time budgets in ms, not iteration counts). do_bench zeroes a
+256 MB buffer before *every* timed call, which evicts the whole 60 MB L2 of an H200, so each call
+reads its inputs from HBM and no buffer rotation is needed even for small caches. The zeroing also
+gives the host a head start (the memset takes roughly 50-90 us) to enqueue ``fn``: host overhead
+below that is hidden, above it shows up as time. :func:`host_us` measures the host side of a call:
+where it exceeds the kernel time, back-to-back calls without CUDA graphs would be launch-bound.
+
+Without a GPU (``--quick`` under the Triton interpreter) the "time" is the wall clock of one call:
+it proves the plumbing works and is not a figure.
+
+Every measured case goes through :func:`measure`: run once, check against the fp32 reference,
+then time. A wrong result is reported as ``FAIL`` and not timed, an out-of-memory as ``OOM``, a
+baseline that refuses the shape as ``n/a``; nothing in a sweep crashes the sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HBM_TBPS = 4.8  # H200 HBM3e datasheet bandwidth, TB/s
+OOM, NA, FAIL, ERROR = "OOM", "n/a", "FAIL", "error"
+_OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
+
+# Tolerance of a kernel output against the fp32 reference, relative to the reference's scale:
+# max |out - ref| <= tol * max |ref| (see check_close).
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 2e-3}
+
+_TIMING = {"warmup": 25, "rep": 100}
+
+
+@dataclass
+class Config:
+    """What every bench gets from the command line."""
+
+    out: Path = Path("bench_results")
+    quick: bool = False  # tiny shapes: a smoke run (CPU interpreter or GPU), not figures
+
+
+class Unsupported(Exception):
+    """A baseline refuses this shape/dtype (reported as ``n/a``)."""
+
+
+def has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def device() -> str:
+    return "cuda" if has_gpu() else "cpu"
+
+
+def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100) -> None:
+    _TIMING.update(warmup=warmup_ms, rep=rep_ms)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def no_host_syncs():
+    """pagedflash's value checks read metadata from the device (a host sync per call); a serving
+    engine turns them off, and so does the timing (the first, checked call keeps them on)."""
+    try:
+        from pagedflash import validate
+
+        return validate.value_checks(False)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn()`` (do_bench on a GPU, wall clock otherwise), with
+    pagedflash's host-syncing value checks off (:func:`no_host_syncs`)."""
+    with no_host_syncs():
+        return _time_ms(fn)
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    if has_gpu():
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=_TIMING["warmup"], rep=_TIMING["rep"], return_mode="median"))
+    t0 = time.perf_counter()  # one call: under the interpreter a figure means nothing anyway
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def host_us(fn: Callable[[], object], calls: int = 20) -> float | None:
+    """Host microseconds to enqueue one ``fn()`` (GPU only; value checks off). Above the kernel
+    time, back-to-back calls are launch-bound unless captured in a CUDA graph."""
+    if not has_gpu():
+        return None
+    with no_host_syncs():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def free_memory() -> None:
+    gc.collect()
+    if has_gpu():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Measured:
+    """The outcome of one case: ``ms`` when it ran and passed, else ``status`` says why not."""
+
+    ms: float | None = None
+    status: str = "ok"
+    err: float | None = None  # check_close's relative error of the checked slices
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.ms is not None
+
+    def show(self, f: Callable[[float], float]) -> float | str:
+        """``f(ms)`` when measured (e.g. TFLOP/s), else the status string."""
+        return f(self.ms) if self.ms is not None else self.status
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def measure(fn: Callable[[], object], check: Callable[[object], tuple[float, bool]] | None = None,
+            *, label: str = "") -> Measured:
+    """Run ``fn`` once, check its output (``check(out) -> (max_err, ok)``), then time it."""
+    err = None
+    try:
+        if check is not None:
+            err, ok = check(_first(fn()))
+            if not ok:
+                print(f"  FAIL {label}: relative error {err:.3g} over tolerance; not timed", file=sys.stderr)
+                return Measured(status=FAIL, err=err)
+        return Measured(ms=time_ms(fn), err=err)
+    except _OOM_ERRORS:
+        free_memory()
+        return Measured(status=OOM, err=err)
+    except Unsupported as e:
+        return Measured(status=NA, note=str(e))
+    except Exception as e:  # a broken case must not end a sweep; it is reported and counted
+        print(f"  ERROR {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
+        free_memory()
+        return Measured(status=ERROR, note=f"{type(e).__name__}: {e}"[:300])
+
+
+def failures(cases: Iterable[Measured]) -> int:
+    """How many of our own cases failed the check or errored (the bench exits 1 if any)."""
+    return sum(c.status in (FAIL, ERROR) for c in cases)
+
+
+# ---------------------------------------------------------------- checks against the reference
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
+    """``(err, ok)``: err = max |out - ref| / max |ref| (finite entries; equal infinities such as an
+    LSE of -inf match), ok = err <= :data:`TOLERANCE` of ``dtype``; NaN fails.
+
+    Relative to the largest reference value on purpose: a decode output over 128K random keys is
+    of order 1e-3, so an absolute tolerance would pass an all-zero output."""
+    o, r = out.float(), ref.float().to(out.device)
+    if o.shape != r.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != reference shape {tuple(r.shape)}")
+    if not o.numel():
+        return 0.0, True
+    diff = torch.where(o == r, 0.0, (o - r).abs())
+    finite = r[torch.isfinite(r)].abs()
+    scale = max(float(finite.max()) if finite.numel() else 1.0, 1e-6)
+    err = float(diff.max()) / scale
+    return err, err <= TOLERANCE[dtype]  # NaN <= x is False
+
+
+def reference_rows(q, k, v, *, causal: bool, rows: int = 128):
+    """fp32 reference for the first and the last ``rows`` query rows of one sequence.
+
+    q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]`` with ``Sq <= Sk`` (bottom-right causal alignment).
+    Slicing keeps the reference small at 64K keys while covering both masked corners: the top
+    rows see keys ``[0, Sk - Sq + rows)``, the bottom rows see all of them.
+    Returns ``(top, bottom)``, each ``[rows, Hq, D]`` fp32.
+    """
+    from pagedflash.reference import attention_ref
+
+    sq, sk = q.shape[0], k.shape[0]
+    r = min(rows, sq)
+    top_keys = sk - sq + r if causal else sk
+    top, _ = attention_ref(q[None, :r], k[None, :top_keys], v[None, :top_keys], causal=causal)
+    bottom, _ = attention_ref(q[None, sq - r:], k[None], v[None], causal=causal)
+    return top[0], bottom[0]
+
+
+def rows_checker(refs: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype, seq: Callable):
+    """A ``check`` for :func:`measure`: ``seq(out, b)`` is sequence ``b``'s output ``[Sq, Hq, D]``,
+    compared with ``refs[b] = (top, bottom)`` from :func:`reference_rows`."""
+
+    def check(out):
+        errs, oks = [], []
+        for b, (top, bottom) in refs.items():
+            r, rows = top.shape[0], seq(out, b)
+            for got, want in ((rows[:r], top), (rows[rows.shape[0] - r:], bottom)):
+                e, ok = check_close(got, want, dtype)
+                errs.append(e)
+                oks.append(ok)
+        return max(errs), all(oks)
+
+    return check
+
+
+# ---------------------------------------------------------------- SDPA baselines
+
+SDPA_BACKENDS = ("flash", "cudnn")
+
+
+def sdpa(backend: str, q, k, v, *, causal: bool) -> tuple[Callable[[], torch.Tensor], str]:
+    """A call of ``F.scaled_dot_product_attention`` pinned to one backend ("flash" or "cudnn").
+
+    q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Sk, D]``, contiguous (transposed outside the timing).
+    For GQA (Hq != Hkv) ``enable_gqa=True`` is tried first; if the backend refuses it, K/V are
+    expanded to Hq heads here, once, and the returned mode says so ("gqa-expanded" reads G times
+    the bytes: its time is not comparable byte for byte). Returns ``(fn, mode)``; raises
+    :class:`Unsupported` when the backend refuses the shape either way.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    F = torch.nn.functional
+    group = q.shape[1] // k.shape[1]
+
+    def make(kk, vv, gqa):
+        def fn():
+            with sdpa_kernel(kind):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)
+
+        return fn
+
+    attempts = [("mha", lambda: make(k, v, False))] if group == 1 else [
+        ("gqa-native", lambda: make(k, v, True)),
+        ("gqa-expanded", lambda: make(k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)),
+    ]
+    last = None
+    for mode, build in attempts:
+        try:
+            fn = build()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                fn()
+            return fn, mode
+        except RuntimeError as e:
+            if isinstance(e, _OOM_ERRORS):
+                raise
+            last = e
+    raise Unsupported(f"SDPA {backend}: {str(last).splitlines()[0] if last else 'refused'}")
+
+
+def measure_sdpa(backend: str, q, k, v, *, causal: bool, check=None, label: str = "") -> Measured:
+    """:func:`sdpa` then :func:`measure`; the GQA mode lands in ``note``."""
+    try:
+        fn, mode = sdpa(backend, q, k, v, causal=causal)
+    except Unsupported as e:
+        return Measured(status=NA, note=str(e))
+    except _OOM_ERRORS:
+        free_memory()
+        return Measured(status=OOM)
+    result = measure(fn, check, label=label)
+    result.note = result.note or mode
+    return result
+
+
+def bhsd(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H, D]`` -> contiguous ``[B, H, S, D]`` (SDPA's layout)."""
+    return x.transpose(1, 2).contiguous()
+
+
+# ---------------------------------------------------------------- derived figures
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def tbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e12
+
+
+def ratio(a: Measured, b: Measured) -> float | str:
+    """``b.ms / a.ms``: how many times faster ``a`` is than ``b`` (>1: ``a`` faster)."""
+    if a.ok and b.ok:
+        return b.ms / a.ms
+    return NA
+
+
+def geomean(values: Iterable[float | str]) -> float | str:
+    xs = [x for x in values if isinstance(x, float) and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else NA
+
+
+def progress(items: Sequence, desc: str):
+    """tqdm over ``items`` when stderr is a terminal; in a log, one line per sweep instead."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None and sys.stderr.isatty():
+        return tqdm(items, desc=desc, leave=False)
+    print(f"{desc}: {len(items)} cases ...", file=sys.stderr, flush=True)
+    return items
+
+
+# ---------------------------------------------------------------- tables and results
+
+
+@dataclass
+class Table:
+    """Rows are dicts; ``columns`` maps the printed keys (in order) to their headers. JSON gets
+    every key of every row, the printed table only the columns."""
+
+    name: str
+    title: str
+    columns: dict[str, str]
+    rows: list[dict] = field(default_factory=list)
+    note: str = ""
+
+
+def fmt(x) -> str:
+    if isinstance(x, bool) or x is None:
+        return "-" if x is None else str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        if x == 0:
+            return "0"
+        if abs(x) >= 100:
+            return f"{x:.0f}"
+        if abs(x) >= 10:
+            return f"{x:.1f}"
+        return f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3g}"
+    return str(x)
+
+
+def markdown(table: Table) -> str:
+    keys = list(table.columns)
+    lines = [f"### {table.title}", "", "| " + " | ".join(table.columns.values()) + " |",
+             "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(row.get(k)) for k in keys) + " |" for row in table.rows]
+    if table.note:
+        lines += ["", table.note]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(table: Table) -> None:
+    """rich on a terminal, markdown otherwise (a log or a pipe keeps every column)."""
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+            from rich.table import Table as RichTable
+
+            t = RichTable(title=table.title, caption=table.note or None)
+            for header in table.columns.values():
+                t.add_column(header, justify="right")
+            for row in table.rows:
+                t.add_row(*(fmt(row.get(k)) for k in table.columns))
+            Console().print(t)
+            return
+        except ImportError:
+            pass
+    print(markdown(table), flush=True)
+
+
+def print_summary(summary: dict) -> None:
+    print("summary: " + ", ".join(f"{k} = {fmt(v)}" for k, v in summary.items()), flush=True)
+
+
+def env_info(quick: bool) -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "quick": quick,
+        "timing": (f"triton.testing.do_bench(warmup={_TIMING['warmup']}, rep={_TIMING['rep']}, "
+                   "return_mode='median'); L2 flushed before every call; pagedflash value checks "
+                   "(host syncs) off while timing" if has_gpu()
+                   else "CPU wall clock under the Triton interpreter (smoke only, not a figure)"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    info["device"] = torch.cuda.get_device_name() if has_gpu() else platform.processor() or "cpu"
+    info["interpreter"] = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return info
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_results(name: str, tables: Sequence[Table], out: Path, *, quick: bool, summary: dict | None = None) -> Path:
+    """Write ``<out>/<name>.json`` (every row, environment, summary) and ``<out>/<name>.md``."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "bench": name,
+        "env": env_info(quick),
+        "summary": summary or {},
+        "tables": {t.name: {"title": t.title, "columns": t.columns, "note": t.note, "rows": t.rows} for t in tables},
+    }
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(_jsonable(doc), indent=1))
+    (out / f"{name}.md").write_text("\n".join(markdown(t) for t in tables))
+    return path
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(path: Path, panels: Sequence[dict], *, ncols: int = 4, logx: bool = True) -> Path | None:
+    """Line plots, one panel per dict ``{"title", "xlabel", "ylabel", "series": {label: (xs, ys)}}``
+    (optionally ``"hline": (y, label)``); points whose y is a status string (OOM, n/a) are skipped."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for label, (xs, ys) in panel["series"].items():
+            pts = [(x, y) for x, y in zip(xs, ys) if isinstance(y, (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        if logx:
+            ax.set_xscale("log", base=2)
+            xs = sorted({x for xs, _ in panel["series"].values() for x in xs})
+            ax.set_xticks(xs, [human(x) for x in xs])
+            ax.minorticks_off()
+        ax.set_title(panel["title"], fontsize=9)
+        ax.set_xlabel(panel.get("xlabel", ""))
+        ax.set_ylabel(panel.get("ylabel", ""))
+        if "hline" in panel:
+            y, label = panel["hline"]
+            ax.axhline(y, color="gray", linestyle="--", linewidth=1, label=label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def heatmap(path: Path, values: list[list[float | str]], *, rows: Sequence, cols: Sequence, title: str,
+            xlabel: str, ylabel: str) -> Path | None:
+    """A heat map with each cell's value written in it; the colour is the value over its row's
+    minimum (so each row shows which column is best). Status strings are shown uncoloured."""
+    try:
+        plt = _pyplot()
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid = []
+    for row in values:
+        nums = [v for v in row if isinstance(v, (int, float))]
+        low = min(nums) if nums else 1.0
+        grid.append([v / low if isinstance(v, (int, float)) and low > 0 else float("nan") for v in row])
+    fig, ax = plt.subplots(figsize=(1.0 * len(cols) + 2.5, 0.55 * len(rows) + 1.8))
+    im = ax.imshow(grid, cmap="RdYlGn_r", aspect="auto", vmin=1.0)
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            ax.text(j, i, fmt(v), ha="center", va="center", fontsize=7, color="black")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.colorbar(im, ax=ax, label="time / row best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- small helpers shared by benches
+
+
+def randn(*shape, dtype, seed: int | None = None) -> torch.Tensor:
+    """Normal random values on the bench device (caches are never zeros)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return torch.randn(*shape, dtype=dtype, device=device())
+
+
+def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
+    """int32 ``[B+1]`` prefix sums of ``lengths``."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device())
+
+
+def human(n: int) -> str:
+    """1024 -> "1K", 131072 -> "128K"."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)

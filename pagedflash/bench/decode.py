@@ -1,0 +1,241 @@
+"""``pagedflash bench decode``: split-KV decode (q_len = 1) against a contiguous cache.
+
+1. The seed's sweep: B=4, Hq=Hkv=16, D=64, fp16, N in 1K..16K, num_splits in {1, 8, ..., 128} and
+   auto (0): microseconds per cell, the best split per N, auto's time over the best's, and SDPA.
+2. The serving grid: B in {1, 4, 16, 64}, Hq/Hkv = 32/8, D=128, bf16, N in 1K..128K (cells whose
+   K+V exceed 40 GB skipped): microseconds, TB/s of bytes read (K+V + Q + O), the fraction of the
+   4.8 TB/s datasheet, and the speed ratio to SDPA cuDNN and flash from the same run.
+
+Every call is ``flash_attn_with_kvcache(q [B,1,Hq,D], k_cache, v_cache, cache_seqlens=N,
+num_splits=s)`` over random caches; do_bench flushes L2 before each call, so even a 4 MB cache is
+read from HBM. SDPA gets q ``[B,Hq,1,D]`` and K/V ``[B,Hkv,N,D]`` (``enable_gqa=True`` when the
+backend takes it, else expanded to Hq heads: see the ``sdpa`` column), ``is_causal=False``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import pagedflash as pf
+from pagedflash.bench.common import (
+    HBM_TBPS,
+    NA,
+    Config,
+    Measured,
+    Table,
+    bhsd,
+    check_close,
+    device,
+    failures,
+    free_memory,
+    geomean,
+    heatmap,
+    host_us,
+    human,
+    measure,
+    measure_sdpa,
+    plot,
+    print_summary,
+    print_table,
+    progress,
+    randn,
+    ratio,
+    tbps,
+    write_results,
+)
+
+FULL = dict(
+    seed=dict(batch=4, heads=(16, 16), dim=64, dtype=torch.float16, lens=(1024, 2048, 4096, 8192, 16384),
+              splits=(1, 8, 16, 32, 64, 128)),
+    grid=dict(batches=(1, 4, 16, 64), heads=(32, 8), dim=128, dtype=torch.bfloat16,
+              lens=(1024, 4096, 16384, 65536, 131072), max_kv_gb=40),
+)
+QUICK = dict(
+    seed=dict(batch=2, heads=(2, 2), dim=32, dtype=torch.float16, lens=(32, 64), splits=(1, 2)),
+    grid=dict(batches=(1, 2), heads=(2, 1), dim=32, dtype=torch.float16, lens=(64,), max_kv_gb=40),
+)
+AUTO = 0
+
+
+def kv_bytes(b: int, n: int, hkv: int, d: int, dtype) -> int:
+    return b * n * hkv * d * 2 * dtype.itemsize
+
+
+def decode_bytes(b: int, n: int, hq: int, hkv: int, d: int, dtype) -> int:
+    """Bytes one decode step must move: K+V read, plus Q read and O written."""
+    return kv_bytes(b, n, hkv, d, dtype) + 2 * b * hq * d * dtype.itemsize
+
+
+def permuted_table(num_blocks: int, batch: int) -> torch.Tensor:
+    """A random permutation of the pool as an int32 block table ``[B, num_blocks / B]``."""
+    return torch.randperm(num_blocks, device=device()).view(batch, -1).to(torch.int32)
+
+
+def to_pool(cache: torch.Tensor, page: int, block_table: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``[B, N, Hkv, D]`` -> pool ``[B*N/page, page, Hkv, D]`` holding page j of sequence b
+    in block ``block_table[b, j]`` (the table must be a permutation of the pool)."""
+    chunks = cache.reshape(-1, page, *cache.shape[2:])
+    pool = torch.empty_like(chunks)
+    pool[block_table.flatten().long()] = chunks
+    return pool
+
+
+class DecodeInputs:
+    """Random q ``[B,1,Hq,D]`` and contiguous caches ``[B,N,Hkv,D]`` filled to N, plus the fp32
+    reference output of the first and last sequence (``check`` compares an output with it)."""
+
+    def __init__(self, b: int, n: int, hq: int, hkv: int, d: int, dtype):
+        from pagedflash.reference import kvcache_attention_ref
+
+        self.shape, self.dtype = (b, n, hq, hkv, d), dtype
+        self.q = randn(b, 1, hq, d, dtype=dtype)
+        self.k, self.v = randn(b, n, hkv, d, dtype=dtype), randn(b, n, hkv, d, dtype=dtype)
+        self.seqlens = torch.full((b,), n, dtype=torch.int32, device=self.q.device)
+        self.rows = sorted({0, b - 1})
+        self.ref, _ = kvcache_attention_ref(self.q[self.rows], self.k[self.rows], self.v[self.rows],
+                                            self.seqlens[self.rows])
+
+    def check(self, out: torch.Tensor) -> tuple[float, bool]:
+        """``out`` ``[B, 1, Hq, D]`` against the reference rows."""
+        return check_close(out[self.rows], self.ref, self.dtype)
+
+    def sdpa_check(self, out: torch.Tensor) -> tuple[float, bool]:
+        return self.check(out.transpose(1, 2))
+
+    def contiguous(self, num_splits: int = AUTO):
+        return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.seqlens,
+                                                  num_splits=num_splits)
+
+    def paged(self, page: int, num_splits: int = AUTO):
+        """The same cache as a pool of ``page``-token blocks in a random order, read through a block
+        table (same values, so :meth:`check` applies)."""
+        b, n = self.shape[:2]
+        table = permuted_table(b * n // page, b)
+        k_pool, v_pool = (to_pool(x, page, table) for x in (self.k, self.v))
+        return lambda: pf.flash_attn_with_kvcache(self.q, k_pool, v_pool, cache_seqlens=self.seqlens,
+                                                  block_table=table, num_splits=num_splits)
+
+    def sdpa(self) -> dict[str, Measured]:
+        """SDPA cuDNN and flash on transposed copies (made here; the [B,N,H,D] caches are kept)."""
+        qt, kt, vt = bhsd(self.q), bhsd(self.k), bhsd(self.v)
+        out = {name: measure_sdpa(name, qt, kt, vt, causal=False, check=self.sdpa_check, label=f"SDPA {name}")
+               for name in ("cudnn", "flash")}
+        del qt, kt, vt
+        free_memory()
+        return out
+
+
+def seed_sweep(spec: dict) -> tuple[Table, list[list], int]:
+    (hq, hkv), d, b, dtype, splits = spec["heads"], spec["dim"], spec["batch"], spec["dtype"], spec["splits"]
+    columns = {"N": "N"} | {f"s{s}": f"s={s}" for s in splits} | {
+        "auto": "auto", "best_split": "best s", "auto_over_best": "auto/best time", "auto_like": "auto ≈ s",
+        "cudnn": "SDPA cuDNN", "flash": "SDPA flash", "best_vs_cudnn": "best÷cuDNN", "auto_vs_cudnn": "auto÷cuDNN"}
+    table = Table("splits", f"Decode µs by num_splits: B={b}, Hq/Hkv={hq}/{hkv}, D={d}, {str(dtype)[6:]}",
+                  columns, note="auto = num_splits=0; 'auto ≈ s' is the fixed split whose time is closest. "
+                  "÷cuDNN: speed ratio (>1: pagedflash faster).")
+    heat, bad = [], 0
+    for n in progress(spec["lens"], "decode num_splits sweep"):
+        inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
+        cases = {s: measure(inputs.contiguous(s), inputs.check, label=f"decode N={n} s={s}")
+                 for s in (*splits, AUTO)}
+        bad += failures(cases.values())
+        sdpa = inputs.sdpa()
+        us = {s: m.show(lambda ms: ms * 1e3) for s, m in cases.items()}
+        row = {"N": human(n)} | {f"s{s}": us[s] for s in splits} | {"auto": us[AUTO]}
+        timed = {s: m for s, m in cases.items() if s != AUTO and m.ok}
+        if timed:
+            best = min(timed, key=lambda s: timed[s].ms)
+            row.update(best_split=best, best_us=timed[best].ms * 1e3, best_vs_cudnn=ratio(timed[best], sdpa["cudnn"]))
+            if cases[AUTO].ok:
+                row["auto_over_best"] = cases[AUTO].ms / timed[best].ms
+                row["auto_like"] = min(timed, key=lambda s: abs(timed[s].ms - cases[AUTO].ms))
+        row.update(cudnn=sdpa["cudnn"].show(lambda ms: ms * 1e3), flash=sdpa["flash"].show(lambda ms: ms * 1e3),
+                   auto_vs_cudnn=ratio(cases[AUTO], sdpa["cudnn"]),
+                   host_us=host_us(inputs.contiguous(AUTO)) if cases[AUTO].ok else None,
+                   errors={s: m.err for s, m in cases.items()})
+        table.rows.append(row)
+        heat.append([us[s] for s in (*splits, AUTO)])
+        del inputs
+        free_memory()
+    return table, heat, bad
+
+
+def grid_cells(spec: dict) -> list[tuple[int, int]]:
+    """(B, N) pairs of the serving grid whose K+V fit under ``max_kv_gb``."""
+    hkv, d = spec["heads"][1], spec["dim"]
+    return [(b, n) for b, n in itertools.product(spec["batches"], spec["lens"])
+            if kv_bytes(b, n, hkv, d, spec["dtype"]) <= spec["max_kv_gb"] * 1e9]
+
+
+def serving_grid(spec: dict) -> tuple[Table, int]:
+    (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
+    table = Table(
+        "grid", f"Decode serving grid: Hq/Hkv={hq}/{hkv}, D={d}, {str(dtype)[6:]}, num_splits=auto",
+        {"B": "B", "N": "N", "kv_gb": "K+V GB", "us": "pagedflash µs", "tbps": "TB/s",
+         "of_peak": f"of {HBM_TBPS} TB/s", "cudnn_us": "cuDNN µs", "flash_us": "flash µs",
+         "vs_cudnn": "pf÷cuDNN", "vs_flash": "pf÷flash", "host_us": "host µs", "sdpa": "SDPA GQA"},
+        note="TB/s counts K+V read + Q + O (SDPA's TB/s uses the same bytes). pf÷X: speed ratio, same run "
+             "(>1: pagedflash faster). L2 is flushed before every timed call, so small caches come from HBM too. "
+             "host µs: host time to enqueue one pagedflash call (above the kernel time, back-to-back calls are "
+             "launch-bound without CUDA graphs; do_bench's L2 flush hides up to ~50-90 µs of it). "
+             "SDPA GQA: gqa-native = enable_gqa=True; gqa-expanded = K/V repeated to Hq heads (reads G x the bytes).",
+    )
+    bad = 0
+    for b, n in progress(grid_cells(spec), "decode serving grid"):
+        inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
+        ours = measure(inputs.contiguous(), inputs.check, label=f"decode B={b} N={n}")
+        bad += failures([ours])
+        host = host_us(inputs.contiguous()) if ours.ok else None
+        sdpa = inputs.sdpa()
+        nbytes = decode_bytes(b, n, hq, hkv, d, dtype)
+        table.rows.append({
+            "B": b, "N": human(n), "n": n, "kv_gb": kv_bytes(b, n, hkv, d, dtype) / 1e9,
+            "us": ours.show(lambda ms: ms * 1e3), "tbps": ours.show(lambda ms: tbps(nbytes, ms)),
+            "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / HBM_TBPS),
+            "cudnn_us": sdpa["cudnn"].show(lambda ms: ms * 1e3), "flash_us": sdpa["flash"].show(lambda ms: ms * 1e3),
+            "cudnn_tbps": sdpa["cudnn"].show(lambda ms: tbps(nbytes, ms)),
+            "flash_tbps": sdpa["flash"].show(lambda ms: tbps(nbytes, ms)),
+            "vs_cudnn": ratio(ours, sdpa["cudnn"]), "vs_flash": ratio(ours, sdpa["flash"]),
+            "host_us": host, "err": ours.err,
+            "sdpa": " ".join(f"{name}:{m.note if m.ok else m.status}" for name, m in sdpa.items()),
+        })
+        del inputs
+        free_memory()
+    return table, bad
+
+
+def main(cfg: Config) -> int:
+    spec = QUICK if cfg.quick else FULL
+    splits_table, heat, bad_seed = seed_sweep(spec["seed"])
+    print_table(splits_table)
+    grid, bad_grid = serving_grid(spec["grid"])
+    print_table(grid)
+    summary = {
+        "geomean_pf_vs_cudnn": geomean(r["vs_cudnn"] for r in grid.rows),
+        "geomean_pf_vs_flash": geomean(r["vs_flash"] for r in grid.rows),
+        "geomean_auto_over_best": geomean(r.get("auto_over_best", NA) for r in splits_table.rows),
+        "failures": bad_seed + bad_grid,
+    }
+    print_summary(summary)
+
+    s = spec["seed"]
+    heatmap(cfg.out / "decode_splits.png", heat, rows=[human(n) for n in s["lens"]],
+            cols=[*s["splits"], "auto"], title=f"decode µs, B={s['batch']} H={s['heads'][0]} D={s['dim']}",
+            xlabel="num_splits", ylabel="N")
+    g = spec["grid"]
+    panels = []
+    for b in g["batches"]:
+        rows = [r for r in grid.rows if r["B"] == b]
+        if rows:
+            xs = [r["n"] for r in rows]
+            panels.append({"title": f"B={b}, Hq/Hkv={g['heads'][0]}/{g['heads'][1]}, D={g['dim']}", "xlabel": "N",
+                           "ylabel": "TB/s (K+V+Q+O)", "hline": (HBM_TBPS, "HBM datasheet"), "series": {
+                               "pagedflash": (xs, [r["tbps"] for r in rows]),
+                               "SDPA cuDNN": (xs, [r["cudnn_tbps"] for r in rows]),
+                               "SDPA flash": (xs, [r["flash_tbps"] for r in rows])}})
+    plot(cfg.out / "decode_grid.png", panels)
+    path = write_results("decode", [splits_table, grid], cfg.out, quick=cfg.quick, summary=summary)
+    print(f"wrote {path}, {cfg.out / 'decode_splits.png'} and {cfg.out / 'decode_grid.png'}")
+    return 1 if summary["failures"] else 0

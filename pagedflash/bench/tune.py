@@ -1,0 +1,121 @@
+"""Launch-choice sweep: the evidence behind the tables in :func:`pagedflash.ops.attention.choose_config`
+and :func:`choose_num_splits`.
+
+``python -m pagedflash bench tune`` times candidate tile shapes for prefill and split counts for
+decode on the current GPU and prints the best per shape. It is a developer tool: the chosen values
+are copied into ``ops/attention.py`` and the run is recorded in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import triton
+
+from pagedflash.ops.attention import LaunchConfig, attention_forward
+
+PREFILL_CONFIGS = [
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+    (128, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+]
+
+DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 2, 3)]
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
+    n = 8192
+    for d in (64, 128):
+        h = 2048 // d
+        b = 16384 // n
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3))
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            for bm, bn, w, s in PREFILL_CONFIGS:
+                cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=s)
+
+                def run(cfg=cfg, causal=causal):
+                    return attention_forward(q, k, v, batch=b, max_seqlen_q=n, max_seqlen_k=n, sm_scale=d**-0.5,
+                                             window=(-1, 0 if causal else -1), softcap=0.0, num_splits=1,
+                                             config=cfg)
+                try:
+                    ms = _bench(run)
+                    tf = flops / ms / 1e9
+                except Exception as e:  # noqa: BLE001  (out of shared memory etc.: record and go on)
+                    ms, tf = float("nan"), float("nan")
+                    print(f"  prefill d={d} causal={causal} cfg={cfg}: {type(e).__name__}")
+                rows.append(dict(kind="prefill", d=d, causal=causal, cfg=[bm, bn, w, s], ms=ms, tflops=tf))
+                print(f"prefill d={d:3d} causal={causal!s:5} bm={bm:3d} bn={bn:3d} w={w} s={s}: {tf:6.1f} TFLOP/s")
+
+
+def tune_decode(rows: list) -> None:
+    shapes = [  # (B, Hq, Hkv, D, dtype, N)
+        (4, 16, 16, 64, torch.float16, 1024), (4, 16, 16, 64, torch.float16, 4096),
+        (4, 16, 16, 64, torch.float16, 16384),
+        (1, 32, 8, 128, torch.bfloat16, 16384), (1, 32, 8, 128, torch.bfloat16, 131072),
+        (16, 32, 8, 128, torch.bfloat16, 16384), (64, 32, 8, 128, torch.bfloat16, 4096),
+    ]
+    for b, hq, hkv, d, dtype, n in shapes:
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
+        kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * b * n * hkv * d * kc.element_size()
+        best = None
+        for bn, w, s in DECODE_CONFIGS:
+            cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn,
+                               g_pack=hq // hkv, num_warps=w, num_stages=s)
+            for splits in (1, 2, 4, 8, 16, 32, 64, 128):
+                if splits > 1 and n // splits < bn:
+                    continue
+
+                def run(cfg=cfg, splits=splits):
+                    return attention_forward(q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n,
+                                             sm_scale=d**-0.5, window=(-1, 0), softcap=0.0,
+                                             seqused_k=lens, num_splits=splits, config=cfg)
+                try:
+                    us = _bench(run) * 1e3
+                except Exception:  # noqa: BLE001
+                    continue
+                rows.append(dict(kind="decode", shape=[b, hq, hkv, d, str(dtype), n], cfg=[bn, w, s],
+                                 splits=splits, us=us, tbps=kv_bytes / us / 1e6))
+                if best is None or us < best[0]:
+                    best = (us, bn, w, s, splits)
+        us, bn, w, s, splits = best
+        print(f"decode B={b} {hq}/{hkv} D={d} N={n}: best {us:7.1f} us ({kv_bytes / us / 1e6:.2f} TB/s) "
+              f"bn={bn} w={w} s={s} splits={splits}")
+        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
+            cands = [r["us"] for r in rows if r["kind"] == "decode" and r["shape"][:6] == [b, hq, hkv, d, str(dtype), n]
+                     and r["splits"] == splits]
+            if cands:
+                print(f"    splits={splits:3d}: best {min(cands):7.1f} us")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
+    parser.add_argument("--out", default="bench_results")
+    parser.add_argument("--only", choices=["prefill", "decode"], default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench tune needs a CUDA GPU")
+        return 2
+    rows: list = []
+    if args.only in (None, "prefill"):
+        tune_prefill(rows)
+    if args.only in (None, "decode"):
+        tune_decode(rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump([{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows],
+                  f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Smoke tests of the command line: ``bench --quick`` end to end (tables, JSON, PNG) and the kernel
+checks of ``demo``, in-process and in seconds under the interpreter. They check plumbing and that
+every pagedflash case passed its correctness check; the figures themselves mean nothing here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedflash import cli
+from pagedflash.demo import print_kernel_checks, run_kernel_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str, out: Path) -> dict:
+    assert cli.main(["bench", name, "--quick", "--out", str(out)]) == 0
+    doc = json.loads((out / f"{name}.json").read_text())
+    assert doc["bench"] == name and doc["env"]["quick"] is True
+    assert (out / f"{name}.md").stat().st_size > 0
+    return doc
+
+
+def _png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+
+
+def _measured(value) -> bool:
+    """A timed cell holds a number; a status (FAIL, error, OOM, n/a) is a string."""
+    return isinstance(value, (int, float))
+
+
+def test_bench_prefill_quick(tmp_path, capsys):
+    doc = _bench("prefill", tmp_path)
+    memory, tput = doc["tables"]["memory"]["rows"], doc["tables"]["tflops"]["rows"]
+    assert [r["N"] for r in memory] and {"naive", "pagedflash", "sdpa_flash", "sdpa_cudnn"} <= memory[0].keys()
+    assert {(r["causal"], r["N"]) for r in tput} == {(c, n) for c in (False, True) for n in (16, 32)}
+    for row in tput:
+        assert _measured(row["dense"]) and _measured(row["varlen"]), row
+        assert {"flash", "cudnn", "vs_flash", "vs_cudnn", "varlen_vs_dense", "dense_err"} <= row.keys()
+    assert doc["summary"]["failures"] == 0
+    _png(tmp_path / "prefill_tflops.png")
+    assert "Prefill TFLOP/s" in capsys.readouterr().out
+
+
+def test_bench_decode_quick(tmp_path):
+    doc = _bench("decode", tmp_path)
+    splits, grid = doc["tables"]["splits"]["rows"], doc["tables"]["grid"]["rows"]
+    for row in splits:
+        assert all(_measured(row[k]) for k in ("s1", "s2", "auto")), row
+        assert row["best_split"] in (1, 2) and row["auto_over_best"] > 0
+    for row in grid:
+        assert _measured(row["us"]) and _measured(row["tbps"]) and {"cudnn_us", "flash_us", "vs_cudnn"} <= row.keys()
+    assert {"geomean_pf_vs_cudnn", "geomean_auto_over_best", "failures"} <= doc["summary"].keys()
+    _png(tmp_path / "decode_splits.png")
+    _png(tmp_path / "decode_grid.png")
+
+
+def test_bench_paged_quick(tmp_path):
+    doc = _bench("paged", tmp_path)
+    decode = doc["tables"]["paged_decode"]["rows"]
+    assert decode and all(_measured(r["contig_us"]) and _measured(r["p1_over"]) and _measured(r["p16_over"])
+                          for r in decode)
+    chunked = doc["tables"]["chunked_prefill"]["rows"]
+    assert chunked and all(_measured(r["paged_tflops"]) and _measured(r["dense_tflops"]) for r in chunked)
+    off, on = doc["tables"]["prefix_caching"]["rows"]
+    assert off["mode"] == "off" and on["mode"] == "on"
+    assert on["computed"] < off["computed"] and _measured(on["speedup"]) and on["ideal"] > 1
+    _png(tmp_path / "paged_decode.png")
+
+
+def test_kernel_checks_table(capsys):
+    rows = run_kernel_checks("cpu")
+    names = " ".join(r["kernel"] for r in rows)
+    for kernel in ("prefill dense", "causal", "window", "softcap", "varlen", "paged", "decode contiguous",
+                   "append", "merge_attn_states", "write_kv_cache"):
+        assert kernel in names
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, failed
+    assert print_kernel_checks(rows)
+    assert "rel. error" in capsys.readouterr().out
+
+
+def test_wrong_kernel_is_reported_not_timed(tmp_path, monkeypatch):
+    """A kernel whose output is wrong (here: zeros, which an absolute tolerance would accept at long
+    context) gives FAIL cells, no figure, and exit status 1."""
+    import pagedflash
+
+    real = pagedflash.flash_attn_with_kvcache
+    monkeypatch.setattr(pagedflash, "flash_attn_with_kvcache", lambda q, *a, **k: torch.zeros_like(real(q, *a, **k)))
+    assert cli.main(["bench", "decode", "--quick", "--out", str(tmp_path)]) == 1
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["summary"]["failures"] > 0
+    assert all(row["us"] == "FAIL" for row in doc["tables"]["grid"]["rows"])
+
+
+def test_bench_rejects_unknown_arguments(capsys):
+    assert cli.main(["bench", "decode", "--quick", "--bogus"]) == 2
+    assert "--bogus" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_bench_without_gpu_exits_2():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "pagedflash", "bench", "prefill"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "need a CUDA GPU" in proc.stderr and "--quick" in proc.stderr
