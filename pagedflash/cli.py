@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not figures")
     bench.add_argument("--rep-ms", type=int, default=100, help="do_bench timing budget per case, ms")
     bench.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup budget per case, ms")
+    bench.add_argument("--eager", action="store_true",
+                       help="time eager calls instead of CUDA-graph replays (includes host launch overhead)")
     return parser
 
 
@@ -74,7 +76,7 @@ def _bench(args, extra: list[str]) -> int:
         print("pagedflash bench: the benchmarks need a CUDA GPU and none is visible. "
               "Use --quick for a smoke run on tiny shapes (CPU: Triton interpreter).", file=sys.stderr)
         return 2
-    common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graphs=not args.eager)
     cfg = common.Config(out=args.out, quick=args.quick)
     if args.name in FORWARDED:
         return _run_forwarded(args.name, cfg, extra)

@@ -23,7 +23,7 @@ PREFILL_CONFIGS = [
     (128, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
 ]
 
-DECODE_CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 2, 3)]
+DECODE_CONFIGS = [(128, 4, 2), (64, 4, 3), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
 
 
 def _bench(fn) -> float:
@@ -97,10 +97,57 @@ def tune_decode(rows: list) -> None:
                 print(f"    splits={splits:3d}: best {min(cands):7.1f} us")
 
 
+def _graph(fn):
+    """Capture ``fn`` in a CUDA graph; the returned callable replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def probe_overhead(rows: list) -> None:
+    """Where small-decode time goes: eager launch vs the same work replayed from a CUDA graph."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pagedflash import flash_attn_with_kvcache, validate
+
+    for b, hq, hkv, d, dtype, n in [(4, 16, 16, 64, torch.float16, 1024), (1, 32, 8, 128, torch.bfloat16, 16384),
+                                    (1, 32, 8, 128, torch.bfloat16, 4096)]:
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
+        kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        qt = q.transpose(1, 2).contiguous()
+        kt, vt = (x.transpose(1, 2).repeat_interleave(hq // hkv, 1).contiguous() for x in (kc, vc))
+        res = {}
+        for splits in (1, 4, 8, 16, 0):
+            def api(splits=splits):
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+            res[f"api_checked_s{splits}"] = _bench(api) * 1e3
+            with validate.value_checks(False):
+                res[f"api_s{splits}"] = _bench(api) * 1e3
+                res[f"graph_s{splits}"] = _bench(_graph(api)) * 1e3
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            def sd(backend=backend):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+            try:
+                res[f"sdpa_{name}"] = _bench(sd) * 1e3
+                res[f"sdpa_{name}_graph"] = _bench(_graph(sd)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print(f"  sdpa {name}: {type(e).__name__}: {e}"[:200])
+        rows.append(dict(kind="overhead", shape=[b, hq, hkv, d, str(dtype), n], us=res))
+        print(f"overhead B={b} {hq}/{hkv} D={d} N={n}: " + ", ".join(f"{k}={v:.1f}" for k, v in res.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
     parser.add_argument("--out", default="bench_results")
-    parser.add_argument("--only", choices=["prefill", "decode"], default=None)
+    parser.add_argument("--only", choices=["prefill", "decode", "overhead"], default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench tune needs a CUDA GPU")
@@ -108,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list = []
     if args.only in (None, "prefill"):
         tune_prefill(rows)
+    if args.only in (None, "overhead"):
+        probe_overhead(rows)
     if args.only in (None, "decode"):
         tune_decode(rows)
     os.makedirs(args.out, exist_ok=True)

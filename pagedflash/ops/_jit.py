@@ -62,11 +62,17 @@ def finalize(m_i, l_i, acc):
 
 
 @triton.jit
+def empty_if_inf(lse):
+    """An lse of ``+inf`` marks an empty state, like ``-inf`` (the convention vLLM's merge uses)."""
+    return tl.where(lse == float("inf"), NEG_INF, lse)
+
+
+@triton.jit
 def merge_state(o_a, lse_a, o_b, lse_b):
-    """Merge two softmax states over disjoint key sets: ``o`` ``[..., D]`` fp32, ``lse`` ``[...]``
+    """Merge two softmax states over disjoint key sets: ``o`` ``[R, D]`` fp32, ``lse`` ``[R]``
     natural log. An lse of ``+inf`` or ``-inf`` is an empty state; two empty states give 0, -inf."""
-    lse_a = tl.where(lse_a == float("inf"), NEG_INF, lse_a)
-    lse_b = tl.where(lse_b == float("inf"), NEG_INF, lse_b)
+    lse_a = empty_if_inf(lse_a)
+    lse_b = empty_if_inf(lse_b)
     m = tl.maximum(lse_a, lse_b)
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     w_a = tl.exp2((lse_a - m_safe) * LOG2E)

@@ -20,6 +20,8 @@ causal diagonal and the ragged end of the sequence). Every load is bounded by th
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -77,20 +79,25 @@ def _attend_range(
     offs_n, offs_d, d_ok,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state."""
+    """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
+    pointers, or (``USE_TMA``) tensor descriptors over this sequence's ``[seqlen_k, D]`` rows, whose
+    loads the copy engine bounds by the sequence itself (zero fill past the end)."""
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < seqlen_k
         kv_mask = (n_ok[:, None] | (not MASKED)) & (d_ok[None, :] | EVEN_D)
         BOUNDED: tl.constexpr = MASKED or not EVEN_D  # the interior of an even-D range loads unmasked
-        k_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_kb, stride_kt,
-                            MASKED, PAGED, PAGE_SIZE, BLOCK_N)
-        if BOUNDED:
-            k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if USE_TMA:
+            k = K.load([start_n, 0])
         else:
-            k = tl.load(K + k_off[:, None] + offs_d[None, :])
+            k_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_kb, stride_kt,
+                                MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+            if BOUNDED:
+                k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            else:
+                k = tl.load(K + k_off[:, None] + offs_d[None, :])
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = _jit.soft_cap(s * sm_scale, softcap) * LOG2E
@@ -101,12 +108,15 @@ def _attend_range(
                               HAS_LEFT, HAS_RIGHT)
             s = tl.where(ok, s, NEG_INF)
         m_i, l_i, acc, p = _jit.online_softmax_step(m_i, l_i, acc, s)
-        v_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_vb, stride_vt,
-                            MASKED, PAGED, PAGE_SIZE, BLOCK_N)
-        if BOUNDED:
-            v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if USE_TMA:
+            v = V.load([start_n, 0])
         else:
-            v = tl.load(V + v_off[:, None] + offs_d[None, :])
+            v_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_vb, stride_vt,
+                                MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+            if BOUNDED:
+                v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            else:
+                v = tl.load(V + v_off[:, None] + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -138,7 +148,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -160,7 +170,7 @@ def _attention_kernel(
     q0 = tile * BLOCK_Q
     if q0 >= seqlen_q:
         return
-    k_row0 = 0
+    k_row0 = b * 0
     if VARLEN_K:
         k_row0 = tl.load(CuSeqlensK + b)
         seqlen_k = tl.load(CuSeqlensK + b + 1) - k_row0
@@ -214,23 +224,33 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     K += kvh.to(tl.int64) * stride_kh
     V += kvh.to(tl.int64) * stride_vh
+    if USE_TMA:  # Hopper: descriptors over this sequence's rows of this KV head
+        k_src = tl.make_tensor_descriptor(
+            K + b.to(tl.int64) * stride_kb + k_row0.to(tl.int64) * stride_kt, shape=[seqlen_k, HEAD_DIM],
+            strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(
+            V + b.to(tl.int64) * stride_vb + k_row0.to(tl.int64) * stride_vt, shape=[seqlen_k, HEAD_DIM],
+            strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = K
+        v_src = V
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+        acc, l_i, m_i, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
+        acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, K, V, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+        acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
     )
     out, lse = _jit.finalize(m_i, l_i, acc)
 
@@ -253,6 +273,10 @@ def _attention_kernel(
 # Launch choices: tile shapes, packing and the number of KV splits, all decided here.
 # ----------------------------------------------------------------------------------------------
 
+# Hopper tensor-memory-accelerator loads for contiguous K/V (dense, varlen and the contiguous KV
+# cache; paged caches gather rows and use pointer loads). PAGEDFLASH_TMA=0 turns it off; the
+# pointer path is the portable one and runs everywhere else.
+TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
@@ -283,27 +307,33 @@ def _cuda_sm_count(index: int) -> int:
     return _SM_COUNT[index]
 
 
-def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, dtype: torch.dtype) -> LaunchConfig:
+@functools.lru_cache(maxsize=1024)
+def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
+                  tma: bool) -> LaunchConfig:
     """Tile shape for a launch. Decode-like launches (few query rows) pack the KV group's query heads
     into the rows of one tile; prefill launches tile query tokens of one head.
 
-    The GPU table was chosen by ``python -m pagedflash bench tune`` on an H200 (docs/performance.md)."""
+    The GPU values were measured with ``python -m pagedflash bench tune`` on an H200
+    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes."""
     pack = max_seqlen_q * group <= PACK_MAX_ROWS
     g_pack = group if pack else 1
-    if pack:
-        block_m = max(16, triton.next_power_of_2(max_seqlen_q * group))
-    if _env.interpreted():  # small tiles: fast on the CPU and every loop stage is exercised
-        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
+    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group)) if pack else 128
     block_d = triton.next_power_of_2(head_dim)
-    if pack:
+    if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
+        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
+    if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
         if block_d <= 128:
-            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
+            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
         return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+    if block_d > 128:  # ptxas (triton 3.6) crashes on larger tiles or deeper pipelines at these widths
+        return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
+    if tma:  # Hopper descriptor loads
+        if block_d <= 64:
+            return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3)
+        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3)
     if block_d <= 64:
-        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=4, num_stages=3)
-    if block_d <= 128:
-        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8, num_stages=3)
-    return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=2)
+        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8 if causal else 4, num_stages=3)
+    return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
 def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
@@ -316,6 +346,27 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device:
     kv_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
     want = triton.cdiv(2 * sms, programs)
     return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
+    if not TMA or paged or _env.interpreted() or not k.is_cuda or k.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if k.shape[-1] > 128:  # wide heads keep the pointer path (see choose_config)
+        return False
+    if _capability(k.device)[0] < 9:
+        return False
+    align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
+    return all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _bsh_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -356,7 +407,9 @@ def attention_forward(
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     group = hq // hkv
-    cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, dtype=q.dtype)
+    use_tma = _use_tma(k, v, paged)
+    cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
+                                  interpreted=_env.interpreted(), tma=use_tma)
     block_q = cfg.block_m // cfg.g_pack
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
@@ -393,6 +446,8 @@ def attention_forward(
     else:  # [B, Hq, Sq]
         stride_l = lse.stride()
     left, right = window
+    if use_tma:
+        triton.set_allocator(_tma_scratch)
     if tokens > 0 and grid_q > 0:
         _attention_kernel[(grid_q, grid_h, num_splits)](
             q, k, v, out, lse_arg, out_part, lse_part,
@@ -412,7 +467,7 @@ def attention_forward(
             NUM_SPLITS=num_splits, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if num_splits > 1:

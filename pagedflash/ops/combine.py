@@ -16,7 +16,7 @@ import triton.language as tl
 from pagedflash import validate
 from pagedflash.ops import _jit
 
-BLOCK_H = 16  # heads merged per program
+SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
 
 
 @triton.jit
@@ -29,28 +29,42 @@ def _combine_kernel(
     stride_lps, stride_lpt,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh, stride_lt,
-    num_heads, tokens_per_batch,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    tokens_per_batch,
+    NUM_SPLITS: tl.constexpr, ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    """One (token, head) per program. All split LSEs are read at once and the partial outputs in
+    unrolled chunks, so no load waits on the previous one (a serial merge would pay the memory
+    latency once per split)."""
     tok = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
-    h_ok = heads < num_heads
-    mask = h_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    out = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    lse = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        p_rows = s * stride_ps + tok * stride_pt + heads * stride_ph
-        o_s = tl.load(OutPart + p_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        lse_s = tl.load(LsePart + s * stride_lps + tok * stride_lpt + heads, mask=h_ok, other=float("-inf"))
-        out, lse = _jit.merge_state(out, lse, o_s, lse_s)
+    d_ok = offs_d < HEAD_DIM
+    lse_base = LsePart + tok * stride_lpt + head
+    offs_all = tl.arange(0, ALL_S)
+    lse_all = _jit.empty_if_inf(tl.load(lse_base + offs_all * stride_lps, mask=offs_all < NUM_SPLITS,
+                                        other=float("-inf")))
+    m = tl.max(lse_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2((lse_all - m_safe) * _jit.LOG2E), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    o_base = OutPart + tok * stride_pt + head * stride_ph
+    for c in tl.static_range(0, NUM_SPLITS, BLOCK_S):
+        offs_s = c + tl.arange(0, BLOCK_S)
+        s_ok = offs_s < NUM_SPLITS
+        lse_s = _jit.empty_if_inf(tl.load(lse_base + offs_s * stride_lps, mask=s_ok, other=float("-inf")))
+        w = tl.exp2((lse_s - m_safe) * _jit.LOG2E)
+        o_s = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                      other=0.0)
+        acc += tl.sum(o_s * w[:, None], 0)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)
     b = tok // tokens_per_batch
     t = tok % tokens_per_batch
-    o_rows = b * stride_ob + t * stride_ot + heads * stride_oh
-    tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        tl.store(Lse + b * stride_lb + heads * stride_lh + t * stride_lt, lse, mask=h_ok)
+        lse = tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * _jit.LN2)
+        tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
 
 
 def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> None:
@@ -66,12 +80,12 @@ def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> No
     else:
         stride_l = lse.stride()
     stride_o = (0, out.stride(0), out.stride(1)) if out.dim() == 3 else out.stride()[:3]
-    _combine_kernel[(tokens, triton.cdiv(heads, BLOCK_H))](
+    _combine_kernel[(tokens, heads)](
         out_part, lse_part, out, lse if lse is not None else out,
         *out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l,
-        heads, tokens_per_batch,
-        NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=BLOCK_H,
-        WRITE_LSE=lse is not None, num_warps=4,
+        tokens_per_batch,
+        NUM_SPLITS=num_splits, ALL_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_S=min(SPLITS_PER_LOAD, triton.next_power_of_2(num_splits)), WRITE_LSE=lse is not None, num_warps=4,
     )
 
 
