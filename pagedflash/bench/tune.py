@@ -39,7 +39,7 @@ def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
         for causal in (False, True):
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             for bm, bn, w, s in PREFILL_CONFIGS:
-                cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=s)
+                cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=s, tma=True)
 
                 def run(cfg=cfg, causal=causal):
                     return attention_forward(q, k, v, batch=b, max_seqlen_q=n, max_seqlen_k=n, sm_scale=d**-0.5,
@@ -70,7 +70,7 @@ def tune_decode(rows: list) -> None:
         best = None
         for bn, w, s in DECODE_CONFIGS:
             cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn,
-                               g_pack=hq // hkv, num_warps=w, num_stages=s)
+                               g_pack=hq // hkv, num_warps=w, num_stages=s, tma=True)
             for splits in (1, 2, 4, 8, 16, 32, 64, 128):
                 if splits > 1 and n // splits < bn:
                     continue

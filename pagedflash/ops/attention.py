@@ -289,6 +289,7 @@ class LaunchConfig:
     g_pack: int  # query heads of one KV group in a tile (1 or the whole group)
     num_warps: int = 4
     num_stages: int = 2
+    tma: bool = False  # K/V through Hopper tensor descriptors (only where _use_tma allows)
 
 
 def num_sms(device: torch.device) -> int:
@@ -310,27 +311,33 @@ def _cuda_sm_count(index: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
                   tma: bool) -> LaunchConfig:
-    """Tile shape for a launch. Decode-like launches (few query rows) pack the KV group's query heads
-    into the rows of one tile; prefill launches tile query tokens of one head.
+    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
+    the inputs allow it). Decode-like launches (few query rows) pack the KV group's query heads into
+    the rows of one tile; prefill launches tile query tokens of one head.
 
     The GPU values were measured with ``python -m pagedflash bench tune`` on an H200
-    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes."""
+    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes. Where
+    ptxas (triton 3.6) crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64
+    wide, any pipelined tile over 128 wide) the table steers around it."""
     pack = max_seqlen_q * group <= PACK_MAX_ROWS
     g_pack = group if pack else 1
     block_m = max(16, triton.next_power_of_2(max_seqlen_q * group)) if pack else 128
     block_d = triton.next_power_of_2(head_dim)
+    tma = tma and 64 <= block_d <= 128
     if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
         return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
     if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
-        if block_d <= 128:
-            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
-        return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
-    if block_d > 128:  # ptxas (triton 3.6) crashes on larger tiles or deeper pipelines at these widths
+        if tma and block_m <= 32:
+            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
+        return LaunchConfig(block_m=block_m, block_n=64 if block_d <= 128 else 32, g_pack=g_pack, num_warps=4,
+                            num_stages=3 if block_d <= 128 else 2)
+    if block_d > 128:
         return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
-    if tma:  # Hopper descriptor loads
+    if tma:
         if block_d <= 64:
-            return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3)
-        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3)
+            return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3,
+                                tma=True)
+        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3, tma=True)
     if block_d <= 64:
         return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8 if causal else 4, num_stages=3)
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
@@ -350,8 +357,6 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device:
 
 def _use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     if not TMA or paged or _env.interpreted() or not k.is_cuda or k.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if k.shape[-1] > 128:  # wide heads keep the pointer path (see choose_config)
         return False
     if _capability(k.device)[0] < 9:
         return False
@@ -407,9 +412,10 @@ def attention_forward(
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     group = hq // hkv
-    use_tma = _use_tma(k, v, paged)
+    tma_ok = _use_tma(k, v, paged)
     cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
-                                  interpreted=_env.interpreted(), tma=use_tma)
+                                  interpreted=_env.interpreted(), tma=tma_ok)
+    use_tma = cfg.tma and tma_ok
     block_q = cfg.block_m // cfg.g_pack
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
