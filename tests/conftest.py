@@ -11,6 +11,7 @@
 import pagedflash  # noqa: F401  (first: sets TRITON_INTERPRET on CPU-only machines)
 import pytest
 import torch
+import torch.utils._device as _torch_device
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
@@ -19,6 +20,9 @@ TOLERANCES = {torch.float32: (2e-4, 2e-4), torch.float16: (6e-3, 6e-3), torch.bf
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 
 _real_empty, _real_empty_like = torch.empty, torch.empty_like
+# torch.device(...) as a context manager recognizes factory functions from a set it builds once; build
+# it now, from the real functions, so that poisoning (which swaps torch.empty) cannot hide them from it.
+_torch_device._device_constructors()
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ def test_bench_paged_quick(tmp_path):
 
 
 def test_kernel_checks_table(capsys):
-    rows = run_kernel_checks("cpu")
+    rows = run_kernel_checks("cuda" if torch.cuda.is_available() else "cpu")
     names = " ".join(r["kernel"] for r in rows)
     for kernel in ("prefill dense", "causal", "window", "softcap", "varlen", "paged", "decode contiguous",
                    "append", "merge_attn_states", "write_kv_cache"):

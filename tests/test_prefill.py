@@ -127,3 +127,33 @@ def test_long_sequences(dtype, n, causal):
     q = randn(1, n, 2, 128, dtype=dtype)
     k, v = randn(1, n, 1, 128, dtype=dtype), randn(1, n, 1, 128, dtype=dtype)
     _check(q, k, v, dtype, causal=causal)
+
+
+class _FakeCompileError(RuntimeError):
+    pass
+
+
+def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
+    # triton 3.6's ptxas crashes on some tiles: the launcher retries once with a conservative tile
+    from pagedflash.ops import attention
+
+    real, seen = attention._attention_kernel, []
+
+    class Flaky:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(kwargs["num_stages"])
+                if kwargs["num_stages"] != 1:
+                    raise _FakeCompileError("ptxas died")
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(attention, "_attention_kernel", Flaky())
+    monkeypatch.setattr(attention, "_COMPILE_ERRORS", (_FakeCompileError,))
+    monkeypatch.setattr(attention, "_FALLBACK", {})
+    q, k, v = randn(1, 40, 2, 32), randn(1, 40, 2, 32), randn(1, 40, 2, 32)
+    with pytest.warns(UserWarning, match="failed .*_FakeCompileError.*; using"):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.float32)
+    flash_attn_func(q, k, v, causal=True)  # remembered: no second failing attempt
+    assert seen == [2, 1, 1]

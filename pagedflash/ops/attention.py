@@ -20,8 +20,10 @@ causal diagonal and the ragged end of the sequence). Every load is bounded by th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -374,6 +376,35 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+# Triton 3.6's ptxas crashes (SIGSEGV) on some tile/pipeline combinations of this kernel on sm90. A
+# launch whose compile fails retries once with a conservative tile (same rows, so the same grid)
+# and remembers the substitution; the failure is reported as a warning, never a wrong answer.
+_COMPILE_ERRORS = tuple(
+    e for e in (getattr(triton.runtime.errors, "PTXASError", None), getattr(triton.runtime.errors, "OutOfResources", None))
+    if e is not None
+)
+_FALLBACK: dict[tuple, tuple[LaunchConfig, bool]] = {}
+
+
+def _launch_with_fallback(grid, args, consts, cfg: LaunchConfig, use_tma: bool, dtype: torch.dtype) -> None:
+    key = (dtype, cfg, use_tma, tuple(sorted(consts.items())))
+    cfg, use_tma = _FALLBACK.get(key, (cfg, use_tma))
+    for attempt in range(2):
+        if use_tma:
+            triton.set_allocator(_tma_scratch)
+        try:
+            _attention_kernel[grid](*args, **consts, BLOCK_N=cfg.block_n, USE_TMA=use_tma,
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return
+        except _COMPILE_ERRORS as e:
+            safe = dataclasses.replace(cfg, block_n=32, num_warps=4, num_stages=1, tma=False)
+            if attempt or (cfg, use_tma) == (safe, False):
+                raise
+            warnings.warn(f"pagedflash: compiling {cfg} failed ({type(e).__name__}); using {safe}", stacklevel=3)
+            _FALLBACK[key] = (safe, False)
+            cfg, use_tma = safe, False
+
+
 def _bsh_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch or page, token or slot, head) strides of a 4-D tensor; batch stride 0 for a 3-D one."""
     if t.dim() == 4:
@@ -452,10 +483,8 @@ def attention_forward(
     else:  # [B, Hq, Sq]
         stride_l = lse.stride()
     left, right = window
-    if use_tma:
-        triton.set_allocator(_tma_scratch)
     if tokens > 0 and grid_q > 0:
-        _attention_kernel[(grid_q, grid_h, num_splits)](
+        args = (
             q, k, v, out, lse_arg, out_part, lse_part,
             cu_seqlens_q if varlen_q else dummy,
             cu_seqlens_k if cu_seqlens_k is not None else dummy,
@@ -468,14 +497,16 @@ def attention_forward(
             *(lse_part.stride()[:2] if num_splits > 1 else (0, 0)),
             batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
             num_q_tiles, sm_scale, softcap, left, right,
+        )
+        consts = dict(
             GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k.shape[1] if paged else 1,
+            BLOCK_M=cfg.block_m, PAGE_SIZE=k.shape[1] if paged else 1,
             NUM_SPLITS=num_splits, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_TMA=use_tma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
+        _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, use_tma, q.dtype)
         if num_splits > 1:
             combine_splits(out_part, lse_part, out, lse, tokens_per_batch=tokens if varlen_q else q.shape[1])
     return out, lse
