@@ -1,0 +1,400 @@
+"""``pagedflash bench serve``: the serving engine end to end, against transformers in the same run.
+
+Model: a Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32/8 heads, head dim 64, intermediate
+8192, vocab 128256, llama3 RoPE), random weights in bf16, written once to a temp directory so the
+engine and transformers load the very same tensors. Sections (``--sections``, default all):
+
+- ``throughput``: 256 requests, prompt and output lengths uniform in 100..1024, ignore_eos. Output
+  tokens/s of the engine against transformers' continuous batching (``init_continuous_batching``,
+  the manager behind ``generate_batch``, with per-request ``max_new_tokens``) and a padded
+  static-batch ``generate`` with SDPA (requests sorted by output length, batches of
+  ``--hf-batch-size``; only the requested tokens count). Target: >= 3x the best transformers path.
+- ``prefix``: 64 requests sharing a 4K-token system prompt plus distinct 128-token suffixes, 128
+  output tokens, prefix caching on and off. Targets: >= 3x throughput and >= 5x lower mean TTFT.
+- ``itl``: inter-token latency at batch 1 and 32, context 1K and 32K, CUDA graphs on and off. The
+  prompts are prefilled once beforehand, so the timed run serves them from the prefix cache and the
+  whole batch decodes together; the median gap after every request has its first token is
+  reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
+  read, over 4.8 TB/s) divided by the measured gap. Target: batch 1 at 1K with graphs >= 50%.
+
+Figures are printed and written to ``<out>/serve.json`` (tables of sections not run this time are
+kept from an earlier file). ``--quick`` runs a tiny model with tiny workloads anywhere (CPU: Triton
+interpreter): a smoke test of the plumbing, not figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedflash.bench.common import HBM_TBPS, Table, free_memory, print_table, write_results
+from pagedflash.engine import LLM, SamplingParams
+from pagedflash.engine.config import LLAMA_3_2_1B, TINY_LLAMA, ModelConfig
+
+SECTIONS = ("throughput", "prefix", "itl")
+FULL = dict(num_requests=256, prompt=(100, 1024), output=(100, 1024), prefix_requests=64, system=4096, suffix=128,
+            prefix_output=128, itl_batches=(1, 32), itl_contexts=(1024, 32768), itl_tokens=64)
+QUICK = dict(num_requests=6, prompt=(8, 24), output=(3, 8), prefix_requests=4, system=32, suffix=8,
+             prefix_output=4, itl_batches=(1, 2), itl_contexts=(16, 48), itl_tokens=4)
+TARGETS = {"throughput": 3.0, "prefix_tps": 3.0, "prefix_ttft": 5.0, "itl_bound": 0.5}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedflash bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model and workloads (CPU ok): plumbing only")
+    p.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for serve.json")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--model", default=None, help="local HF directory to use instead of random weights")
+    p.add_argument("--num-requests", type=int, default=None, help="throughput requests (default 256)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="static-batch generate: requests per batch")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _quiet_transformers()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if unknown := [s for s in sections if s not in SECTIONS]:
+        print(f"bench serve: unknown sections {unknown}; choose from {SECTIONS}", file=sys.stderr)
+        return 2
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.quick:
+        print("bench serve: needs a CUDA GPU (use --quick for a CPU smoke run)", file=sys.stderr)
+        return 2
+    w = dict(QUICK if args.quick else FULL)
+    if args.num_requests:
+        w["num_requests"] = args.num_requests
+    engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.quick:
+        engine_kw.update(num_blocks=512, max_num_batched_tokens=min(args.max_num_batched_tokens, 128))
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.mkdtemp(prefix="pagedflash_serve_")
+        model_dir = _write_random_model(TINY_LLAMA if args.quick else LLAMA_3_2_1B, tmp, on_gpu, args.seed)
+    else:
+        model_dir = args.model
+    config = ModelConfig.from_pretrained(model_dir)
+    print(f"bench serve: {config.architecture} {config.num_layers}x{config.hidden_size}, "
+          f"{config.num_parameters() / 1e9:.2f} B params, {'bf16 on ' + torch.cuda.get_device_name() if on_gpu else 'fp32 on CPU (interpreter)'}",
+          flush=True)
+    tables, summary = [], {}
+    runners = {
+        "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
+        "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
+        "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu),
+    }
+    try:
+        for name in SECTIONS:
+            if name in sections:
+                t0 = time.perf_counter()
+                tables.append(runners[name](random.Random(args.seed)))
+                print_table(tables[-1])
+                print(f"section {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+                _save(args.out, tables, summary, quick=args.quick)  # a later timeout keeps this section
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("summary: " + ", ".join(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()))
+    print(f"wrote {args.out / 'serve.json'}")
+    return 0
+
+
+def _save(out: Path, tables: list[Table], summary: dict, *, quick: bool) -> None:
+    """serve.json with this run's tables, plus those of other sections from an earlier file."""
+    kept, old_summary = _previous(out, {t.name for t in tables}, quick=quick)
+    write_results("serve", tables + kept, out, quick=quick, summary={**old_summary, **summary})
+
+
+# ------------------------------------------------------------------------------------ sections
+def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Table:
+    n, (plo, phi), (olo, ohi) = w["num_requests"], w["prompt"], w["output"]
+    prompts = [_tokens(rng, config, rng.randint(plo, phi)) for _ in range(n)]
+    out_lens = [rng.randint(olo, ohi) for _ in range(n)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in out_lens]
+    useful = sum(out_lens)
+    rows = []
+    llm = LLM(model_dir, **engine_kw)
+    _warm(llm, config, rng)
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    s = llm.last_stats
+    assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
+    ours = s["output_tokens_per_s"]
+    rows.append(dict(system="pagedflash engine", tok_s=ours, seconds=s["elapsed_s"],
+                     ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
+                     itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
+    _close(llm)
+    best = None
+    if not args.no_hf:
+        hf = _load_hf(model_dir)
+        for name, fn in (("transformers continuous batching (paged)", _hf_continuous_batching),
+                         (f"transformers generate, static batch {args.hf_batch_size}, SDPA", _hf_static)):
+            try:
+                secs, note = fn(hf, prompts, out_lens, args.hf_batch_size)
+                rows.append(dict(system=name, tok_s=useful / secs, seconds=secs, note=note))
+                best = max(best or 0.0, useful / secs)
+            except Exception as e:  # a baseline that does not run is reported, never fatal
+                rows.append(dict(system=name, tok_s=None, note=f"unavailable: {type(e).__name__}: {e}"[:160]))
+            free_memory()
+        del hf
+        free_memory()
+    for row in rows:
+        row["vs_best_hf"] = row["tok_s"] / best if best and row.get("tok_s") else None
+    if best:
+        summary["throughput_vs_best_transformers"] = ours / best
+    return Table("throughput", f"Throughput: {n} requests, prompts {plo}-{phi}, outputs {olo}-{ohi} tokens "
+                 f"({useful} output tokens), ignore_eos",
+                 {"system": "system", "tok_s": "output tok/s", "seconds": "s", "ttft_ms": "mean TTFT ms",
+                  "itl_ms": "mean ITL ms", "vs_best_hf": "x best transformers", "note": "note"},
+                 rows, note=f"target: pagedflash >= {TARGETS['throughput']}x the best transformers path")
+
+
+def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
+    system = _tokens(rng, config, w["system"])
+    prompts = [system + _tokens(rng, config, w["suffix"]) for _ in range(w["prefix_requests"])]
+    params = SamplingParams(max_tokens=w["prefix_output"], ignore_eos=True)
+    rows = []
+    for caching in (True, False):
+        llm = LLM(model_dir, enable_prefix_caching=caching, **engine_kw)
+        _warm(llm, config, rng)
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        s = llm.last_stats
+        ttft = [o.ttft for o in outs]
+        rows.append(dict(caching="on" if caching else "off", tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
+                         ttft_mean_ms=1e3 * statistics.mean(ttft), ttft_p50_ms=1e3 * statistics.median(ttft),
+                         hit_rate=s["prefix_cache_hit_rate"], prefill_tokens=s["computed_prefill_tokens"]))
+        _close(llm)
+    on, off = rows
+    on["tps_ratio"] = on["tok_s"] / off["tok_s"]
+    on["ttft_ratio"] = off["ttft_mean_ms"] / on["ttft_mean_ms"]
+    summary["prefix_throughput_ratio"] = on["tps_ratio"]
+    summary["prefix_ttft_ratio"] = on["ttft_ratio"]
+    return Table("prefix", f"Shared prefix: {len(prompts)} requests, {w['system']}-token system prompt + "
+                 f"{w['suffix']}-token suffixes, {w['prefix_output']} output tokens",
+                 {"caching": "prefix caching", "tok_s": "output tok/s", "seconds": "s", "ttft_mean_ms": "mean TTFT ms",
+                  "ttft_p50_ms": "p50 TTFT ms", "hit_rate": "hit rate", "prefill_tokens": "prefilled tokens",
+                  "tps_ratio": "throughput x", "ttft_ratio": "TTFT x lower"},
+                 rows, note=f"targets: throughput >= {TARGETS['prefix_tps']}x, mean TTFT >= {TARGETS['prefix_ttft']}x lower")
+
+
+def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
+    itemsize = 2 if on_gpu else 4
+    weight_bytes = config.num_parameters() * itemsize
+    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # per token
+    rows = []
+    for graphs in (True, False):
+        llm = LLM(model_dir, cuda_graphs=graphs, **engine_kw)
+        _warm(llm, config, rng)
+        for batch in w["itl_batches"]:
+            for ctx in w["itl_contexts"]:
+                prompts = [_tokens(rng, config, ctx) for _ in range(batch)]
+                # prefill once, so that the timed run finds the prompts in the prefix cache: all
+                # requests then start decoding in the same step and decode together to the end
+                llm.generate(prompts, SamplingParams(max_tokens=1))
+                outs = llm.generate(prompts, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
+                gaps = _steady_gaps(outs)
+                itl = statistics.median(gaps)
+                bound_s = (weight_bytes + batch * (ctx + w["itl_tokens"] / 2) * kv_bytes) / (HBM_TBPS * 1e12)
+                rows.append(dict(graphs="on" if graphs else "off", batch=batch, context=ctx, itl_ms=1e3 * itl,
+                                 itl_mean_ms=1e3 * statistics.mean(gaps), tok_s=batch / itl, bound_ms=1e3 * bound_s,
+                                 pct_bound=100 * bound_s / itl))
+        _close(llm)
+    key = next((r for r in rows if r["graphs"] == "on" and r["batch"] == w["itl_batches"][0]
+                and r["context"] == w["itl_contexts"][0]), None)
+    if key:
+        summary["itl_b1_1k_graphs_pct_of_bound"] = key["pct_bound"]
+    return Table("itl", f"Inter-token latency (median steady-state gap over {w['itl_tokens']} tokens)",
+                 {"graphs": "CUDA graphs", "batch": "batch", "context": "context", "itl_ms": "ITL ms",
+                  "itl_mean_ms": "mean ms", "tok_s": "tok/s", "bound_ms": "bound ms", "pct_bound": "% of bound"},
+                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB + KV read) / {HBM_TBPS} TB/s; "
+                            f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _quiet_transformers() -> None:
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _tokens(rng: random.Random, config, n: int) -> list[int]:
+    return [rng.randrange(3, config.vocab_size) for _ in range(n)]
+
+
+def _warm(llm: LLM, config, rng) -> None:
+    """Compile the kernels of every shape class before timing (prompts unrelated to the workload)."""
+    long = 300 if torch.cuda.is_available() else 12
+    llm.generate([_tokens(rng, config, long)] + [_tokens(rng, config, 5) for _ in range(3)],
+                 SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def _close(llm: LLM) -> None:
+    llm.close()
+    free_memory()
+
+
+def _steady_gaps(outs) -> list[float]:
+    """Token gaps after the last request got its first token (all requests decoding together)."""
+    start = max(o.ttft for o in outs)
+    gaps = []
+    for o in outs:
+        t = o.ttft
+        for gap in o.itl:
+            if t >= start - 1e-9:
+                gaps.append(gap)
+            t += gap
+    return gaps or [x for o in outs for x in o.itl]
+
+
+def _write_random_model(cfg: dict, path: str, on_gpu: bool, seed: int) -> str:
+    """Random weights (transformers' own init) saved as safetensors: both sides load this directory."""
+    import transformers
+
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    hf_cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    dev = "cuda" if on_gpu else "cpu"
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model.to(dev).save_pretrained(path)
+    del model
+    free_memory()
+    return path
+
+
+def _load_hf(model_dir):
+    import transformers
+
+    on_gpu = torch.cuda.is_available()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa")
+    return model.to("cuda" if on_gpu else "cpu").eval()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def _hf_static(model, prompts, out_lens, batch_size) -> tuple[float, str]:
+    """Padded static batches (left padding), each generating its longest requested output."""
+    dev = model.device
+    order = sorted(range(len(prompts)), key=lambda i: -out_lens[i])
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def run(idx, warm=False):
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        m = 4 if warm else max(out_lens[i] for i in idx)
+        model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=m, min_new_tokens=m,
+                       do_sample=False, pad_token_id=0)
+
+    run(batches[0][:2], warm=True)
+    _sync()
+    t0 = time.perf_counter()
+    for idx in _progress(batches, "transformers static"):
+        run(idx)
+    _sync()
+    generated = sum(max(out_lens[i] for i in idx) * len(idx) for idx in batches)
+    return time.perf_counter() - t0, f"{generated} generated incl. padding waste"
+
+
+@torch.inference_mode()
+def _hf_continuous_batching(model, prompts, out_lens, _batch_size, timeout: float = 420.0) -> tuple[float, str]:
+    """transformers' continuous-batching manager with per-request lengths, no EOS."""
+    import transformers
+
+    gen = transformers.GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, pad_token_id=0)
+    kw = {}
+    if not torch.cuda.is_available():  # off the GPU it cannot size its cache from free memory
+        kw["continuous_batching_config"] = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
+    manager = model.init_continuous_batching(generation_config=gen, **kw)
+    manager.start()
+    try:
+        manager.add_request([1, 2, 3, 4], request_id="warmup", max_new_tokens=4, eos_token_id=-1)
+        _collect(manager, {"warmup"}, timeout=600)
+        ids = {f"r{i}" for i in range(len(prompts))}
+        t0 = time.perf_counter()
+        for i, (p, m) in enumerate(zip(prompts, out_lens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
+        results = _collect(manager, ids, timeout=timeout)
+        secs = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True, timeout=60)
+    got = sum(len(r.generated_tokens) for r in results.values())
+    if got != sum(out_lens):
+        raise RuntimeError(f"produced {got} tokens, expected {sum(out_lens)}")
+    attn = getattr(model.config, "_attn_implementation", "?")
+    return secs, f"attn {attn}"
+
+
+def _collect(manager, ids: set[str], timeout: float) -> dict:
+    results, deadline = {}, time.perf_counter() + timeout
+    bar = _progress(None, "transformers CB", total=len(ids))
+    while len(results) < len(ids):
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{len(ids) - len(results)} requests unfinished after {timeout:.0f}s")
+        r = manager.get_result(timeout=1.0)
+        if r is None:
+            if not manager.is_running():
+                raise RuntimeError("the continuous-batching thread stopped")
+            continue
+        if r.request_id in ids and r.is_finished():
+            if getattr(r, "error", None):
+                raise RuntimeError(f"request {r.request_id}: {r.error}")
+            results[r.request_id] = r
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def _progress(items, desc: str, total: int | None = None):
+    """A tqdm bar on a terminal; in a log nothing (``items`` unchanged, or None for a manual bar)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is None or not sys.stderr.isatty():
+        return items
+    return tqdm(items, desc=desc, total=total if items is None else None, leave=False, dynamic_ncols=True)
+
+
+def _previous(out: Path, have: set[str], *, quick: bool) -> tuple[list[Table], dict]:
+    """Tables of sections not in ``have`` (and the summary) from an earlier serve.json of the same kind."""
+    path = out / "serve.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [], {}
+    if doc.get("env", {}).get("quick") != quick:
+        return [], {}
+    tables = [Table(name, t["title"], t["columns"], t["rows"], t.get("note", ""))
+              for name, t in doc.get("tables", {}).items() if name not in have]
+    return tables, doc.get("summary", {})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

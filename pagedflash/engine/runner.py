@@ -1,0 +1,195 @@
+"""ModelRunner: turns a scheduled batch into kernel metadata, runs the forward, samples.
+
+Metadata for ``B`` rows and ``T`` packed tokens (the only things the kernels see):
+``input_ids``/``positions`` int64 ``[T]``, ``slot_mapping`` int64 ``[T]``, ``cu_seqlens_q`` and
+``cu_seqlens_k`` int32 ``[B + 1]`` (``k``: cached prefix plus the new tokens), ``block_tables`` int32
+``[B, max_blocks]``.
+
+Steps with prefill chunks build fresh tensors. Decode-only steps (one token per row) use persistent
+buffers instead, whose block-table rows are updated incrementally (a row only receives the pages it
+does not hold yet), so a step's host work does not grow with the context. On a GPU those steps
+replay CUDA graphs captured for a ladder of batch sizes: ``n`` rows run in the graph of the next
+size ``bs >= n``; the padding rows write nowhere (slot -1), attend one key of a valid page, and their
+outputs are dropped. A graph's attention uses a fixed ``num_splits`` and ``max_seqlen_k =
+max_model_len``, so it does no host sync and no data-dependent allocation. Without graphs the same
+buffers feed an eager forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedflash import validate
+from pagedflash.cache import PAD_BLOCK_ID, KVCache, slot_mapping
+from pagedflash.engine.model import AttentionMetadata, CausalLM
+from pagedflash.engine.sampling import sample
+from pagedflash.engine.scheduler import Batch
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
+MAX_GRAPH_SPLITS = 32
+
+
+def graph_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """KV splits of a decode graph's attention: enough (row x KV head x split) programs to fill the
+    SMs about twice, as a power of two (few kernel variants to compile). The kernel divides each
+    sequence's actual length among the splits, so short contexts simply leave some splits empty."""
+    want = -(-2 * num_sms // (batch_size * num_kv_heads))
+    return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_model_len: int, max_num_seqs: int,
+                 use_cuda_graphs: bool, generator: torch.Generator | None):
+        self.model = model
+        self.kv_caches = [kv_cache[i] for i in range(len(kv_cache))]
+        self.page_size = kv_cache.page_size
+        self.max_model_len = max_model_len
+        self.device = kv_cache.device
+        self.generator = generator
+        self.pin = self.device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._alloc_decode_buffers(min(max_num_seqs, GRAPH_BATCH_SIZES[-1]))
+        if use_cuda_graphs and self.device.type == "cuda":
+            self.capture_graphs()
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> list[int]:
+        """One step: forward, logits of the rows that reached their end, one sampled token each."""
+        hidden, logits_idx = self.forward(batch)
+        if not logits_idx:
+            return []
+        if len(logits_idx) < hidden.shape[0]:  # decode steps sample every row: no gather
+            hidden = hidden[torch.tensor(logits_idx, pin_memory=self.pin).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(hidden)
+        rows = [r for r in batch.rows if r.samples]
+        return sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows], self.generator)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states (one row per token) and the indices of the rows to sample.
+
+        The kernels' device-reading metadata checks are off: this runner builds the metadata itself
+        from the block manager's tables, and the checks would sync with the device in every layer."""
+        with validate.value_checks(False):
+            if batch.is_decode_only and len(batch.rows) <= self.max_decode_rows:
+                return self._decode(batch), [i for i, r in enumerate(batch.rows) if r.samples]
+            ids, pos, meta, logits_idx = self.prepare(batch)
+            return self.model(ids, pos, meta, self.kv_caches), logits_idx
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare(self, batch: Batch):
+        """Host lists -> device tensors: (input_ids, positions, meta, logits_indices)."""
+        p = self.page_size
+        ids, pos, slots, cu_q, cu_k, tables, logits_idx = [], [], [], [0], [0], [], []
+        for row in batch.rows:
+            seq = row.seq
+            ids += seq.token_ids[row.start : row.end]
+            pos += range(row.start, row.end)
+            slots += slot_mapping(seq.block_table, row.start, row.end, page_size=p)
+            cu_q.append(cu_q[-1] + row.num_tokens)
+            cu_k.append(cu_k[-1] + row.end)
+            tables.append(seq.block_table[: -(-row.end // p)])
+            if row.samples:
+                logits_idx.append(cu_q[-1] - 1)
+        width = max(len(t) for t in tables)
+        tables = [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            max_seqlen_q=max(r.num_tokens for r in batch.rows),
+            max_seqlen_k=max(r.end for r in batch.rows),
+            block_tables=self._tensor(tables, torch.int32),
+        )
+        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, logits_idx
+
+    # ------------------------------------------------------------------ decode-only steps
+    def _alloc_decode_buffers(self, rows: int) -> None:
+        dev = self.device
+        self.max_decode_rows = rows
+        self._ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._pos = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self._cu_q = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query per row, fixed
+        self._cu_k = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        max_pages = -(-self.max_model_len // self.page_size)
+        self._tables = torch.full((rows, max_pages), PAD_BLOCK_ID, dtype=torch.int32, device=dev)
+        self._held: list[tuple] = [()] * rows  # what each table row holds: (seq_id, num_preemptions, pages)
+        self._out = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.lm_head.weight.dtype,
+                                device=dev)
+
+    def _decode(self, batch: Batch) -> torch.Tensor:
+        """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run."""
+        n, p = len(batch.rows), self.page_size
+        bs = next((b for b in sorted(self.graphs) if b >= n), n)
+        ids, pos, slots, cu_k = [], [], [], [0]
+        t_rows, t_cols, t_vals = [], [], []
+        for i, row in enumerate(batch.rows):
+            seq = row.seq
+            ids.append(seq.token_ids[row.start])
+            pos.append(row.start)
+            slots.append(seq.block_table[row.start // p] * p + row.start % p)
+            cu_k.append(cu_k[-1] + row.end)
+            pages = -(-row.end // p)
+            held = self._held[i]
+            first = held[2] if held[:2] == (seq.seq_id, seq.num_preemptions) and held[2] <= pages else 0
+            t_rows += [i] * (pages - first)
+            t_cols += range(first, pages)
+            t_vals += seq.block_table[first:pages]
+            self._held[i] = (seq.seq_id, seq.num_preemptions, pages)
+        slots += [-1] * (bs - n)  # padding rows write nowhere ...
+        for _ in range(bs - n):
+            cu_k.append(cu_k[-1] + 1)  # ... and attend one key of whatever page their row holds
+        self._ids[:n].copy_(self._tensor(ids, torch.int64), non_blocking=True)
+        self._pos[:n].copy_(self._tensor(pos, torch.int64), non_blocking=True)
+        self._slots[:bs].copy_(self._tensor(slots, torch.int64), non_blocking=True)
+        self._cu_k[: bs + 1].copy_(self._tensor(cu_k, torch.int32), non_blocking=True)
+        if t_rows:
+            index = self._tensor([t_rows, t_cols], torch.int64)
+            self._tables.index_put_((index[0], index[1]), self._tensor(t_vals, torch.int32))
+        if bs not in self.graphs:
+            meta = self._decode_meta(n, max_seqlen_k=max(r.end for r in batch.rows), num_splits=0)
+            return self.model(self._ids[:n], self._pos[:n], meta, self.kv_caches)
+        self.graphs[bs].replay()
+        return self._out[:n]
+
+    def _decode_meta(self, bs: int, *, max_seqlen_k: int, num_splits: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._slots[:bs], cu_seqlens_q=self._cu_q[: bs + 1], cu_seqlens_k=self._cu_k[: bs + 1],
+            max_seqlen_q=1, max_seqlen_k=max_seqlen_k, block_tables=self._tables[:bs], num_splits=num_splits,
+        )
+
+    def capture_graphs(self) -> None:
+        """Capture one graph per batch size of the ladder up to ``max_decode_rows``."""
+        sizes = [b for b in GRAPH_BATCH_SIZES if b < self.max_decode_rows] + [self.max_decode_rows]
+        sms = num_sms(self.device)
+        pool = None
+        with torch.inference_mode():
+            for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
+                meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
+                                         num_splits=graph_num_splits(bs, self.model.config.num_kv_heads, sms))
+
+                def body(bs=bs, meta=meta):
+                    self._out[:bs] = self.model(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
+
+                self.graphs[bs], pool = capture(body, pool)
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
+def capture(body, pool):
+    """Run ``body`` once (compiles the kernels), then capture it into a CUDA graph sharing ``pool``.
+    Returns ``(graph, pool)``; ``graph.replay()`` reruns the body's kernels on the same buffers."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+    torch.cuda.synchronize()
+    return graph, graph.pool() if pool is None else pool

@@ -1,0 +1,81 @@
+"""SamplingParams and the sampler: greedy, or temperature then top-k then top-p, per request.
+
+A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else is in
+the batch; requests without one share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request generates.
+
+    max_tokens: generated tokens at most (>= 1). temperature: 0.0 is greedy, else > 0. top_p in (0, 1].
+    top_k: 0 (off) or >= 1. seed: per-request generator seed. ignore_eos: keep going past EOS.
+    stop_token_ids: extra ids that end the request (the stop token is kept in the output).
+    Out-of-range values raise ``ValueError`` here, and are checked again per request in ``generate``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] | list[int] = ()
+
+    def __post_init__(self):
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """A message saying which field is out of range, or None."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            return f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
+            return f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p!r}"
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            return f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}"
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            return f"seed must be an int or None, got {self.seed!r}"
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            return f"stop_token_ids must be non-negative ints, got {list(self.stop_token_ids)!r}"
+        return None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask ``logits [V]`` (already divided by temperature) outside top-k, then outside the top-p nucleus."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator | None) -> list[int]:
+    """One token per row of ``logits [R, V]`` (fp32)."""
+    tokens = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    for i in rows:
+        p = params[i]
+        probs = _filter(logits[i] / p.temperature, p.top_k, p.top_p).softmax(-1)
+        gen = generators[i] if generators[i] is not None else default_generator
+        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    return tokens.tolist()

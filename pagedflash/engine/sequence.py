@@ -1,0 +1,95 @@
+"""One request's state inside the engine, and what ``generate`` hands back for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedflash.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not holding blocks (new, or preempted for recompute)
+    RUNNING = "running"  # holds blocks; prefilling (possibly in chunks) or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class GenerationOutput:
+    """The result of one prompt.
+
+    token_ids: generated ids only (no prompt). finish_reason: ``"stop"`` (EOS or a stop id, which is
+    kept), ``"length"`` (max_tokens or the model's maximum length) or ``"error"`` (then ``error`` says
+    why and nothing was generated). ttft: seconds from the ``generate`` call to the first token. itl:
+    seconds between consecutive tokens (``len(token_ids) - 1`` entries). num_cached_tokens: prompt
+    tokens served from the prefix cache at first admission.
+    """
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    latency: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def token_latencies(self) -> list[float]:
+        """Per-token latencies: the TTFT, then each inter-token gap."""
+        return ([self.ttft] if self.ttft is not None else []) + self.itl
+
+
+class Sequence:
+    """Token ids (prompt + generated) and how far the KV cache has caught up with them.
+
+    ``num_computed`` tokens have their K/V in the cache; the next step feeds tokens from there on. When
+    it reaches ``len(token_ids)`` the step samples a new token. Decoding is the case of one token left.
+    """
+
+    def __init__(self, seq_id: int, prompt: list[int], params: SamplingParams, arrival: float, device):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.params = params
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.num_cached_tokens: int | None = None  # at first admission
+        self.num_preemptions = 0
+        self.arrival = arrival
+        self.token_times: list[float] = []
+        self.finish_reason: str | None = None
+        self.generator = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device).manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def to_output(self, index: int) -> GenerationOutput:
+        times = self.token_times
+        return GenerationOutput(
+            index=index,
+            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            token_ids=self.output_ids,
+            finish_reason=self.finish_reason,
+            ttft=times[0] - self.arrival if times else None,
+            itl=[b - a for a, b in zip(times, times[1:])],
+            latency=times[-1] - self.arrival if times else None,
+            num_cached_tokens=self.num_cached_tokens or 0,
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,1 @@
+"""Integrations of pagedflash's kernels into other libraries (``transformers``)."""

@@ -1,0 +1,133 @@
+"""``attn_implementation="pagedflash"`` for Hugging Face ``transformers`` models.
+
+    import pagedflash.integrations.transformers as pf_hf
+    pf_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="pagedflash")
+
+Registers :func:`pagedflash_attention_forward` with ``transformers.AttentionInterface`` and, with
+``transformers.AttentionMaskInterface``, the mask function of the flash-attention path: it hands the
+attention either ``None`` (no padding: dense causal :func:`pagedflash.flash_attn_func`) or the 2D
+padding mask ``[B, Sk]``, from which the sequences are unpadded into one
+:func:`pagedflash.flash_attn_varlen_func` launch. Prefill and decode work with transformers' own
+caches (keys arrive with the past prepended; causal masking is bottom-right aligned). Inference only.
+
+One shim: transformers decides "is this flash attention?" by a substring test on the name
+(``"flash" in attn_implementation``) and then, at model init, tries to import a flash-attn package
+or hub kernel of that name, which fails for ``"pagedflash"``. :func:`register` therefore wraps
+``transformers.modeling_utils.lazy_import_flash_attention`` so that it skips the names registered
+here and defers to the original for every other name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedflash import flash_attn_func, flash_attn_varlen_func
+
+NAME = "pagedflash"
+_MASK_SOURCE = "flash_attention_2"  # transformers' mask function for unpadded kernels
+
+
+def register(name: str = NAME) -> None:
+    """Make ``attn_implementation=name`` available to every transformers model (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(name, pagedflash_attention_forward)
+    AttentionMaskInterface.register(name, AttentionMaskInterface()[_MASK_SOURCE])
+    _REGISTERED.add(name)
+    _skip_flash_preload()
+
+
+_REGISTERED: set[str] = set()
+
+
+def _skip_flash_preload() -> None:
+    """Keep transformers from importing a flash-attn package for our names (see the module doc)."""
+    import transformers.modeling_utils as mu
+
+    original = getattr(mu, "lazy_import_flash_attention", None)
+    if original is None or getattr(original, "_pagedflash_wrapped", False):
+        return
+
+    def lazy_import_flash_attention(implementation, *args, **kwargs):
+        if implementation in _REGISTERED:
+            return None
+        return original(implementation, *args, **kwargs)
+
+    lazy_import_flash_attention._pagedflash_wrapped = True
+    mu.lazy_import_flash_attention = lazy_import_flash_attention
+
+
+def pagedflash_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, Hq, Sq, D]
+    key: torch.Tensor,  # [B, Hkv, Sk, D]
+    value: torch.Tensor,  # [B, Hkv, Sk, D]
+    attention_mask: torch.Tensor | None,  # None or bool/int [B, Sk] (1 = real token)
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The transformers attention-function contract; returns ``([B, Sq, Hq, D], None)``."""
+    if dropout:
+        raise ValueError("pagedflash attention is inference-only: dropout must be 0 (call model.eval())")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(
+            f"pagedflash attention takes no mask or a 2D padding mask [B, Sk], got shape {tuple(attention_mask.shape)}"
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
+    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
+    if attention_mask is not None and bool(attention_mask.all()) and attention_mask.shape[1] == k.shape[1]:
+        attention_mask = None
+    if attention_mask is not None:
+        return _varlen(q, k, v, attention_mask.bool(), opts), None
+    cu = _packed_cu_seqlens(q, k, kwargs)
+    if cu is not None:  # padding-free batch: several sequences packed in one row
+        cu_q, cu_k = cu
+        lens_q, lens_k = (int((c[1:] - c[:-1]).max()) for c in cu)
+        return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, lens_q, lens_k, **opts)[None], None
+    return flash_attn_func(q, k, v, **opts), None  # strided views: only the last dim must be contiguous
+
+
+def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(cu_seqlens_q, cu_seqlens_k)`` of a packed row: from transformers' ``cu_seq_lens_q/k`` kwargs
+    (padding-free collators), or from ``position_ids`` restarting at 0 within a single row."""
+    if q.shape[0] != 1:
+        return None
+    if kwargs.get("cu_seq_lens_q") is not None:
+        cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
+        return cu_q, kwargs.get("cu_seq_lens_k", cu_q).to(torch.int32)
+    pos = kwargs.get("position_ids")
+    if pos is None or q.shape[1] != k.shape[1] or q.shape[1] < 2:
+        return None
+    starts = (pos.reshape(-1) == 0).nonzero().flatten()
+    if starts.numel() < 2:
+        return None
+    end = torch.tensor([q.shape[1]], device=starts.device)
+    cu = torch.cat([starts, end]).to(device=q.device, dtype=torch.int32)
+    return cu, cu
+
+
+def _varlen(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
+    """Unpad by the 2D mask (real tokens of a row must be contiguous and end with its queries, as with
+    left padding, or right padding in a prefill), run one varlen launch, pad the output back."""
+    b, sq = q.shape[:2]
+    sk = mask.shape[1]
+    k, v = k[:, :sk], v[:, :sk]  # a static cache may be longer than the mask
+    q_mask = mask[:, -sq:] if sq <= sk else torch.ones(b, sq, dtype=torch.bool, device=mask.device)
+    seqlens_q = q_mask.sum(-1, dtype=torch.int32)
+    seqlens_k = mask.sum(-1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_q = torch.cat([zero, seqlens_q.cumsum(0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
+    out = flash_attn_varlen_func(
+        q[q_mask], k[mask], v[mask], cu_q, cu_k, int(seqlens_q.max()), int(seqlens_k.max()), **opts
+    )
+    padded = q.new_zeros(q.shape)
+    padded[q_mask] = out
+    return padded
