@@ -7,7 +7,7 @@ from conftest import DTYPES, ON_GPU, assert_close, ids, randn
 from pagedflash import flash_attn_with_kvcache, merge_attn_states
 from pagedflash import reference as ref
 
-SPLITS = [1, 3, 8, 0]
+SPLITS = [1, 3, 8, 40, 0]  # 40: more splits than KV tiles (empty splits) and a multi-chunk combine
 HEADS = [(8, 8), (8, 2), (5, 1), (32, 4)] if ON_GPU else [(4, 4), (8, 2), (5, 1)]
 
 

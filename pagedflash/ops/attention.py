@@ -9,7 +9,9 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   (the only difference is :func:`_kv_offsets`, the address helper);
 - ``G_PACK``: how many query heads that share a KV head are packed into the rows of one tile
   (1 for prefill; the whole group for decode, so each KV byte is read once per group);
-- ``NUM_SPLITS``: the KV range of a tile split over programs (flash-decoding); each split writes a
+- ``SPLIT_KV``: the KV range of a tile split over ``num_splits`` programs (flash-decoding; the count
+  is a runtime argument, so a serving engine whose split count varies step to step compiles once);
+  each split writes a
   partial (out, lse) and :mod:`pagedflash.ops.combine` merges them;
 - ``HAS_LEFT`` / ``HAS_RIGHT`` / ``HAS_SOFTCAP``: sliding window, causal (``right == 0``), softcap.
 
@@ -130,8 +132,8 @@ def _attention_kernel(
     V,  # like K
     Out,  # like Q
     Lse,  # [B, Hq, Sq] or [Hq, total_q], fp32
-    OutPart,  # [NUM_SPLITS, tokens, Hq, D] fp32 (split-KV only)
-    LsePart,  # [NUM_SPLITS, tokens, Hq] fp32 (split-KV only)
+    OutPart,  # [num_splits, tokens, Hq, D] fp32 (split-KV only)
+    LsePart,  # [num_splits, tokens, Hq] fp32 (split-KV only)
     CuSeqlensQ,  # [B + 1] int32 (varlen)
     CuSeqlensK,  # [B + 1] int32 (varlen K or paged)
     SequsedK,  # [B] int32 (KV-cache lengths)
@@ -144,10 +146,10 @@ def _attention_kernel(
     stride_tb,
     stride_ps, stride_pt, stride_ph,
     stride_lps, stride_lpt,
-    batch, seqlen_q, seqlen_k, num_q_tiles,
+    batch, seqlen_q, seqlen_k, num_q_tiles, num_splits,
     sm_scale, softcap, window_left, window_right,
     GROUP: tl.constexpr, G_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -211,8 +213,8 @@ def _attention_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
     full_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo), hi)
-    if NUM_SPLITS > 1:  # this program's share of the tiles of [lo, hi)
-        per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), NUM_SPLITS) * BLOCK_N
+    if SPLIT_KV:  # this program's share of the tiles of [lo, hi)
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), num_splits) * BLOCK_N
         s_lo = lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, hi)
     else:
@@ -258,7 +260,7 @@ def _attention_kernel(
 
     # --- write the tile: final output, or this split's partial state
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         o_rows = b.to(tl.int64) * stride_ob + (q_start + q_pos).to(tl.int64) * stride_ot + row_head * stride_oh
         tl.store(Out + o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=out_mask)
         if WRITE_LSE:
@@ -496,12 +498,12 @@ def attention_forward(
             *(out_part.stride()[:3] if num_splits > 1 else (0, 0, 0)),
             *(lse_part.stride()[:2] if num_splits > 1 else (0, 0)),
             batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
-            num_q_tiles, sm_scale, softcap, left, right,
+            num_q_tiles, num_splits, sm_scale, softcap, left, right,
         )
         consts = dict(
             GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
             BLOCK_M=cfg.block_m, PAGE_SIZE=k.shape[1] if paged else 1,
-            NUM_SPLITS=num_splits, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
+            SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

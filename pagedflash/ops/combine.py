@@ -1,6 +1,6 @@
 """Merging partial attention states by their log-sum-exp.
 
-- :func:`combine_splits`: the second stage of split-KV (flash-decoding): ``NUM_SPLITS`` partial
+- :func:`combine_splits`: the second stage of split-KV (flash-decoding): ``num_splits`` partial
   states of every (token, head) folded into the final output, in a fixed order (deterministic).
 - :func:`merge_attn_states`: the public two-state merge for cascade / shared-prefix attention.
 
@@ -21,37 +21,37 @@ SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in re
 
 @triton.jit
 def _combine_kernel(
-    OutPart,  # [NUM_SPLITS, tokens, H, D] fp32
-    LsePart,  # [NUM_SPLITS, tokens, H] fp32
+    OutPart,  # [num_splits, tokens, H, D] fp32
+    LsePart,  # [num_splits, tokens, H] fp32
     Out,  # [B, S, H, D] or [tokens, H, D]
     Lse,  # [B, H, S] or [H, tokens] fp32 (WRITE_LSE)
     stride_ps, stride_pt, stride_ph,
     stride_lps, stride_lpt,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh, stride_lt,
-    tokens_per_batch,
-    NUM_SPLITS: tl.constexpr, ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    tokens_per_batch, num_splits,
+    ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """One (token, head) per program. All split LSEs are read at once and the partial outputs in
-    unrolled chunks, so no load waits on the previous one (a serial merge would pay the memory
-    latency once per split)."""
+    chunks of BLOCK_S splits whose loads do not wait on each other (a split-by-split merge would pay
+    the memory latency once per split). The split count is a runtime argument: no recompile per count."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     lse_base = LsePart + tok * stride_lpt + head
     offs_all = tl.arange(0, ALL_S)
-    lse_all = _jit.empty_if_inf(tl.load(lse_base + offs_all * stride_lps, mask=offs_all < NUM_SPLITS,
+    lse_all = _jit.empty_if_inf(tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits,
                                         other=float("-inf")))
     m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lse_all - m_safe) * _jit.LOG2E), 0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     o_base = OutPart + tok * stride_pt + head * stride_ph
-    for c in tl.static_range(0, NUM_SPLITS, BLOCK_S):
+    for c in range(0, num_splits, BLOCK_S):
         offs_s = c + tl.arange(0, BLOCK_S)
-        s_ok = offs_s < NUM_SPLITS
+        s_ok = offs_s < num_splits
         lse_s = _jit.empty_if_inf(tl.load(lse_base + offs_s * stride_lps, mask=s_ok, other=float("-inf")))
         w = tl.exp2((lse_s - m_safe) * _jit.LOG2E)
         o_s = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
@@ -83,8 +83,8 @@ def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> No
     _combine_kernel[(tokens, heads)](
         out_part, lse_part, out, lse if lse is not None else out,
         *out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l,
-        tokens_per_batch,
-        NUM_SPLITS=num_splits, ALL_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        tokens_per_batch, num_splits,
+        ALL_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_S=min(SPLITS_PER_LOAD, triton.next_power_of_2(num_splits)), WRITE_LSE=lse is not None, num_warps=4,
     )
 
