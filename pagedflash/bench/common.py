@@ -427,7 +427,9 @@ def env_info(quick: bool) -> dict:
         "cuda": torch.version.cuda,
         "quick": quick,
         "timing": (f"triton.testing.do_bench(warmup={_TIMING['warmup']}, rep={_TIMING['rep']}, "
-                   "return_mode='median'); L2 flushed before every call; pagedflash value checks "
+                   "return_mode='median') of " + ("CUDA-graph replays" if _TIMING.get("graphs", True)
+                                                  else "eager calls") +
+                   " (both sides); L2 flushed before every call; pagedflash value checks "
                    "(host syncs) off while timing" if has_gpu()
                    else "CPU wall clock under the Triton interpreter (smoke only, not a figure)"),
     }
