@@ -8,14 +8,14 @@ from conftest import ON_GPU, assert_close, cu_seqlens, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash import reference as ref
-from pagedflash.ops import attention
+from pagedflash.ops import launch
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="only differs from the default path on a GPU")
 
 
 @pytest.fixture(params=[True, False], ids=["tma", "pointers"])
 def tma(request, monkeypatch):
-    monkeypatch.setattr(attention, "TMA", request.param)
+    monkeypatch.setattr(launch, "TMA", request.param)
     return request.param
 
 

@@ -1,6 +1,9 @@
 import torch
-from pagedflash.ops.attention import LaunchConfig, attention_forward
+
 from pagedflash import reference as ref
+from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.launch import LaunchConfig
+
 for d in (256, 200, 160):
     q, k, v = (torch.randn(2, 300, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     want = ref.attention_ref(q, k, v, causal=True)[0]

@@ -1,4 +1,4 @@
-"""Launch-choice sweep: the evidence behind the tables in :func:`pagedflash.ops.attention.choose_config`
+"""Launch-choice sweep: the evidence behind the tables in :func:`pagedflash.ops.launch.choose_config`
 and :func:`choose_num_splits`.
 
 ``python -m pagedflash bench tune`` times candidate tile shapes for prefill and split counts for
@@ -16,7 +16,8 @@ import os
 import torch
 import triton
 
-from pagedflash.ops.attention import LaunchConfig, attention_forward
+from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.launch import LaunchConfig
 
 PREFILL_CONFIGS = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),

@@ -23,10 +23,7 @@ causal diagonal and the ragged end of the sequence). Every load is bounded by th
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import warnings
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -36,6 +33,7 @@ from pagedflash import _env
 from pagedflash.ops import _jit
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
+from pagedflash.ops.launch import MAX_SPLITS, LaunchConfig, choose_config, choose_num_splits, use_tma
 
 
 @triton.jit
@@ -273,106 +271,6 @@ def _attention_kernel(
         tl.store(LsePart + split * stride_lps + tok * stride_lpt + row_head, lse, mask=row_ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launch choices: tile shapes, packing and the number of KV splits, all decided here.
-# ----------------------------------------------------------------------------------------------
-
-# Hopper tensor-memory-accelerator loads for contiguous K/V (dense, varlen and the contiguous KV
-# cache; paged caches gather rows and use pointer loads). PAGEDFLASH_TMA=0 turns it off; the
-# pointer path is the portable one and runs everywhere else.
-TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
-MAX_SPLITS = 128
-MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
-PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_m: int  # rows per tile: query tokens x packed heads
-    block_n: int  # keys per tile
-    g_pack: int  # query heads of one KV group in a tile (1 or the whole group)
-    num_warps: int = 4
-    num_stages: int = 2
-    tma: bool = False  # K/V through Hopper tensor descriptors (only where _use_tma allows)
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a nominal 16 under the interpreter)."""
-    if device.type != "cuda":
-        return 16
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _cuda_sm_count(index: int) -> int:
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-@functools.lru_cache(maxsize=1024)
-def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                  tma: bool) -> LaunchConfig:
-    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
-    the inputs allow it). Decode-like launches (few query rows) pack the KV group's query heads into
-    the rows of one tile; prefill launches tile query tokens of one head.
-
-    The GPU values were measured with ``python -m pagedflash bench tune`` on an H200
-    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes. Where
-    ptxas (triton 3.6) crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64
-    wide, any pipelined tile over 128 wide) the table steers around it."""
-    pack = max_seqlen_q * group <= PACK_MAX_ROWS
-    g_pack = group if pack else 1
-    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group)) if pack else 128
-    block_d = triton.next_power_of_2(head_dim)
-    tma = tma and 64 <= block_d <= 128
-    if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
-        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
-    if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
-        if tma and block_m <= 32:
-            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
-        return LaunchConfig(block_m=block_m, block_n=64 if block_d <= 128 else 32, g_pack=g_pack, num_warps=4,
-                            num_stages=3 if block_d <= 128 else 2)
-    if block_d > 128:
-        return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
-    if tma:
-        if block_d <= 64:
-            return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3,
-                                tma=True)
-        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3, tma=True)
-    if block_d <= 64:
-        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8 if causal else 4, num_stages=3)
-    return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
-
-
-def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
-    """Split the KV range when the grid would leave SMs idle: aim for about two programs per SM,
-    keep at least ``MIN_TILES_PER_SPLIT`` tiles per split. Uses only host-known sizes (the cache
-    capacity or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
-    sms = num_sms(device)
-    if programs >= sms:
-        return 1
-    kv_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
-
-
-def _use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
-    if not TMA or paged or _env.interpreted() or not k.is_cuda or k.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if _capability(k.device)[0] < 9:
-        return False
-    align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
-    return all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v))
-
-
-@functools.lru_cache(maxsize=16)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -388,23 +286,23 @@ _COMPILE_ERRORS = tuple(
 _FALLBACK: dict[tuple, tuple[LaunchConfig, bool]] = {}
 
 
-def _launch_with_fallback(grid, args, consts, cfg: LaunchConfig, use_tma: bool, dtype: torch.dtype) -> None:
-    key = (dtype, cfg, use_tma, tuple(sorted(consts.items())))
-    cfg, use_tma = _FALLBACK.get(key, (cfg, use_tma))
+def _launch_with_fallback(grid, args, consts, cfg: LaunchConfig, tma_on: bool, dtype: torch.dtype) -> None:
+    key = (dtype, cfg, tma_on, tuple(sorted(consts.items())))
+    cfg, tma_on = _FALLBACK.get(key, (cfg, tma_on))
     for attempt in range(2):
-        if use_tma:
+        if tma_on:
             triton.set_allocator(_tma_scratch)
         try:
-            _attention_kernel[grid](*args, **consts, BLOCK_N=cfg.block_n, USE_TMA=use_tma,
+            _attention_kernel[grid](*args, **consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on,
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return
         except _COMPILE_ERRORS as e:
             safe = dataclasses.replace(cfg, block_n=32, num_warps=4, num_stages=1, tma=False)
-            if attempt or (cfg, use_tma) == (safe, False):
+            if attempt or (cfg, tma_on) == (safe, False):
                 raise
             warnings.warn(f"pagedflash: compiling {cfg} failed ({type(e).__name__}); using {safe}", stacklevel=3)
             _FALLBACK[key] = (safe, False)
-            cfg, use_tma = safe, False
+            cfg, tma_on = safe, False
 
 
 def _bsh_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -445,10 +343,10 @@ def attention_forward(
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     group = hq // hkv
-    tma_ok = _use_tma(k, v, paged)
+    tma_ok = use_tma(k, v, paged)
     cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
                                   interpreted=_env.interpreted(), tma=tma_ok)
-    use_tma = cfg.tma and tma_ok
+    tma_on = cfg.tma and tma_ok
     block_q = cfg.block_m // cfg.g_pack
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
@@ -508,7 +406,7 @@ def attention_forward(
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
-        _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, use_tma, q.dtype)
+        _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, tma_on, q.dtype)
         if num_splits > 1:
             combine_splits(out_part, lse_part, out, lse, tokens_per_batch=tokens if varlen_q else q.shape[1])
     return out, lse

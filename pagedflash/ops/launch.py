@@ -1,0 +1,111 @@
+"""Launch choices for the attention kernel, all in one place: tile shapes and warps per workload,
+GQA packing, the number of KV splits, and whether K/V load through Hopper TMA descriptors.
+
+The GPU values come from ``python -m pagedflash bench tune`` on an H200 (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from pagedflash import _env
+
+# Hopper tensor-memory-accelerator loads for contiguous K/V (dense, varlen and the contiguous KV
+# cache; paged caches gather rows and use pointer loads). PAGEDFLASH_TMA=0 turns it off; the
+# pointer path is the portable one and runs everywhere else.
+TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
+MAX_SPLITS = 128
+MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
+PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # rows per tile: query tokens x packed heads
+    block_n: int  # keys per tile
+    g_pack: int  # query heads of one KV group in a tile (1 or the whole group)
+    num_warps: int = 4
+    num_stages: int = 2
+    tma: bool = False  # K/V through Hopper tensor descriptors (only where _use_tma allows)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a nominal 16 under the interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _cuda_sm_count(index: int) -> int:
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+@functools.lru_cache(maxsize=1024)
+def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
+                  tma: bool) -> LaunchConfig:
+    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
+    the inputs allow it). Decode-like launches (few query rows) pack the KV group's query heads into
+    the rows of one tile; prefill launches tile query tokens of one head.
+
+    The GPU values were measured with ``python -m pagedflash bench tune`` on an H200
+    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes. Where
+    ptxas (triton 3.6) crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64
+    wide, any pipelined tile over 128 wide) the table steers around it."""
+    pack = max_seqlen_q * group <= PACK_MAX_ROWS
+    g_pack = group if pack else 1
+    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group)) if pack else 128
+    block_d = triton.next_power_of_2(head_dim)
+    tma = tma and 64 <= block_d <= 128
+    if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
+        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
+    if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
+        if tma and block_m <= 32:
+            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
+        return LaunchConfig(block_m=block_m, block_n=64 if block_d <= 128 else 32, g_pack=g_pack, num_warps=4,
+                            num_stages=3 if block_d <= 128 else 2)
+    if block_d > 128:
+        return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
+    if tma:
+        if block_d <= 64:
+            return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3,
+                                tma=True)
+        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3, tma=True)
+    if block_d <= 64:
+        return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8 if causal else 4, num_stages=3)
+    return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
+
+
+def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
+    """Split the KV range when the grid would leave SMs idle: aim for about two programs per SM,
+    keep at least ``MIN_TILES_PER_SPLIT`` tiles per split. Uses only host-known sizes (the cache
+    capacity or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
+    sms = num_sms(device)
+    if programs >= sms:
+        return 1
+    kv_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
+    if not TMA or paged or _env.interpreted() or not k.is_cuda or k.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if _capability(k.device)[0] < 9:
+        return False
+    align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
+    return all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v))
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
