@@ -3,7 +3,7 @@ and :func:`choose_num_splits`.
 
 ``python -m pagedflash bench tune`` times candidate tile shapes for prefill and split counts for
 decode on the current GPU and prints the best per shape. It is a developer tool: the chosen values
-are copied into ``ops/attention.py`` and the run is recorded in docs/performance.md.
+are copied into ``ops/launch.py`` and the run is recorded in docs/performance.md.
 """
 
 from __future__ import annotations
