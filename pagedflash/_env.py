@@ -22,5 +22,11 @@ _configure_interpreter()
 
 
 def interpreted() -> bool:
-    """True when Triton kernels run under the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton kernels run under the CPU interpreter (read once: triton reads it at import)."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETED
+
+
+_INTERPRETED: bool | None = None

@@ -33,7 +33,15 @@ from pagedflash import _env
 from pagedflash.ops import _jit
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
-from pagedflash.ops.launch import MAX_SPLITS, LaunchConfig, choose_config, choose_num_splits, use_tma
+from pagedflash.ops.launch import (
+    MAX_SPLITS,
+    LaunchConfig,
+    cdiv,
+    choose_config,
+    choose_num_splits,
+    next_pow2,
+    use_tma,
+)
 
 
 @triton.jit
@@ -353,12 +361,12 @@ def attention_forward(
         num_q_tiles = 0
         grid_q = tokens // block_q + batch
     else:
-        num_q_tiles = triton.cdiv(q.shape[1], block_q)
+        num_q_tiles = cdiv(q.shape[1], block_q)
         grid_q = batch * num_q_tiles
     grid_h = hkv * (group // cfg.g_pack)
     if num_splits <= 0:
         num_splits = choose_num_splits(
-            programs=batch * triton.cdiv(max(max_seqlen_q, 1), block_q) * grid_h,
+            programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * grid_h,
             max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, device=q.device,
         )
     num_splits = min(num_splits, MAX_SPLITS)
@@ -399,7 +407,7 @@ def attention_forward(
             num_q_tiles, num_splits, sm_scale, softcap, left, right,
         )
         consts = dict(
-            GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
             BLOCK_M=cfg.block_m, PAGE_SIZE=k.shape[1] if paged else 1,
             SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,

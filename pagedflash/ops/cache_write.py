@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
+from pagedflash.ops.launch import cdiv, next_pow2
 
 
 @triton.jit
@@ -65,20 +66,20 @@ def _write_kv_kernel(
 
 def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, block_table=None, new_per_row=1):
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
-    block_h = min(16, triton.next_power_of_2(hkv))
+    block_h = min(16, next_pow2(hkv))
     ks = (0, *k.stride()[:2]) if k.dim() == 3 else k.stride()[:3]
     vs = (0, *v.stride()[:2]) if v.dim() == 3 else v.stride()[:3]
     if tokens == 0:
         return
     dummy = k_cache
-    _write_kv_kernel[(tokens, triton.cdiv(hkv, block_h))](
+    _write_kv_kernel[(tokens, cdiv(hkv, block_h))](
         k, v, k_cache, v_cache,
         slots if slots is not None else dummy,
         cache_seqlens if cache_seqlens is not None else dummy,
         block_table if block_table is not None else dummy,
         *ks, *vs, *k_cache.stride()[:3],
         block_table.stride(0) if block_table is not None else 0, new_per_row, hkv,
-        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_H=block_h,
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_H=block_h,
         BY_SLOT=slots is not None, PAGED=block_table is not None, num_warps=4,
     )
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import _jit
+from pagedflash.ops.launch import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
 
@@ -84,8 +85,8 @@ def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> No
         out_part, lse_part, out, lse if lse is not None else out,
         *out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l,
         tokens_per_batch, num_splits,
-        ALL_S=triton.next_power_of_2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_S=min(SPLITS_PER_LOAD, triton.next_power_of_2(num_splits)), WRITE_LSE=lse is not None, num_warps=4,
+        ALL_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None, num_warps=4,
     )
 
 
@@ -147,9 +148,9 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
     rows, d = a.shape
     block_r = 16
     if rows > 0:
-        _merge_kernel[(triton.cdiv(rows, block_r),)](
+        _merge_kernel[(cdiv(rows, block_r),)](
             a, la, b, lb, out.view(-1, d), lse.view(-1),
             a.stride(0), b.stride(0), d, la.stride(0), lb.stride(0), rows,
-            HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_R=block_r, num_warps=4,
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_R=block_r, num_warps=4,
         )
     return out, lse

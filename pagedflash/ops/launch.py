@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from pagedflash import _env
 
@@ -22,6 +21,16 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a constexpr function: ~10 us per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2`` (same reason)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,8 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     wide, any pipelined tile over 128 wide) the table steers around it."""
     pack = max_seqlen_q * group <= PACK_MAX_ROWS
     g_pack = group if pack else 1
-    block_m = max(16, triton.next_power_of_2(max_seqlen_q * group)) if pack else 128
-    block_d = triton.next_power_of_2(head_dim)
+    block_m = max(16, next_pow2(max_seqlen_q * group)) if pack else 128
+    block_d = next_pow2(head_dim)
     tma = tma and 64 <= block_d <= 128
     if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
         return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
@@ -92,8 +101,8 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device:
     sms = num_sms(device)
     if programs >= sms:
         return 1
-    kv_tiles = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    want = triton.cdiv(2 * sms, programs)
+    kv_tiles = cdiv(max(max_seqlen_k, 1), block_n)
+    want = cdiv(2 * sms, programs)
     return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
