@@ -284,6 +284,19 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _ensure_allocator() -> None:
+    """Device-side descriptors need a Triton allocator; install ours only where none is set, so a
+    user's own allocator (used by their kernels) is left in place and serves ours too."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another triton layout: just set ours
+        pass
+    triton.set_allocator(_tma_scratch)
+
+
 # Triton 3.6's ptxas crashes (SIGSEGV) on some tile/pipeline combinations of this kernel on sm90. A
 # launch whose compile fails retries once with a conservative tile (same rows, so the same grid)
 # and remembers the substitution; the failure is reported as a warning, never a wrong answer.
@@ -299,7 +312,7 @@ def _launch_with_fallback(grid, args, consts, cfg: LaunchConfig, tma_on: bool, d
     cfg, tma_on = _FALLBACK.get(key, (cfg, tma_on))
     for attempt in range(2):
         if tma_on:
-            triton.set_allocator(_tma_scratch)
+            _ensure_allocator()
         try:
             _attention_kernel[grid](*args, **consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on,
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
