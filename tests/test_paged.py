@@ -8,7 +8,7 @@ from conftest import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, ids, rand
 from pagedflash import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 from pagedflash import reference as ref
 
-PAGE_SIZES = [1, 5, 16, 32, 64, 256] if ON_GPU else [1, 5, 16, 64]
+PAGE_SIZES = [1, 2, 4, 5, 8, 16, 32, 64, 128, 256] if ON_GPU else [1, 5, 16, 64]
 
 
 def make_pool(seqlens, page, hkv, d, dtype, *, share_first=0, spare=3):
