@@ -138,10 +138,14 @@ def test_bad_requests_fail_alone(llama):
     path, hf = llama
     llm = fp32_llm(path, page_size=8, num_blocks=8)
     good = prompts_of([6], seed=2)[0]
-    bad_params = SamplingParams(max_tokens=2)
+    bad_params, no_tokens, bad_seed = (SamplingParams(max_tokens=2) for _ in range(3))
     bad_params.top_p = 2.0  # mutated after construction: caught per request
-    prompts = [[], good, list(range(100)) * 3, [5, 500], "text without a tokenizer", good, good]
-    params = [GREEDY, GREEDY, GREEDY, GREEDY, GREEDY, bad_params, SamplingParams(max_tokens=200)]
+    no_tokens.max_tokens = 0
+    bad_seed.seed = 2**64  # beyond torch.Generator: used to raise out of generate for every request
+    prompts = [[], good, list(range(100)) * 3, [5, 500], "text without a tokenizer", good, good, good, good,
+               [1, 2.0]]
+    params = [GREEDY, GREEDY, GREEDY, GREEDY, GREEDY, bad_params, SamplingParams(max_tokens=200), no_tokens, bad_seed,
+              GREEDY]
     outs = llm.generate(prompts, params)
     assert all(isinstance(o, GenerationOutput) for o in outs)
     errors = [o.error for o in outs]
@@ -152,12 +156,58 @@ def test_bad_requests_fail_alone(llama):
     assert "tokenizer" in errors[4]
     assert "top_p" in errors[5]
     assert "never fit" in errors[6]
+    assert "max_tokens" in errors[7] and "seed" in errors[8] and "float" in errors[9]
     assert all(o.finish_reason == "error" and o.token_ids == [] for i, o in enumerate(outs) if i != 1)
+
+
+@pytest.mark.parametrize("seed", range(0, 400, 40), ids=lambda s: f"seeds{s}")
+def test_scheduler_against_a_simulated_pool(seed):
+    """Scheduler + block manager alone, random pools, budgets, shared prefixes and lengths: each step
+    "writes" every fed position's slot with its prefix and checks that every position a row attends
+    holds its own prefix (so a trusted prefix hit, a preemption or a chunk boundary that went wrong
+    shows); outputs must equal an unconstrained run's, every page must come back."""
+    import random
+
+    from pagedflash.cache import BlockManager, slot_mapping
+    from pagedflash.engine.scheduler import Scheduler
+    from pagedflash.engine.sequence import Sequence
+
+    for rng in (random.Random(s) for s in range(seed, seed + 40)):
+        p, num_blocks, max_len = rng.choice([1, 2, 4, 8]), rng.randint(4, 24), rng.randint(4, 100)
+        bm = BlockManager(num_blocks, p, enable_prefix_caching=rng.random() < 0.8)
+        sched = Scheduler(bm, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.randint(1, 40))
+        shared, seqs, pool = [rng.randrange(5) for _ in range(rng.randint(0, 3 * p))], [], {}
+        for i in range(rng.randint(1, 10)):
+            prompt = shared * (rng.random() < 0.6) + [rng.randrange(5) for _ in range(rng.randint(1, 3 * p))]
+            params = SamplingParams(max_tokens=rng.randint(1, 3 * p), ignore_eos=True)
+            if len(prompt) <= max_len and -(-min(len(prompt) + params.max_tokens - 1, max_len) // p) <= num_blocks:
+                seqs.append(Sequence(i, prompt, params, 0.0, "cpu"))
+                sched.add(seqs[-1])
+        next_token = lambda ids: hash(tuple(ids)) % 5
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            assert batch.num_tokens <= sched.max_num_batched_tokens and len(sched.running) <= sched.max_num_seqs
+            prefixes = [[tuple(r.seq.token_ids[: i + 1]) for i in range(r.end)] for r in batch.rows]
+            slots = [slot_mapping(r.seq.block_table, 0, r.end, page_size=p) for r in batch.rows]
+            for row, pre, sl in zip(batch.rows, prefixes, slots):  # every layer writes before any row attends
+                pool.update(zip(sl[row.start :], pre[row.start :]))
+            for pre, sl in zip(prefixes, slots):
+                assert [pool.get(x) for x in sl] == pre
+            sched.postprocess(batch, [next_token(r.seq.token_ids) for r in batch.rows if r.samples], 0.0, set(), max_len)
+        for seq in seqs:
+            want = seq.token_ids[: seq.num_prompt_tokens]
+            while len(want) - seq.num_prompt_tokens < seq.params.max_tokens and (
+                    len(want) < max_len or len(want) == seq.num_prompt_tokens):
+                want.append(next_token(want))
+            assert seq.token_ids == want
+        assert bm.num_free_blocks == num_blocks
 
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=None), "stop_token_ids"), (dict(temperature=1.0, seed=2**64), "seed"),
+    (dict(max_tokens=1.5), "max_tokens"), (dict(top_p=float("nan")), "top_p"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_sampling_params_out_of_range(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -172,8 +222,11 @@ def test_sampling_stop_and_timing(llama):
     stop = llm.generate([prompt], SamplingParams(max_tokens=6, stop_token_ids=[ref[2]], ignore_eos=True))[0]
     assert stop.token_ids == ref[: ref.index(ref[2]) + 1] and stop.finish_reason == "stop"
     assert stop.ttft > 0 and len(stop.itl) == len(stop.token_ids) - 1 and stop.latency >= stop.ttft
-    top1 = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, top_k=1, ignore_eos=True))[0]
-    assert top1.token_ids == ref
+    # top_k=1 is greedy; so is a temperature too small to divide by (1e-45 made the logits inf, the
+    # probabilities NaN, and multinomial raised out of generate for every request)
+    top1, tiny = llm.generate([prompt] * 2, [SamplingParams(max_tokens=6, temperature=0.8, top_k=1, ignore_eos=True),
+                                             SamplingParams(max_tokens=6, temperature=1e-45, ignore_eos=True)])
+    assert top1.token_ids == tiny.token_ids == ref
     sampled = [SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 1, 2)]
     a, b, c = llm.generate([prompt] * 3, sampled)
     assert a.token_ids == b.token_ids  # same seed, same tokens, whatever else is in the batch

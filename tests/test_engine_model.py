@@ -62,6 +62,25 @@ def test_old_style_rope_keys_and_unsupported_rope():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
+def test_qwen2_sliding_window_only_from_max_window_layers(tmp_path):
+    """Qwen2 slides only in layers >= max_window_layers (transformers' layer_types); the engine used
+    to apply the window to every layer, and its logits drifted once the prompt outgrew the window."""
+    torch.manual_seed(6)
+    cfg = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    hf = transformers.Qwen2ForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert [config.is_sliding(i) for i in range(2)] == [False, True]
+    prompt = torch.randint(0, 128, (23,)).tolist()
+    got = fp32_llm(tmp_path, page_size=8, num_blocks=8).prompt_logits([prompt])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got.cpu(), hf(torch.tensor([prompt])).logits[0], rtol=1e-4, atol=1e-4)
+    base = {**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 5}
+    assert ModelConfig.from_dict(base).is_sliding(1)  # Mistral: every layer
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_dict({**base, "layer_types": ["full_attention", "chunked_attention"]})
+
+
 def test_sharded_checkpoint_loads(tmp_path):
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
@@ -96,6 +115,9 @@ def test_errors_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         fp32_llm(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        fp32_llm(tmp_path)
 
 
 def test_missing_and_misshaped_weights(tmp_path):
@@ -121,7 +143,8 @@ def test_missing_and_misshaped_weights(tmp_path):
 def test_engine_argument_errors(tmp_path):
     cfg = transformers.LlamaConfig(**TINY)
     for kwargs, field in [(dict(page_size=0), "page_size"), (dict(num_blocks=-1), "num_blocks"),
-                          (dict(max_num_seqs=0), "max_num_seqs"), (dict(dtype="int8"), "dtype")]:
+                          (dict(max_num_seqs=0), "max_num_seqs"), (dict(dtype="int8"), "dtype"),
+                          (dict(max_model_len=0), "max_model_len")]:  # 0 used to mean "the default"
         with pytest.raises(ValueError, match=field):
             LLM(cfg, **kwargs)
 

@@ -57,6 +57,7 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all alike
     hidden_act: str = "silu"
     initializer_range: float = 0.02
     eos_token_ids: tuple[int, ...] = ()
@@ -72,7 +73,12 @@ class ModelConfig:
         if not os.path.isfile(cfg_file):
             raise FileNotFoundError(f"model directory {path!r} has no config.json")
         with open(cfg_file) as f:
-            d = json.load(f)
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{cfg_file} must hold a JSON object, got {type(d).__name__}")
         config = cls.from_dict(d)
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):
@@ -132,6 +138,7 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             sliding_window=int(sliding) if sliding else None,
+            layer_types=_layer_types(d, kind) if sliding else (),
             initializer_range=float(d.get("initializer_range", 0.02)),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
@@ -145,6 +152,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends within ``sliding_window`` (every layer, unless ``layer_types`` says)."""
+        if not self.sliding_window:
+            return False
+        return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -171,6 +184,23 @@ class ModelConfig:
             is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             inv = torch.where(is_medium, smoothed, scaled)
         return inv
+
+
+def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
+    """Which layers slide, as transformers decides: ``layer_types`` when given; for Qwen2 the layers
+    from ``max_window_layers`` on; otherwise every layer (returned as ``()``)."""
+    n = d["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:
+        if kind != "qwen2":
+            return ()
+        first = d.get("max_window_layers", 28)  # transformers' Qwen2Config default
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    kinds = ("full_attention", "sliding_attention")
+    if len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(f"config.json: layer_types must name one of {kinds} for each of the {n} layers, "
+                         f"got {types!r}")
+    return tuple(types)
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from pagedflash.ops.launch import cdiv, next_pow2
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -103,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(t,)](
             x, residual if residual is not None else x, weight, out, res_out,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), res_out.stride(0),
-            h, eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(h),
+            h, eps, HAS_RES=residual is not None, BLOCK=next_pow2(h),
             num_warps=8 if h >= 2048 else 4,
         )
     return out, res_out
@@ -122,11 +124,11 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         c, s = cos[positions, None, :half], sin[positions, None, :half]
         view.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
         return
-    block_h = min(16, triton.next_power_of_2(num_heads))
+    block_h = min(16, next_pow2(num_heads))
     if t:
-        _rope_kernel[(t, triton.cdiv(num_heads, block_h))](
+        _rope_kernel[(t, cdiv(num_heads, block_h))](
             x, cos, sin, positions, x.stride(0), num_heads,
-            HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+            HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2),
         )
 
 
@@ -138,7 +140,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     t = gate_up.shape[0]
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(n))
+    block = min(1024, next_pow2(n))
     if t:
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
+        _silu_mul_kernel[(t, cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block)
     return out

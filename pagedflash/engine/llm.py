@@ -82,8 +82,10 @@ class LLM:
             self.config = ModelConfig.from_hf_config(model)
         else:
             raise TypeError(f"model must be a directory path or a config, got {type(model).__name__}")
-        self.max_model_len = min(self.config.max_position_embeddings, max_model_len or 1 << 62)
-        _check_int("max_model_len", self.max_model_len)
+        self.max_model_len = self.config.max_position_embeddings
+        if max_model_len is not None:
+            _check_int("max_model_len", max_model_len)
+            self.max_model_len = min(self.max_model_len, max_model_len)
         self.model: CausalLM = build_model(self.config, max_len=self.max_model_len, dtype=self.dtype,
                                            device=self.device)
         if path is not None:
@@ -190,8 +192,11 @@ class LLM:
             prompt = self.tokenizer.encode(prompt)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, f"prompt must be a list of int token ids, got {type(prompt).__name__}"
+        if not isinstance(prompt, (list, tuple)):
+            return None, f"prompt must be a list of int token ids (or a string), got {type(prompt).__name__}"
+        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            return None, f"prompt must be a list of int token ids, got an element {bad!r} of type {type(bad).__name__}"
         ids = list(prompt)
         if not ids:
             return ids, "prompt is empty"
@@ -221,11 +226,12 @@ class LLM:
         try:
             for seq in seqs:
                 seq.block_table, _ = self.block_manager.allocate(seq.seq_id, seq.token_ids)
-            for seq in seqs:  # recompute every page (rewriting a shared page with equal values is harmless)
-                self.scheduler.mark_written(seq.block_table, len(seq))
+            # recompute every page (rewriting a shared page with equal values is harmless)
             batch = Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs])
             ids, pos, meta, _ = self.runner.prepare(batch)
             logits = self.model.compute_logits(self.model(ids, pos, meta, self.runner.kv_caches))
+            for seq in seqs:  # only now are the pages written: a failed forward leaves none trusted
+                self.scheduler.mark_written(seq.block_table, len(seq))
         finally:
             for seq in seqs:
                 if seq.seq_id in self.block_manager:

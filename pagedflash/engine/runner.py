@@ -24,16 +24,18 @@ from pagedflash.cache import PAD_BLOCK_ID, KVCache, slot_mapping
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
+from pagedflash.ops.launch import num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
 MAX_GRAPH_SPLITS = 32
 
 
-def graph_num_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     """KV splits of a decode graph's attention: enough (row x KV head x split) programs to fill the
-    SMs about twice, as a power of two (few kernel variants to compile). The kernel divides each
-    sequence's actual length among the splits, so short contexts simply leave some splits empty."""
-    want = -(-2 * num_sms // (batch_size * num_kv_heads))
+    SMs about twice, rounded up to a power of two and capped. A graph is captured for the capacity
+    (``max_model_len``), not the actual lengths; the kernel divides each sequence's actual length
+    among the splits, so short contexts simply leave some splits empty."""
+    want = -(-2 * sms // (batch_size * num_kv_heads))
     return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
 
@@ -60,7 +62,7 @@ class ModelRunner:
         if not logits_idx:
             return []
         if len(logits_idx) < hidden.shape[0]:  # decode steps sample every row: no gather
-            hidden = hidden[torch.tensor(logits_idx, pin_memory=self.pin).to(self.device, non_blocking=True)]
+            hidden = hidden[self._tensor(logits_idx, torch.int64)]
         logits = self.model.compute_logits(hidden)
         rows = [r for r in batch.rows if r.samples]
         return sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows], self.generator)
@@ -142,15 +144,17 @@ class ModelRunner:
             t_vals += seq.block_table[first:pages]
             self._held[i] = (seq.seq_id, seq.num_preemptions, pages)
         slots += [-1] * (bs - n)  # padding rows write nowhere ...
-        for _ in range(bs - n):
-            cu_k.append(cu_k[-1] + 1)  # ... and attend one key of whatever page their row holds
-        self._ids[:n].copy_(self._tensor(ids, torch.int64), non_blocking=True)
-        self._pos[:n].copy_(self._tensor(pos, torch.int64), non_blocking=True)
-        self._slots[:bs].copy_(self._tensor(slots, torch.int64), non_blocking=True)
-        self._cu_k[: bs + 1].copy_(self._tensor(cu_k, torch.int32), non_blocking=True)
-        if t_rows:
-            index = self._tensor([t_rows, t_cols], torch.int64)
-            self._tables.index_put_((index[0], index[1]), self._tensor(t_vals, torch.int32))
+        cu_k += range(cu_k[-1] + 1, cu_k[-1] + 1 + bs - n)  # ... and attend one key of their row's page
+        # the step's ints in one pinned buffer and one host-to-device copy, split on the device
+        m = len(t_rows)
+        ids_t, pos_t, slots_t, cu_k_t, rows_t, cols_t, vals_t = self._tensor(
+            ids + pos + slots + cu_k + t_rows + t_cols + t_vals, torch.int64).split([n, n, bs, bs + 1, m, m, m])
+        self._ids[:n].copy_(ids_t)
+        self._pos[:n].copy_(pos_t)
+        self._slots[:bs].copy_(slots_t)
+        self._cu_k[: bs + 1].copy_(cu_k_t)
+        if m:
+            self._tables.index_put_((rows_t, cols_t), vals_t.to(torch.int32))
         if bs not in self.graphs:
             meta = self._decode_meta(n, max_seqlen_k=max(r.end for r in batch.rows), num_splits=0)
             return self.model(self._ids[:n], self._pos[:n], meta, self.kv_caches)
@@ -168,7 +172,7 @@ class ModelRunner:
         sizes = [b for b in GRAPH_BATCH_SIZES if b < self.max_decode_rows] + [self.max_decode_rows]
         sms = num_sms(self.device)
         pool = None
-        with torch.inference_mode():
+        with torch.inference_mode(), validate.value_checks(False):  # no syncs in the warm-up runs either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
                                          num_splits=graph_num_splits(bs, self.model.config.num_kv_heads, sms))
@@ -177,10 +181,6 @@ class ModelRunner:
                     self._out[:bs] = self.model(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
 
                 self.graphs[bs], pool = capture(body, pool)
-
-
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
 
 
 def capture(body, pool):

@@ -10,13 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: dividing the logits by it would overflow fp32
+_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
     """How one request generates.
 
-    max_tokens: generated tokens at most (>= 1). temperature: 0.0 is greedy, else > 0. top_p in (0, 1].
-    top_k: 0 (off) or >= 1. seed: per-request generator seed. ignore_eos: keep going past EOS.
+    max_tokens: generated tokens at most (>= 1). temperature: 0.0 is greedy (as is anything below
+    ``MIN_TEMPERATURE``), else > 0. top_p in (0, 1]. top_k: 0 (off) or >= 1. seed: per-request
+    generator seed (a 64-bit int). ignore_eos: keep going past EOS.
     stop_token_ids: extra ids that end the request (the stop token is kept in the output).
     Out-of-range values raise ``ValueError`` here, and are checked again per request in ``generate``.
     """
@@ -44,15 +48,18 @@ class SamplingParams:
             return f"top_p must be in (0, 1], got {self.top_p!r}"
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             return f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}"
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            return f"seed must be an int or None, got {self.seed!r}"
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
+            return f"seed must be a 64-bit int or None, got {self.seed!r}"
+        if not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            return f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}"
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             return f"stop_token_ids must be non-negative ints, got {list(self.stop_token_ids)!r}"
         return None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -62,8 +69,8 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix reaching top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

@@ -82,14 +82,14 @@ def pagedflash_attention_forward(
     window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
     opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
-    if attention_mask is not None and bool(attention_mask.all()) and attention_mask.shape[1] == k.shape[1]:
+    if attention_mask is not None and attention_mask.shape[1] == k.shape[1] and bool(attention_mask.all()):
         attention_mask = None
     if attention_mask is not None:
         return _varlen(q, k, v, attention_mask.bool(), opts), None
     cu = _packed_cu_seqlens(q, k, kwargs)
     if cu is not None:  # padding-free batch: several sequences packed in one row
         cu_q, cu_k = cu
-        lens_q, lens_k = (int((c[1:] - c[:-1]).max()) for c in cu)
+        lens_q, lens_k = torch.stack([(c[1:] - c[:-1]).max() for c in cu]).tolist()  # one sync
         return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, lens_q, lens_k, **opts)[None], None
     return flash_attn_func(q, k, v, **opts), None  # strided views: only the last dim must be contiguous
 
@@ -125,9 +125,8 @@ def _varlen(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
     zero = torch.zeros(1, dtype=torch.int32, device=q.device)
     cu_q = torch.cat([zero, seqlens_q.cumsum(0, dtype=torch.int32)])
     cu_k = torch.cat([zero, seqlens_k.cumsum(0, dtype=torch.int32)])
-    out = flash_attn_varlen_func(
-        q[q_mask], k[mask], v[mask], cu_q, cu_k, int(seqlens_q.max()), int(seqlens_k.max()), **opts
-    )
+    max_q, max_k = torch.stack([seqlens_q.max(), seqlens_k.max()]).tolist()  # one sync for both
+    out = flash_attn_varlen_func(q[q_mask], k[mask], v[mask], cu_q, cu_k, max_q, max_k, **opts)
     padded = q.new_zeros(q.shape)
     padded[q_mask] = out
     return padded
