@@ -15,7 +15,8 @@ import torch
 
 import pagedflash as pf
 from pagedflash import reference as ref
-from pagedflash.bench.common import TOLERANCE, Table, check_close, print_table, time_ms
+from pagedflash.bench.common import TOLERANCE, check_close, time_ms
+from pagedflash.bench.report import Table, print_table
 
 
 @dataclass(frozen=True)

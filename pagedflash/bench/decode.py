@@ -24,27 +24,22 @@ from pagedflash.bench.common import (
     NA,
     Config,
     Measured,
-    Table,
     bhsd,
     check_close,
     device,
     failures,
     free_memory,
     geomean,
-    heatmap,
     host_us,
     human,
     measure,
     measure_sdpa,
-    plot,
-    print_summary,
-    print_table,
     progress,
     randn,
     ratio,
     tbps,
-    write_results,
 )
+from pagedflash.bench.report import Table, heatmap, plot, print_summary, print_table, write_results
 
 FULL = dict(
     seed=dict(batch=4, heads=(16, 16), dim=64, dtype=torch.float16, lens=(1024, 2048, 4096, 8192, 16384),

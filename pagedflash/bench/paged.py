@@ -27,27 +27,23 @@ from pagedflash.bench.common import (
     NA,
     Config,
     Measured,
-    Table,
     cu_seqlens,
     failures,
     free_memory,
     geomean,
     human,
     measure,
-    plot,
-    print_summary,
-    print_table,
     progress,
     randn,
     ratio,
     reference_rows,
     rows_checker,
     tflops,
-    write_results,
 )
 from pagedflash.bench.decode import FULL as DECODE_FULL
 from pagedflash.bench.decode import QUICK as DECODE_QUICK
 from pagedflash.bench.decode import DecodeInputs, grid_cells, permuted_table, to_pool
+from pagedflash.bench.report import Table, plot, print_summary, print_table, write_results
 
 FULL = dict(
     grid=DECODE_FULL["grid"] | dict(lens=(1024, 4096, 16384, 65536)), pages=(1, 16, 64),

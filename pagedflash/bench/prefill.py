@@ -21,7 +21,6 @@ from pagedflash.bench.common import (
     OOM,
     Config,
     Measured,
-    Table,
     bhsd,
     cu_seqlens,
     failures,
@@ -31,17 +30,14 @@ from pagedflash.bench.common import (
     human,
     measure,
     measure_sdpa,
-    plot,
-    print_summary,
-    print_table,
     progress,
     randn,
     ratio,
     reference_rows,
     rows_checker,
     tflops,
-    write_results,
 )
+from pagedflash.bench.report import Table, plot, print_summary, print_table, write_results
 
 FULL = dict(
     memory=dict(batch=4, heads=16, dim=64, lens=(4096, 8192, 16384), dtype=torch.float16),

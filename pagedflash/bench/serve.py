@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.bench.common import HBM_TBPS, Table, free_memory, print_table, write_results
+from pagedflash.bench.common import HBM_TBPS, free_memory
+from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, TINY_LLAMA, ModelConfig
 
