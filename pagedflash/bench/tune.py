@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 
+from pagedflash.bench.common import graphed
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.launch import LaunchConfig
 
@@ -98,19 +99,6 @@ def tune_decode(rows: list) -> None:
                 print(f"    splits={splits:3d}: best {min(cands):7.1f} us")
 
 
-def _graph(fn):
-    """Capture ``fn`` in a CUDA graph; the returned callable replays it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def probe_overhead(rows: list) -> None:
     """Where small-decode time goes: eager launch vs the same work replayed from a CUDA graph."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -131,14 +119,14 @@ def probe_overhead(rows: list) -> None:
             res[f"api_checked_s{splits}"] = _bench(api) * 1e3
             with validate.value_checks(False):
                 res[f"api_s{splits}"] = _bench(api) * 1e3
-                res[f"graph_s{splits}"] = _bench(_graph(api)) * 1e3
+                res[f"graph_s{splits}"] = _bench(graphed(api) or api) * 1e3
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sd(backend=backend):
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
             try:
                 res[f"sdpa_{name}"] = _bench(sd) * 1e3
-                res[f"sdpa_{name}_graph"] = _bench(_graph(sd)) * 1e3
+                res[f"sdpa_{name}_graph"] = _bench(graphed(sd) or sd) * 1e3
             except Exception as e:  # noqa: BLE001
                 print(f"  sdpa {name}: {type(e).__name__}: {e}"[:200])
         rows.append(dict(kind="overhead", shape=[b, hq, hkv, d, str(dtype), n], us=res))
