@@ -187,3 +187,10 @@ def test_gpu_model_path_under_interpreter(tmp_path, monkeypatch):
     with torch.no_grad():
         for p, got in zip(prompts, llm.prompt_logits(prompts)):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_llama_ignores_sliding_window_and_head_dim_is_checked():
+    base = {**TINY, "architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_dict({**base, "sliding_window": 8}).sliding_window is None  # as transformers' Llama
+    with pytest.raises(ValueError, match=r"head_dim=8 is outside the attention kernels' range \[16, 256\]"):
+        ModelConfig.from_dict({**base, "head_dim": 8})

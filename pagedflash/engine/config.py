@@ -110,6 +110,8 @@ class ModelConfig:
         num_heads = d["num_attention_heads"]
         num_kv_heads = d.get("num_key_value_heads") or num_heads
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        if not 16 <= head_dim <= 256:
+            raise ValueError(f"head_dim={head_dim} is outside the attention kernels' range [16, 256]")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         act = d.get("hidden_act", "silu")
@@ -118,8 +120,8 @@ class ModelConfig:
         theta, scaling = _rope_from_dict(d)
         attn_bias = bool(d.get("attention_bias", False))
         sliding = d.get("sliding_window")
-        if kind == "qwen2" and not d.get("use_sliding_window", False):
-            sliding = None
+        if kind == "llama" or (kind == "qwen2" and not d.get("use_sliding_window", False)):
+            sliding = None  # transformers' Llama ignores the key; Qwen2 slides only when told to
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
