@@ -9,10 +9,9 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   (the only difference is :func:`_kv_offsets`, the address helper);
 - ``G_PACK``: how many query heads that share a KV head are packed into the rows of one tile
   (1 for prefill; the whole group for decode, so each KV byte is read once per group);
-- ``SPLIT_KV``: the KV range of a tile split over ``num_splits`` programs (flash-decoding; the count
-  is a runtime argument, so a serving engine whose split count varies step to step compiles once);
-  each split writes a
-  partial (out, lse) and :mod:`pagedflash.ops.combine` merges them;
+- ``SPLIT_KV``: the KV range of a tile split over ``num_splits`` programs (flash-decoding); each
+  split writes a partial (out, lse) and :mod:`pagedflash.ops.combine` merges them. The count is a
+  runtime argument, so a serving engine whose split count varies step to step compiles once;
 - ``HAS_LEFT`` / ``HAS_RIGHT`` / ``HAS_SOFTCAP``: sliding window, causal (``right == 0``), softcap.
 
 The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
