@@ -148,15 +148,23 @@ def _pyplot():
     return plt
 
 
-def plot(path: Path, panels: Sequence[dict], *, ncols: int = 4, logx: bool = True) -> Path | None:
-    """Line plots, one panel per dict ``{"title", "xlabel", "ylabel", "series": {label: (xs, ys)}}``
-    (optionally ``"hline": (y, label)``); points whose y is a status string (OOM, n/a) are skipped."""
+def _pyplot_for(path: Path):
+    """pyplot, with ``path``'s folder created; None (and a note) when matplotlib is missing."""
     try:
         plt = _pyplot()
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def plot(path: Path, panels: Sequence[dict], *, ncols: int = 4, logx: bool = True) -> Path | None:
+    """Line plots, one panel per dict ``{"title", "xlabel", "ylabel", "series": {label: (xs, ys)}}``
+    (optionally ``"hline": (y, label)``); points whose y is a status string (OOM, n/a) are skipped."""
+    plt = _pyplot_for(path)
+    if plt is None:
+        return None
     ncols = max(1, min(ncols, len(panels)))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
@@ -191,12 +199,9 @@ def heatmap(path: Path, values: list[list[float | str]], *, rows: Sequence, cols
             xlabel: str, ylabel: str) -> Path | None:
     """A heat map with each cell's value written in it; the colour is the value over its row's
     minimum (so each row shows which column is best). Status strings are shown uncoloured."""
-    try:
-        plt = _pyplot()
-    except ImportError:
-        print("matplotlib missing: no plot", file=sys.stderr)
+    plt = _pyplot_for(path)
+    if plt is None:
         return None
-    path.parent.mkdir(parents=True, exist_ok=True)
     grid = []
     for row in values:
         nums = [v for v in row if isinstance(v, (int, float))]
