@@ -81,6 +81,17 @@ def _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_b, 
 
 
 @triton.jit
+def _tma_row(start_n, b, BlockTable, stride_tb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """First descriptor row of the key tile at ``start_n``: the sequence's own row, or (paged, a
+    tile inside one page) the pool row ``block_table[b, start_n // PAGE_SIZE] * PAGE_SIZE + slot``."""
+    if PAGED:
+        blk = tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE)
+        return blk * PAGE_SIZE + start_n % PAGE_SIZE
+    else:
+        return start_n
+
+
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q, K, V, lo, hi,
     b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
@@ -91,15 +102,18 @@ def _attend_range(
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
-    pointers, or (``USE_TMA``) tensor descriptors over this sequence's ``[seqlen_k, D]`` rows, whose
-    loads the copy engine bounds by the sequence itself (zero fill past the end)."""
+    pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
+    loads the copy engine bounds by the sequence itself (zero fill past the end), or over the page
+    pool's ``[num_blocks * page_size, D]`` rows, a tile never crossing a page; there the masked
+    tiles zero the values of slots past the sequence (their keys are masked by the scores)."""
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < seqlen_k
         kv_mask = (n_ok[:, None] | (not MASKED)) & (d_ok[None, :] | EVEN_D)
         BOUNDED: tl.constexpr = MASKED or not EVEN_D  # the interior of an even-D range loads unmasked
         if USE_TMA:
-            k = K.load([start_n, 0])
+            row = _tma_row(start_n, b, BlockTable, stride_tb, PAGED, PAGE_SIZE)
+            k = K.load([row, 0])
         else:
             k_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_kb, stride_kt,
                                 MASKED, PAGED, PAGE_SIZE, BLOCK_N)
@@ -118,7 +132,9 @@ def _attend_range(
             s = tl.where(ok, s, NEG_INF)
         m_i, l_i, acc, p = _jit.online_softmax_step(m_i, l_i, acc, s)
         if USE_TMA:
-            v = V.load([start_n, 0])
+            v = V.load([row, 0])
+            if PAGED and MASKED:  # slots of the last page past the sequence hold stale values
+                v = tl.where(n_ok[:, None], v, 0.0)
         else:
             v_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_vb, stride_vt,
                                 MASKED, PAGED, PAGE_SIZE, BLOCK_N)
@@ -151,7 +167,7 @@ def _attention_kernel(
     stride_tb,
     stride_ps, stride_pt, stride_ph,
     stride_lps, stride_lpt,
-    batch, seqlen_q, seqlen_k, num_q_tiles, num_splits,
+    batch, seqlen_q, seqlen_k, kv_rows, num_q_tiles, num_splits,
     sm_scale, softcap, window_left, window_right,
     GROUP: tl.constexpr, G_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
@@ -233,7 +249,13 @@ def _attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     K += kvh.to(tl.int64) * stride_kh
     V += kvh.to(tl.int64) * stride_vh
-    if USE_TMA:  # Hopper: descriptors over this sequence's rows of this KV head
+    if USE_TMA and PAGED:  # Hopper: descriptors over the pool's rows of this KV head
+        tl.static_assert(PAGE_SIZE % BLOCK_N == 0, "paged TMA tiles must not cross a page")
+        k_src = tl.make_tensor_descriptor(K, shape=[kv_rows, HEAD_DIM], strides=[stride_kt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(V, shape=[kv_rows, HEAD_DIM], strides=[stride_vt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    elif USE_TMA:  # Hopper: descriptors over this sequence's rows of this KV head
         k_src = tl.make_tensor_descriptor(
             K + b.to(tl.int64) * stride_kb + k_row0.to(tl.int64) * stride_kt, shape=[seqlen_k, HEAD_DIM],
             strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D])
@@ -280,7 +302,7 @@ def _attention_kernel(
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _env.interpreted() else "cuda")
 
 
 def _ensure_allocator() -> None:
@@ -363,10 +385,11 @@ def attention_forward(
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     group = hq // hkv
+    page_size = k.shape[1] if paged else 0
     tma_ok = use_tma(k, v, paged)
     cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
-                                  interpreted=_env.interpreted(), tma=tma_ok)
-    tma_on = cfg.tma and tma_ok
+                                  interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size)
+    tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     block_q = cfg.block_m // cfg.g_pack
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
@@ -416,11 +439,11 @@ def attention_forward(
             *(out_part.stride()[:3] if num_splits > 1 else (0, 0, 0)),
             *(lse_part.stride()[:2] if num_splits > 1 else (0, 0)),
             batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
-            num_q_tiles, num_splits, sm_scale, softcap, left, right,
+            k.shape[0] * page_size, num_q_tiles, num_splits, sm_scale, softcap, left, right,
         )
         consts = dict(
             GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-            BLOCK_M=cfg.block_m, PAGE_SIZE=k.shape[1] if paged else 1,
+            BLOCK_M=cfg.block_m, PAGE_SIZE=page_size or 1,
             SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,

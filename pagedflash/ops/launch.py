@@ -6,6 +6,7 @@ The GPU values come from ``python -m pagedflash bench tune`` on an H200 (docs/pe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from pagedflash import _env
 # cache; paged caches gather rows and use pointer loads). PAGEDFLASH_TMA=0 turns it off; the
 # pointer path is the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
+# The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
+# descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
+INTERPRET_TMA = False
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
@@ -59,9 +63,31 @@ def _cuda_sm_count(index: int) -> int:
     return _SM_COUNT[index]
 
 
+PAGED_TMA_MIN_PAGE = 64  # smaller pages would need tiles too small to pay (bench tune --only paged)
+
+
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                  tma: bool) -> LaunchConfig:
+                  tma: bool, page_size: int = 0) -> LaunchConfig:
+    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
+    the inputs allow it; ``page_size`` is 0 for contiguous K/V). A paged launch takes the TMA tile of
+    the contiguous one when its key tiles fit inside pages of at least ``PAGED_TMA_MIN_PAGE`` rows,
+    shrinking the key tile to the page if needed; otherwise it gathers rows through pointers."""
+    if page_size and tma:
+        if page_size < PAGED_TMA_MIN_PAGE:
+            tma = False
+        else:
+            cfg = _choose_config(head_dim, group, max_seqlen_q, causal, interpreted, tma)
+            if cfg.tma:
+                block_n = min(cfg.block_n, page_size)
+                if page_size % block_n == 0:
+                    return dataclasses.replace(cfg, block_n=block_n)
+            tma = False
+    return _choose_config(head_dim, group, max_seqlen_q, causal, interpreted, tma)
+
+
+def _choose_config(head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
+                   tma: bool) -> LaunchConfig:
     """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
     the inputs allow it). Decode-like launches (few query rows) pack the KV group's query heads into
     the rows of one tile; prefill launches tile query tokens of one head.
@@ -76,7 +102,7 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     block_d = next_pow2(head_dim)
     tma = tma and 64 <= block_d <= 128
     if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
-        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack)
+        return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack, tma=tma)
     if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
         if tma and block_m <= 32:
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
@@ -107,12 +133,23 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device:
 
 
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
-    if not TMA or paged or _env.interpreted() or not k.is_cuda or k.dtype not in (torch.float16, torch.bfloat16):
+    """Whether K/V may load through tensor descriptors: Hopper, fp16/bf16, 16-byte aligned bases and
+    row strides; for a page pool also rows that follow each other across pages (one descriptor over
+    ``[num_blocks * page_size, D]``, rows addressable by int32). The tile must then fit a page, which
+    the caller checks against its block size."""
+    if not TMA or k.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if _capability(k.device)[0] < 9:
+    if _env.interpreted():
+        if not INTERPRET_TMA:
+            return False
+    elif not k.is_cuda or _capability(k.device)[0] < 9:
         return False
     align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
-    return all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v))
+    if not all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v)):
+        return False
+    if paged:
+        return all(t.stride(0) == t.shape[1] * t.stride(1) for t in (k, v)) and k.shape[0] * k.shape[1] < 2**31
+    return True
 
 
 @functools.lru_cache(maxsize=16)

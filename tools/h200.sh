@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call, several steps, every result back in $OUT/results.tgz.
+#   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
+# Steps: tests (the compiled matrix, -n 8), bench:<prefill|decode|paged>, tune:<prefill|decode|overhead|paged>,
+# serve:<sections>[:<num-requests>]. Each kind of step has its own time limit (T_<kind>, seconds) so
+# that the archive is written inside the call's limit; logs land beside the results.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+R=bench_results; mkdir -p $R
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt
+for step in ${STEPS:-tests}; do
+  kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
+  case $kind in
+    tests) log=$R/test_gpu.log
+           timeout ${T_tests:-240} python3 -m pytest -q -n 8 --maxfail=25 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
+    bench) log=$R/bench_$arg.log
+           timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
+    tune)  log=$R/tune_$arg.log
+           timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R > $log 2>&1 ;;
+    serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
+           timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} > $log 2>&1 ;;
+  esac
+  rc=$?
+  grep -E "passed|failed|FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL" $log | tail -${TAIL:-12}
+  echo "== $step rc=$rc $((SECONDS - t0)) s"
+done
+tar czf $OUT/results.tgz $R
