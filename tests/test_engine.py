@@ -265,6 +265,22 @@ def test_mistral_sliding_window(tmp_path):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
 
 
+def test_warmup_leaves_the_pool_untouched(llama):
+    """The JIT warm-up (run at start-up on a GPU) runs forwards whose writes must go nowhere: cached
+    pages that later requests hit stay exactly as they were."""
+    path, hf = llama
+    prompts = prompts_of([17, 9], seed=21)
+    llm = fp32_llm(path, page_size=8, num_blocks=16)
+    llm.generate(prompts, GREEDY)
+    pools = [t.clone() for layer in llm.runner.kv_caches for t in layer]
+    llm.runner.warmup()
+    after = [t for layer in llm.runner.kv_caches for t in layer]
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(pools, after))
+    outs = llm.generate(prompts, GREEDY)
+    assert outs[0].num_cached_tokens == 16
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
 def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):
     """The decode-graph path on CPU: capture is replaced by an eager replay of the captured body, so
     the static buffers (padded rows, incremental block-table rows, fixed num_splits and

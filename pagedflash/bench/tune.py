@@ -9,14 +9,17 @@ are copied into ``ops/launch.py`` and the run is recorded in docs/performance.md
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
+import warnings
 
 import torch
 import triton
 
 from pagedflash.bench.common import graphed
+from pagedflash.ops import launch
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.launch import LaunchConfig
 
@@ -101,21 +104,18 @@ def tune_decode(rows: list) -> None:
 
 # (block_m, block_n, warps, stages, tma) for chunked prefill over a page pool, by page size
 PAGED_PREFILL_CONFIGS = {
-    16: [(128, 128, 8, 3, False), (128, 64, 8, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False),
-         (64, 64, 4, 4, False), (128, 32, 4, 3, False), (64, 32, 4, 4, False), (64, 16, 4, 4, True),
-         (128, 16, 8, 4, True)],
-    64: [(128, 128, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, True),
-         (64, 64, 4, 4, True)],
-    128: [(64, 64, 4, 3, True), (64, 128, 4, 3, True), (128, 128, 8, 3, True)],
+    16: [(64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False), (64, 64, 4, 2, False)],
+    64: [(64, 64, 4, 3, True), (64, 64, 4, 3, False), (64, 64, 4, 2, True)],
 }
 # (block_n, warps, stages, tma) for decode, packed GQA tiles (the contiguous cache: page 0)
 PAGED_DECODE_CONFIGS = {
-    0: [(128, 4, 2, True), (64, 4, 3, True), (64, 4, 4, True), (64, 4, 3, False), (64, 4, 4, False),
-        (128, 4, 2, False), (32, 4, 4, False)],
-    1: [(64, 4, 3, False), (64, 4, 4, False), (32, 4, 4, False), (128, 4, 2, False)],
-    16: [(64, 4, 3, False), (64, 4, 4, False), (32, 4, 4, False), (128, 4, 2, False), (16, 4, 4, True)],
-    64: [(64, 4, 3, False), (64, 4, 4, False), (64, 4, 2, True), (64, 4, 3, True), (64, 4, 4, True)],
+    0: [(128, 4, 2, True), (64, 4, 4, True), (64, 4, 4, False), (32, 4, 4, False), (128, 4, 2, False)],
+    1: [(128, 4, 2, False), (64, 4, 4, False), (32, 4, 4, False)],
+    16: [(128, 4, 2, False), (64, 4, 3, False), (64, 4, 4, False), (32, 4, 4, False)],
+    64: [(64, 4, 2, True), (64, 4, 4, True), (64, 4, 3, False)],
 }
+# packed tiles of 64 and 128 rows (speculative verification, short chunks): which ones ptxas compiles
+PACK_PROBE = [(bm, bn, 4, st) for bm in (64, 128) for bn in (32, 64) for st in (2, 3)]
 
 
 def _time_us(fn) -> float:
@@ -146,8 +146,9 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
             table = permuted_table(nb, b)
             pad = nb // b * page - n
             kp, vp = (to_pool(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table) for x in (k, v))
-            for bm, bn, w, st, tma in configs:
+            for (bm, bn, w, st, tma), pf in itertools.product(configs, (True, False)):
                 cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=st, tma=tma)
+                launch.TABLE_PREFETCH = pf
 
                 def run(cfg=cfg):
                     return attention_forward(q.flatten(0, 1), kp, vp, batch=b, max_seqlen_q=new, max_seqlen_k=n,
@@ -160,11 +161,12 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                     print(f"  page={page} cfg={cfg}: {type(e).__name__}")
                     continue
                 rows.append(dict(kind="chunked", b=b, cached=cached, page=page, cfg=[bm, bn, w, st, tma], us=us,
-                                 err=err))
-                print(f"  page={page:3d} bm={bm:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
+                                 err=err, prefetch=pf))
+                print(f"  page={page:3d} bm={bm:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} prefetch={pf!s:5}: {us:7.1f} us "
                       f"{flops / us / 1e6:5.0f} TFLOP/s  x{dense_us / us:4.2f} dense  err={err:.3g}")
             kp = vp = None  # free the pools before the next page size
-    for b, n in ((4, 16384), (4, 65536), (16, 16384), (64, 16384), (1, 16384)):
+    launch.TABLE_PREFETCH = True
+    for b, n in ((4, 65536), (16, 16384), (64, 16384), (1, 16384)):
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
@@ -173,8 +175,9 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
         for page, configs in PAGED_DECODE_CONFIGS.items():
             table = permuted_table(b * n // page, b) if page else None
             kp, vp = (to_pool(x, page, table) for x in (k, v)) if page else (k, v)
-            for bn, w, st, tma in configs:
+            for (bn, w, st, tma), pf in itertools.product(configs, (True, False) if page else (True,)):
                 cfg = LaunchConfig(block_m=16, block_n=bn, g_pack=hq // hkv, num_warps=w, num_stages=st, tma=tma)
+                launch.TABLE_PREFETCH = pf
 
                 def run(cfg=cfg):
                     return attention_forward(q, kp, vp, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
@@ -188,12 +191,34 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                 except Exception as e:  # noqa: BLE001
                     print(f"  decode page={page} cfg={cfg}: {type(e).__name__}")
                     continue
-                rows.append(dict(kind="paged_decode", b=b, n=n, page=page, cfg=[bn, w, st, tma], us=us, err=err))
-                print(f"decode B={b:2d} N={n:6d} page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
+                rows.append(dict(kind="paged_decode", b=b, n=n, page=page, cfg=[bn, w, st, tma], us=us, err=err,
+                                 prefetch=pf))
+                print(f"decode B={b:2d} N={n:6d} page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} pf={pf!s:5}: {us:7.1f} us "
                       f"{kv_bytes / us / 1e6:5.2f} TB/s err={err:.3g}")
             kp = vp = None  # free the pools before the next page size
         k = v = None
         torch.cuda.empty_cache()
+    launch.TABLE_PREFETCH = True
+    for d in (64, 128):  # compile probe: a short chunk per sequence over a paged cache, GQA 4
+        q = torch.randn(40, 8, d, device="cuda", dtype=dtype)
+        kp, vp = (torch.randn(8, 16, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        cq = torch.tensor([0, 7, 40], dtype=torch.int32, device="cuda")
+        ck = torch.tensor([0, 50, 100], dtype=torch.int32, device="cuda")
+        table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+        for bm, bn, w, st in PACK_PROBE:
+            cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=4, num_warps=w, num_stages=st)
+            try:
+                with warnings.catch_warnings(record=True) as caught:  # a compile failure retries a safe tile
+                    warnings.simplefilter("always")
+                    attention_forward(q, kp, vp, batch=2, max_seqlen_q=33, max_seqlen_k=50, sm_scale=d**-0.5,
+                                      window=(-1, 0), softcap=0.0, cu_seqlens_q=cq, cu_seqlens_k=ck,
+                                      block_table=table, num_splits=1, config=cfg)
+                    torch.cuda.synchronize()
+                status = "fell back: " + str(caught[0].message)[:80] if caught else "ok"
+            except Exception as e:  # noqa: BLE001
+                status = type(e).__name__
+            rows.append(dict(kind="pack_probe", d=d, cfg=[bm, bn, w, st], status=status))
+            print(f"pack probe D={d} bm={bm} bn={bn} w={w} s={st}: {status}")
     # the floor of this timing method: a graph of one trivial kernel, timed the same way
     x = torch.zeros(1, device="cuda")
     rows.append(dict(kind="floor", us=_time_us(lambda: x.add_(1))))

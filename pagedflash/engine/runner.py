@@ -51,8 +51,10 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._alloc_decode_buffers(min(max_num_seqs, GRAPH_BATCH_SIZES[-1]))
-        if use_cuda_graphs and self.device.type == "cuda":
-            self.capture_graphs()
+        if self.device.type == "cuda":
+            self.warmup()
+            if use_cuda_graphs:
+                self.capture_graphs()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -108,6 +110,31 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
         )
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, logits_idx
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile, before the first request, every kernel variant a step can need, so that no
+        request waits for the JIT: the attention launch's tile depends on the step's longest query
+        chunk (GQA packing below ``PACK_MAX_ROWS`` rows) and on whether the KV range is split, the
+        fused kernels on the token count. One forward per power-of-two chunk length, split and not;
+        their K/V writes go nowhere (slot -1) and their pages are page 0, read only."""
+        p = self.page_size
+        dev = self.device
+        with validate.value_checks(False):
+            for q_len in (1 << i for i in range(9)):
+                q_len = min(q_len, self.max_model_len)
+                for splits in (1, 2):
+                    meta = AttentionMetadata(
+                        slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=dev),
+                        cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+                        cu_seqlens_k=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+                        max_seqlen_q=q_len, max_seqlen_k=q_len, num_splits=splits,
+                        block_tables=torch.zeros((1, -(-q_len // p)), dtype=torch.int32, device=dev),
+                    )
+                    ids = torch.zeros(q_len, dtype=torch.int64, device=dev)
+                    self.model(ids, torch.arange(q_len, device=dev), meta, self.kv_caches)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     # ------------------------------------------------------------------ decode-only steps
     def _alloc_decode_buffers(self, rows: int) -> None:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import _env
-from pagedflash.ops import _jit
+from pagedflash.ops import _jit, launch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
 from pagedflash.ops.launch import (
@@ -60,35 +60,24 @@ def _find_seq(CuSeqlensQ, pid, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_b, stride_t,
-                MASKED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Element offsets ``[BLOCK_N]`` (int64) of key positions ``pos`` of sequence ``b``.
-
-    Dense: row ``k_row0 + pos`` of batch ``b``. Paged: page ``block_table[b, pos // PAGE_SIZE]``,
-    slot ``pos % PAGE_SIZE``; one table read per tile when the tile lies inside one page."""
-    if PAGED:
-        if PAGE_SIZE % BLOCK_N == 0:
-            blk = tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE).to(tl.int64)
-            return blk * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_t
-        else:
-            if MASKED:
-                blk = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=n_ok, other=0)
-            else:
-                blk = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE)
-            return blk.to(tl.int64) * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_t
+def _pages(BlockTable, b, stride_tb, start_n, hi, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table entries of the key tile at ``start_n``: one scalar when the tile lies inside one
+    page, else one per key (``[BLOCK_N]``); 0 for a tile or keys at or past ``hi``."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE, mask=start_n < hi, other=0)
     else:
-        return b.to(tl.int64) * stride_b + (k_row0 + pos).to(tl.int64) * stride_t
+        pos = start_n + offs_n
+        return tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=pos < hi, other=0)
 
 
 @triton.jit
-def _tma_row(start_n, b, BlockTable, stride_tb, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """First descriptor row of the key tile at ``start_n``: the sequence's own row, or (paged, a
-    tile inside one page) the pool row ``block_table[b, start_n // PAGE_SIZE] * PAGE_SIZE + slot``."""
+def _kv_offsets(pos, blk, b, k_row0, stride_b, stride_t, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Element offsets ``[BLOCK_N]`` (int64) of key positions ``pos`` of sequence ``b``: dense, row
+    ``k_row0 + pos`` of batch ``b``; paged, slot ``pos % PAGE_SIZE`` of page ``blk``."""
     if PAGED:
-        blk = tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE)
-        return blk * PAGE_SIZE + start_n % PAGE_SIZE
+        return blk.to(tl.int64) * stride_b + (pos % PAGE_SIZE).to(tl.int64) * stride_t
     else:
-        return start_n
+        return b.to(tl.int64) * stride_b + (k_row0 + pos).to(tl.int64) * stride_t
 
 
 @triton.jit
@@ -99,24 +88,35 @@ def _attend_range(
     offs_n, offs_d, d_ok,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TABLE_PREFETCH: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
     pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
     loads the copy engine bounds by the sequence itself (zero fill past the end), or over the page
     pool's ``[num_blocks * page_size, D]`` rows, a tile never crossing a page; there the masked
     tiles zero the values of slots past the sequence (their keys are masked by the scores)."""
+    if PAGED:  # the table entries of the first tile; each step fetches the next tile's ahead of use
+        blk_next = _pages(BlockTable, b, stride_tb, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < seqlen_k
         kv_mask = (n_ok[:, None] | (not MASKED)) & (d_ok[None, :] | EVEN_D)
         BOUNDED: tl.constexpr = MASKED or not EVEN_D  # the interior of an even-D range loads unmasked
+        blk = 0
+        if PAGED:
+            if TABLE_PREFETCH:
+                blk = blk_next
+                blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
+            else:
+                blk = _pages(BlockTable, b, stride_tb, start_n, hi, offs_n, PAGE_SIZE, BLOCK_N)
         if USE_TMA:
-            row = _tma_row(start_n, b, BlockTable, stride_tb, PAGED, PAGE_SIZE)
+            if PAGED:  # the tile's first pool row
+                row = blk * PAGE_SIZE + start_n % PAGE_SIZE
+            else:
+                row = start_n
             k = K.load([row, 0])
         else:
-            k_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_kb, stride_kt,
-                                MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+            k_off = _kv_offsets(pos, blk, b, k_row0, stride_kb, stride_kt, PAGED, PAGE_SIZE)
             if BOUNDED:
                 k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
@@ -136,8 +136,7 @@ def _attend_range(
             if PAGED and MASKED:  # slots of the last page past the sequence hold stale values
                 v = tl.where(n_ok[:, None], v, 0.0)
         else:
-            v_off = _kv_offsets(pos, n_ok, start_n, b, k_row0, BlockTable, stride_tb, stride_vb, stride_vt,
-                                MASKED, PAGED, PAGE_SIZE, BLOCK_N)
+            v_off = _kv_offsets(pos, blk, b, k_row0, stride_vb, stride_vt, PAGED, PAGE_SIZE)
             if BOUNDED:
                 v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
@@ -173,7 +172,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TABLE_PREFETCH: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -270,18 +269,21 @@ def _attention_kernel(
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        TABLE_PREFETCH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        TABLE_PREFETCH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        TABLE_PREFETCH,
     )
     out, lse = _jit.finalize(m_i, l_i, acc)
 
@@ -447,7 +449,7 @@ def attention_forward(
             SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TABLE_PREFETCH=launch.TABLE_PREFETCH,
         )
         _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, tma_on, q.dtype)
         if num_splits > 1:

@@ -22,6 +22,7 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
+TABLE_PREFETCH = True  # experiment: block-table entries fetched one tile ahead
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
