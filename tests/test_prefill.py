@@ -156,4 +156,4 @@ def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
         out = flash_attn_func(q, k, v, causal=True)
     assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.float32)
     flash_attn_func(q, k, v, causal=True)  # remembered: no second failing attempt
-    assert seen == [2, 1, 1]
+    assert len(seen) == 3 and seen[0] != 1 and seen[1:] == [1, 1]

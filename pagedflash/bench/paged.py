@@ -48,12 +48,12 @@ from pagedflash.bench.report import Table, plot, print_summary, print_table, wri
 FULL = dict(
     grid=DECODE_FULL["grid"] | dict(lens=(1024, 4096, 16384, 65536)), pages=(1, 16, 64),
     chunked=dict(batches=(1, 4), prefixes=(4096, 16384, 65536), new=512, heads=(32, 8), dim=128,
-                 dtype=torch.bfloat16, page=16),
+                 dtype=torch.bfloat16, pages=(16, 64)),
     prefix=dict(requests=64, prefix=4096, suffix=128, heads=(32, 8), dim=128, dtype=torch.bfloat16, page=16),
 )
 QUICK = dict(
     grid=DECODE_QUICK["grid"] | dict(lens=(64,)), pages=(1, 16),
-    chunked=dict(batches=(1,), prefixes=(32,), new=16, heads=(2, 1), dim=32, dtype=torch.float16, page=16),
+    chunked=dict(batches=(1,), prefixes=(32,), new=16, heads=(2, 1), dim=32, dtype=torch.float16, pages=(16,)),
     prefix=dict(requests=3, prefix=32, suffix=16, heads=(2, 1), dim=32, dtype=torch.float16, page=16),
 )
 
@@ -97,14 +97,17 @@ def causal_flops(sq: int, sk: int, hq: int, d: int) -> int:
 
 
 def chunked_prefill(spec: dict) -> tuple[Table, int]:
-    (hq, hkv), d, dtype, page, new = spec["heads"], spec["dim"], spec["dtype"], spec["page"], spec["new"]
+    (hq, hkv), d, dtype, pages, new = spec["heads"], spec["dim"], spec["dtype"], spec["pages"], spec["new"]
+    columns = {"B": "B", "prefix": "cached", "dense_tflops": "dense TFLOP/s", "dense_us": "dense µs"}
+    for p in pages:
+        columns |= {f"p{p}_tflops": f"page {p} TFLOP/s", f"p{p}_us": f"page {p} µs", f"p{p}_vs_dense": f"page {p}÷dense"}
     table = Table(
         "chunked_prefill", f"Chunked prefill over a cached prefix: {new} new tokens, Hq/Hkv={hq}/{hkv}, D={d}, "
-        f"{str(dtype)[6:]}, page {page}",
-        {"B": "B", "prefix": "cached", "paged_tflops": "paged varlen TFLOP/s", "dense_tflops": "dense TFLOP/s",
-         "paged_us": "paged µs", "dense_us": "dense µs", "paged_vs_dense": "paged÷dense"},
+        f"{str(dtype)[6:]}, paged varlen (block tables a random permutation of the pool) vs dense",
+        columns,
         note="FLOPs exact for the bottom-right causal mask: 4*D*Hq*B*(Sq*(Sk-Sq) + Sq*(Sq+1)/2). "
-             "paged÷dense: speed ratio, same run (>1: paged faster).",
+             "page p÷dense: speed ratio, same run (>1: paged faster). On Hopper, pages of 64+ rows load "
+             "through TMA descriptors; smaller pages gather rows.",
     )
     bad = 0
     for b, prefix in progress(list(itertools.product(spec["batches"], spec["prefixes"])), "chunked prefill"):
@@ -116,28 +119,33 @@ def chunked_prefill(spec: dict) -> tuple[Table, int]:
 
 
 def chunked_row(b: int, prefix: int, spec: dict) -> tuple[dict, list[Measured]]:
-    (hq, hkv), d, dtype, page, new = spec["heads"], spec["dim"], spec["dtype"], spec["page"], spec["new"]
+    (hq, hkv), d, dtype, new = spec["heads"], spec["dim"], spec["dtype"], spec["new"]
     sk = prefix + new
     q = randn(b, new, hq, d, dtype=dtype)
     k, v = randn(b, sk, hkv, d, dtype=dtype), randn(b, sk, hkv, d, dtype=dtype)
     refs = {i: reference_rows(q[i], k[i], v[i], causal=True) for i in sorted({0, b - 1})}
-    table_ids = permuted_table(b * sk // page, b)
-    k_pool, v_pool = to_pool(k, page, table_ids), to_pool(v, page, table_ids)
-    qp, cu_q, cu_k = q.view(b * new, hq, d), cu_seqlens([new] * b), cu_seqlens([sk] * b)
-    paged = measure(
-        lambda: pf.flash_attn_varlen_func(qp, k_pool, v_pool, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                          max_seqlen_q=new, max_seqlen_k=sk, causal=True, block_table=table_ids),
-        rows_checker(refs, dtype, lambda o, i: o[i * new:(i + 1) * new]), label=f"chunked paged B={b} P={prefix}")
+    flops = b * causal_flops(new, sk, hq, d)
     dense = measure(lambda: pf.flash_attn_func(q, k, v, causal=True),
                     rows_checker(refs, dtype, lambda o, i: o[i]), label=f"chunked dense B={b} P={prefix}")
-    flops = b * causal_flops(new, sk, hq, d)
-    row = {
-        "B": b, "prefix": human(prefix), "flops": flops,
-        "paged_tflops": paged.show(lambda ms: tflops(flops, ms)), "dense_tflops": dense.show(lambda ms: tflops(flops, ms)),
-        "paged_us": paged.show(lambda ms: ms * 1e3), "dense_us": dense.show(lambda ms: ms * 1e3),
-        "paged_vs_dense": ratio(paged, dense), "paged_err": paged.err, "dense_err": dense.err,
-    }
-    return row, [paged, dense]
+    row = {"B": b, "prefix": human(prefix), "flops": flops, "dense_tflops": dense.show(lambda ms: tflops(flops, ms)),
+           "dense_us": dense.show(lambda ms: ms * 1e3), "dense_err": dense.err}
+    cases = [dense]
+    qp, cu_q, cu_k = q.view(b * new, hq, d), cu_seqlens([new] * b), cu_seqlens([sk] * b)
+    for page in spec["pages"]:
+        width = -(-sk // page)
+        table_ids = permuted_table(b * width, b)
+        pad = width * page - sk  # the last page's tail stays unused
+        k_pool, v_pool = (to_pool(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table_ids) for x in (k, v))
+        paged = measure(
+            lambda: pf.flash_attn_varlen_func(qp, k_pool, v_pool, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              max_seqlen_q=new, max_seqlen_k=sk, causal=True, block_table=table_ids),
+            rows_checker(refs, dtype, lambda o, i: o[i * new:(i + 1) * new]),
+            label=f"chunked paged p={page} B={b} P={prefix}")
+        row |= {f"p{page}_tflops": paged.show(lambda ms: tflops(flops, ms)), f"p{page}_us": paged.show(lambda ms: ms * 1e3),
+                f"p{page}_vs_dense": ratio(paged, dense), f"p{page}_err": paged.err}
+        cases.append(paged)
+        k_pool = v_pool = None
+    return row, cases
 
 
 class PrefillStep:
@@ -246,8 +254,9 @@ def main(cfg: Config) -> int:
     prefix, bad_prefix = prefix_caching(spec["prefix"])
     print_table(prefix)
     summary = {f"geomean_page{p}_over_contig": geomean(r[f"p{p}_over"] for r in decode.rows) for p in spec["pages"]}
-    summary |= {"geomean_chunked_paged_vs_dense": geomean(r["paged_vs_dense"] for r in chunked.rows),
-                "prefix_caching_speedup": prefix.rows[-1].get("speedup", NA),
+    summary |= {f"geomean_chunked_page{p}_vs_dense": geomean(r[f"p{p}_vs_dense"] for r in chunked.rows)
+                for p in spec["chunked"]["pages"]}
+    summary |= {"prefix_caching_speedup": prefix.rows[-1].get("speedup", NA),
                 "failures": bad_decode + bad_chunked + bad_prefix}
     print_summary(summary)
     g = spec["grid"]

@@ -9,7 +9,6 @@ are copied into ``ops/launch.py`` and the run is recorded in docs/performance.md
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -19,7 +18,6 @@ import torch
 import triton
 
 from pagedflash.bench.common import graphed
-from pagedflash.ops import launch
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.launch import LaunchConfig
 
@@ -146,9 +144,8 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
             table = permuted_table(nb, b)
             pad = nb // b * page - n
             kp, vp = (to_pool(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table) for x in (k, v))
-            for (bm, bn, w, st, tma), pf in itertools.product(configs, (True, False)):
+            for bm, bn, w, st, tma in configs:
                 cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=st, tma=tma)
-                launch.TABLE_PREFETCH = pf
 
                 def run(cfg=cfg):
                     return attention_forward(q.flatten(0, 1), kp, vp, batch=b, max_seqlen_q=new, max_seqlen_k=n,
@@ -161,11 +158,10 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                     print(f"  page={page} cfg={cfg}: {type(e).__name__}")
                     continue
                 rows.append(dict(kind="chunked", b=b, cached=cached, page=page, cfg=[bm, bn, w, st, tma], us=us,
-                                 err=err, prefetch=pf))
-                print(f"  page={page:3d} bm={bm:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} prefetch={pf!s:5}: {us:7.1f} us "
+                                 err=err))
+                print(f"  page={page:3d} bm={bm:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
                       f"{flops / us / 1e6:5.0f} TFLOP/s  x{dense_us / us:4.2f} dense  err={err:.3g}")
             kp = vp = None  # free the pools before the next page size
-    launch.TABLE_PREFETCH = True
     for b, n in ((4, 65536), (16, 16384), (64, 16384), (1, 16384)):
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
@@ -175,9 +171,8 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
         for page, configs in PAGED_DECODE_CONFIGS.items():
             table = permuted_table(b * n // page, b) if page else None
             kp, vp = (to_pool(x, page, table) for x in (k, v)) if page else (k, v)
-            for (bn, w, st, tma), pf in itertools.product(configs, (True, False) if page else (True,)):
+            for bn, w, st, tma in configs:
                 cfg = LaunchConfig(block_m=16, block_n=bn, g_pack=hq // hkv, num_warps=w, num_stages=st, tma=tma)
-                launch.TABLE_PREFETCH = pf
 
                 def run(cfg=cfg):
                     return attention_forward(q, kp, vp, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
@@ -191,14 +186,12 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                 except Exception as e:  # noqa: BLE001
                     print(f"  decode page={page} cfg={cfg}: {type(e).__name__}")
                     continue
-                rows.append(dict(kind="paged_decode", b=b, n=n, page=page, cfg=[bn, w, st, tma], us=us, err=err,
-                                 prefetch=pf))
-                print(f"decode B={b:2d} N={n:6d} page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} pf={pf!s:5}: {us:7.1f} us "
+                rows.append(dict(kind="paged_decode", b=b, n=n, page=page, cfg=[bn, w, st, tma], us=us, err=err))
+                print(f"decode B={b:2d} N={n:6d} page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
                       f"{kv_bytes / us / 1e6:5.2f} TB/s err={err:.3g}")
             kp = vp = None  # free the pools before the next page size
         k = v = None
         torch.cuda.empty_cache()
-    launch.TABLE_PREFETCH = True
     for d in (64, 128):  # compile probe: a short chunk per sequence over a paged cache, GQA 4
         q = torch.randn(40, 8, d, device="cuda", dtype=dtype)
         kp, vp = (torch.randn(8, 16, 2, d, device="cuda", dtype=dtype) for _ in range(2))

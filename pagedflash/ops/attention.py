@@ -29,16 +29,18 @@ import triton
 import triton.language as tl
 
 from pagedflash import _env
-from pagedflash.ops import _jit, launch
+from pagedflash.ops import _jit
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
 from pagedflash.ops.launch import (
     MAX_SPLITS,
+    PACK_MAX_ROWS,
     LaunchConfig,
     cdiv,
     choose_config,
     choose_num_splits,
     next_pow2,
+    num_sms,
     use_tma,
 )
 
@@ -88,7 +90,7 @@ def _attend_range(
     offs_n, offs_d, d_ok,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TABLE_PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
     pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
@@ -103,12 +105,9 @@ def _attend_range(
         kv_mask = (n_ok[:, None] | (not MASKED)) & (d_ok[None, :] | EVEN_D)
         BOUNDED: tl.constexpr = MASKED or not EVEN_D  # the interior of an even-D range loads unmasked
         blk = 0
-        if PAGED:
-            if TABLE_PREFETCH:
-                blk = blk_next
-                blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
-            else:
-                blk = _pages(BlockTable, b, stride_tb, start_n, hi, offs_n, PAGE_SIZE, BLOCK_N)
+        if PAGED:  # a load issued a whole tile before its use: the K/V addresses never wait on it
+            blk = blk_next
+            blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
         if USE_TMA:
             if PAGED:  # the tile's first pool row
                 row = blk * PAGE_SIZE + start_n % PAGE_SIZE
@@ -145,7 +144,14 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Integer arguments that change from call to call in a serving loop. Triton would otherwise compile a
+# variant per "== 1 / divisible by 16 / other" state of each (a second-long stall mid-request); none
+# of them feeds an address whose alignment matters.
+_RUNTIME_INTS = ["batch", "seqlen_q", "seqlen_k", "num_q_tiles", "num_splits", "stride_tb", "window_left",
+                 "window_right"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _attention_kernel(
     Q,  # [B, Sq, Hq, D] or [total_q, Hq, D]
     K,  # [B, Sk, Hkv, D], [total_k, Hkv, D] or pages [num_blocks, page_size, Hkv, D]
@@ -172,7 +178,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TABLE_PREFETCH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -269,21 +275,18 @@ def _attention_kernel(
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
-        TABLE_PREFETCH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
-        TABLE_PREFETCH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
-        TABLE_PREFETCH,
     )
     out, lse = _jit.finalize(m_i, l_i, acc)
 
@@ -389,8 +392,9 @@ def attention_forward(
     group = hq // hkv
     page_size = k.shape[1] if paged else 0
     tma_ok = use_tma(k, v, paged)
+    wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
     cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
-                                  interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size)
+                                  interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size, wide=wide)
     tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     block_q = cfg.block_m // cfg.g_pack
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
@@ -449,7 +453,7 @@ def attention_forward(
             SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
             HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
             HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TABLE_PREFETCH=launch.TABLE_PREFETCH,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, tma_on, q.dtype)
         if num_splits > 1:

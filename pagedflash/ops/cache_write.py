@@ -21,7 +21,7 @@ from pagedflash import validate
 from pagedflash.ops.launch import cdiv, next_pow2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb", "new_per_row"])  # vary per call: no recompiles
 def _write_kv_kernel(
     K, V,  # new tokens: [T, Hkv, D] (slots) or [B, S_new, Hkv, D] (append)
     KCache, VCache,  # [num_pages, page_size, Hkv, D]

@@ -20,7 +20,7 @@ from pagedflash.ops.launch import cdiv, next_pow2
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_batch", "num_splits"])  # vary per call: no recompiles
 def _combine_kernel(
     OutPart,  # [num_splits, tokens, H, D] fp32
     LsePart,  # [num_splits, tokens, H] fp32
@@ -90,7 +90,7 @@ def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> No
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _merge_kernel(
     OutA, LseA, OutB, LseB, Out, Lse,  # out [R, D] views; lse [R]
     stride_a, stride_b, stride_o, stride_la, stride_lb, rows,

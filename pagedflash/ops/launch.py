@@ -6,7 +6,6 @@ The GPU values come from ``python -m pagedflash bench tune`` on an H200 (docs/pe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
-TABLE_PREFETCH = True  # experiment: block-table entries fetched one tile ahead
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
@@ -64,58 +62,60 @@ def _cuda_sm_count(index: int) -> int:
     return _SM_COUNT[index]
 
 
-PAGED_TMA_MIN_PAGE = 64  # smaller pages would need tiles too small to pay (bench tune --only paged)
+PAGED_TMA_MIN_PAGE = 64  # pages of 64+ rows load through TMA with 64-key tiles; smaller ones gather rows
 
 
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                  tma: bool, page_size: int = 0) -> LaunchConfig:
-    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
-    the inputs allow it; ``page_size`` is 0 for contiguous K/V). A paged launch takes the TMA tile of
-    the contiguous one when its key tiles fit inside pages of at least ``PAGED_TMA_MIN_PAGE`` rows,
-    shrinking the key tile to the page if needed; otherwise it gathers rows through pointers."""
-    if page_size and tma:
-        if page_size < PAGED_TMA_MIN_PAGE:
-            tma = False
-        else:
-            cfg = _choose_config(head_dim, group, max_seqlen_q, causal, interpreted, tma)
-            if cfg.tma:
-                block_n = min(cfg.block_n, page_size)
-                if page_size % block_n == 0:
-                    return dataclasses.replace(cfg, block_n=block_n)
-            tma = False
-    return _choose_config(head_dim, group, max_seqlen_q, causal, interpreted, tma)
+                  tma: bool, page_size: int = 0, wide: bool = False) -> LaunchConfig:
+    """Tile shape for a launch, and whether K/V load through TMA descriptors.
 
+    ``tma``: whether the inputs allow descriptors (:func:`use_tma`). ``page_size``: 0 for contiguous
+    K/V; pages of ``PAGED_TMA_MIN_PAGE`` rows or more hold whole 64-key tiles and load through one
+    descriptor over the pool, smaller ones gather rows through pointers. ``wide``: the grid fills
+    the GPU without splitting the KV range (many sequences or long query chunks).
 
-def _choose_config(head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                   tma: bool) -> LaunchConfig:
-    """Tile shape for a launch, and whether K/V load through TMA descriptors (``tma`` says whether
-    the inputs allow it). Decode-like launches (few query rows) pack the KV group's query heads into
-    the rows of one tile; prefill launches tile query tokens of one head.
-
-    The GPU values were measured with ``python -m pagedflash bench tune`` on an H200
-    (docs/performance.md): prefill bf16 at N = 8K, decode over the seed and serving shapes. Where
-    ptxas (triton 3.6) crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64
-    wide, any pipelined tile over 128 wide) the table steers around it."""
+    Decode-like launches (few query rows) pack the KV group's query heads into the rows of one tile;
+    prefill launches tile query tokens of one head. The GPU values were measured with
+    ``python -m pagedflash bench tune`` on an H200 (docs/performance.md). Where ptxas (triton 3.6)
+    crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64 wide, packed
+    pointer tiles of 64+ rows with 64-key tiles, any pipelined tile over 128 wide) the table steers
+    around it; a crash it misses costs one retry with a safe tile (attention.py)."""
     pack = max_seqlen_q * group <= PACK_MAX_ROWS
     g_pack = group if pack else 1
     block_m = max(16, next_pow2(max_seqlen_q * group)) if pack else 128
     block_d = next_pow2(head_dim)
     tma = tma and 64 <= block_d <= 128
+    if page_size and (page_size < PAGED_TMA_MIN_PAGE or page_size % 64):
+        tma = False  # a 64-key tile must not cross a page
     if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
         return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack, tma=tma)
-    if pack:  # memory-bound: large K/V tiles keep enough bytes in flight per SM
-        if tma and block_m <= 32:
-            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
-        return LaunchConfig(block_m=block_m, block_n=64 if block_d <= 128 else 32, g_pack=g_pack, num_warps=4,
-                            num_stages=3 if block_d <= 128 else 2)
+    if pack:  # memory-bound: enough K/V bytes in flight per SM
+        if block_d > 128:
+            return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+        if block_m > 32:  # short chunks x group (speculative verification)
+            return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+        if tma:
+            if page_size:
+                return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
+            return LaunchConfig(block_m=block_m, block_n=64 if wide else 128, g_pack=g_pack, num_warps=4,
+                                num_stages=4 if wide else 2, tma=True)
+        if wide:
+            return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
+        if page_size >= 16:
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
+        return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
     if block_d > 128:
         return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
     if tma:
-        if block_d <= 64:
+        if block_d <= 64 and not page_size:
             return LaunchConfig(block_m=64 if causal else 128, block_n=128, g_pack=1, num_warps=4, num_stages=3,
                                 tma=True)
         return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3, tma=True)
+    if page_size:  # row gather
+        if wide:
+            return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
+        return LaunchConfig(block_m=64, block_n=64, g_pack=1, num_warps=4, num_stages=3)
     if block_d <= 64:
         return LaunchConfig(block_m=128, block_n=64, g_pack=1, num_warps=8 if causal else 4, num_stages=3)
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
