@@ -133,6 +133,7 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
     s = llm.last_stats
     assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
     ours = s["output_tokens_per_s"]
+    print(f"pagedflash engine: {ours:.0f} output tok/s, {s['elapsed_s']:.1f} s, {s['steps']} steps", flush=True)
     rows.append(dict(system="pagedflash engine", tok_s=ours, seconds=s["elapsed_s"],
                      ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
                      itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
@@ -144,6 +145,7 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
                          (f"transformers generate, static batch {args.hf_batch_size}, SDPA", _hf_static)):
             try:
                 secs, note = fn(hf, prompts, out_lens, args.hf_batch_size)
+                print(f"{name}: {useful / secs:.0f} output tok/s, {secs:.1f} s", flush=True)
                 rows.append(dict(system=name, tok_s=useful / secs, seconds=secs, note=note))
                 best = max(best or 0.0, useful / secs)
             except Exception as e:  # a baseline that does not run is reported, never fatal
