@@ -95,6 +95,25 @@ def test_mixed_prefill_and_decode_batch(dtype, page, num_splits):
     assert_close(lse, ref_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
 
 
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("num_splits,window", [(1, (-1, 0)), (3, (20, 0))])
+def test_keys_past_a_range_come_from_their_own_page(page, num_splits, window):
+    """A causal query tile's key range can end inside a key tile; keys past that end but inside the
+    sequence are still loaded (and masked in the scores), so they must be read from their own page.
+    Page 0 of the pool holds NaN and no table points at it: reading it for them would show."""
+    new, cached = [40, 7, 33], [50, 3, 0]
+    total = [c + n for c, n in zip(cached, new)]
+    k_cache, v_cache, table = make_pool(total, page, 2, 32, torch.float32)
+    nan_page = torch.full_like(k_cache[:1], float("nan"))
+    k_cache, v_cache, table = torch.cat([nan_page, k_cache]), torch.cat([nan_page, v_cache]), table + 1
+    q = randn(sum(new), 8, 32)  # 40 queries x 4 heads per KV head: query tiles, not one packed tile
+    cq, ck = cu_seqlens(new), cu_seqlens(total)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(new), max(total), window_size=window,
+                                 block_table=table, num_splits=num_splits)
+    want = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cq, ck, table, window_size=window)[0]
+    assert_close(out, want, torch.float32)
+
+
 def test_hundreds_of_decode_rows():
     n = 300 if ON_GPU else 120
     seqlens = [int(x) for x in torch.randint(1, 40, (n,))]

@@ -62,14 +62,16 @@ def _find_seq(CuSeqlensQ, pid, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _pages(BlockTable, b, stride_tb, start_n, hi, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _pages(BlockTable, b, stride_tb, start_n, seqlen_k, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Block-table entries of the key tile at ``start_n``: one scalar when the tile lies inside one
-    page, else one per key (``[BLOCK_N]``); 0 for a tile or keys at or past ``hi``."""
+    page, else one per key (``[BLOCK_N]``); 0 for a tile or keys past the sequence (never loaded).
+    Bounded by the sequence, not by the range being walked: keys of a range's last tile past its
+    end are loaded (and masked in the scores), so they must come from their own page."""
     if PAGE_SIZE % BLOCK_N == 0:
-        return tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE, mask=start_n < hi, other=0)
+        return tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
     else:
         pos = start_n + offs_n
-        return tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=pos < hi, other=0)
+        return tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=pos < seqlen_k, other=0)
 
 
 @triton.jit
@@ -98,7 +100,7 @@ def _attend_range(
     pool's ``[num_blocks * page_size, D]`` rows, a tile never crossing a page; there the masked
     tiles zero the values of slots past the sequence (their keys are masked by the scores)."""
     if PAGED:  # the table entries of the first tile; each step fetches the next tile's ahead of use
-        blk_next = _pages(BlockTable, b, stride_tb, lo, hi, offs_n, PAGE_SIZE, BLOCK_N)
+        blk_next = _pages(BlockTable, b, stride_tb, lo, seqlen_k, offs_n, PAGE_SIZE, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < seqlen_k
@@ -107,7 +109,7 @@ def _attend_range(
         blk = 0
         if PAGED:  # a load issued a whole tile before its use: the K/V addresses never wait on it
             blk = blk_next
-            blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, hi, offs_n, PAGE_SIZE, BLOCK_N)
+            blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, seqlen_k, offs_n, PAGE_SIZE, BLOCK_N)
         if USE_TMA:
             if PAGED:  # the tile's first pool row
                 row = blk * PAGE_SIZE + start_n % PAGE_SIZE

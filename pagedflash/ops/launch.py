@@ -78,8 +78,8 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     Decode-like launches (few query rows) pack the KV group's query heads into the rows of one tile;
     prefill launches tile query tokens of one head. The GPU values were measured with
     ``python -m pagedflash bench tune`` on an H200 (docs/performance.md). Where ptxas (triton 3.6)
-    crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64 wide, packed
-    pointer tiles of 64+ rows with 64-key tiles, any pipelined tile over 128 wide) the table steers
+    crashed on a combination (TMA with packed tiles of 64+ rows or heads under 64 wide, pipelined
+    packed pointer tiles of 64+ rows, any pipelined tile over 128 wide) the table steers
     around it; a crash it misses costs one retry with a safe tile (attention.py)."""
     pack = max_seqlen_q * group <= PACK_MAX_ROWS
     g_pack = group if pack else 1
@@ -91,9 +91,10 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     if interpreted:  # small tiles: fast on the CPU, and every loop stage is exercised
         return LaunchConfig(block_m=block_m if pack else 16, block_n=16, g_pack=g_pack, tma=tma)
     if pack:  # memory-bound: enough K/V bytes in flight per SM
+        if block_m > 32:
+            # short chunks x group (speculative verification): ptxas crashed on each pipelined tile tried
+            return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
-            return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
-        if block_m > 32:  # short chunks x group (speculative verification)
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
         if tma:
             if page_size:

@@ -1,0 +1,38 @@
+"""The launch table's invariants (the values themselves are measured: docs/performance.md)."""
+
+import itertools
+
+import pytest
+
+from pagedflash.ops.launch import PACK_MAX_ROWS, PAGED_TMA_MIN_PAGE, choose_config, next_pow2
+
+HEAD_DIMS = [16, 40, 64, 80, 96, 128, 160, 256]
+GROUPS = [1, 2, 4, 8]
+Q_LENS = [1, 2, 5, 16, 33, 300, 8192]
+PAGES = [0, 1, 5, 16, 32, 64, 80, 128, 256]
+
+
+def _all(interpreted):
+    for d, g, sq, causal, tma, page, wide in itertools.product(HEAD_DIMS, GROUPS, Q_LENS, [False, True], [False, True],
+                                                               PAGES, [False, True]):
+        yield (d, g, sq, page), choose_config(head_dim=d, group=g, max_seqlen_q=sq, causal=causal,
+                                              interpreted=interpreted, tma=tma, page_size=page, wide=wide)
+
+
+@pytest.mark.parametrize("interpreted", [False, True], ids=["gpu_table", "interpreter"])
+def test_table_invariants(interpreted):
+    for (d, g, sq, page), cfg in _all(interpreted):
+        where = f"D={d} G={g} Sq={sq} page={page}: {cfg}"
+        packed = sq * g <= PACK_MAX_ROWS
+        assert cfg.g_pack == (g if packed else 1), where
+        assert cfg.block_m % cfg.g_pack == 0 and cfg.block_m >= 16, where
+        if packed:  # one tile holds every query row of the group
+            assert cfg.block_m // cfg.g_pack >= sq, where
+        if cfg.tma:
+            assert 64 <= next_pow2(d) <= 128, where  # ptxas (triton 3.6) crashed on other tile widths
+            if page:  # a descriptor tile never crosses a page
+                assert page >= PAGED_TMA_MIN_PAGE and page % cfg.block_n == 0, where
+        if not interpreted and next_pow2(d) > 128:
+            assert cfg.num_stages <= 2, where
+        if not interpreted and packed and cfg.block_m > 32:
+            assert cfg.num_stages == 1 and not cfg.tma, where
