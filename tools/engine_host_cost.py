@@ -8,9 +8,11 @@ import time
 import torch
 
 sys.path.insert(0, "tests")
+from test_engine import save_tiny  # noqa: E402
+
 import pagedflash  # noqa: E402,F401  (first: sets the interpreter on CPU-only machines)
 from pagedflash.engine import LLM, SamplingParams  # noqa: E402
-from test_engine import save_tiny  # noqa: E402
+
 path = tempfile.mkdtemp()
 save_tiny(path)
 llm = LLM(path, dtype=torch.float32, page_size=16, num_blocks=4096, max_num_seqs=64)
