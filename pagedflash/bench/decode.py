@@ -39,7 +39,15 @@ from pagedflash.bench.common import (
     ratio,
     tbps,
 )
-from pagedflash.bench.report import Table, heatmap, plot, print_summary, print_table, write_results
+from pagedflash.bench.report import (
+    Table,
+    heatmap,
+    panels_by_batch,
+    plot,
+    print_summary,
+    print_table,
+    write_results,
+)
 
 FULL = dict(
     seed=dict(batch=4, heads=(16, 16), dim=64, dtype=torch.float16, lens=(1024, 2048, 4096, 8192, 16384),
@@ -220,16 +228,12 @@ def main(cfg: Config) -> int:
             cols=[*s["splits"], "auto"], title=f"decode µs, B={s['batch']} H={s['heads'][0]} D={s['dim']}",
             xlabel="num_splits", ylabel="N")
     g = spec["grid"]
-    panels = []
-    for b in g["batches"]:
-        rows = [r for r in grid.rows if r["B"] == b]
-        if rows:
-            xs = [r["n"] for r in rows]
-            panels.append({"title": f"B={b}, Hq/Hkv={g['heads'][0]}/{g['heads'][1]}, D={g['dim']}", "xlabel": "N",
-                           "ylabel": "TB/s (K+V+Q+O)", "hline": (HBM_TBPS, "HBM datasheet"), "series": {
-                               "pagedflash": (xs, [r["tbps"] for r in rows]),
-                               "SDPA cuDNN": (xs, [r["cudnn_tbps"] for r in rows]),
-                               "SDPA flash": (xs, [r["flash_tbps"] for r in rows])}})
+    panels = panels_by_batch(grid.rows, g["batches"], lambda b, rows, xs: {
+        "title": f"B={b}, Hq/Hkv={g['heads'][0]}/{g['heads'][1]}, D={g['dim']}", "xlabel": "N",
+        "ylabel": "TB/s (K+V+Q+O)", "hline": (HBM_TBPS, "HBM datasheet"), "series": {
+            "pagedflash": (xs, [r["tbps"] for r in rows]),
+            "SDPA cuDNN": (xs, [r["cudnn_tbps"] for r in rows]),
+            "SDPA flash": (xs, [r["flash_tbps"] for r in rows])}})
     plot(cfg.out / "decode_grid.png", panels)
     path = write_results("decode", [splits_table, grid], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path}, {cfg.out / 'decode_splits.png'} and {cfg.out / 'decode_grid.png'}")

@@ -43,7 +43,7 @@ from pagedflash.bench.common import (
 from pagedflash.bench.decode import FULL as DECODE_FULL
 from pagedflash.bench.decode import QUICK as DECODE_QUICK
 from pagedflash.bench.decode import DecodeInputs, grid_cells, permuted_table, to_pool
-from pagedflash.bench.report import Table, plot, print_summary, print_table, write_results
+from pagedflash.bench.report import Table, panels_by_batch, plot, print_summary, print_table, write_results
 
 FULL = dict(
     grid=DECODE_FULL["grid"] | dict(lens=(1024, 4096, 16384, 65536)), pages=(1, 16, 64),
@@ -259,14 +259,9 @@ def main(cfg: Config) -> int:
     summary |= {"prefix_caching_speedup": prefix.rows[-1].get("speedup", NA),
                 "failures": bad_decode + bad_chunked + bad_prefix}
     print_summary(summary)
-    g = spec["grid"]
-    panels = []
-    for b in g["batches"]:
-        rows = [r for r in decode.rows if r["B"] == b]
-        if rows:
-            xs = [r["n"] for r in rows]
-            panels.append({"title": f"paged/contiguous decode time, B={b}", "xlabel": "N", "ylabel": "time ratio",
-                           "series": {f"page {p}": (xs, [r[f"p{p}_over"] for r in rows]) for p in spec["pages"]}})
+    panels = panels_by_batch(decode.rows, spec["grid"]["batches"], lambda b, rows, xs: {
+        "title": f"paged/contiguous decode time, B={b}", "xlabel": "N", "ylabel": "time ratio",
+        "series": {f"page {p}": (xs, [r[f"p{p}_over"] for r in rows]) for p in spec["pages"]}})
     plot(cfg.out / "paged_decode.png", panels)
     path = write_results("paged", [decode, chunked, prefix], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path} and {cfg.out / 'paged_decode.png'}")

@@ -139,6 +139,17 @@ def write_results(name: str, tables: Sequence[Table], out: Path, *, quick: bool,
 # ---------------------------------------------------------------- plots
 
 
+def panels_by_batch(rows: Sequence[dict], batches, panel) -> list[dict]:
+    """One plot panel per batch size that has rows: ``panel(b, rows_of_b, ns)`` builds it, with the
+    sequence lengths ``ns`` (each row's ``"n"``) as the x values."""
+    panels = []
+    for b in batches:
+        sel = [r for r in rows if r["B"] == b]
+        if sel:
+            panels.append(panel(b, sel, [r["n"] for r in sel]))
+    return panels
+
+
 def _pyplot():
     import matplotlib
 
