@@ -174,6 +174,28 @@ def test_fused_kernels_match_torch(monkeypatch, dtype):
     assert torch.equal(results[1][3][:, 100:], qkv[:, 100:])  # v untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_argmax_kernel_matches_torch(monkeypatch, dtype):
+    """Greedy sampling's chunked argmax: first index of the maximum, across chunk borders, with ties,
+    a vocabulary that is not a multiple of the chunk, -inf rows and NaN (torch: NaN is the largest)."""
+    from pagedflash.engine import fused
+
+    monkeypatch.setattr(fused, "ARGMAX_CHUNK", 64)
+    v = 64 * 5 + 17
+    logits = torch.randn(6, v, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, [70, 300, 330]] = 9.0  # tie across chunks: the first wins
+    logits[2, [3, 4]] = 9.0  # tie inside a chunk
+    logits[3] = float("-inf")
+    logits[4, v - 1] = 9.0  # the last, partial chunk
+    logits[5, 200] = float("nan")
+    logits = logits.to(DEVICE)
+    monkeypatch.setattr(fused, "FORCE_KERNELS", True)
+    got = fused.argmax(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.cpu().float().argmax(-1).tolist()
+    assert got.tolist()[1:] == [70, 3, 0, v - 1, 200]
+
+
 def test_gpu_model_path_under_interpreter(tmp_path, monkeypatch):
     """The model with the fused kernels (the GPU path, minus CUDA graphs) against transformers."""
     from pagedflash.engine import fused

@@ -1,5 +1,5 @@
 """Host cost of one engine decode step (scheduler, metadata, sampling, bookkeeping) with the model's
-forward and logits stubbed out, so only the Python around them is timed. Run from the repo root:
+forward, LM head and argmax stubbed out, so only the Python around them is timed. Run from the repo root:
 ``python tools/engine_host_cost.py`` (CPU is fine)."""
 import sys
 import tempfile
@@ -18,10 +18,9 @@ save_tiny(path)
 llm = LLM(path, dtype=torch.float32, page_size=16, num_blocks=4096, max_num_seqs=64)
 r = llm.runner
 hidden = r.model.config.hidden_size
-vocab = r.model.config.vocab_size
-# stub the GPU parts: forward returns zeros, logits zeros
+# stub the GPU parts: prefill forwards return zeros, a decode step (forward, LM head, argmax) does nothing
 r.model.forward = lambda ids, pos, meta, kv: torch.zeros(ids.shape[0], hidden)
-r.model.compute_logits = lambda h: torch.zeros(h.shape[0], vocab)
+r._decode_step = lambda bs, meta: None
 for batch in (1, 32):
     prompts = [[5] * 20 for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))

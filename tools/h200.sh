@@ -12,7 +12,7 @@ for step in ${STEPS:-tests}; do
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
     tests) log=$R/test_gpu.log
-           timeout ${T_tests:-300} python3 -m pytest -v -n 8 --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
+           timeout ${T_tests:-300} python3 -m pytest -v -n ${NPROC:-8} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
     bench) log=$R/bench_$arg.log
            timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
     tune)  log=$R/tune_$arg.log

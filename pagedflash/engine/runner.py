@@ -21,6 +21,7 @@ import torch
 
 from pagedflash import validate
 from pagedflash.cache import PAD_BLOCK_ID, KVCache, slot_mapping
+from pagedflash.engine import fused
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
@@ -59,27 +60,29 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int]:
-        """One step: forward, logits of the rows that reached their end, one sampled token each."""
-        hidden, logits_idx = self.forward(batch)
-        if not logits_idx:
-            return []
-        if len(logits_idx) < hidden.shape[0]:  # decode steps sample every row: no gather
-            hidden = hidden[self._tensor(logits_idx, torch.int64)]
-        logits = self.model.compute_logits(hidden)
-        rows = [r for r in batch.rows if r.samples]
-        return sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows], self.generator)
-
-    @torch.inference_mode()
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, list[int]]:
-        """Hidden states (one row per token) and the indices of the rows to sample.
+        """One step: forward, logits of the rows that reached their end, one sampled token each.
 
         The kernels' device-reading metadata checks are off: this runner builds the metadata itself
         from the block manager's tables, and the checks would sync with the device in every layer."""
         with validate.value_checks(False):
             if batch.is_decode_only and len(batch.rows) <= self.max_decode_rows:
-                return self._decode(batch), [i for i, r in enumerate(batch.rows) if r.samples]
-            ids, pos, meta, logits_idx = self.prepare(batch)
-            return self.model(ids, pos, meta, self.kv_caches), logits_idx
+                logits, greedy = self._decode(batch)
+                if not all(r.samples for r in batch.rows):  # a one-token recompute chunk samples nothing
+                    keep = [i for i, r in enumerate(batch.rows) if r.samples]
+                    logits, greedy = logits[keep], greedy[keep]
+            else:
+                ids, pos, meta, logits_idx = self.prepare(batch)
+                hidden = self.model(ids, pos, meta, self.kv_caches)
+                if not logits_idx:
+                    return []
+                if len(logits_idx) < hidden.shape[0]:
+                    hidden = hidden[self._tensor(logits_idx, torch.int64)]
+                logits, greedy = self.model.lm_head(hidden), None
+        rows = [r for r in batch.rows if r.samples]
+        if not rows:
+            return []
+        return sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows], self.generator,
+                      greedy=greedy)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
@@ -140,29 +143,34 @@ class ModelRunner:
     def _alloc_decode_buffers(self, rows: int) -> None:
         dev = self.device
         self.max_decode_rows = rows
-        self._ids = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self._slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        # token id, position and cache slot of each row: one [3, rows] buffer, filled by one copy a step
+        self._meta = torch.zeros((3, rows), dtype=torch.int64, device=dev)
+        self._ids, self._pos, self._slots = self._meta
         self._cu_q = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one query per row, fixed
-        self._cu_k = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self._cu_k = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # from the positions, on the device
         max_pages = -(-self.max_model_len // self.page_size)
         self._tables = torch.full((rows, max_pages), PAD_BLOCK_ID, dtype=torch.int32, device=dev)
         self._held: list[tuple] = [()] * rows  # what each table row holds: (seq_id, num_preemptions, pages)
-        self._out = torch.zeros(rows, self.model.config.hidden_size, dtype=self.model.lm_head.weight.dtype,
-                                device=dev)
+        lm = self.model.lm_head.weight
+        self._logits = torch.zeros(rows, lm.shape[0], dtype=lm.dtype, device=dev)
+        self._greedy = torch.zeros(rows, dtype=torch.int64, device=dev)
 
-    def _decode(self, batch: Batch) -> torch.Tensor:
-        """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run."""
+    def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run the
+        forward, the LM head and the greedy argmax: ``(logits [n, V], greedy tokens [n])``.
+
+        Host work per step: one host-to-device copy of the rows' ids, positions and slots (padding
+        rows: id 0, position 0, slot -1, so they write nowhere and attend one key of their row's page),
+        one more for block-table entries when a row got a page, the graph launch, one token read."""
         n, p = len(batch.rows), self.page_size
         bs = next((b for b in sorted(self.graphs) if b >= n), n)
-        ids, pos, slots, cu_k = [], [], [], [0]
+        ids, pos, slots = [], [], []
         t_rows, t_cols, t_vals = [], [], []
         for i, row in enumerate(batch.rows):
             seq = row.seq
             ids.append(seq.token_ids[row.start])
             pos.append(row.start)
             slots.append(seq.block_table[row.start // p] * p + row.start % p)
-            cu_k.append(cu_k[-1] + row.end)
             pages = -(-row.end // p)
             held = self._held[i]
             first = held[2] if held[:2] == (seq.seq_id, seq.num_preemptions) and held[2] <= pages else 0
@@ -170,23 +178,27 @@ class ModelRunner:
             t_cols += range(first, pages)
             t_vals += seq.block_table[first:pages]
             self._held[i] = (seq.seq_id, seq.num_preemptions, pages)
-        slots += [-1] * (bs - n)  # padding rows write nowhere ...
-        cu_k += range(cu_k[-1] + 1, cu_k[-1] + 1 + bs - n)  # ... and attend one key of their row's page
-        # the step's ints in one pinned buffer and one host-to-device copy, split on the device
-        m = len(t_rows)
-        ids_t, pos_t, slots_t, cu_k_t, rows_t, cols_t, vals_t = self._tensor(
-            ids + pos + slots + cu_k + t_rows + t_cols + t_vals, torch.int64).split([n, n, bs, bs + 1, m, m, m])
-        self._ids[:n].copy_(ids_t)
-        self._pos[:n].copy_(pos_t)
-        self._slots[:bs].copy_(slots_t)
-        self._cu_k[: bs + 1].copy_(cu_k_t)
-        if m:
+        pad = [0] * (bs - n)
+        self._meta[:, :bs].copy_(self._pinned([ids + pad, pos + pad, slots + [-1] * (bs - n)]), non_blocking=True)
+        if t_rows:
+            rows_t, cols_t, vals_t = self._pinned([t_rows, t_cols, t_vals]).to(self.device, non_blocking=True)
             self._tables.index_put_((rows_t, cols_t), vals_t.to(torch.int32))
         if bs not in self.graphs:
-            meta = self._decode_meta(n, max_seqlen_k=max(r.end for r in batch.rows), num_splits=0)
-            return self.model(self._ids[:n], self._pos[:n], meta, self.kv_caches)
-        self.graphs[bs].replay()
-        return self._out[:n]
+            self._decode_step(n, self._decode_meta(n, max_seqlen_k=max(r.end for r in batch.rows), num_splits=0))
+        else:
+            self.graphs[bs].replay()
+        return self._logits[:n], self._greedy[:n]
+
+    def _pinned(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, pin_memory=self.pin)
+
+    def _decode_step(self, bs: int, meta: AttentionMetadata) -> None:
+        """The body of a decode graph (or an eager decode step): sequence ends from the positions,
+        forward, LM head into ``_logits``, greedy tokens into ``_greedy``."""
+        torch.cumsum(self._pos[:bs] + 1, 0, dtype=torch.int32, out=self._cu_k[1 : bs + 1])
+        hidden = self.model(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
+        torch.mm(hidden, self.model.lm_head.weight.t(), out=self._logits[:bs])
+        self._greedy[:bs] = fused.argmax(self._logits[:bs])
 
     def _decode_meta(self, bs: int, *, max_seqlen_k: int, num_splits: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -203,11 +215,7 @@ class ModelRunner:
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
                                          num_splits=graph_num_splits(bs, self.model.config.num_kv_heads, sms))
-
-                def body(bs=bs, meta=meta):
-                    self._out[:bs] = self.model(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
-
-                self.graphs[bs], pool = capture(body, pool)
+                self.graphs[bs], pool = capture(lambda bs=bs, meta=meta: self._decode_step(bs, meta), pool)
 
 
 def capture(body, pool):

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedflash.engine import fused
+
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: dividing the logits by it would overflow fp32
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
@@ -76,13 +78,16 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None) -> list[int]:
-    """One token per row of ``logits [R, V]`` (fp32)."""
-    tokens = logits.argmax(-1)
+           default_generator: torch.Generator | None, greedy: torch.Tensor | None = None) -> list[int]:
+    """One token per row of ``logits [R, V]`` (the model's dtype; sampled rows are computed in fp32).
+    ``greedy``: the rows' argmax when the step already computed it (the decode graphs do)."""
+    tokens = greedy if greedy is not None else fused.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        tokens = tokens.clone()
     for i in rows:
         p = params[i]
-        probs = _filter(logits[i] / p.temperature, p.top_k, p.top_p).softmax(-1)
+        probs = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p).softmax(-1)
         gen = generators[i] if generators[i] is not None else default_generator
         tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
     return tokens.tolist()

@@ -1,0 +1,64 @@
+"""Where a batch-1 decode step of the 1B engine spends its time (H200): the kernels of one decode-graph
+replay (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
+    python tools/profile_engine_step.py [context]     # default 1024
+"""
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from pagedflash.bench.serve import LLAMA_3_2_1B, _tokens, _write_random_model
+from pagedflash.engine import LLM, SamplingParams
+
+
+def main() -> None:
+    ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    import random
+
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        llm = LLM(_write_random_model(LLAMA_3_2_1B, tmp, True, 0), max_num_seqs=64)
+    prompt = _tokens(rng, llm.config, ctx)
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    out = llm.generate([prompt], SamplingParams(max_tokens=128, ignore_eos=True))[0]
+    itl = statistics.median(out.itl[16:])
+    graph = llm.runner.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    g_ms = start.elapsed_time(end) / 50
+    print(f"context {ctx}: ITL median {itl * 1e3:.3f} ms, graph replay {g_ms:.3f} ms (back to back)")
+    launch, whole = [], []
+    for _ in range(20):  # host cost of one replay call, and launch-to-finish of a lone replay
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        launch.append(t1 - t0)
+        whole.append(time.perf_counter() - t0)
+    print(f"graph.replay() host call {statistics.median(launch) * 1e3:.3f} ms; "
+          f"replay + sync from idle {statistics.median(whole) * 1e3:.3f} ms")
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    print("== kernels of 10 decode-graph replays (self CUDA time)")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))
+    print("== one 32-token generate (CPU + CUDA)")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
