@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from pagedflash.engine import LLM, ModelConfig
+from pagedflash.engine import LLM, ModelConfig, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,6 +175,36 @@ def test_fused_kernels_match_torch(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_single_row_linears_match_torch(monkeypatch, dtype):
+    """The fused single-row projections (norm or SiLU in the prologue) against the unfused PyTorch path:
+    widths that are not multiples of the tiles, with and without bias and residual."""
+    from pagedflash.engine import fused, gemv
+    from pagedflash.engine.model import RMSNorm
+
+    monkeypatch.setattr(gemv, "BLOCK_K", 64)  # several loop steps and a partial last one
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
+    k, n, inter = 100, 37, 150
+    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
+    norm.weight.data = rnd(k)
+    lin = torch.nn.Linear(k, n, bias=True).to(DEVICE, dtype)
+    lin_nb = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)
+    down = torch.nn.Linear(inter, k, bias=False).to(DEVICE, dtype)
+    x, res, gate_up = rnd(1, k), rnd(1, k), rnd(1, 2 * inter)
+    results = []
+    with torch.no_grad():
+        for force in (False, True):
+            monkeypatch.setattr(fused, "FORCE_KERNELS", force)
+            assert gemv.applies(x) == force
+            results.append([*gemv.norm_linear(x, res, norm, lin), gemv.norm_linear(x, None, norm, lin_nb)[0],
+                            gemv.silu_mul_linear(gate_up, down), gemv.linear(x, lin)])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    for name, want, got in zip(["norm_linear", "residual", "norm_linear_first", "silu_mul_linear", "linear"],
+                               *results):
+        torch.testing.assert_close(got, want, **tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_argmax_kernel_matches_torch(monkeypatch, dtype):
     """Greedy sampling's chunked argmax: first index of the maximum, across chunk borders, with ties,
     a vocabulary that is not a multiple of the chunk, -inf rows and NaN (torch: NaN is the largest)."""
@@ -209,6 +239,10 @@ def test_gpu_model_path_under_interpreter(tmp_path, monkeypatch):
     with torch.no_grad():
         for p, got in zip(prompts, llm.prompt_logits(prompts)):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+    # one sequence decodes alone: single-row steps take the fused projections (gemv) and argmax
+    fused_tokens = llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
+    monkeypatch.setattr(fused, "FORCE_KERNELS", False)
+    assert fused_tokens == llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
 
 
 def test_llama_ignores_sliding_window_and_head_dim_is_checked():

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedflash import flash_attn_varlen_func, write_kv_cache
-from pagedflash.engine import fused
+from pagedflash.engine import fused, gemv
 from pagedflash.engine.config import ModelConfig
 
 
@@ -75,9 +75,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
-        t, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]; q, k, v below are views of it
+    def forward(self, qkv, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
+        """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
+        fused in), through ``o_proj``."""
+        t, d = qkv.shape[0], self.head_dim
         fused.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
@@ -89,7 +90,7 @@ class Attention(nn.Module):
             softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
             num_splits=meta.num_splits,
         )
-        return self.o_proj(o.reshape(t, self.q_size))
+        return gemv.linear(o.reshape(t, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -97,9 +98,6 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x):
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,10 +109,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, positions, rope, meta, kv_cache):
-        """Pre-norm block; the residual add is fused into the next norm: returns ``(mlp_out, residual)``."""
-        h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, rope, meta, kv_cache), residual)
-        return self.mlp(h), residual
+        """Pre-norm block; returns ``(mlp_out, residual)``. The residual add is fused into the next norm,
+        and on single rows (batch-1 decode) each norm and the SiLU into the projection after them."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = gemv.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        h = attn(qkv, positions, rope, meta, kv_cache)
+        gate_up, residual = gemv.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return gemv.silu_mul_linear(gate_up, mlp.down_proj), residual
 
 
 class DecoderModel(nn.Module):
@@ -139,10 +140,21 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        return self.model.norm(*self.forward_unnormed(input_ids, positions, meta, kv_caches))[0]
+
+    def forward_unnormed(self, input_ids, positions, meta: AttentionMetadata, kv_caches):
+        """The decoder stack without the final norm: ``(x, residual)``, normed by ``model.norm(x, residual)``."""
         x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary_emb, meta, kv)
-        return self.model.norm(x, residual)[0]
+        return x, residual
+
+    def logits_into(self, x, residual, out: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of ``forward_unnormed``'s output, written into ``out [T, vocab]``
+        (the model's dtype; fused into one kernel on single rows)."""
+        if gemv.applies(x):
+            return gemv.norm_linear(x, residual, self.model.norm, self.lm_head, out=out)[0]
+        return torch.mm(self.model.norm(x, residual)[0], self.lm_head.weight.t(), out=out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -196,8 +196,8 @@ class ModelRunner:
         """The body of a decode graph (or an eager decode step): sequence ends from the positions,
         forward, LM head into ``_logits``, greedy tokens into ``_greedy``."""
         torch.cumsum(self._pos[:bs] + 1, 0, dtype=torch.int32, out=self._cu_k[1 : bs + 1])
-        hidden = self.model(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
-        torch.mm(hidden, self.model.lm_head.weight.t(), out=self._logits[:bs])
+        x, residual = self.model.forward_unnormed(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
+        self.model.logits_into(x, residual, self._logits[:bs])
         self._greedy[:bs] = fused.argmax(self._logits[:bs])
 
     def _decode_meta(self, bs: int, *, max_seqlen_k: int, num_splits: int) -> AttentionMetadata:

@@ -1,0 +1,96 @@
+"""Tile sweep of the single-row projections (pagedflash/engine/gemv.py) on the 1B engine's shapes,
+against cuBLAS (F.linear, plus the separate norm / SiLU launch it needs) in the same run.
+
+Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
+of a model do, so weights come from HBM.   python tools/tune_gemv.py
+"""
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from pagedflash.engine import fused, gemv
+from pagedflash.engine.model import RMSNorm
+
+H, I, QKV, V = 2048, 8192, 3072, 128256
+CASES = [  # name, (n, k), prologue
+    ("qkv (norm)", (QKV, H), gemv.RMS_NORM),
+    ("o_proj", (H, H), gemv.PLAIN),
+    ("gate_up (norm+res)", (2 * I, H), gemv.RMS_NORM),
+    ("down (silu)", (H, I), gemv.SILU_MUL),
+    ("lm_head (norm+res)", (V, H), gemv.RMS_NORM),
+]
+CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))] + [(16, 256, 8, 4)]
+
+
+def graph_us(fn, calls: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / calls)
+    return best
+
+
+@torch.inference_mode()
+def main() -> None:
+    dt = torch.bfloat16
+    for name, (n, k), prologue in CASES:
+        copies = max(2, -(-300_000_000 // (n * k * 2)))
+        layers = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dt) for _ in range(copies)]
+        norm = RMSNorm(k, 1e-5).to("cuda", dt)
+        x = torch.randn(1, 2 * k if prologue == gemv.SILU_MUL else k, device="cuda", dtype=dt)
+        res = torch.randn(1, k, device="cuda", dtype=dt) if prologue == gemv.RMS_NORM and n != QKV else None
+        calls = 2 * copies if copies < 20 else copies
+
+        def ours(i):
+            lin = layers[i % copies]
+            if prologue == gemv.RMS_NORM:
+                return gemv.norm_linear(x, res, norm, lin)
+            if prologue == gemv.SILU_MUL:
+                return gemv.silu_mul_linear(x, lin)
+            return gemv.linear(x, lin)
+
+        def cublas(i):
+            lin = layers[i % copies]
+            if prologue == gemv.RMS_NORM:
+                return F.linear(norm(x, res)[0], lin.weight)
+            if prologue == gemv.SILU_MUL:
+                return F.linear(fused.silu_mul(x), lin.weight)
+            return F.linear(x, lin.weight)
+
+        base = graph_us(cublas, calls)
+        mb = n * k * 2 / 1e6
+        print(f"{name}: {n}x{k} ({mb:.1f} MB)  cuBLAS+prologue {base:.2f} us ({mb / base:.2f} TB/s)", flush=True)
+        want = cublas(0)
+        rows = []
+        for bn, bk, warps, stages in CONFIGS:
+            gemv.BLOCK_N, gemv.BLOCK_K, gemv.NUM_WARPS, gemv.NUM_STAGES = bn, bk, warps, stages
+            try:
+                err = (ours(0)[0] if prologue == gemv.RMS_NORM else ours(0)).float().sub(want.float()).abs().max().item()
+                t = graph_us(ours, calls)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
+                print(f"  bn={bn} bk={bk} w={warps} s={stages}: failed {type(e).__name__}", flush=True)
+                continue
+            rows.append((t, bn, bk, warps, stages, err))
+        for t, bn, bk, warps, stages, err in sorted(rows)[:5]:
+            print(f"  bn={bn:3d} bk={bk:4d} w={warps} s={stages}: {t:7.2f} us  {mb / t:.2f} TB/s  "
+                  f"x{base / t:.2f} vs cuBLAS  max|diff| {err:.3g}", flush=True)
+        del layers
+
+
+if __name__ == "__main__":
+    main()
