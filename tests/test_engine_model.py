@@ -181,7 +181,7 @@ def test_single_row_linears_match_torch(monkeypatch, dtype):
     from pagedflash.engine import fused, gemv
     from pagedflash.engine.model import RMSNorm
 
-    monkeypatch.setattr(gemv, "BLOCK_K", 64)  # several loop steps and a partial last one
+    monkeypatch.setattr(gemv, "TILE", (16, 32, 4, 2))  # several loop steps, partial last ones
     g = torch.Generator().manual_seed(1)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
     k, n, inter = 100, 37, 150

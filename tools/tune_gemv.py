@@ -20,7 +20,7 @@ CASES = [  # name, (n, k), prologue
     ("down (silu)", (H, I), gemv.SILU_MUL),
     ("lm_head (norm+res)", (V, H), gemv.RMS_NORM),
 ]
-CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((8, 16, 32), (256, 512), (3, 4))] + [(16, 256, 8, 4)]
+CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (3, 4))]
 
 
 def graph_us(fn, calls: int) -> float:
@@ -72,13 +72,16 @@ def main() -> None:
                 return F.linear(fused.silu_mul(x), lin.weight)
             return F.linear(x, lin.weight)
 
+        gemv.TILE = None
+        default = graph_us(ours, calls)
         base = graph_us(cublas, calls)
         mb = n * k * 2 / 1e6
-        print(f"{name}: {n}x{k} ({mb:.1f} MB)  cuBLAS+prologue {base:.2f} us ({mb / base:.2f} TB/s)", flush=True)
+        print(f"{name}: {n}x{k} ({mb:.1f} MB)  cuBLAS+prologue {base:.2f} us ({mb / base:.2f} TB/s); "
+              f"gemv.tile {gemv.tile(n, k)} {default:.2f} us ({mb / default:.2f} TB/s, x{base / default:.2f})", flush=True)
         want = cublas(0)
         rows = []
         for bn, bk, warps, stages in CONFIGS:
-            gemv.BLOCK_N, gemv.BLOCK_K, gemv.NUM_WARPS, gemv.NUM_STAGES = bn, bk, warps, stages
+            gemv.TILE = (bn, bk, warps, stages)
             try:
                 err = (ours(0)[0] if prologue == gemv.RMS_NORM else ours(0)).float().sub(want.float()).abs().max().item()
                 t = graph_us(ours, calls)

@@ -6,16 +6,18 @@ H200's 132 SMs and reads its weight at ~1.4 TB/s (profile of the engine's batch-
 docs/performance.md v9). Here each program owns ``BLOCK_N`` output features (a few per SM, every SM
 busy) and streams its rows of the weight through a pipelined loop over the input dimension.
 
-The input is formed in the prologue of every program instead of by a separate launch:
+The input is formed as the loop reads it instead of by a separate launch:
 
-- ``norm_linear``: ``linear(rms_norm(x + residual))``; the program computes the row's rstd from the
-  whole (short) input, program 0 also stores ``x + residual`` for the residual stream.
+- ``norm_linear``: ``linear(rms_norm(x + residual))``. Every program walks the whole input row, so
+  it sums the squares on the way and scales its dot products by the rstd at the end (no pass over
+  the row before the weight streams); program 0 also stores ``x + residual``, the residual stream.
 - ``silu_mul_linear``: ``linear(silu(gate) * up)`` from the gate/up projection's output.
 
-Rounding matches the unfused path (:mod:`pagedflash.engine.fused`): sum rounded to the activation
-dtype, norm in fp32 rounded then scaled by the weight and rounded; SiLU rounded before the multiply;
-fp32 accumulation, one rounding of the output. Rows other than one (prefill chunks, batched decode)
-and CPU runs take the unfused path.
+Rounding: the residual sum and the SiLU product are rounded to the activation dtype as in the unfused
+path (:mod:`pagedflash.engine.fused`); the normalized input is not rounded before the product (the
+unfused path rounds it twice, after the rstd and after the weight), a difference of the order of
+one bf16 rounding in the output. fp32 accumulation, one rounding of the output. Rows other than one
+(prefill chunks, batched decode) and CPU runs take the unfused path.
 """
 
 from __future__ import annotations
@@ -29,26 +31,6 @@ from pagedflash.engine import fused
 from pagedflash.ops.launch import cdiv, next_pow2
 
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
-BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 256, 4, 4  # measured: docs/performance.md v9
-
-
-@triton.jit
-def _input_chunk(X, Res, NormW, ks, k_ok, k, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
-    """The linear layer's input at columns ``ks`` as fp32, after the prologue (rounded as unfused)."""
-    dtype = X.dtype.element_ty
-    if PROLOGUE == 2:  # silu(gate) * up; X = [gate | up], k wide each
-        g = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-        u = tl.load(X + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-        return (act * u).to(dtype).to(tl.float32)
-    x = tl.load(X + ks, mask=k_ok, other=0.0)
-    if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(Res + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
-    if PROLOGUE == 1:
-        y = (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)
-        w = tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
-        return (y * w).to(dtype).to(tl.float32)
-    return x.to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -62,33 +44,54 @@ def _gemv_kernel(
     ResOut,  # [k] x + residual (HAS_RES)
     n, k, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_POW2: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rstd = 1.0
-    if PROLOGUE == 1 or HAS_RES:  # the whole input row: its rms, and the residual stream (program 0)
-        ka = tl.arange(0, K_POW2)
-        ka_ok = ka < k
-        xa = tl.load(X + ka, mask=ka_ok, other=0.0)
-        if HAS_RES:
-            xa = (xa.to(tl.float32) + tl.load(Res + ka, mask=ka_ok, other=0.0).to(tl.float32)).to(xa.dtype)
-            if pid == 0:
-                tl.store(ResOut + ka, xa, mask=ka_ok)
-        xf = xa.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / k + eps)
+    dtype = X.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < n
     w_rows = W + rows.to(tl.int64)[:, None] * stride_w
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        xk = _input_chunk(X, Res, NormW, ks, k_ok, k, rstd, PROLOGUE, HAS_RES)
+        if PROLOGUE == 2:  # silu(gate) * up; X = [gate | up], k wide each
+            g = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(X + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            xk = (act * u).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(X + ks, mask=k_ok, other=0.0)
+            if HAS_RES:  # the residual stream: the sum rounded as unfused; program 0 stores it
+                x = (x.to(tl.float32) + tl.load(Res + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(ResOut + ks, x, mask=k_ok)
+            xk = x.to(tl.float32)
+            if PROLOGUE == 1:  # every program walks the whole row: its rms comes with the dot product
+                sumsq += xk * xk
+                xk = xk * tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    if PROLOGUE == 1:
+        acc *= 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / k + eps)
     if HAS_BIAS:
         acc += tl.load(Bias + rows, mask=r_ok, other=0.0).to(tl.float32)
     tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=r_ok)
+
+
+def tile(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``n x k`` weight (tools/tune_gemv.py, H200):
+    8 rows per program while that still leaves 2+ programs per SM, 32 above; 8 KB of weight per
+    pipeline stage; a deeper pipeline on long rows."""
+    if TILE is not None:
+        return TILE
+    if n <= 4096:
+        return 8, min(512, next_pow2(k)), 4, 4 if k >= 8192 else 3
+    return 32, min(256, next_pow2(k)), 4, 3
+
+
+TILE: tuple[int, int, int, int] | None = None  # forced tile (tests, tools/tune_gemv.py)
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -106,12 +109,12 @@ def _launch(x, linear: nn.Linear, prologue: int, k: int, *, residual=None, norm_
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     bias = linear.bias
-    _gemv_kernel[(cdiv(n, BLOCK_N),)](
+    block_n, block_k, warps, stages = tile(n, k)
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
         bias if bias is not None else w, out, res_out, n, k, w.stride(0), eps,
         PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, next_pow2(k)), K_POW2=next_pow2(k), NUM_STAGES=NUM_STAGES,
-        num_warps=NUM_WARPS,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
     )
     return out, res_out
 
