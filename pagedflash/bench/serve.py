@@ -227,8 +227,8 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                   "itl_mean_ms": "mean ms", "tok_s": "tok/s", "bound_ms": "bound ms", "pct_bound": "% of bound",
                   "fwd_ms": "graph ms", "rest_ms": "rest ms"},
                  rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB + KV read) / {HBM_TBPS} TB/s; "
-                            "graph ms: GPU time of one replay of the decode graph (the forward without "
-                            "the LM head); rest = ITL - graph: LM head, sampling and the host's step work; "
+                            "graph ms: GPU time of one replay of the decode graph (forward, LM head, greedy "
+                            "argmax); rest = ITL - graph: the host's step work and the token read; "
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
 
 
