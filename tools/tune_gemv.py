@@ -20,7 +20,8 @@ CASES = [  # name, (n, k), prologue
     ("down (silu)", (H, I), gemv.SILU_MUL),
     ("lm_head (norm+res)", (V, H), gemv.RMS_NORM),
 ]
-CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (3, 4))]
+CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (3, 4))] + [
+    (bn, bk, w, st) for bn, bk, w, st in itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2))]  # short loops
 
 
 def graph_us(fn, calls: int) -> float:
@@ -89,7 +90,7 @@ def main() -> None:
                 print(f"  bn={bn} bk={bk} w={warps} s={stages}: failed {type(e).__name__}", flush=True)
                 continue
             rows.append((t, bn, bk, warps, stages, err))
-        for t, bn, bk, warps, stages, err in sorted(rows)[:5]:
+        for t, bn, bk, warps, stages, err in sorted(rows)[:6]:
             print(f"  bn={bn:3d} bk={bk:4d} w={warps} s={stages}: {t:7.2f} us  {mb / t:.2f} TB/s  "
                   f"x{base / t:.2f} vs cuBLAS  max|diff| {err:.3g}", flush=True)
         del layers
