@@ -12,8 +12,6 @@ The input is formed as the loop reads it instead of by a separate launch:
   it sums the squares on the way and scales its dot products by the rstd at the end (no pass over
   the row before the weight streams); program 0 also stores ``x + residual``, the residual stream.
 - ``silu_mul_linear``: ``linear(silu(gate) * up)`` from the gate/up projection's output.
-- RoPE (``rotary=``) in the epilogue of the q/k/v projection: a program computes the features j and
-  j + D/2 of its heads together, so each rotated pair is in one program's registers.
 
 Rounding: the residual sum and the SiLU product are rounded to the activation dtype as in the unfused
 path (:mod:`pagedflash.engine.fused`); the normalized input is not rounded before the product (the
@@ -23,9 +21,6 @@ one bf16 rounding in the output. fp32 accumulation, one rounding of the output. 
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,7 +33,7 @@ from pagedflash.ops.launch import cdiv, next_pow2
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["eps", "pos_idx"])
+@triton.jit(do_not_specialize=["eps"])
 def _gemv_kernel(
     X,  # [k] (PLAIN, RMS_NORM) or [2k] (SILU_MUL): the one input row
     Res,  # [k] residual (HAS_RES)
@@ -47,30 +42,16 @@ def _gemv_kernel(
     Bias,  # [n] (HAS_BIAS)
     Out,  # [n]
     ResOut,  # [k] x + residual (HAS_RES)
-    Pos, Cos, Sin,  # ROPE: position [1] int64; tables [max_len, 2 * HALF_D] fp32
-    n, k, stride_w, eps, rot_pairs,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ROPE: tl.constexpr,
-    HALF_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    n, k, stride_w, eps,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Each program produces two sets of BLOCK_N / 2 output features. Rotated programs (the first
-    ``rot_pairs / (BLOCK_N / 2)``) take features j and j + HALF_D of the rotated heads, so RoPE's pairs
-    meet in one program; the others take consecutive features."""
     pid = tl.program_id(0)
     dtype = X.dtype.element_ty
-    HALF: tl.constexpr = BLOCK_N // 2
-    rot_progs = rot_pairs // HALF
-    rot = pid < rot_progs
-    i = pid * HALF + tl.arange(0, HALF)
-    j = i % HALF_D  # rotary frequency of a rotated pair
-    rows1 = tl.where(rot, (i // HALF_D) * (2 * HALF_D) + j,
-                     2 * rot_pairs + (pid - rot_progs) * BLOCK_N + tl.arange(0, HALF))
-    rows2 = tl.where(rot, rows1 + HALF_D, rows1 + HALF)
-    ok1 = rows1 < n
-    ok2 = rows2 < n
-    w1_rows = W + rows1.to(tl.int64)[:, None] * stride_w
-    w2_rows = W + rows2.to(tl.int64)[:, None] * stride_w
-    a1 = tl.zeros([HALF], dtype=tl.float32)
-    a2 = tl.zeros([HALF], dtype=tl.float32)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < n
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -90,41 +71,23 @@ def _gemv_kernel(
             if PROLOGUE == 1:  # every program walks the whole row: its rms comes with the dot product
                 sumsq += xk * xk
                 xk = xk * tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w1 = tl.load(w1_rows + ks[None, :], mask=ok1[:, None] & k_ok[None, :], other=0.0)
-        w2 = tl.load(w2_rows + ks[None, :], mask=ok2[:, None] & k_ok[None, :], other=0.0)
-        a1 += tl.sum(w1.to(tl.float32) * xk[None, :], axis=1)
-        a2 += tl.sum(w2.to(tl.float32) * xk[None, :], axis=1)
+        w = tl.load(w_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
     if PROLOGUE == 1:
-        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / k + eps)
-        a1 *= rstd
-        a2 *= rstd
+        acc *= 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / k + eps)
     if HAS_BIAS:
-        a1 += tl.load(Bias + rows1, mask=ok1, other=0.0).to(tl.float32)
-        a2 += tl.load(Bias + rows2, mask=ok2, other=0.0).to(tl.float32)
-    if ROPE:  # rotate-half RoPE of the rounded projection, in fp32, rounded once (as fused.rope_)
-        pos = tl.load(Pos)
-        c = tl.load(Cos + pos * (2 * HALF_D) + j)
-        s = tl.load(Sin + pos * (2 * HALF_D) + j)
-        x1 = a1.to(dtype).to(tl.float32)
-        x2 = a2.to(dtype).to(tl.float32)
-        a1 = tl.where(rot, x1 * c - x2 * s, a1)
-        a2 = tl.where(rot, x2 * c + x1 * s, a2)
-    tl.store(Out + rows1, a1.to(Out.dtype.element_ty), mask=ok1)
-    tl.store(Out + rows2, a2.to(Out.dtype.element_ty), mask=ok2)
+        acc += tl.load(Bias + rows, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=r_ok)
 
 
 def tile(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``n x k`` weight (tools/tune_gemv.py, H200):
-    narrow outputs take few rows per program and load short rows whole (the kernel's floor is one
-    memory latency, so the fewer dependent loads the better); wide outputs stream 8 KB per stage."""
+    8 rows per program while that still leaves 2+ programs per SM, 32 above; 8 KB of weight per
+    pipeline stage; a deeper pipeline on long rows."""
     if TILE is not None:
         return TILE
-    if k >= 8192:
-        return 8, 512, 4, 4
-    if n <= 2048:  # whole rows per program, two rows each: the load is one latency, not a loop
-        return 2, min(2048, next_pow2(k)), 8, 1
     if n <= 4096:
-        return 8, min(1024, next_pow2(k)), 8, 1
+        return 8, min(512, next_pow2(k)), 4, 4 if k >= 8192 else 3
     return 32, min(256, next_pow2(k)), 4, 3
 
 
@@ -136,19 +99,7 @@ def applies(x: torch.Tensor) -> bool:
     return x.shape[0] == 1 and fused.use_kernels(x)
 
 
-@dataclass
-class Rotary:
-    """RoPE applied to the first ``num_heads`` heads (``head_dim`` wide) of a projection's output."""
-
-    positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor  # [max_len, head_dim] fp32, rotate-half layout
-    sin: torch.Tensor
-    num_heads: int
-    head_dim: int
-
-
-def _launch(x, linear: nn.Linear, prologue: int, k: int, *, residual=None, norm_w=None, eps=0.0, out=None,
-            rotary: Rotary | None = None):
+def _launch(x, linear: nn.Linear, prologue: int, k: int, *, residual=None, norm_w=None, eps=0.0, out=None):
     w = linear.weight
     n = w.shape[0]
     if w.shape[1] != k or w.stride(1) != 1 or not x.is_contiguous():
@@ -159,38 +110,24 @@ def _launch(x, linear: nn.Linear, prologue: int, k: int, *, residual=None, norm_
     res_out = torch.empty_like(x) if residual is not None else x
     bias = linear.bias
     block_n, block_k, warps, stages = tile(n, k)
-    half_d, rot_pairs = 1, 0
-    if rotary is not None:
-        half_d = rotary.head_dim // 2
-        rot_pairs = rotary.num_heads * half_d
-        if 2 * rot_pairs > n or rotary.head_dim % 2:
-            raise ValueError(f"gemv: RoPE over {rotary.num_heads} heads of {rotary.head_dim} does not fit {n} outputs")
-        block_n = 2 * math.gcd(block_n // 2, half_d)  # a program's pairs stay inside one head
-    grid = rot_pairs // (block_n // 2) + cdiv(n - 2 * rot_pairs, block_n)
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
-        bias if bias is not None else w, out, res_out,
-        *((rotary.positions, rotary.cos, rotary.sin) if rotary is not None else (x, x, x)),
-        n, k, w.stride(0), eps, rot_pairs,
-        PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None, ROPE=rotary is not None,
-        HALF_D=half_d, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
+        bias if bias is not None else w, out, res_out, n, k, w.stride(0), eps,
+        PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
     )
     return out, res_out
 
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, linear: nn.Linear, out=None,
-                rotary: Rotary | None = None):
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm, linear: nn.Linear, out=None):
     """``(linear(norm(x + residual)), x + residual)``; ``norm`` is the model's RMSNorm module.
-    ``out``: where the (contiguous) result goes; a new tensor when None. ``rotary``: RoPE on the
-    output's first heads (the fused q/k/v projection), in place."""
+    ``out``: where the (contiguous) result goes; a new tensor when None."""
     if not applies(x):
         h, residual = norm(x, residual)
-        y = linear(h) if out is None else out.copy_(linear(h))
-        if rotary is not None:
-            fused.rope_(y, rotary.positions, rotary.cos, rotary.sin, rotary.num_heads, rotary.head_dim)
-        return y, residual
-    return _launch(x, linear, RMS_NORM, x.shape[1], residual=residual, norm_w=norm.weight, eps=norm.eps, out=out,
-                   rotary=rotary)
+        if out is None:
+            return linear(h), residual
+        return out.copy_(linear(h)), residual
+    return _launch(x, linear, RMS_NORM, x.shape[1], residual=residual, norm_w=norm.weight, eps=norm.eps, out=out)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

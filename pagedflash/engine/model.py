@@ -75,15 +75,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
 
-    def project(self, x, residual, norm: RMSNorm, positions, rope: RotaryEmbedding):
-        """``norm(x + residual)`` through ``qkv_proj`` with RoPE on the q and k heads:
-        ``(qkv [T, (Hq + 2 Hkv) D], x + residual)`` (one kernel on single rows)."""
-        rot = gemv.Rotary(positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        return gemv.norm_linear(x, residual, norm, self.qkv_proj, rotary=rot)
-
-    def forward(self, qkv, meta: AttentionMetadata, kv_cache):
-        """Attention of the projected, rotated ``qkv`` (:meth:`project`), through ``o_proj``."""
+    def forward(self, qkv, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
+        """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
+        fused in), through ``o_proj``."""
         t, d = qkv.shape[0], self.head_dim
+        fused.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
@@ -114,10 +110,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, meta, kv_cache):
         """Pre-norm block; returns ``(mlp_out, residual)``. The residual add is fused into the next norm,
-        and on single rows (batch-1 decode) each norm, the SiLU and RoPE into the projection next to them."""
+        and on single rows (batch-1 decode) each norm and the SiLU into the projection after them."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.project(x, residual, self.input_layernorm, positions, rope)
-        h = attn(qkv, meta, kv_cache)
+        qkv, residual = gemv.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        h = attn(qkv, positions, rope, meta, kv_cache)
         gate_up, residual = gemv.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         return gemv.silu_mul_linear(gate_up, mlp.down_proj), residual
 
