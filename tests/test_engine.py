@@ -233,6 +233,34 @@ def test_sampling_stop_and_timing(llama):
     assert all(0 <= t < 128 for t in c.token_ids) and len(c.token_ids) == 6
 
 
+def test_run_ahead_gives_the_synchronous_tokens(llama):
+    """Decode steps launched before the previous step's tokens are read (greedy rows) end exactly as
+    the synchronous loop: rows that stop on a stop id or at their length mid-run are dropped, the
+    sampled row forces the synchronous path, no page stays held, prefix caching sees the real tokens."""
+    path, hf = llama
+    prompts = prompts_of([3, 12, 6, 20], seed=11)
+    ref = hf_greedy(hf, prompts[0], 30)
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[ref[17]], ignore_eos=True),  # stops mid-run
+              SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=14, ignore_eos=True)]
+    runs = {}
+    for ahead in (False, True):
+        llm = fp32_llm(path, page_size=4, num_blocks=64)
+        llm.run_ahead = ahead
+        calls = []
+        launch_ahead = llm.runner.launch_ahead
+        llm.runner.launch_ahead = lambda batch: calls.append(len(batch.rows)) or launch_ahead(batch)
+        outs = llm.generate(prompts, params)
+        again = llm.generate([prompts[2] + outs[2].token_ids[:8]], GREEDY)[0]  # pages written ahead, reused
+        sampled = llm.generate(prompts[:2], [GREEDY, SamplingParams(max_tokens=6, temperature=1.0, seed=3)])
+        runs[ahead] = [o.token_ids for o in outs] + [again.token_ids] + [o.token_ids for o in sampled]
+        assert not llm.scheduler.running and llm.block_manager.num_free_blocks == 64
+        assert bool(calls) == ahead
+    assert runs[True] == runs[False]
+    assert runs[True][0] == ref[: ref.index(ref[17]) + 1]
+    assert again.num_cached_tokens >= 8
+
+
 def test_string_prompts_with_a_tokenizer(llama, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -303,11 +331,13 @@ def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):
     llm = fp32_llm(path, page_size=8, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=6)
     llm.runner.capture_graphs()
     assert sorted(llm.runner.graphs) == [1, 2, 4, 6]
-    sizes, decode = [], llm.runner._decode
+    sizes, ahead, decode, launch_ahead = [], [], llm.runner._decode, llm.runner.launch_ahead
     monkeypatch.setattr(llm.runner, "_decode", lambda batch: sizes.append(len(batch.rows)) or decode(batch))
+    monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(len(batch.rows)) or launch_ahead(batch))
     outs = llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))
-    assert EagerReplay.replays == len(sizes) > 5 and llm.last_stats["preemptions"] > 0
-    assert {3, 5} & set(sizes), f"no padded replay among batch sizes {sizes}"
+    assert EagerReplay.replays == len(sizes) + len(ahead) and len(sizes) > 5 and llm.last_stats["preemptions"] > 0
+    assert {3, 5} & set(sizes + ahead), f"no padded replay among batch sizes {sizes}, {ahead}"
+    assert ahead, "no step was launched ahead"
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 9) for p in prompts]
 
 

@@ -94,6 +94,7 @@ class LLM:
             init_random_weights(self.model, seed)
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
+        self.run_ahead = True  # greedy decode: launch a step before the previous one's tokens are read
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         if num_blocks is None:
@@ -144,12 +145,30 @@ class LLM:
         steps = prefill_tokens = generated = 0
         preempt0 = self.scheduler.num_preemptions
         try:
+            # ahead: (batch, pending tokens, kept rows or None) launched before its predecessor's tokens
+            # were read; a step that lost rows meanwhile is not followed ahead (the runner's buffers are
+            # laid out by row: the next step goes through the scheduler and re-lays them)
+            ahead = None
             while self.scheduler.has_unfinished():
-                batch = self.scheduler.schedule()
-                tokens = self.runner.run(batch)
+                if ahead is None:
+                    batch = self.scheduler.schedule()
+                    pending, keep = self.runner.launch(batch), None
+                else:
+                    batch, pending, keep = ahead
+                nxt = None
+                if self.run_ahead and pending.deferred and keep is None:
+                    nxt = self.scheduler.schedule_ahead(batch)
+                ahead = None if nxt is None else (nxt, self.runner.launch_ahead(nxt), None)
+                tokens = pending.result()
+                if keep is not None:
+                    tokens = [tokens[i] for i in keep]
                 now = time.perf_counter()
                 prefill_tokens += sum(r.num_tokens for r in batch.rows if not r.decode)
                 finished = self.scheduler.postprocess(batch, tokens, now, self.eos_ids, self.max_model_len)
+                if ahead is not None:
+                    launched = len(ahead[0].rows)
+                    keep = self.scheduler.confirm_ahead(ahead[0])
+                    ahead = (ahead[0], ahead[1], keep if len(keep) < launched else None) if keep else None
                 steps += 1
                 generated += len(tokens)
                 for seq in finished:

@@ -13,6 +13,12 @@ size ``bs >= n``; the padding rows write nowhere (slot -1), attend one key of a 
 outputs are dropped. A graph's attention uses a fixed ``num_splits`` and ``max_seqlen_k =
 max_model_len``, so it does no host sync and no data-dependent allocation. Without graphs the same
 buffers feed an eager forward.
+
+Run-ahead: a decode step whose rows are all greedy leaves its tokens on the device (the graph ends
+with the LM head and an argmax) and copies them to the host behind itself, so while it runs the host
+can launch the step after it (:meth:`ModelRunner.launch_ahead`, rows from
+:meth:`pagedflash.engine.scheduler.Scheduler.schedule_ahead`), whose input ids are those device-side
+tokens. The host's per-step work then overlaps the GPU's instead of adding to it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,27 @@ from pagedflash.engine.scheduler import Batch
 from pagedflash.ops.launch import num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
+
+
+class PendingTokens:
+    """The tokens of a launched step: known already, or greedy tokens on their way to a pinned host
+    buffer (``result`` waits for them)."""
+
+    def __init__(self, tokens: list[int] | None = None, *, host: torch.Tensor | None = None,
+                 event: torch.cuda.Event | None = None):
+        self._tokens, self._host, self._event = tokens, host, event
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the step is still running on the device (its successor can be launched first)."""
+        return self._tokens is None
+
+    def result(self) -> list[int]:
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._tokens = self._host.tolist()
+        return self._tokens
 MAX_GRAPH_SPLITS = 32
 
 
@@ -58,15 +85,26 @@ class ModelRunner:
                 self.capture_graphs()
 
     # ------------------------------------------------------------------ one step
-    @torch.inference_mode()
     def run(self, batch: Batch) -> list[int]:
-        """One step: forward, logits of the rows that reached their end, one sampled token each.
+        """One step: forward, logits of the rows that reached their end, one sampled token each."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> PendingTokens:
+        """Start one step. A decode-only step whose rows are all greedy returns once its work is
+        enqueued (its tokens travel to the host behind it: :meth:`PendingTokens.result` waits), so
+        the host can prepare and launch the next step meanwhile (:meth:`launch_ahead`). Other steps
+        sample at once.
 
         The kernels' device-reading metadata checks are off: this runner builds the metadata itself
         from the block manager's tables, and the checks would sync with the device in every layer."""
         with validate.value_checks(False):
             if batch.is_decode_only and len(batch.rows) <= self.max_decode_rows:
-                logits, greedy = self._decode(batch)
+                n = len(batch.rows)
+                self._decode(batch)
+                if all(r.samples and r.seq.params.greedy for r in batch.rows):
+                    return self._read_greedy(n)
+                logits, greedy = self._logits[:n], self._greedy[:n]
                 if not all(r.samples for r in batch.rows):  # a one-token recompute chunk samples nothing
                     keep = [i for i, r in enumerate(batch.rows) if r.samples]
                     logits, greedy = logits[keep], greedy[keep]
@@ -74,15 +112,46 @@ class ModelRunner:
                 ids, pos, meta, logits_idx = self.prepare(batch)
                 hidden = self.model(ids, pos, meta, self.kv_caches)
                 if not logits_idx:
-                    return []
+                    return PendingTokens([])
                 if len(logits_idx) < hidden.shape[0]:
                     hidden = hidden[self._tensor(logits_idx, torch.int64)]
                 logits, greedy = self.model.lm_head(hidden), None
         rows = [r for r in batch.rows if r.samples]
         if not rows:
-            return []
-        return sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows], self.generator,
-                      greedy=greedy)
+            return PendingTokens([])
+        return PendingTokens(sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
+                                    self.generator, greedy=greedy))
+
+    @torch.inference_mode()
+    def launch_ahead(self, batch: Batch) -> PendingTokens:
+        """Launch ``batch`` (:meth:`Scheduler.schedule_ahead`: the rows of the step just launched, one
+        token further) before that step's tokens reach the host. Its input ids are that step's greedy
+        tokens, copied on the device; its positions and slots come from the host; its pages are held
+        already, so the block tables stay as they are."""
+        n, p = len(batch.rows), self.page_size
+        bs = next((b for b in sorted(self.graphs) if b >= n), n)
+        pos = [r.start for r in batch.rows]
+        slots = [r.seq.block_table[r.start // p] * p + r.start % p for r in batch.rows]
+        with validate.value_checks(False):
+            self._meta[0, :n].copy_(self._greedy[:n])  # the previous step's tokens; padding ids stay 0
+            self._meta[1:, :bs].copy_(self._pinned([pos + [0] * (bs - n), slots + [-1] * (bs - n)]), non_blocking=True)
+            if bs in self.graphs:
+                self.graphs[bs].replay()
+            else:
+                self._decode_step(n, self._decode_meta(n, max_seqlen_k=max(pos) + 1, num_splits=0))
+        return self._read_greedy(n)
+
+    def _read_greedy(self, n: int) -> PendingTokens:
+        """Enqueue the copy of this step's greedy tokens to the host (two pinned buffers in turn: the
+        step launched ahead must not overwrite the one not read yet)."""
+        host = self._host_tokens[self._flip][:n]
+        self._flip ^= 1
+        host.copy_(self._greedy[:n], non_blocking=self.pin)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingTokens(host=host, event=event)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
@@ -154,6 +223,8 @@ class ModelRunner:
         lm = self.model.lm_head.weight
         self._logits = torch.zeros(rows, lm.shape[0], dtype=lm.dtype, device=dev)
         self._greedy = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.pin) for _ in range(2)]
+        self._flip = 0
 
     def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run the

@@ -134,6 +134,43 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def schedule_ahead(self, batch: Batch) -> Batch | None:
+        """The step after ``batch``, to launch before ``batch``'s tokens are known, or None.
+
+        Only when ``batch`` decodes every running sequence greedily, nothing waits (no admission
+        would change the rows), and each row's next position lies in a page the sequence holds (no
+        allocation, so no preemption). The rows are the same sequences one position further; the
+        input tokens are ``batch``'s, on the device. Rows whose sequence turns out to have finished
+        are dropped by :meth:`confirm_ahead`; what they computed is discarded (their K/V went to a
+        slot of their own partly filled page, never a cached one)."""
+        if self.waiting or len(batch.rows) != len(self.running):
+            return None
+        p = self.page_size
+        rows = []
+        for row, seq in zip(batch.rows, self.running):
+            if row.seq is not seq or row.num_tokens != 1 or not row.samples or not seq.params.greedy:
+                return None
+            pos = len(seq)  # where batch's token goes
+            if pos % p == 0:  # a new page: allocation (maybe preemption) needs the sync path
+                return None
+            rows.append(ScheduledRow(seq, pos, 1, decode=True))
+        for r in rows:
+            self.mark_written(r.seq.block_table, r.end, r.start)
+        return Batch(rows)
+
+    def confirm_ahead(self, ahead: Batch) -> list[int]:
+        """After :meth:`postprocess` of the step before ``ahead``: hand the block manager each
+        continuing row's new token (it completes no allocation: the page is held) and drop the rows
+        whose sequence finished. Returns the indices of the kept rows in ``ahead``'s results."""
+        keep = []
+        for i, row in enumerate(ahead.rows):
+            seq = row.seq
+            if seq.status is Status.RUNNING:
+                seq.block_table = self.bm.append_token(seq.seq_id, seq.token_ids[-1])
+                keep.append(i)
+        ahead.rows = [ahead.rows[i] for i in keep]
+        return keep
+
     # ------------------------------------------------------------------ internals
     def mark_written(self, block_table: list[int], end: int, start: int = 0) -> None:
         """Positions ``start .. end - 1`` get their K/V this step: the pages they complete are written."""
