@@ -8,6 +8,8 @@ graph decode equal to eager decode.
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedflash.engine import LLM, GenerationOutput, SamplingParams
 
@@ -259,6 +261,31 @@ def test_run_ahead_gives_the_synchronous_tokens(llama):
     assert runs[True] == runs[False]
     assert runs[True][0] == ref[: ref.index(ref[17]) + 1]
     assert again.num_cached_tokens >= 8
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_run_ahead_matches_synchronous_on_random_workloads(llama, data):
+    """Random batches (page sizes, pools small enough to preempt, stop ids, lengths, a sampled row now
+    and then): run-ahead and the synchronous loop produce the same tokens and free every page."""
+    path, _ = llama
+    page = data.draw(st.sampled_from([2, 4, 8]), label="page_size")
+    n = data.draw(st.integers(1, 4), label="requests")
+    lens = data.draw(st.lists(st.integers(1, 14), min_size=n, max_size=n), label="prompt_lens")
+    prompts = prompts_of(lens, seed=data.draw(st.integers(0, 99), label="seed"))
+    params = [SamplingParams(max_tokens=data.draw(st.integers(1, 12)), ignore_eos=True,
+                             stop_token_ids=data.draw(st.lists(st.integers(0, 127), max_size=3)),
+                             temperature=data.draw(st.sampled_from([0.0, 0.0, 0.0, 1.0])), seed=7) for _ in lens]
+    need = max(-(-(l + p.max_tokens) // page) for l, p in zip(lens, params))
+    blocks = data.draw(st.integers(need, need + 3 * n), label="num_blocks")  # tight pools preempt
+    caching = data.draw(st.booleans(), label="prefix_caching")
+    runs = {}
+    for ahead in (False, True):
+        llm = fp32_llm(path, page_size=page, num_blocks=blocks, enable_prefix_caching=caching)
+        llm.run_ahead = ahead
+        runs[ahead] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert not llm.scheduler.running and llm.block_manager.num_free_blocks == blocks
+    assert runs[True] == runs[False]
 
 
 def test_string_prompts_with_a_tokenizer(llama, tmp_path):
