@@ -29,7 +29,7 @@ bench: setup
 	$(PYTHON) -m pagedflash bench all
 
 lint:
-	$(PYTHON) -m ruff check pagedflash tests
+	$(PYTHON) -m ruff check pagedflash tests tools
 
 clean:
 	rm -rf build *.egg-info .pytest_cache bench_results

@@ -251,7 +251,7 @@ def test_run_ahead_gives_the_synchronous_tokens(llama):
         llm.run_ahead = ahead
         calls = []
         launch_ahead = llm.runner.launch_ahead
-        llm.runner.launch_ahead = lambda batch: calls.append(len(batch.rows)) or launch_ahead(batch)
+        llm.runner.launch_ahead = lambda batch, calls=calls, f=launch_ahead: calls.append(len(batch.rows)) or f(batch)
         outs = llm.generate(prompts, params)
         again = llm.generate([prompts[2] + outs[2].token_ids[:8]], GREEDY)[0]  # pages written ahead, reused
         sampled = llm.generate(prompts[:2], [GREEDY, SamplingParams(max_tokens=6, temperature=1.0, seed=3)])

@@ -57,7 +57,7 @@ def main() -> None:
         res = torch.randn(1, k, device="cuda", dtype=dt) if prologue == gemv.RMS_NORM and n != QKV else None
         calls = 2 * copies if copies < 20 else copies
 
-        def ours(i):
+        def ours(i, layers=layers, copies=copies, prologue=prologue, x=x, res=res, norm=norm):
             lin = layers[i % copies]
             if prologue == gemv.RMS_NORM:
                 return gemv.norm_linear(x, res, norm, lin)
@@ -65,7 +65,7 @@ def main() -> None:
                 return gemv.silu_mul_linear(x, lin)
             return gemv.linear(x, lin)
 
-        def cublas(i):
+        def cublas(i, layers=layers, copies=copies, prologue=prologue, x=x, res=res, norm=norm):
             lin = layers[i % copies]
             if prologue == gemv.RMS_NORM:
                 return F.linear(norm(x, res)[0], lin.weight)
