@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_us  # tools/ is on sys.path when run as a script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import pagedflash
@@ -16,28 +17,6 @@ CELLS = [(4, 65536), (4, 131072), (1, 16384), (1, 131072), (16, 16384)]
 HQ, HKV, D, CALLS = 32, 8, 128, 20
 
 
-def graph_us(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / CALLS)
-    return best
-
-
 def main() -> None:
     print(f"pagedflash from {pagedflash.__file__}", flush=True)
     validate.value_checks(False).__enter__()  # no device reads while capturing
@@ -45,10 +24,12 @@ def main() -> None:
         q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
         kc, vc = (torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-        pf = graph_us(partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=lens, num_splits=0))
+        ours = partial(flash_attn_with_kvcache, q, kc, vc, cache_seqlens=lens, num_splits=0)
+        sdpa = partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                       enable_gqa=True)
+        pf = graph_us(lambda _, f=ours: f(), CALLS)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cu = graph_us(partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
-                                  vc.transpose(1, 2), enable_gqa=True))
+            cu = graph_us(lambda _, f=sdpa: f(), CALLS)
         print(f"B={b} N={n}: pagedflash {pf:.1f} us  cudnn {cu:.1f} us  ratio {cu / pf:.3f}", flush=True)
 
 

@@ -8,6 +8,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_us  # tools/ is on sys.path when run as a script
 
 from pagedflash.engine import fused, gemv
 from pagedflash.engine.model import RMSNorm
@@ -22,28 +23,6 @@ CASES = [  # name, (n, k), prologue
 ]
 CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (3, 4))] + [
     (bn, bk, w, st) for bn, bk, w, st in itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2))]  # short loops
-
-
-def graph_us(fn, calls: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    return best
 
 
 @torch.inference_mode()
