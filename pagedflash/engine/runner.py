@@ -34,6 +34,7 @@ from pagedflash.engine.scheduler import Batch
 from pagedflash.ops.launch import num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
+MAX_GRAPH_SPLITS = 32
 
 
 class PendingTokens:
@@ -55,7 +56,6 @@ class PendingTokens:
                 self._event.synchronize()
             self._tokens = self._host.tolist()
         return self._tokens
-MAX_GRAPH_SPLITS = 32
 
 
 def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
@@ -129,16 +129,13 @@ class ModelRunner:
         tokens, copied on the device; its positions and slots come from the host; its pages are held
         already, so the block tables stay as they are."""
         n, p = len(batch.rows), self.page_size
-        bs = next((b for b in sorted(self.graphs) if b >= n), n)
+        bs = self._graph_size(n)
         pos = [r.start for r in batch.rows]
         slots = [r.seq.block_table[r.start // p] * p + r.start % p for r in batch.rows]
         with validate.value_checks(False):
             self._meta[0, :n].copy_(self._greedy[:n])  # the previous step's tokens; padding ids stay 0
             self._meta[1:, :bs].copy_(self._pinned([pos + [0] * (bs - n), slots + [-1] * (bs - n)]), non_blocking=True)
-            if bs in self.graphs:
-                self.graphs[bs].replay()
-            else:
-                self._decode_step(n, self._decode_meta(n, max_seqlen_k=max(pos) + 1, num_splits=0))
+            self._run_decode(n, bs, max_seqlen_k=max(pos) + 1)
         return self._read_greedy(n)
 
     def _read_greedy(self, n: int) -> PendingTokens:
@@ -226,15 +223,15 @@ class ModelRunner:
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.pin) for _ in range(2)]
         self._flip = 0
 
-    def _decode(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, batch: Batch) -> None:
         """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run the
-        forward, the LM head and the greedy argmax: ``(logits [n, V], greedy tokens [n])``.
+        forward, the LM head and the greedy argmax (into ``_logits[:n]``, ``_greedy[:n]``).
 
         Host work per step: one host-to-device copy of the rows' ids, positions and slots (padding
         rows: id 0, position 0, slot -1, so they write nowhere and attend one key of their row's page),
         one more for block-table entries when a row got a page, the graph launch, one token read."""
         n, p = len(batch.rows), self.page_size
-        bs = next((b for b in sorted(self.graphs) if b >= n), n)
+        bs = self._graph_size(n)
         ids, pos, slots = [], [], []
         t_rows, t_cols, t_vals = [], [], []
         for i, row in enumerate(batch.rows):
@@ -254,11 +251,18 @@ class ModelRunner:
         if t_rows:
             rows_t, cols_t, vals_t = self._pinned([t_rows, t_cols, t_vals]).to(self.device, non_blocking=True)
             self._tables.index_put_((rows_t, cols_t), vals_t.to(torch.int32))
-        if bs not in self.graphs:
-            self._decode_step(n, self._decode_meta(n, max_seqlen_k=max(r.end for r in batch.rows), num_splits=0))
-        else:
+        self._run_decode(n, bs, max_seqlen_k=max(r.end for r in batch.rows))
+
+    def _graph_size(self, n: int) -> int:
+        """The captured batch size that serves ``n`` rows (``n`` itself when none does)."""
+        return next((b for b in sorted(self.graphs) if b >= n), n)
+
+    def _run_decode(self, n: int, bs: int, *, max_seqlen_k: int) -> None:
+        """Replay the graph of size ``bs``, or run the same body eagerly for the ``n`` rows."""
+        if bs in self.graphs:
             self.graphs[bs].replay()
-        return self._logits[:n], self._greedy[:n]
+        else:
+            self._decode_step(n, self._decode_meta(n, max_seqlen_k=max_seqlen_k, num_splits=0))
 
     def _pinned(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, pin_memory=self.pin)
