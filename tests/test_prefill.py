@@ -151,8 +151,8 @@ def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
     monkeypatch.setattr(attention, "_attention_kernel", Flaky())
     monkeypatch.setattr(attention, "_COMPILE_ERRORS", (_FakeCompileError,))
     monkeypatch.setattr(attention, "_FALLBACK", {})
-    # 100 query rows: a prefill tile (packed decode tiles of 64 rows already run unpipelined on a GPU)
-    q, k, v = randn(1, 100, 2, 32), randn(1, 100, 2, 32), randn(1, 100, 2, 32)
+    # 200 query rows: a prefill tile (up to PACK_MAX_ROWS = 128 rows pack into one unpipelined decode tile on a GPU)
+    q, k, v = randn(1, 200, 2, 32), randn(1, 200, 2, 32), randn(1, 200, 2, 32)
     with pytest.warns(UserWarning, match="failed .*_FakeCompileError.*; using"):
         out = flash_attn_func(q, k, v, causal=True)
     assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.float32)
