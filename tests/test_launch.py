@@ -3,8 +3,16 @@
 import itertools
 
 import pytest
+import torch
 
-from pagedflash.ops.launch import PACK_MAX_ROWS, PAGED_TMA_MIN_PAGE, choose_config, next_pow2
+from pagedflash.ops.launch import (
+    MAX_SPLITS,
+    PACK_MAX_ROWS,
+    PAGED_TMA_MIN_PAGE,
+    choose_config,
+    choose_num_splits,
+    next_pow2,
+)
 
 HEAD_DIMS = [16, 40, 64, 80, 96, 128, 160, 256]
 GROUPS = [1, 2, 4, 8]
@@ -36,3 +44,20 @@ def test_table_invariants(interpreted):
             assert cfg.num_stages <= 2, where
         if not interpreted and packed and cfg.block_m > 32:
             assert cfg.num_stages == 1 and not cfg.tma, where
+
+
+def test_split_count_rule():
+    cpu = torch.device("cpu")  # a nominal 16 SMs
+
+    def pick(programs, n, bytes_per_key=512):
+        return choose_num_splits(programs=programs, max_seqlen_k=n, block_n=64, kv_bytes_per_key=bytes_per_key,
+                                 device=cpu)
+
+    assert pick(8, 4096) == 2  # one program per SM for 512 K+V bytes per key (a 128-wide bf16 head)
+    assert pick(8, 4096, bytes_per_key=256) == 4  # two per SM for a 64-wide head
+    assert pick(5, 4096) == 3  # rounded down: no SM gets one program more than the rest
+    assert pick(8, 65536) == 4  # splits that would stream more than LONG_SPLIT_KEYS: twice as many
+    assert pick(16, 4096) == 1 and pick(40, 1 << 20) == 1  # the grid fills the SMs already
+    assert pick(1, 100) == 2  # at most one split per key tile
+    for programs, n in itertools.product([1, 3, 8, 17, 64, 1000], [0, 1, 63, 64, 65, 5000, 1 << 17]):
+        assert 1 <= pick(programs, n) <= MAX_SPLITS

@@ -22,7 +22,12 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
 MAX_SPLITS = 128
-MIN_TILES_PER_SPLIT = 2  # a split streams at least this many KV tiles, else the merge costs more than it saves
+# Split-KV decode (tools/decode_sweep.py on an H200, docs/performance.md v13): split programs stream
+# best with about this many K+V bytes per key step per SM (one program per SM for a 128-wide bf16
+# head, two for a 64-wide one), twice as many programs once a split would stream more than
+# LONG_SPLIT_KEYS keys, and a split may be as short as one tile.
+KV_BYTES_PER_SM = 512
+LONG_SPLIT_KEYS = 8192
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
 
 
@@ -96,11 +101,12 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+        if not wide and not page_size:  # contiguous cache, split grid: pointer tiles 3 deep beat TMA by 1-2 us (v13)
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
         if tma:
             if page_size:
                 return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
-            return LaunchConfig(block_m=block_m, block_n=64 if wide else 128, g_pack=g_pack, num_warps=4,
-                                num_stages=4 if wide else 2, tma=True)
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=4, tma=True)
         if wide:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
         if page_size >= 16:
@@ -122,16 +128,19 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
-def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, device: torch.device) -> int:
-    """Split the KV range when the grid would leave SMs idle: aim for about two programs per SM,
-    keep at least ``MIN_TILES_PER_SPLIT`` tiles per split. Uses only host-known sizes (the cache
-    capacity or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
-    sms = num_sms(device)
-    if programs >= sms:
-        return 1
-    kv_tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    want = cdiv(2 * sms, programs)
-    return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
+                      device: torch.device) -> int:
+    """Split the KV range when the grid would leave SMs idle. ``kv_bytes_per_key``: K+V bytes one
+    program reads per key (2 x head dim x element size). Aims at ``KV_BYTES_PER_SM`` per key step
+    on every SM (whole programs, rounded down so no SM gets one more than the rest), doubled when a
+    split would stream more than ``LONG_SPLIT_KEYS`` keys; at most one split per KV tile. Uses only
+    host-known sizes (the cache capacity or ``max_seqlen_k``), never device data, so it is free and
+    graph-safe."""
+    slots = num_sms(device) * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
+    splits = slots // programs
+    if splits >= 1 and cdiv(max_seqlen_k, splits) > LONG_SPLIT_KEYS:
+        splits = 2 * slots // programs
+    return max(1, min(splits, cdiv(max(max_seqlen_k, 1), block_n), MAX_SPLITS))
 
 
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
