@@ -3,11 +3,12 @@ seed's sweep: the evidence behind ``choose_config``'s decode rows and ``choose_n
 Prints, per cell, µs for every (tile, split count), SDPA cuDNN timed the same way, the kernel's
 registers and shared memory, and the floor of an empty launch under both L2 flushes.
 
-    PYTHONPATH=. python tools/decode_sweep.py
+    PYTHONPATH=. python tools/decode_sweep.py [--cells 64x1024,64x4096] [--splits 1,2]
 
 Timing as ``bench decode``: do_bench (L2 zeroed before every call) of a CUDA-graph replay;
 ``time_us(.., "read")`` flushes by reading instead (L2 left clean: no write-back in the timed call).
 """
+import argparse
 import sys
 from functools import partial
 
@@ -24,7 +25,7 @@ from pagedflash.ops.launch import LaunchConfig
 # (B, N, Hq, Hkv, D, dtype): the serving grid's split cells (B <= 16) and the seed's sweep
 CELLS = [(b, n, 32, 8, 128, torch.bfloat16) for b in (1, 4, 16) for n in (1024, 4096, 16384, 65536, 131072)]
 CELLS += [(4, n, 16, 16, 64, torch.float16) for n in (1024, 2048, 4096, 8192, 16384)]
-CONFIGS = [(128, 4, 2, True), (64, 4, 3, False), (32, 4, 4, False), (64, 4, 2, True)]  # (block_n, warps, stages, tma)
+CONFIGS = [(128, 4, 2, True), (64, 4, 3, False), (32, 4, 4, False), (64, 4, 2, True), (64, 4, 4, True)]  # (bn, warps, stages, tma)
 SPLITS = [1, 2, 4, 8, 16, 32, 64]
 
 
@@ -96,12 +97,22 @@ def sweep_cell(b, n, hq, hkv, d, dtype, sms) -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", help="BxN[,BxN...] of the serving grid's shape (default: every split cell "
+                                        "and the seed's sweep)")
+    parser.add_argument("--splits", help="split counts to time, comma-separated (default: %(default)s)",
+                        default=",".join(map(str, SPLITS)))
+    args = parser.parse_args()
+    cells = CELLS
+    if args.cells:
+        cells = [(*map(int, c.split("x")), 32, 8, 128, torch.bfloat16) for c in args.cells.split(",")]
+    SPLITS[:] = [int(x) for x in args.splits.split(",")]
     validate.value_checks(False).__enter__()
     x = torch.zeros(1, device="cuda")
     for flush in ("zero", "read"):
         print(f"floor ({flush} flush): empty kernel {time_us(lambda: _empty[(1,)](x), flush):.1f} us", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cell in CELLS:
+    for cell in cells:
         sweep_cell(*cell, sms)
     return 0
 

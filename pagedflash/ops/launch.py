@@ -101,15 +101,11 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
-        if not wide and not page_size:  # contiguous cache, split grid: pointer tiles 3 deep beat TMA by 1-2 us (v13)
-            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
-        if tma:
-            if page_size:
-                return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
-            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=4, tma=True)
-        if wide:
+        if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
+        if wide:  # the grid fills the GPU unsplit: short pointer tiles 4 deep (v13; TMA tiles lost by 0-9 %)
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
-        if page_size >= 16:
+        if not page_size or page_size >= 16:  # split grids: pointer tiles 3 deep (v13: TMA lost 1-2 us a call)
             return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
         return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
     if block_d > 128:
