@@ -22,10 +22,12 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
 MAX_SPLITS = 128
-# Split-KV decode (tools/decode_sweep.py on an H200, docs/performance.md v13): split programs stream
-# best with about this many K+V bytes per key step per SM (one program per SM for a 128-wide bf16
-# head, two for a 64-wide one), twice as many programs once a split would stream more than
-# LONG_SPLIT_KEYS keys, and a split may be as short as one tile.
+# Split-KV decode (tools/decode_sweep.py on an H200, docs/performance.md v13): contiguous split
+# programs stream best with about this many K+V bytes per key step per SM (one program per SM for a
+# 128-wide bf16 head, two for a 64-wide one), twice as many once a split would stream more than
+# LONG_SPLIT_KEYS keys, and a split may be as short as one tile. Paged ones keep the earlier rule,
+# about two programs per SM rounded up, at least two tiles a split: their block-table reads sit on
+# the load path, and the contiguous rule lost 20-40 % on them (one per SM) or 12-20 % (B=16 64K).
 KV_BYTES_PER_SM = 512
 LONG_SPLIT_KEYS = 8192
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
@@ -124,19 +126,26 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
-def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
+def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int, paged: bool,
                       device: torch.device) -> int:
     """Split the KV range when the grid would leave SMs idle. ``kv_bytes_per_key``: K+V bytes one
-    program reads per key (2 x head dim x element size). Aims at ``KV_BYTES_PER_SM`` per key step
-    on every SM (whole programs, rounded down so no SM gets one more than the rest), doubled when a
-    split would stream more than ``LONG_SPLIT_KEYS`` keys; at most one split per KV tile. Uses only
-    host-known sizes (the cache capacity or ``max_seqlen_k``), never device data, so it is free and
-    graph-safe."""
-    slots = num_sms(device) * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
+    program reads per key (2 x head dim x element size).
+
+    Contiguous cache: ``KV_BYTES_PER_SM`` per key step on every SM (whole programs, rounded down so
+    no SM gets one more than the rest), doubled when a split would stream more than
+    ``LONG_SPLIT_KEYS`` keys; at most one split per KV tile. Paged cache: about two programs per SM,
+    rounded up, at least two tiles per split. Uses only host-known sizes (the cache capacity or
+    ``max_seqlen_k``), never device data, so it is free and graph-safe."""
+    sms = num_sms(device)
+    kv_tiles = cdiv(max(max_seqlen_k, 1), block_n)
+    if paged:
+        splits = cdiv(2 * sms, programs) if programs < sms else 1
+        return max(1, min(splits, kv_tiles // 2, MAX_SPLITS))
+    slots = sms * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
     splits = slots // programs
     if splits >= 1 and cdiv(max_seqlen_k, splits) > LONG_SPLIT_KEYS:
         splits = 2 * slots // programs
-    return max(1, min(splits, cdiv(max(max_seqlen_k, 1), block_n), MAX_SPLITS))
+    return max(1, min(splits, kv_tiles, MAX_SPLITS))
 
 
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
