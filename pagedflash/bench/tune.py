@@ -9,6 +9,7 @@ are copied into ``ops/launch.py`` and the run is recorded in docs/performance.md
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -26,7 +27,11 @@ PREFILL_CONFIGS = [
     (128, 128, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
 ]
 
-DECODE_CONFIGS = [(128, 4, 2), (64, 4, 3), (128, 4, 3), (256, 4, 2), (128, 8, 2)]
+# (B, N, Hq, Hkv, D, dtype): the serving grid's split cells (B <= 16) and the seed's sweep
+DECODE_CELLS = [(b, n, 32, 8, 128, torch.bfloat16) for b in (1, 4, 16) for n in (1024, 4096, 16384, 65536, 131072)]
+DECODE_CELLS += [(4, n, 16, 16, 64, torch.float16) for n in (1024, 2048, 4096, 8192, 16384)]
+DECODE_CONFIGS = [(128, 4, 2, True), (64, 4, 3, False), (32, 4, 4, False), (64, 4, 2, True), (64, 4, 4, True)]
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64]
 
 
 def _bench(fn) -> float:
@@ -58,46 +63,53 @@ def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
                 print(f"prefill d={d:3d} causal={causal!s:5} bm={bm:3d} bn={bn:3d} w={w} s={s}: {tf:6.1f} TFLOP/s")
 
 
-def tune_decode(rows: list) -> None:
-    shapes = [  # (B, Hq, Hkv, D, dtype, N)
-        (4, 16, 16, 64, torch.float16, 1024), (4, 16, 16, 64, torch.float16, 4096),
-        (4, 16, 16, 64, torch.float16, 16384),
-        (1, 32, 8, 128, torch.bfloat16, 16384), (1, 32, 8, 128, torch.bfloat16, 131072),
-        (16, 32, 8, 128, torch.bfloat16, 16384), (64, 32, 8, 128, torch.bfloat16, 4096),
-    ]
-    for b, hq, hkv, d, dtype, n in shapes:
+def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | None = None) -> None:
+    """Decode tiles x split counts on the contiguous cache, per cell, with SDPA cuDNN timed the same
+    way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13). Also the
+    timing floor (an empty kernel) under both L2 flushes (:func:`_time_us`)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from pagedflash import validate
+
+    x = torch.zeros(1, device="cuda")
+    for flush in ("zero", "read"):
+        rows.append(dict(kind="floor", flush=flush, us=_time_us(lambda: x.add_(1), flush)))
+        print(f"timing floor ({flush} flush): one tiny kernel, graph replay: {rows[-1]['us']:.1f} us", flush=True)
+    splits = splits or DECODE_SPLITS
+    for b, n, hq, hkv, d, dtype in cells or DECODE_CELLS:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
         kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-        kv_bytes = 2 * b * n * hkv * d * kc.element_size()
-        best = None
-        for bn, w, s in DECODE_CONFIGS:
-            cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn,
-                               g_pack=hq // hkv, num_warps=w, num_stages=s, tma=True)
-            for splits in (1, 2, 4, 8, 16, 32, 64, 128):
-                if splits > 1 and n // splits < bn:
-                    continue
-
-                def run(cfg=cfg, splits=splits):
-                    return attention_forward(q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n,
-                                             sm_scale=d**-0.5, window=(-1, 0), softcap=0.0,
-                                             seqused_k=lens, num_splits=splits, config=cfg)
-                try:
-                    us = _bench(run) * 1e3
-                except Exception:  # noqa: BLE001
-                    continue
-                rows.append(dict(kind="decode", shape=[b, hq, hkv, d, str(dtype), n], cfg=[bn, w, s],
-                                 splits=splits, us=us, tbps=kv_bytes / us / 1e6))
-                if best is None or us < best[0]:
-                    best = (us, bn, w, s, splits)
-        us, bn, w, s, splits = best
-        print(f"decode B={b} {hq}/{hkv} D={d} N={n}: best {us:7.1f} us ({kv_bytes / us / 1e6:.2f} TB/s) "
-              f"bn={bn} w={w} s={s} splits={splits}")
-        for splits in (1, 2, 4, 8, 16, 32, 64, 128):
-            cands = [r["us"] for r in rows if r["kind"] == "decode" and r["shape"][:6] == [b, hq, hkv, d, str(dtype), n]
-                     and r["splits"] == splits]
-            if cands:
-                print(f"    splits={splits:3d}: best {min(cands):7.1f} us")
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = _time_us(functools.partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
+                                               vc.transpose(1, 2), enable_gqa=True))
+        shape = [b, n, hq, hkv, d, str(dtype)]
+        print(f"decode B={b} N={n} {hq}/{hkv} D={d} {dtype}: cuDNN {cudnn:.1f} us; splits {splits} then auto",
+              flush=True)
+        for bn, w, st, tma in DECODE_CONFIGS:
+            cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn, g_pack=hq // hkv,
+                               num_warps=w, num_stages=st, tma=tma)
+            times = []
+            for s in [*splits, 0]:
+                call = functools.partial(attention_forward, q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n,
+                                         sm_scale=d**-0.5, window=(-1, 0), softcap=0.0, seqused_k=lens,
+                                         num_splits=s, config=cfg)
+                us = float("nan")
+                if s <= 1 or n // s >= bn:
+                    try:
+                        with validate.value_checks(False):
+                            call()
+                            us = _time_us(call)
+                    except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
+                        print(f"  {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
+                rows.append(dict(kind="decode", shape=shape, cfg=[bn, w, st, tma], splits=s, us=us, cudnn_us=cudnn))
+                times.append(us)
+            best = min((t for t in times if t == t), default=float("nan"))
+            line = " ".join(f"{t:6.1f}{'*' if t == best else ' '}" for t in times)
+            print(f"  bn={bn:3d} w={w} s={st} tma={tma!s:5}: {line}  best/cuDNN {cudnn / best:.2f}", flush=True)
+        q = kc = vc = None
+        torch.cuda.empty_cache()
 
 
 # (block_m, block_n, warps, stages, tma) for chunked prefill over a page pool, by page size
@@ -116,9 +128,30 @@ PAGED_DECODE_CONFIGS = {
 PACK_PROBE = [(bm, bn, 4, st) for bm in (64, 128) for bn in (32, 64) for st in (2, 3)]
 
 
-def _time_us(fn) -> float:
-    replay = graphed(fn)
-    return triton.testing.do_bench(replay or fn, warmup=10, rep=30, return_mode="median") * 1e3
+_READ_FLUSH: list = []
+
+
+def _time_us(fn, flush: str = "zero") -> float:
+    """Median µs of CUDA-graph replays of ``fn``, the L2 flushed before each: ``zero`` as do_bench
+    (and ``bench``) does, writing 256 MB, which leaves L2 full of dirty lines the timed call must
+    write back as it reads; ``read`` reads 256 MB instead (L2 left clean)."""
+    replay = graphed(fn) or fn
+    if flush == "zero":
+        return triton.testing.do_bench(replay, warmup=10, rep=30, return_mode="median") * 1e3
+    if not _READ_FLUSH:
+        _READ_FLUSH.extend([torch.ones(64 * 2**20, device="cuda"), torch.empty((), device="cuda")])
+    buf, out = _READ_FLUSH
+    times = []
+    for i in range(60):
+        torch.sum(buf, dim=0, out=out)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        if i >= 10:
+            times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
@@ -256,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--only", choices=["prefill", "decode", "overhead", "paged"], default=None)
+    parser.add_argument("--cells", help="decode: BxN[,BxN...] of the serving grid's shape (Hq/Hkv 32/8, D=128, "
+                                        "bf16); default: its split cells and the seed's sweep")
+    parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench tune needs a CUDA GPU")
@@ -266,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "overhead"):
         probe_overhead(rows)
     if args.only in (None, "decode"):
-        tune_decode(rows)
+        cells = None
+        if args.cells:
+            cells = [(*map(int, c.split("x")), 32, 8, 128, torch.bfloat16) for c in args.cells.split(",")]
+        tune_decode(rows, cells=cells, splits=[int(x) for x in args.splits.split(",")] if args.splits else None)
     if args.only in (None, "paged"):
         tune_paged(rows)
     os.makedirs(args.out, exist_ok=True)

@@ -22,7 +22,7 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
 MAX_SPLITS = 128
-# Split-KV decode (tools/decode_sweep.py on an H200, docs/performance.md v13): contiguous split
+# Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13): contiguous split
 # programs stream best with about this many K+V bytes per key step per SM (one program per SM for a
 # 128-wide bf16 head, two for a 64-wide one), twice as many once a split would stream more than
 # LONG_SPLIT_KEYS keys, and a split may be as short as one tile. Paged ones keep the earlier rule,
