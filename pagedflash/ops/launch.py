@@ -14,9 +14,10 @@ import torch
 
 from pagedflash import _env
 
-# Hopper tensor-memory-accelerator loads for contiguous K/V (dense, varlen and the contiguous KV
-# cache; paged caches gather rows and use pointer loads). PAGEDFLASH_TMA=0 turns it off; the
-# pointer path is the portable one and runs everywhere else.
+# Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
+# whose pages hold whole 64-key tiles; decode over a contiguous cache measured faster with pointer
+# tiles (v13) and smaller pages gather rows. PAGEDFLASH_TMA=0 turns it off; the pointer path is
+# the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
