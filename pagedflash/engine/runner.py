@@ -31,8 +31,10 @@ from pagedflash.engine import fused
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
+from pagedflash.ops.launch import num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
+MAX_GRAPH_SPLITS = 32
 
 
 class PendingTokens:
@@ -54,6 +56,19 @@ class PendingTokens:
                 self._event.synchronize()
             self._tokens = self._host.tolist()
         return self._tokens
+
+
+def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
+    """KV splits of a decode graph's attention: enough (row x KV head x split) programs to fill the
+    SMs about twice, rounded up to a power of two and capped. A graph is captured for the capacity
+    (``max_model_len``), not the actual lengths; the kernel divides each sequence's actual length
+    among the splits, so short contexts simply leave some splits empty.
+
+    This is the rule the engine's ITL was measured with. It differs from the launcher's paged rule
+    (``choose_num_splits``) from 17 rows up (2 splits where the launcher takes 1); folding the two
+    together waits for an ITL measurement (docs/performance.md, v13)."""
+    want = -(-2 * sms // (batch_size * num_kv_heads))
+    return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
 
 class ModelRunner:
@@ -273,12 +288,12 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture one graph per batch size of the ladder up to ``max_decode_rows``."""
         sizes = [b for b in GRAPH_BATCH_SIZES if b < self.max_decode_rows] + [self.max_decode_rows]
+        sms = num_sms(self.device)
         pool = None
         with torch.inference_mode(), validate.value_checks(False):  # no syncs in the warm-up runs either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
-                # num_splits=0: the launcher chooses from the capacity (max_model_len) at capture, and the
-                # graph keeps that count; short contexts leave some splits empty
-                meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len, num_splits=0)
+                meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
+                                         num_splits=graph_num_splits(bs, self.model.config.num_kv_heads, sms))
                 self.graphs[bs], pool = capture(lambda bs=bs, meta=meta: self._decode_step(bs, meta), pool)
 
 
