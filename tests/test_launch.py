@@ -51,12 +51,13 @@ def test_split_count_rule():
 
     def pick(programs, n, bytes_per_key=512, paged=False):
         return choose_num_splits(programs=programs, max_seqlen_k=n, block_n=64, kv_bytes_per_key=bytes_per_key,
-                                 paged=paged, device=cpu)
+                                 contiguous_decode=not paged, device=cpu)
 
     assert pick(8, 4096) == 2  # one program per SM for 512 K+V bytes per key (a 128-wide bf16 head)
     assert pick(8, 4096, bytes_per_key=256) == 4  # two per SM for a 64-wide head
-    assert pick(8, 4096, paged=True) == 4 and pick(5, 4096, paged=True) == 7  # paged: ~two per SM, rounded up
-    assert pick(1, 100, paged=True) == 1  # paged: at least two tiles per split
+    # paged decode and prefill tiles: about two per SM, rounded up, at least two tiles per split
+    assert pick(8, 4096, paged=True) == 4 and pick(5, 4096, paged=True) == 7
+    assert pick(1, 100, paged=True) == 1
     assert pick(5, 4096) == 3  # rounded down: no SM gets one program more than the rest
     assert pick(8, 65536) == 4  # splits that would stream more than LONG_SPLIT_KEYS: twice as many
     assert pick(16, 4096) == 1 and pick(40, 1 << 20) == 1  # the grid fills the SMs already

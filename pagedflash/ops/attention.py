@@ -411,7 +411,7 @@ def attention_forward(
         num_splits = choose_num_splits(
             programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * grid_h,
             max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=2 * d * k.element_size(),
-            paged=paged, device=q.device,
+            contiguous_decode=not paged and max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS, device=q.device,
         )
     num_splits = min(num_splits, MAX_SPLITS)
 

@@ -26,9 +26,10 @@ MAX_SPLITS = 128
 # Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13): contiguous split
 # programs stream best with about this many K+V bytes per key step per SM (one program per SM for a
 # 128-wide bf16 head, two for a 64-wide one), twice as many once a split would stream more than
-# LONG_SPLIT_KEYS keys, and a split may be as short as one tile. Paged ones keep the earlier rule,
-# about two programs per SM rounded up, at least two tiles a split: their block-table reads sit on
-# the load path, and the contiguous rule lost 20-40 % on them (one per SM) or 12-20 % (B=16 64K).
+# LONG_SPLIT_KEYS keys, and a split may be as short as one tile. Paged decode and prefill tiles keep
+# the earlier rule, about two programs per SM rounded up, at least two tiles a split: block-table
+# reads sit on the paged load path, and the contiguous rule lost 20-40 % there (one per SM) or
+# 12-20 % (B=16 64K); prefill tiles are compute-bound and were not swept.
 KV_BYTES_PER_SM = 512
 LONG_SPLIT_KEYS = 8192
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
@@ -127,19 +128,20 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
-def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int, paged: bool,
-                      device: torch.device) -> int:
+def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
+                      contiguous_decode: bool, device: torch.device) -> int:
     """Split the KV range when the grid would leave SMs idle. ``kv_bytes_per_key``: K+V bytes one
     program reads per key (2 x head dim x element size).
 
-    Contiguous cache: ``KV_BYTES_PER_SM`` per key step on every SM (whole programs, rounded down so
-    no SM gets one more than the rest), doubled when a split would stream more than
-    ``LONG_SPLIT_KEYS`` keys; at most one split per KV tile. Paged cache: about two programs per SM,
-    rounded up, at least two tiles per split. Uses only host-known sizes (the cache capacity or
-    ``max_seqlen_k``), never device data, so it is free and graph-safe."""
+    Decode over a contiguous cache (packed query rows, no block table: its programs only stream
+    K/V): ``KV_BYTES_PER_SM`` per key step on every SM (whole programs, rounded down so no SM gets
+    one more than the rest), doubled when a split would stream more than ``LONG_SPLIT_KEYS`` keys;
+    at most one split per KV tile. Anything else (paged caches, prefill tiles): about two programs
+    per SM, rounded up, at least two tiles per split. Uses only host-known sizes (the cache capacity
+    or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
     sms = num_sms(device)
     kv_tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    if paged:
+    if not contiguous_decode:
         splits = cdiv(2 * sms, programs) if programs < sms else 1
         return max(1, min(splits, kv_tiles // 2, MAX_SPLITS))
     slots = sms * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
