@@ -63,14 +63,17 @@ def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
                 print(f"prefill d={d:3d} causal={causal!s:5} bm={bm:3d} bn={bn:3d} w={w} s={s}: {tf:6.1f} TFLOP/s")
 
 
-def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | None = None) -> None:
-    """Decode tiles x split counts on the contiguous cache, per cell, with SDPA cuDNN timed the same
-    way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13). Also the
-    timing floor (an empty kernel) under both L2 flushes (:func:`_time_us`)."""
+def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | None = None,
+                pages: list[int] | None = None) -> None:
+    """Decode tiles x split counts per cell, on the contiguous cache (page 0) and on page pools (a
+    random permutation of the pool as block table), with SDPA cuDNN on the contiguous cache timed
+    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13).
+    Also the timing floor (an empty kernel) under both L2 flushes (:func:`_time_us`)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pagedflash import validate
+    from pagedflash.bench.decode import permuted_table, to_pool
 
     x = torch.zeros(1, device="cuda")
     for flush in ("zero", "read"):
@@ -85,29 +88,37 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
             cudnn = _time_us(functools.partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
                                                vc.transpose(1, 2), enable_gqa=True))
         shape = [b, n, hq, hkv, d, str(dtype)]
-        print(f"decode B={b} N={n} {hq}/{hkv} D={d} {dtype}: cuDNN {cudnn:.1f} us; splits {splits} then auto",
-              flush=True)
-        for bn, w, st, tma in DECODE_CONFIGS:
-            cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn, g_pack=hq // hkv,
-                               num_warps=w, num_stages=st, tma=tma)
-            times = []
-            for s in [*splits, 0]:
-                call = functools.partial(attention_forward, q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n,
-                                         sm_scale=d**-0.5, window=(-1, 0), softcap=0.0, seqused_k=lens,
-                                         num_splits=s, config=cfg)
-                us = float("nan")
-                if s <= 1 or n // s >= bn:
-                    try:
-                        with validate.value_checks(False):
-                            call()
-                            us = _time_us(call)
-                    except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
-                        print(f"  {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
-                rows.append(dict(kind="decode", shape=shape, cfg=[bn, w, st, tma], splits=s, us=us, cudnn_us=cudnn))
-                times.append(us)
-            best = min((t for t in times if t == t), default=float("nan"))
-            line = " ".join(f"{t:6.1f}{'*' if t == best else ' '}" for t in times)
-            print(f"  bn={bn:3d} w={w} s={st} tma={tma!s:5}: {line}  best/cuDNN {cudnn / best:.2f}", flush=True)
+        want = attention_forward(q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
+                                 window=(-1, 0), softcap=0.0, seqused_k=lens)[0].float()
+        print(f"decode B={b} N={n} {hq}/{hkv} D={d} {dtype}: cuDNN {cudnn:.1f} us; splits {splits} then auto "
+              "(err: max |out - contiguous auto|)", flush=True)
+        for page in pages or [0]:
+            table = permuted_table(b * n // page, b) if page else None
+            k, v = (to_pool(t, page, table) for t in (kc, vc)) if page else (kc, vc)
+            for bn, w, st, tma in PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS:
+                cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn, g_pack=hq // hkv,
+                                   num_warps=w, num_stages=st, tma=tma)
+                times, err = [], 0.0
+                for s in [*splits, 0]:
+                    call = functools.partial(attention_forward, q, k, v, batch=b, max_seqlen_q=1, max_seqlen_k=n,
+                                             sm_scale=d**-0.5, window=(-1, 0), softcap=0.0, seqused_k=lens,
+                                             block_table=table, num_splits=s, config=cfg)
+                    us = float("nan")
+                    if s <= 1 or n // s >= bn:
+                        try:
+                            with validate.value_checks(False):
+                                err = max(err, (call()[0].float() - want).abs().max().item())
+                                us = _time_us(call)
+                        except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
+                            print(f"  page={page} {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
+                    rows.append(dict(kind="decode", shape=shape, page=page, cfg=[bn, w, st, tma], splits=s, us=us,
+                                     cudnn_us=cudnn))
+                    times.append(us)
+                best = min((t for t in times if t == t), default=float("nan"))
+                line = " ".join(f"{t:6.1f}{'*' if t == best else ' '}" for t in times)
+                print(f"  page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {line}  best/cuDNN {cudnn / best:.2f}"
+                      f"  err {err:.2g}", flush=True)
+            k = v = None  # free a pool before the next page size
         q = kc = vc = None
         torch.cuda.empty_cache()
 
@@ -117,9 +128,8 @@ PAGED_PREFILL_CONFIGS = {
     16: [(64, 64, 4, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False), (64, 64, 4, 2, False)],
     64: [(64, 64, 4, 3, True), (64, 64, 4, 3, False), (64, 64, 4, 2, True)],
 }
-# (block_n, warps, stages, tma) for decode, packed GQA tiles (the contiguous cache: page 0)
+# (block_n, warps, stages, tma) for decode over page pools, by page size (tune_decode --pages)
 PAGED_DECODE_CONFIGS = {
-    0: [(128, 4, 2, True), (64, 4, 4, True), (64, 4, 4, False), (32, 4, 4, False), (128, 4, 2, False)],
     1: [(128, 4, 2, False), (64, 4, 4, False), (32, 4, 4, False)],
     16: [(128, 4, 2, False), (64, 4, 3, False), (64, 4, 4, False), (32, 4, 4, False)],
     64: [(64, 4, 2, True), (64, 4, 4, True), (64, 4, 3, False)],
@@ -155,8 +165,9 @@ def _time_us(fn, flush: str = "zero") -> float:
 
 
 def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
-    """Chunked prefill over a paged prefix and paged decode: tile, pipeline depth and TMA per page
-    size, against the contiguous kernel on the same shape (graph replays)."""
+    """Chunked prefill over a paged prefix: tile, pipeline depth and TMA per page size, against the
+    contiguous kernel on the same shape (graph replays); then which packed tiles ptxas compiles and
+    the timing floor. Paged decode: :func:`tune_decode` with ``pages``."""
     from pagedflash import flash_attn_func
     from pagedflash.bench.decode import permuted_table, to_pool
 
@@ -195,36 +206,6 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                 print(f"  page={page:3d} bm={bm:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
                       f"{flops / us / 1e6:5.0f} TFLOP/s  x{dense_us / us:4.2f} dense  err={err:.3g}")
             kp = vp = None  # free the pools before the next page size
-    for b, n in ((4, 65536), (16, 16384), (64, 16384), (1, 16384)):
-        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
-        k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-        kv_bytes = 2 * k.numel() * k.element_size()
-        want = None
-        for page, configs in PAGED_DECODE_CONFIGS.items():
-            table = permuted_table(b * n // page, b) if page else None
-            kp, vp = (to_pool(x, page, table) for x in (k, v)) if page else (k, v)
-            for bn, w, st, tma in configs:
-                cfg = LaunchConfig(block_m=16, block_n=bn, g_pack=hq // hkv, num_warps=w, num_stages=st, tma=tma)
-
-                def run(cfg=cfg):
-                    return attention_forward(q, kp, vp, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
-                                             window=(-1, 0), softcap=0.0, seqused_k=lens, block_table=table,
-                                             config=cfg)[0]
-                try:
-                    out = run()
-                    want = out if want is None else want
-                    err = (out.float() - want.float()).abs().max().item()
-                    us = _time_us(run)
-                except Exception as e:  # noqa: BLE001
-                    print(f"  decode page={page} cfg={cfg}: {type(e).__name__}")
-                    continue
-                rows.append(dict(kind="paged_decode", b=b, n=n, page=page, cfg=[bn, w, st, tma], us=us, err=err))
-                print(f"decode B={b:2d} N={n:6d} page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {us:7.1f} us "
-                      f"{kv_bytes / us / 1e6:5.2f} TB/s err={err:.3g}")
-            kp = vp = None  # free the pools before the next page size
-        k = v = None
-        torch.cuda.empty_cache()
     for d in (64, 128):  # compile probe: a short chunk per sequence over a paged cache, GQA 4
         q = torch.randn(40, 8, d, device="cuda", dtype=dtype)
         kp, vp = (torch.randn(8, 16, 2, d, device="cuda", dtype=dtype) for _ in range(2))
@@ -292,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", help="decode: BxN[,BxN...] of the serving grid's shape (Hq/Hkv 32/8, D=128, "
                                         "bf16); default: its split cells and the seed's sweep")
     parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
+    parser.add_argument("--pages", default="0", help="decode: page sizes, comma-separated, 0 = the contiguous "
+                        f"cache; paged ones from {sorted(PAGED_DECODE_CONFIGS)} (default: %(default)s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench tune needs a CUDA GPU")
@@ -305,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = None
         if args.cells:
             cells = [(*map(int, c.split("x")), 32, 8, 128, torch.bfloat16) for c in args.cells.split(",")]
-        tune_decode(rows, cells=cells, splits=[int(x) for x in args.splits.split(",")] if args.splits else None)
+        tune_decode(rows, cells=cells, splits=[int(x) for x in args.splits.split(",")] if args.splits else None,
+                    pages=[int(x) for x in args.pages.split(",")])
     if args.only in (None, "paged"):
         tune_paged(rows)
     os.makedirs(args.out, exist_ok=True)
