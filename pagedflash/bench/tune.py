@@ -67,18 +67,13 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
                 pages: list[int] | None = None) -> None:
     """Decode tiles x split counts per cell, on the contiguous cache (page 0) and on page pools (a
     random permutation of the pool as block table), with SDPA cuDNN on the contiguous cache timed
-    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13).
-    Also the timing floor (an empty kernel) under both L2 flushes (:func:`_time_us`)."""
+    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pagedflash import validate
     from pagedflash.bench.decode import permuted_table, to_pool
 
-    x = torch.zeros(1, device="cuda")
-    for flush in ("zero", "read"):
-        rows.append(dict(kind="floor", flush=flush, us=_time_us(lambda: x.add_(1), flush)))
-        print(f"timing floor ({flush} flush): one tiny kernel, graph replay: {rows[-1]['us']:.1f} us", flush=True)
     splits = splits or DECODE_SPLITS
     for b, n, hq, hkv, d, dtype in cells or DECODE_CELLS:
         q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
@@ -166,8 +161,8 @@ def _time_us(fn, flush: str = "zero") -> float:
 
 def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
     """Chunked prefill over a paged prefix: tile, pipeline depth and TMA per page size, against the
-    contiguous kernel on the same shape (graph replays); then which packed tiles ptxas compiles and
-    the timing floor. Paged decode: :func:`tune_decode` with ``pages``."""
+    contiguous kernel on the same shape (graph replays); then which packed tiles ptxas compiles.
+    Paged decode: :func:`tune_decode` with ``pages``."""
     from pagedflash import flash_attn_func
     from pagedflash.bench.decode import permuted_table, to_pool
 
@@ -226,10 +221,15 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                 status = type(e).__name__
             rows.append(dict(kind="pack_probe", d=d, cfg=[bm, bn, w, st], status=status))
             print(f"pack probe D={d} bm={bm} bn={bn} w={w} s={st}: {status}")
-    # the floor of this timing method: a graph of one trivial kernel, timed the same way
+
+
+def timing_floor(rows: list) -> None:
+    """The floor of this timing method under both L2 flushes (:func:`_time_us`): a graph of one
+    trivial kernel. No sweep can post a time below it."""
     x = torch.zeros(1, device="cuda")
-    rows.append(dict(kind="floor", us=_time_us(lambda: x.add_(1))))
-    print(f"timing floor (one tiny kernel, graph replay, L2 flushed): {rows[-1]['us']:.1f} us")
+    for flush in ("zero", "read"):
+        rows.append(dict(kind="floor", flush=flush, us=_time_us(lambda: x.add_(1), flush)))
+        print(f"timing floor ({flush} flush): one tiny kernel, graph replay: {rows[-1]['us']:.1f} us", flush=True)
 
 
 def probe_overhead(rows: list) -> None:
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench tune needs a CUDA GPU")
         return 2
     rows: list = []
+    timing_floor(rows)
     if args.only in (None, "prefill"):
         tune_prefill(rows)
     if args.only in (None, "overhead"):
