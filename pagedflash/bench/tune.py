@@ -64,10 +64,11 @@ def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
 
 
 def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | None = None,
-                pages: list[int] | None = None) -> None:
+                pages: list[int] | None = None, tiles: list[tuple] | None = None) -> None:
     """Decode tiles x split counts per cell, on the contiguous cache (page 0) and on page pools (a
     random permutation of the pool as block table), with SDPA cuDNN on the contiguous cache timed
-    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13)."""
+    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13).
+    ``tiles``: (block_n, warps, stages, tma) to time instead of the default lists, at every page size."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -90,7 +91,7 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
         for page in pages or [0]:
             table = permuted_table(b * n // page, b) if page else None
             k, v = (to_pool(t, page, table) for t in (kc, vc)) if page else (kc, vc)
-            for bn, w, st, tma in PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS:
+            for bn, w, st, tma in tiles or (PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS):
                 cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn, g_pack=hq // hkv,
                                    num_warps=w, num_stages=st, tma=tma)
                 times, err = [], 0.0
@@ -266,15 +267,39 @@ def probe_overhead(rows: list) -> None:
         print(f"overhead B={b} {hq}/{hkv} D={d} N={n}: " + ", ".join(f"{k}={v:.1f}" for k, v in res.items()))
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _parse_cell(text: str) -> tuple:
+    """``4x16384`` -> the serving grid's shape; ``4x16384@16/16/64/fp16`` -> the seed's."""
+    size, _, shape = text.partition("@")
+    b, n = map(int, size.split("x"))
+    hq, hkv, d, dtype = shape.split("/") if shape else (32, 8, 128, "bf16")
+    return b, n, int(hq), int(hkv), int(d), _DTYPES[dtype]
+
+
+def _parse_tiles(text: str | None) -> list[tuple] | None:
+    """``64:4:3,128:4:2:tma`` -> [(64, 4, 3, False), (128, 4, 2, True)]."""
+    if not text:
+        return None
+    tiles = []
+    for item in text.split(","):
+        bn, w, st, *tma = item.split(":")
+        tiles.append((int(bn), int(w), int(st), tma == ["tma"]))
+    return tiles
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--only", choices=["prefill", "decode", "overhead", "paged"], default=None)
-    parser.add_argument("--cells", help="decode: BxN[,BxN...] of the serving grid's shape (Hq/Hkv 32/8, D=128, "
-                                        "bf16); default: its split cells and the seed's sweep")
+    parser.add_argument("--cells", help="decode: BxN[@Hq/Hkv/D/dtype][,...], by default of the serving grid's shape "
+                                        "(32/8/128/bf16); default: its split cells and the seed's sweep")
     parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
     parser.add_argument("--pages", default="0", help="decode: page sizes, comma-separated, 0 = the contiguous "
                         f"cache; paged ones from {sorted(PAGED_DECODE_CONFIGS)} (default: %(default)s)")
+    parser.add_argument("--tiles", help="decode: tiles to time, block_n:warps:stages[:tma], comma-separated "
+                                        "(default: a list per page size)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench tune needs a CUDA GPU")
@@ -286,11 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "overhead"):
         probe_overhead(rows)
     if args.only in (None, "decode"):
-        cells = None
-        if args.cells:
-            cells = [(*map(int, c.split("x")), 32, 8, 128, torch.bfloat16) for c in args.cells.split(",")]
+        cells = [_parse_cell(c) for c in args.cells.split(",")] if args.cells else None
         tune_decode(rows, cells=cells, splits=[int(x) for x in args.splits.split(",")] if args.splits else None,
-                    pages=[int(x) for x in args.pages.split(",")])
+                    pages=[int(x) for x in args.pages.split(",")], tiles=_parse_tiles(args.tiles))
     if args.only in (None, "paged"):
         tune_paged(rows)
     os.makedirs(args.out, exist_ok=True)
