@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedflash.ops.launch import (
+    DECODE_SMEM_BUDGET,
     MAX_SPLITS,
     PACK_MAX_ROWS,
     PAGED_TMA_MIN_PAGE,
@@ -18,18 +19,22 @@ HEAD_DIMS = [16, 40, 64, 80, 96, 128, 160, 256]
 GROUPS = [1, 2, 4, 8]
 Q_LENS = [1, 2, 5, 16, 33, 300, 8192]
 PAGES = [0, 1, 5, 16, 32, 64, 80, 128, 256]
+KV_LENS = [0, 1000, 4096, 1 << 17]
+ITEMSIZES = [2, 4]
 
 
 def _all(interpreted):
-    for d, g, sq, causal, tma, page, wide in itertools.product(HEAD_DIMS, GROUPS, Q_LENS, [False, True], [False, True],
-                                                               PAGES, [False, True]):
-        yield (d, g, sq, page), choose_config(head_dim=d, group=g, max_seqlen_q=sq, causal=causal,
-                                              interpreted=interpreted, tma=tma, page_size=page, wide=wide)
+    for d, g, sq, causal, tma, page, wide, kv_len, itemsize in itertools.product(
+            HEAD_DIMS, GROUPS, Q_LENS, [False, True], [False, True], PAGES, [False, True], KV_LENS, ITEMSIZES):
+        bytes_per_key = 2 * d * itemsize
+        yield (d, g, sq, page, bytes_per_key), choose_config(
+            head_dim=d, group=g, max_seqlen_q=sq, causal=causal, interpreted=interpreted, tma=tma, page_size=page,
+            wide=wide, kv_len=kv_len, kv_bytes_per_key=bytes_per_key)
 
 
 @pytest.mark.parametrize("interpreted", [False, True], ids=["gpu_table", "interpreter"])
 def test_table_invariants(interpreted):
-    for (d, g, sq, page), cfg in _all(interpreted):
+    for (d, g, sq, page, bytes_per_key), cfg in _all(interpreted):
         where = f"D={d} G={g} Sq={sq} page={page}: {cfg}"
         packed = sq * g <= PACK_MAX_ROWS
         assert cfg.g_pack == (g if packed else 1), where
@@ -44,23 +49,28 @@ def test_table_invariants(interpreted):
             assert cfg.num_stages <= 2, where
         if not interpreted and packed and cfg.block_m > 32:
             assert cfg.num_stages == 1 and not cfg.tma, where
+        if not interpreted and packed:  # decode tiles: their K/V stages fit shared memory
+            assert cfg.block_n * cfg.num_stages * bytes_per_key <= DECODE_SMEM_BUDGET, where
 
 
 def test_split_count_rule():
     cpu = torch.device("cpu")  # a nominal 16 SMs
 
-    def pick(programs, n, bytes_per_key=512, paged=False):
+    def pick(programs, n, bytes_per_key=512, page=0, decode=True):
         return choose_num_splits(programs=programs, max_seqlen_k=n, block_n=64, kv_bytes_per_key=bytes_per_key,
-                                 contiguous_decode=not paged, device=cpu)
+                                 decode=decode, page_size=page, device=cpu)
 
     assert pick(8, 4096) == 2  # one program per SM for 512 K+V bytes per key (a 128-wide bf16 head)
     assert pick(8, 4096, bytes_per_key=256) == 4  # two per SM for a 64-wide head
-    # paged decode and prefill tiles: about two per SM, rounded up, at least two tiles per split
-    assert pick(8, 4096, paged=True) == 4 and pick(5, 4096, paged=True) == 7
-    assert pick(1, 100, paged=True) == 1
-    assert pick(5, 4096) == 3  # rounded down: no SM gets one program more than the rest
-    assert pick(8, 65536) == 4  # splits that would stream more than LONG_SPLIT_KEYS: twice as many
+    assert pick(5, 4096) == 3  # rounded down: no SM gets one more than the rest
+    assert pick(8, 1 << 20) == 2  # long splits stay one per SM over a contiguous cache
+    # pages of 64+ rows: as many while a split is short, twice as many once it streams 4K keys or more
+    assert pick(8, 4096, page=64) == 2 and pick(8, 8192, page=64) == 4 and pick(5, 1 << 20, page=64) == 6
+    assert pick(8, 4096, page=16) == 4 and pick(8, 4096, page=1) == 4  # gathered rows: twice as many
     assert pick(16, 4096) == 1 and pick(40, 1 << 20) == 1  # the grid fills the SMs already
-    assert pick(1, 100) == 2  # at most one split per key tile
+    assert pick(1, 100) == 2 and pick(1, 100, page=16) == 2  # at most one split per key tile
+    # prefill tiles: about two per SM, rounded up, at least two tiles per split
+    assert pick(5, 4096, decode=False) == 7 and pick(1, 100, decode=False) == 1
     for programs, n in itertools.product([1, 3, 8, 17, 64, 1000], [0, 1, 63, 64, 65, 5000, 1 << 17]):
-        assert 1 <= pick(programs, n) <= MAX_SPLITS
+        for kind in ({}, {"page": 16}, {"page": 64}, {"decode": False}):
+            assert 1 <= pick(programs, n, **kind) <= MAX_SPLITS

@@ -22,6 +22,7 @@ causal diagonal and the ragged end of the sequence). Every load is bounded by th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -394,11 +395,23 @@ def attention_forward(
     group = hq // hkv
     page_size = k.shape[1] if paged else 0
     tma_ok = use_tma(k, v, paged)
+    packed = max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS
     wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
-    cfg = config or choose_config(head_dim=d, group=group, max_seqlen_q=max_seqlen_q, causal=window[1] >= 0,
-                                  interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size, wide=wide)
-    tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
+    kv_bytes_per_key = 2 * d * k.element_size()
+    pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
+                             causal=window[1] >= 0, interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size,
+                             wide=wide, kv_bytes_per_key=kv_bytes_per_key)
+    cfg = config or pick(kv_len=max_seqlen_k)  # the tile of an unsplit program; rows and heads do not change
     block_q = cfg.block_m // cfg.g_pack
+    if num_splits <= 0:
+        num_splits = choose_num_splits(
+            programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack),
+            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=kv_bytes_per_key, decode=packed,
+            page_size=page_size, device=q.device,
+        )
+    if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
+        cfg = pick(kv_len=cdiv(max_seqlen_k, num_splits))
+    tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
         num_q_tiles = 0
@@ -407,12 +420,6 @@ def attention_forward(
         num_q_tiles = cdiv(q.shape[1], block_q)
         grid_q = batch * num_q_tiles
     grid_h = hkv * (group // cfg.g_pack)
-    if num_splits <= 0:
-        num_splits = choose_num_splits(
-            programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * grid_h,
-            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=2 * d * k.element_size(),
-            contiguous_decode=not paged and max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS, device=q.device,
-        )
     num_splits = min(num_splits, MAX_SPLITS)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

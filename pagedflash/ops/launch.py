@@ -15,23 +15,27 @@ import torch
 from pagedflash import _env
 
 # Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
-# whose pages hold whole 64-key tiles; decode over a contiguous cache measured faster with pointer
-# tiles (v13) and smaller pages gather rows. PAGEDFLASH_TMA=0 turns it off; the pointer path is
-# the portable one and runs everywhere else.
+# whose pages hold whole 64-key tiles (prefill, and short decode in wide grids); other decode
+# launches measured faster with pointer tiles (v13, v14) and smaller pages gather rows.
+# PAGEDFLASH_TMA=0 turns it off; the pointer path is the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
 MAX_SPLITS = 128
-# Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13): contiguous split
-# programs stream best with about this many K+V bytes per key step per SM (one program per SM for a
-# 128-wide bf16 head, two for a 64-wide one), twice as many once a split would stream more than
-# LONG_SPLIT_KEYS keys, and a split may be as short as one tile. Paged decode and prefill tiles keep
-# the earlier rule, about two programs per SM rounded up, at least two tiles a split: block-table
-# reads sit on the paged load path, and the contiguous rule lost 20-40 % there (one per SM) or
-# 12-20 % (B=16 64K); prefill tiles are compute-bound and were not swept.
+# Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13, v14): split programs
+# stream best with about this many K+V bytes per key step per SM (one program per SM for a 128-wide
+# bf16 head, two for a 64-wide one); twice as many over a page pool (block-table reads sit on its
+# load path) whose rows are gathered, or whose splits would stream LONG_KV_KEYS keys or more; a
+# split may be as short as one tile. Prefill tiles keep the earlier rule, about two programs per SM
+# rounded up, at least two tiles a split: they are compute-bound and were not swept.
 KV_BYTES_PER_SM = 512
-LONG_SPLIT_KEYS = 8192
+# A decode program over a contiguous cache that streams this many keys or more takes 128-key tiles
+# (v14: 1-2 % faster than 32- and 64-key tiles at 4K+ keys, 0-5 % slower below, where pipeline fill
+# is a larger share); over a page pool, such splits are halved instead (choose_num_splits).
+LONG_KV_KEYS = 4096
+# Shared memory a decode tile's K/V stages may take (H200: 227 KB per block; Q and scratch need the rest).
+DECODE_SMEM_BUDGET = 192 * 1024
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
 
 
@@ -76,13 +80,16 @@ PAGED_TMA_MIN_PAGE = 64  # pages of 64+ rows load through TMA with 64-key tiles;
 
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                  tma: bool, page_size: int = 0, wide: bool = False) -> LaunchConfig:
+                  tma: bool, page_size: int = 0, wide: bool = False, kv_len: int = 0,
+                  kv_bytes_per_key: int = 0) -> LaunchConfig:
     """Tile shape for a launch, and whether K/V load through TMA descriptors.
 
     ``tma``: whether the inputs allow descriptors (:func:`use_tma`). ``page_size``: 0 for contiguous
     K/V; pages of ``PAGED_TMA_MIN_PAGE`` rows or more hold whole 64-key tiles and load through one
     descriptor over the pool, smaller ones gather rows through pointers. ``wide``: the grid fills
-    the GPU without splitting the KV range (many sequences or long query chunks).
+    the GPU without splitting the KV range (many sequences or long query chunks). ``kv_len``: keys one
+    program streams (the cache length over the split count); ``kv_bytes_per_key``: K+V bytes per key
+    (2 x head dim x element size), which bounds the pipeline depth of long decode tiles.
 
     Decode-like launches (few query rows) pack the KV group's query heads into the rows of one tile;
     prefill launches tile query tokens of one head. The GPU values were measured with
@@ -105,13 +112,25 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
-        if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
-            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2, tma=True)
-        if wide:  # the grid fills the GPU unsplit: short pointer tiles 4 deep (v13; TMA tiles lost by 0-9 %)
+        # stages of 128-key tiles that fit shared memory (none when the caller did not say the key size)
+        stages_fit = DECODE_SMEM_BUDGET // (128 * kv_bytes_per_key) if kv_bytes_per_key else 0
+        long = kv_len >= LONG_KV_KEYS
+        if wide:  # the grid fills the GPU unsplit
+            if long and stages_fit >= 2:  # v14: 1.4-2.1 % faster than 32 x 4 at 4K-128K keys
+                return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
+            if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
+                return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2,
+                                    tma=True)
+            # short pointer tiles 4 deep (v13; TMA tiles lost by 0-9 %)
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
-        if not page_size or page_size >= 16:  # split grids: pointer tiles 3 deep (v13: TMA lost 1-2 us a call)
+        if page_size >= PAGED_TMA_MIN_PAGE:  # v14: pointer tiles beat the TMA tile by 0-7 % on split grids
             return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
-        return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
+        if page_size and stages_fit >= 2:  # rows gathered from small pages: long tiles, two deep (v14)
+            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
+        if long and stages_fit >= 3:  # one long split per SM: 128-key tiles three deep (v14)
+            return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=3)
+        # short splits: pointer tiles 3 deep (v13: TMA lost 1-2 us a call)
+        return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
     if block_d > 128:
         return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
     if tma:
@@ -129,26 +148,27 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 
 
 def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
-                      contiguous_decode: bool, device: torch.device) -> int:
+                      decode: bool, page_size: int, device: torch.device) -> int:
     """Split the KV range when the grid would leave SMs idle. ``kv_bytes_per_key``: K+V bytes one
     program reads per key (2 x head dim x element size).
 
-    Decode over a contiguous cache (packed query rows, no block table: its programs only stream
-    K/V): ``KV_BYTES_PER_SM`` per key step on every SM (whole programs, rounded down so no SM gets
-    one more than the rest), doubled when a split would stream more than ``LONG_SPLIT_KEYS`` keys;
-    at most one split per KV tile. Anything else (paged caches, prefill tiles): about two programs
-    per SM, rounded up, at least two tiles per split. Uses only host-known sizes (the cache capacity
-    or ``max_seqlen_k``), never device data, so it is free and graph-safe."""
+    Decode (packed query rows: its programs only stream K/V): ``KV_BYTES_PER_SM`` per key step on
+    every SM (whole programs, rounded down so no SM gets one more than the rest); twice that over
+    pages whose rows are gathered (under ``PAGED_TMA_MIN_PAGE`` rows), and over larger pages once a
+    split would stream ``LONG_KV_KEYS`` keys or more; at most one split per KV tile. ``page_size``:
+    0 for a contiguous cache. Prefill tiles: about two programs per SM, rounded up, at least two
+    tiles per split. Uses only host-known sizes (the cache capacity or ``max_seqlen_k``), never
+    device data, so it is free and graph-safe."""
     sms = num_sms(device)
     kv_tiles = cdiv(max(max_seqlen_k, 1), block_n)
-    if not contiguous_decode:
+    if not decode:
         splits = cdiv(2 * sms, programs) if programs < sms else 1
         return max(1, min(splits, kv_tiles // 2, MAX_SPLITS))
     slots = sms * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
-    splits = slots // programs
-    if splits >= 1 and cdiv(max_seqlen_k, splits) > LONG_SPLIT_KEYS:
-        splits = 2 * slots // programs
-    return max(1, min(splits, kv_tiles, MAX_SPLITS))
+    long = cdiv(max_seqlen_k, max(slots // programs, 1)) >= LONG_KV_KEYS
+    if page_size and (page_size < PAGED_TMA_MIN_PAGE or long):
+        slots *= 2  # v14: block-table reads sit on the load path; more programs in flight hide them
+    return max(1, min(slots // programs, kv_tiles, MAX_SPLITS))
 
 
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
