@@ -34,9 +34,10 @@ def _combine_kernel(
     ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    """One (token, head) per program. All split LSEs are read at once and the partial outputs in
-    chunks of BLOCK_S splits whose loads do not wait on each other (a split-by-split merge would pay
-    the memory latency once per split). The split count is a runtime argument: no recompile per count."""
+    """One (token, head) per program. All split LSEs are read at once and the partial outputs with
+    them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait on each other
+    (a split-by-split merge would pay the memory latency once per split). The split count is a
+    runtime argument: no recompile per count."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -48,16 +49,21 @@ def _combine_kernel(
     m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lse_all - m_safe) * _jit.LOG2E), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     o_base = OutPart + tok * stride_pt + head * stride_ph
-    for c in range(0, num_splits, BLOCK_S):
-        offs_s = c + tl.arange(0, BLOCK_S)
-        s_ok = offs_s < num_splits
-        lse_s = _jit.empty_if_inf(tl.load(lse_base + offs_s * stride_lps, mask=s_ok, other=float("-inf")))
-        w = tl.exp2((lse_s - m_safe) * _jit.LOG2E)
-        o_s = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                      other=0.0)
-        acc += tl.sum(o_s * w[:, None], 0)
+    if ALL_S <= BLOCK_S:  # every partial in one load, issued with the LSEs' (one memory round trip)
+        o_all = tl.load(o_base + offs_all[:, None] * stride_ps + offs_d[None, :],
+                        mask=(offs_all < num_splits)[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.sum(o_all * tl.exp2((lse_all - m_safe) * _jit.LOG2E)[:, None], 0)
+    else:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c in range(0, num_splits, BLOCK_S):
+            offs_s = c + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < num_splits
+            lse_s = _jit.empty_if_inf(tl.load(lse_base + offs_s * stride_lps, mask=s_ok, other=float("-inf")))
+            w = tl.exp2((lse_s - m_safe) * _jit.LOG2E)
+            o_s = tl.load(o_base + offs_s[:, None] * stride_ps + offs_d[None, :],
+                          mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(o_s * w[:, None], 0)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)
     b = tok // tokens_per_batch
