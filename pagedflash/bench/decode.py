@@ -7,7 +7,8 @@
    4.8 TB/s datasheet, and the speed ratio to SDPA cuDNN and flash from the same run.
 
 Every call is ``flash_attn_with_kvcache(q [B,1,Hq,D], k_cache, v_cache, cache_seqlens=N,
-num_splits=s)`` over random caches; do_bench flushes L2 before each call, so even a 4 MB cache is
+num_splits=s)`` over random caches (the serving grid also times ``cache_seqlens=None``, the whole
+cache, which is what SDPA computes); do_bench flushes L2 before each call, so even a 4 MB cache is
 read from HBM. SDPA gets q ``[B,Hq,1,D]`` and K/V ``[B,Hkv,N,D]`` (``enable_gqa=True`` when the
 backend takes it, else expanded to Hq heads: see the ``sdpa`` column), ``is_causal=False``.
 """
@@ -107,9 +108,11 @@ class DecodeInputs:
     def sdpa_check(self, out: torch.Tensor) -> tuple[float, bool]:
         return self.check(out.transpose(1, 2))
 
-    def contiguous(self, num_splits: int = AUTO):
-        return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=self.seqlens,
-                                                  num_splits=num_splits)
+    def contiguous(self, num_splits: int = AUTO, lengths: bool = True):
+        """The call over the contiguous cache; ``lengths=False`` passes no ``cache_seqlens`` (the whole
+        cache, which is what SDPA computes: no lengths to read before the first K/V address)."""
+        seqlens = self.seqlens if lengths else None
+        return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=seqlens, num_splits=num_splits)
 
     def paged(self, page: int, num_splits: int = AUTO):
         """The same cache as a pool of ``page``-token blocks in a random order, read through a block
@@ -178,8 +181,11 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
         "grid", f"Decode serving grid: Hq/Hkv={hq}/{hkv}, D={d}, {str(dtype)[6:]}, num_splits=auto",
         {"B": "B", "N": "N", "kv_gb": "K+V GB", "us": "pagedflash µs", "tbps": "TB/s",
          "of_peak": f"of {HBM_TBPS} TB/s", "cudnn_us": "cuDNN µs", "flash_us": "flash µs",
-         "vs_cudnn": "pf÷cuDNN", "vs_flash": "pf÷flash", "host_us": "host µs", "sdpa": "SDPA GQA"},
-        note="TB/s counts K+V read + Q + O (SDPA's TB/s uses the same bytes). pf÷X: speed ratio, same run "
+         "vs_cudnn": "pf÷cuDNN", "vs_flash": "pf÷flash", "full_us": "pf µs, no lengths", "full_vs_cudnn":
+         "no lengths÷cuDNN", "host_us": "host µs", "sdpa": "SDPA GQA"},
+        note="pagedflash µs: with a cache_seqlens tensor (N for every row), as a serving engine calls it; "
+             "'no lengths': cache_seqlens=None, the whole cache, which is what SDPA computes. "
+             "TB/s counts K+V read + Q + O (SDPA's TB/s uses the same bytes). pf÷X: speed ratio, same run "
              "(>1: pagedflash faster). L2 is flushed before every timed call, so small caches come from HBM too. "
              "host µs: host time to enqueue one pagedflash call (above the kernel time, back-to-back calls are "
              "launch-bound without CUDA graphs; do_bench's L2 flush hides up to ~50-90 µs of it). "
@@ -189,7 +195,8 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
     for b, n in progress(grid_cells(spec), "decode serving grid"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
         ours = measure(inputs.contiguous(), inputs.check, label=f"decode B={b} N={n}")
-        bad += failures([ours])
+        full = measure(inputs.contiguous(lengths=False), inputs.check, label=f"decode B={b} N={n} no lengths")
+        bad += failures([ours, full])
         host = host_us(inputs.contiguous()) if ours.ok else None
         sdpa = inputs.sdpa()
         nbytes = decode_bytes(b, n, hq, hkv, d, dtype)
@@ -201,6 +208,7 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
             "cudnn_tbps": sdpa["cudnn"].show(lambda ms: tbps(nbytes, ms)),
             "flash_tbps": sdpa["flash"].show(lambda ms: tbps(nbytes, ms)),
             "vs_cudnn": ratio(ours, sdpa["cudnn"]), "vs_flash": ratio(ours, sdpa["flash"]),
+            "full_us": full.show(lambda ms: ms * 1e3), "full_vs_cudnn": ratio(full, sdpa["cudnn"]),
             "host_us": host, "err": ours.err,
             "sdpa": " ".join(f"{name}:{m.note if m.ok else m.status}" for name, m in sdpa.items()),
         })
@@ -218,6 +226,7 @@ def main(cfg: Config) -> int:
     summary = {
         "geomean_pf_vs_cudnn": geomean(r["vs_cudnn"] for r in grid.rows),
         "geomean_pf_vs_flash": geomean(r["vs_flash"] for r in grid.rows),
+        "geomean_no_lengths_vs_cudnn": geomean(r["full_vs_cudnn"] for r in grid.rows),
         "geomean_auto_over_best": geomean(r.get("auto_over_best", NA) for r in splits_table.rows),
         "failures": bad_seed + bad_grid,
     }
