@@ -64,9 +64,11 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     (``max_model_len``), not the actual lengths; the kernel divides each sequence's actual length
     among the splits, so short contexts simply leave some splits empty.
 
-    This is the rule the engine's ITL was measured with. It differs from the launcher's paged rule
-    (``choose_num_splits``) from 17 rows up (2 splits where the launcher takes 1); folding the two
-    together waits for an ITL measurement (docs/performance.md, v13)."""
+    Not the launcher's paged rule (``choose_num_splits``): for 8 KV heads 64 wide over 16-row pages
+    that one asks for 66 and 33 splits at batch 1 and 2 (this rule: 32 and 32), and with it the
+    batch-1 ITL at 1K context measured 48.8 % of the bandwidth bound against 51.1 % with this rule in
+    the same session (docs/performance.md, v14). At the power-of-two batch sizes from 4 up the two
+    agree."""
     want = -(-2 * sms // (batch_size * num_kv_heads))
     return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
