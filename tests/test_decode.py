@@ -112,6 +112,24 @@ def test_long_context_bf16(n):
     assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)[0], torch.bfloat16)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=ids)
+@pytest.mark.parametrize("b,hkv,n", [(40, 4, 4100), (16, 8, 5000)], ids=["wide", "one_split_per_sm"])
+def test_long_decode_tiles(dtype, b, hkv, n):
+    # 4K+ keys per program: 128-key tiles for 16-bit caches (two deep in a grid wider than the GPU,
+    # three deep alone on an SM); fp32 keeps 64-key tiles, whose stages fit shared memory. Ragged
+    # lengths, NaN in every slot past them.
+    q = randn(b, 1, 4 * hkv, 128, dtype=dtype)
+    k_cache, v_cache = randn(b, n, hkv, 128, dtype=dtype), randn(b, n, hkv, 128, dtype=dtype)
+    seqlens = torch.randint(max(n - 200, 1), n + 1, (b,), dtype=torch.int32, device=q.device)
+    seqlens[0] = 1
+    for row, length in enumerate(seqlens.tolist()):
+        k_cache[row, length:] = float("nan")
+        v_cache[row, length:] = float("nan")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)[0], dtype)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("paged", [False, True])
 def test_cuda_graph_replay_with_changing_lengths(paged):

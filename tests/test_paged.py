@@ -125,6 +125,21 @@ def test_hundreds_of_decode_rows():
                  torch.float32)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("b,hkv,n", [(40, 4, 4100), (16, 8, 9000)], ids=["wide", "long_splits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=ids)
+def test_long_paged_decode(page, b, hkv, n, dtype):
+    # the long-context launch choices over pages: 128-key tiles in a grid wider than the GPU, split
+    # counts doubled for gathered rows and for long splits over 64-row pages (ops/launch.py)
+    seqlens = [n - 37 * i for i in range(b)]
+    k_cache, v_cache, table = make_pool(seqlens, page, hkv, 128, dtype, spare=2)
+    q = randn(b, 1, 4 * hkv, 128, dtype=dtype)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)[0], dtype)
+
+
 @pytest.mark.parametrize("page", [1, 16])
 def test_write_kv_cache_by_slot(page):
     num_blocks, hkv, d = 8, 2, 48
