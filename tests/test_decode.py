@@ -117,8 +117,8 @@ def test_long_context_bf16(n):
 @pytest.mark.parametrize("b,hkv,n", [(40, 4, 4100), (16, 8, 5000)], ids=["wide", "one_split_per_sm"])
 def test_long_decode_tiles(dtype, b, hkv, n):
     # 4K+ keys per program: 128-key tiles for 16-bit caches (two deep in a grid wider than the GPU,
-    # three deep alone on an SM); fp32 keeps 64-key tiles, whose stages fit shared memory. Ragged
-    # lengths, NaN in every slot past them.
+    # three deep alone on an SM); fp32 keeps the shorter tiles (32 x 4 wide, 64 x 3 alone), whose
+    # stages fit shared memory. Ragged lengths, NaN in every slot past them.
     q = randn(b, 1, 4 * hkv, 128, dtype=dtype)
     k_cache, v_cache = randn(b, n, hkv, 128, dtype=dtype), randn(b, n, hkv, 128, dtype=dtype)
     seqlens = torch.randint(max(n - 200, 1), n + 1, (b,), dtype=torch.int32, device=q.device)

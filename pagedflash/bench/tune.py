@@ -275,6 +275,8 @@ def _parse_cell(text: str) -> tuple:
     size, _, shape = text.partition("@")
     b, n = map(int, size.split("x"))
     hq, hkv, d, dtype = shape.split("/") if shape else (32, 8, 128, "bf16")
+    if dtype not in _DTYPES:
+        raise SystemExit(f"--cells: dtype must be one of {sorted(_DTYPES)}, got {dtype!r} in {text!r}")
     return b, n, int(hq), int(hkv), int(d), _DTYPES[dtype]
 
 
@@ -285,6 +287,8 @@ def _parse_tiles(text: str | None) -> list[tuple] | None:
     tiles = []
     for item in text.split(","):
         bn, w, st, *tma = item.split(":")
+        if tma not in ([], ["tma"]):
+            raise SystemExit(f"--tiles: expected block_n:warps:stages[:tma], got {item!r}")
         tiles.append((int(bn), int(w), int(st), tma == ["tma"]))
     return tiles
 
@@ -293,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--only", choices=["prefill", "decode", "overhead", "paged"], default=None)
-    parser.add_argument("--cells", help="decode: BxN[@Hq/Hkv/D/dtype][,...], by default of the serving grid's shape "
-                                        "(32/8/128/bf16); default: its split cells and the seed's sweep")
+    parser.add_argument("--cells", help="decode: BxN[@Hq/Hkv/D/dtype][,...], dtype bf16, fp16 or fp32, by default the "
+                                        "serving grid's shape (32/8/128/bf16); default: its split cells and the "
+                                        "seed's sweep")
     parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
     parser.add_argument("--pages", default="0", help="decode: page sizes, comma-separated, 0 = the contiguous "
                         f"cache; paged ones from {sorted(PAGED_DECODE_CONFIGS)} (default: %(default)s)")

@@ -65,7 +65,8 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     among the splits, so short contexts simply leave some splits empty.
 
     Not the launcher's paged rule (``choose_num_splits``): for 8 KV heads 64 wide over 16-row pages
-    that one asks for 66 and 33 splits at batch 1 and 2 (this rule: 32 and 32), and with it the
+    and a ``max_model_len`` of 8.5K or more, that one asks for 66 and 33 splits at batch 1 and 2 (this
+    rule: 32 and 32; below that length its one-split-per-tile cap binds first), and with it the
     batch-1 ITL at 1K context measured 48.8 % of the bandwidth bound against 51.1 % with this rule in
     the same session (docs/performance.md, v14). At the power-of-two batch sizes from 4 up the two
     agree."""

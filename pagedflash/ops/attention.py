@@ -34,6 +34,7 @@ from pagedflash.ops import _jit
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
 from pagedflash.ops.launch import (
+    LONG_KV_KEYS,
     MAX_SPLITS,
     PACK_MAX_ROWS,
     LaunchConfig,
@@ -397,20 +398,21 @@ def attention_forward(
     tma_ok = use_tma(k, v, paged)
     packed = max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS
     wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
-    kv_bytes_per_key = 2 * d * k.element_size()
     pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
                              causal=window[1] >= 0, interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size,
-                             wide=wide, kv_bytes_per_key=kv_bytes_per_key)
-    cfg = config or pick(kv_len=max_seqlen_k)  # the tile of an unsplit program; rows and heads do not change
+                             wide=wide, kv_itemsize=k.element_size())
+    # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
+    cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
     if num_splits <= 0:
         num_splits = choose_num_splits(
             programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack),
-            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=kv_bytes_per_key, decode=packed,
-            page_size=page_size, device=q.device,
+            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=2 * d * k.element_size(),
+            decode=packed, page_size=page_size, device=q.device,
         )
+    num_splits = min(num_splits, MAX_SPLITS)
     if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
-        cfg = pick(kv_len=cdiv(max_seqlen_k, num_splits))
+        cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
@@ -420,7 +422,6 @@ def attention_forward(
         num_q_tiles = cdiv(q.shape[1], block_q)
         grid_q = batch * num_q_tiles
     grid_h = hkv * (group // cfg.g_pack)
-    num_splits = min(num_splits, MAX_SPLITS)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = None

@@ -30,9 +30,11 @@ MAX_SPLITS = 128
 # split may be as short as one tile. Prefill tiles keep the earlier rule, about two programs per SM
 # rounded up, at least two tiles a split: they are compute-bound and were not swept.
 KV_BYTES_PER_SM = 512
-# A decode program over a contiguous cache that streams this many keys or more takes 128-key tiles
-# (v14: 1-2 % faster than 32- and 64-key tiles at 4K+ keys, 0-5 % slower below, where pipeline fill
-# is a larger share); over a page pool, such splits are halved instead (choose_num_splits).
+# A decode program that streams this many keys or more takes 128-key tiles where their stages fit:
+# three deep alone on an SM over a contiguous cache, two deep in a wide grid (v14: 1-2 % faster than
+# 32- and 64-key tiles at 4K+ keys, 0-5 % slower below, where pipeline fill is a larger share). Over
+# 64-row pages such splits are halved instead (choose_num_splits); smaller pages always take
+# 128-key tiles two deep.
 LONG_KV_KEYS = 4096
 # Shared memory a decode tile's K/V stages may take (H200: 227 KB per block; Q and scratch need the rest).
 DECODE_SMEM_BUDGET = 192 * 1024
@@ -80,16 +82,17 @@ PAGED_TMA_MIN_PAGE = 64  # pages of 64+ rows load through TMA with 64-key tiles;
 
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
-                  tma: bool, page_size: int = 0, wide: bool = False, kv_len: int = 0,
-                  kv_bytes_per_key: int = 0) -> LaunchConfig:
+                  tma: bool, page_size: int = 0, wide: bool = False, long_kv: bool = False,
+                  kv_itemsize: int = 0) -> LaunchConfig:
     """Tile shape for a launch, and whether K/V load through TMA descriptors.
 
     ``tma``: whether the inputs allow descriptors (:func:`use_tma`). ``page_size``: 0 for contiguous
     K/V; pages of ``PAGED_TMA_MIN_PAGE`` rows or more hold whole 64-key tiles and load through one
-    descriptor over the pool, smaller ones gather rows through pointers. ``wide``: the grid fills
-    the GPU without splitting the KV range (many sequences or long query chunks). ``kv_len``: keys one
-    program streams (the cache length over the split count); ``kv_bytes_per_key``: K+V bytes per key
-    (2 x head dim x element size), which bounds the pipeline depth of long decode tiles.
+    descriptor over the pool, smaller ones gather rows through pointers. ``wide``: the grid has a
+    program per SM before any KV split (many sequences or long query chunks). ``long_kv``: a
+    program streams ``LONG_KV_KEYS`` keys or more (the cache length over the split count);
+    ``kv_itemsize``: the K/V element size, which bounds the pipeline depth of long decode tiles
+    (0: unknown, no long tiles).
 
     Decode-like launches (few query rows) pack the KV group's query heads into the rows of one tile;
     prefill launches tile query tokens of one head. The GPU values were measured with
@@ -112,11 +115,10 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
-        # stages of 128-key tiles that fit shared memory (none when the caller did not say the key size)
-        stages_fit = DECODE_SMEM_BUDGET // (128 * kv_bytes_per_key) if kv_bytes_per_key else 0
-        long = kv_len >= LONG_KV_KEYS
+        # stages of 128-key K and V tiles (padded to block_d) that fit shared memory
+        stages_fit = DECODE_SMEM_BUDGET // (2 * 128 * block_d * kv_itemsize) if kv_itemsize else 0
         if wide:  # the grid fills the GPU unsplit
-            if long and stages_fit >= 2:  # v14: 1.4-2.1 % faster than 32 x 4 at 4K-128K keys
+            if long_kv and stages_fit >= 2:  # v14: 1.4-2.1 % faster than 32 x 4 at 4K-128K keys
                 return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
             if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
                 return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2,
@@ -127,7 +129,7 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
         if page_size and stages_fit >= 2:  # rows gathered from small pages: long tiles, two deep (v14)
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
-        if long and stages_fit >= 3:  # one long split per SM: 128-key tiles three deep (v14)
+        if long_kv and stages_fit >= 3:  # one long split per SM: 128-key tiles three deep (v14)
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=3)
         # short splits: pointer tiles 3 deep (v13: TMA lost 1-2 us a call)
         return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
