@@ -1,6 +1,8 @@
 """``attn_implementation="pagedflash"`` in transformers: logits equal SDPA's (prefill, padded batches,
 decode through transformers' own cache)."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -9,6 +11,11 @@ import pagedflash.integrations.transformers as pf_hf
 transformers = pytest.importorskip("transformers")
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"  # pagedflash runs compiled on a GPU, interpreted on a CPU
+
+# transformers renamed the forward's cache argument (`past_key_values` -> `cache`, the old name
+# deprecated from 5.2x); the H200 image has an older release than the CPU machines
+CACHE_ARG = "cache" if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters else \
+    "past_key_values"
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -63,8 +70,8 @@ def test_decode_with_cache_matches_sdpa(models):
     out_a = ours(ids, use_cache=True)
     out_b = ref(ids, use_cache=True)
     nxt = out_b.logits[:, -1:].argmax(-1)
-    step_a = ours(nxt, past_key_values=out_a.past_key_values, use_cache=True).logits
-    step_b = ref(nxt, past_key_values=out_b.past_key_values, use_cache=True).logits
+    step_a = ours(nxt, **{CACHE_ARG: out_a.past_key_values}, use_cache=True).logits
+    step_b = ref(nxt, **{CACHE_ARG: out_b.past_key_values}, use_cache=True).logits
     torch.testing.assert_close(step_a, step_b, rtol=1e-4, atol=1e-4)
 
 
@@ -103,6 +110,6 @@ def test_gpu_bf16_1b_logits_close_to_sdpa(tmp_path):
     out_a, out_b = ours(ids, use_cache=True), ref(ids, use_cache=True)
     close(out_a.logits, out_b.logits)
     nxt = out_b.logits[:, -1:].argmax(-1)
-    close(ours(nxt, past_key_values=out_a.past_key_values).logits, ref(nxt, past_key_values=out_b.past_key_values).logits)
+    close(ours(nxt, **{CACHE_ARG: out_a.past_key_values}).logits, ref(nxt, **{CACHE_ARG: out_b.past_key_values}).logits)
     gen = ours.generate(ids[:, :100], max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert gen.shape == (2, 116)
