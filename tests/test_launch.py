@@ -66,6 +66,8 @@ def test_split_count_rule():
     # pages of 64+ rows: as many while a split is short, twice as many once it streams 4K keys or more
     assert pick(8, 4096, page=64) == 2 and pick(8, 8192, page=64) == 4 and pick(5, 1 << 20, page=64) == 6
     assert pick(8, 4096, page=16) == 4 and pick(8, 4096, page=1) == 4  # gathered rows: twice as many
+    # ... while the doubled splits keep two key tiles each (16 SMs here: 32 splits of 2K keys would get one)
+    assert pick(1, 2048, page=16) == pick(1, 2048) == 16 and pick(1, 8192, page=1) == 32
     assert pick(16, 4096) == 1 and pick(40, 1 << 20) == 1  # the grid fills the SMs already
     assert pick(1, 100) == 2 and pick(1, 100, page=16) == 2  # at most one split per key tile
     # prefill tiles: about two per SM, rounded up, at least two tiles per split

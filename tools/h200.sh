@@ -2,7 +2,8 @@
 # One device call, several steps, every result back in $OUT/results.tgz.
 #   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
 # Steps: tests (the compiled matrix, -n 8), bench:<prefill|decode|paged>, tune:<prefill|decode|overhead|paged>,
-# serve:<sections>[:<num-requests>]. Each kind of step has its own time limit (T_<kind>, seconds) so
+# serve:<sections>[:<num-requests>]; TUNE_ARGS adds options to tune steps (--cells, --tiles, ...).
+# Each kind of step has its own time limit (T_<kind>, seconds) so
 # that the archive is written inside the call's limit; logs land beside the results.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -16,7 +17,7 @@ for step in ${STEPS:-tests}; do
     bench) log=$R/bench_$arg.log
            timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
     tune)  log=$R/tune_$arg.log
-           timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R > $log 2>&1 ;;
+           timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} > $log 2>&1 ;;
   esac

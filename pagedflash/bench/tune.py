@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import os
+import re
 import warnings
 
 import torch
@@ -68,7 +69,8 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
     """Decode tiles x split counts per cell, on the contiguous cache (page 0) and on page pools (a
     random permutation of the pool as block table), with SDPA cuDNN on the contiguous cache timed
     the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13).
-    ``tiles``: (block_n, warps, stages, tma) to time instead of the default lists, at every page size."""
+    ``tiles``: (block_n, warps, stages, tma[, g_pack]) to time instead of the default lists, at every page size;
+    ``g_pack`` (default: the whole group) packs fewer query heads per program, for more programs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -91,8 +93,9 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
         for page in pages or [0]:
             table = permuted_table(b * n // page, b) if page else None
             k, v = (to_pool(t, page, table) for t in (kc, vc)) if page else (kc, vc)
-            for bn, w, st, tma in tiles or (PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS):
-                cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(hq // hkv)), block_n=bn, g_pack=hq // hkv,
+            for bn, w, st, tma, *g in tiles or (PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS):
+                g_pack = g[0] if g else hq // hkv
+                cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(g_pack)), block_n=bn, g_pack=g_pack,
                                    num_warps=w, num_stages=st, tma=tma)
                 times, err = [], 0.0
                 for s in [*splits, 0]:
@@ -107,12 +110,12 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
                                 us = _time_us(call)
                         except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
                             print(f"  page={page} {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
-                    rows.append(dict(kind="decode", shape=shape, page=page, cfg=[bn, w, st, tma], splits=s, us=us,
+                    rows.append(dict(kind="decode", shape=shape, page=page, cfg=[bn, w, st, tma, g_pack], splits=s, us=us,
                                      cudnn_us=cudnn))
                     times.append(us)
                 best = min((t for t in times if t == t), default=float("nan"))
                 line = " ".join(f"{t:6.1f}{'*' if t == best else ' '}" for t in times)
-                print(f"  page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5}: {line}  best/cuDNN {cudnn / best:.2f}"
+                print(f"  page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} g={g_pack}: {line}  best/cuDNN {cudnn / best:.2f}"
                       f"  err {err:.2g}", flush=True)
             k = v = None  # free a pool before the next page size
         q = kc = vc = None
@@ -281,15 +284,17 @@ def _parse_cell(text: str) -> tuple:
 
 
 def _parse_tiles(text: str | None) -> list[tuple] | None:
-    """``64:4:3,128:4:2:tma`` -> [(64, 4, 3, False), (128, 4, 2, True)]."""
+    """``64:4:3,128:4:2:tma,64:4:3:g2`` -> [(64, 4, 3, False), (128, 4, 2, True), (64, 4, 3, False, 2)]."""
     if not text:
         return None
     tiles = []
     for item in text.split(","):
-        bn, w, st, *tma = item.split(":")
-        if tma not in ([], ["tma"]):
-            raise SystemExit(f"--tiles: expected block_n:warps:stages[:tma], got {item!r}")
-        tiles.append((int(bn), int(w), int(st), tma == ["tma"]))
+        bn, w, st, *rest = item.split(":")
+        tma = rest[:1] == ["tma"]
+        rest = rest[1:] if tma else rest
+        if len(rest) > 1 or (rest and not re.fullmatch(r"g[1-9][0-9]*", rest[0])):
+            raise SystemExit(f"--tiles: expected block_n:warps:stages[:tma][:gN], got {item!r}")
+        tiles.append((int(bn), int(w), int(st), tma, *(int(r[1:]) for r in rest)))
     return tiles
 
 
@@ -303,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
     parser.add_argument("--pages", default="0", help="decode: page sizes, comma-separated, 0 = the contiguous "
                         f"cache; paged ones from {sorted(PAGED_DECODE_CONFIGS)} (default: %(default)s)")
-    parser.add_argument("--tiles", help="decode: tiles to time, block_n:warps:stages[:tma], comma-separated "
+    parser.add_argument("--tiles", help="decode: tiles to time, block_n:warps:stages[:tma][:gN] (gN: N query heads "
+                                        "per program, default the whole group), comma-separated "
                                         "(default: a list per page size)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
