@@ -110,3 +110,19 @@ def test_bench_without_gpu_exits_2():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "need a CUDA GPU" in proc.stderr and "--quick" in proc.stderr
+
+
+def test_tune_parses_cells_and_tiles():
+    """`bench tune` options name what they sweep; a malformed one stops with the item it could not read."""
+    from pagedflash.bench.tune import _parse_cell, _parse_tiles
+
+    assert _parse_cell("4x16384") == (4, 16384, 32, 8, 128, torch.bfloat16)
+    assert _parse_cell("1x1024@16/16/64/fp16") == (1, 1024, 16, 16, 64, torch.float16)
+    assert _parse_tiles(None) is None
+    assert _parse_tiles("64:4:3,128:4:2:tma,64:4:3:g2,32:4:4:tma:g1") == [
+        (64, 4, 3, False), (128, 4, 2, True), (64, 4, 3, False, 2), (32, 4, 4, True, 1)]
+    for bad in ("64:4:3:x", "64:4:3:g0", "64:4:3:g2:tma", "64:4:3:tma:g2:g2"):
+        with pytest.raises(SystemExit, match=f"--tiles: .*{bad}"):
+            _parse_tiles(bad)
+    with pytest.raises(SystemExit, match="--cells: dtype"):
+        _parse_cell("1x1024@16/16/64/int8")
