@@ -102,6 +102,28 @@ def test_deterministic_across_runs():
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
+@pytest.mark.parametrize("g_pack", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_part_of_a_gqa_group_per_program(g_pack, num_splits):
+    """A forced tile that packs only part of a KV head's query heads (`bench tune --tiles ...:gN`)
+    computes every head; one whose g_pack does not divide the group is refused before launch."""
+    from pagedflash.ops.attention import attention_forward
+    from pagedflash.ops.launch import LaunchConfig
+
+    b, n, hq, hkv, d = 2, 90, 8, 2, 32
+    q = randn(b, 1, hq, d, dtype=DTYPES[-1])
+    k_cache, v_cache = randn(b, n, hkv, d, dtype=q.dtype), randn(b, n, hkv, d, dtype=q.dtype)
+    seqlens = torch.tensor([n, 41], dtype=torch.int32, device=q.device)
+    call = dict(batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5, window=(-1, 0), softcap=0.0,
+                seqused_k=seqlens, num_splits=num_splits)
+    cfg = LaunchConfig(block_m=16, block_n=16, g_pack=g_pack)
+    out, _ = attention_forward(q, k_cache, v_cache, config=cfg, **call)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, seqlens)[0], q.dtype)
+    for bad in (3, 8):
+        with pytest.raises(ValueError, match="config.g_pack: expected a divisor of the GQA group"):
+            attention_forward(q, k_cache, v_cache, config=LaunchConfig(block_m=16, block_n=16, g_pack=bad), **call)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
 @pytest.mark.parametrize("n", [16384, 131072])
 def test_long_context_bf16(n):

@@ -1,7 +1,7 @@
 """Experiment (v15): rewrite a copy of ops/attention.py so that its key loop runs under Triton's
 warp specialization (``tl.range(..., warp_specialize=True)``: producer warps issue the K/V loads,
 consumer warps compute), to time against the committed kernel:
-    cp -r pagedflash tools /tmp/ws && python tools/variant_warp_specialize.py /tmp/ws/pagedflash/ops/attention.py
+    mkdir -p /tmp/ws && cp -r pagedflash tools /tmp/ws && python tools/variant_warp_specialize.py /tmp/ws/pagedflash/ops/attention.py
     PYTHONPATH=/tmp/ws python -m pagedflash bench tune --only decode --cells 16x1024 --tiles 64:4:3:tma"""
 import sys
 

@@ -95,28 +95,31 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
             k, v = (to_pool(t, page, table) for t in (kc, vc)) if page else (kc, vc)
             for bn, w, st, tma, *g in tiles or (PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS):
                 g_pack = g[0] if g else hq // hkv
+                if (hq // hkv) % g_pack:
+                    raise SystemExit(f"--tiles: g{g_pack} does not divide the GQA group ({hq // hkv}) of {shape}")
                 cfg = LaunchConfig(block_m=max(16, triton.next_power_of_2(g_pack)), block_n=bn, g_pack=g_pack,
                                    num_warps=w, num_stages=st, tma=tma)
-                times, err = [], 0.0
+                times, worst = [], 0.0
                 for s in [*splits, 0]:
                     call = functools.partial(attention_forward, q, k, v, batch=b, max_seqlen_q=1, max_seqlen_k=n,
                                              sm_scale=d**-0.5, window=(-1, 0), softcap=0.0, seqused_k=lens,
                                              block_table=table, num_splits=s, config=cfg)
-                    us = float("nan")
+                    us = err = float("nan")
                     if s <= 1 or n // s >= bn:
                         try:
                             with validate.value_checks(False):
-                                err = max(err, (call()[0].float() - want).abs().max().item())
+                                err = (call()[0].float() - want).abs().max().item()
                                 us = _time_us(call)
                         except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
                             print(f"  page={page} {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
+                        worst = err if err != err else max(worst, err)  # a NaN stays visible
                     rows.append(dict(kind="decode", shape=shape, page=page, cfg=[bn, w, st, tma, g_pack], splits=s, us=us,
-                                     cudnn_us=cudnn))
+                                     err=err, cudnn_us=cudnn))
                     times.append(us)
                 best = min((t for t in times if t == t), default=float("nan"))
                 line = " ".join(f"{t:6.1f}{'*' if t == best else ' '}" for t in times)
                 print(f"  page={page:3d} bn={bn:3d} w={w} s={st} tma={tma!s:5} g={g_pack}: {line}  best/cuDNN {cudnn / best:.2f}"
-                      f"  err {err:.2g}", flush=True)
+                      f"  err {worst:.2g}", flush=True)
             k = v = None  # free a pool before the next page size
         q = kc = vc = None
         torch.cuda.empty_cache()

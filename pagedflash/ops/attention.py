@@ -398,6 +398,9 @@ def attention_forward(
     tma_ok = use_tma(k, v, paged)
     packed = max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS
     wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
+    if config is not None and (group % config.g_pack or config.block_m % config.g_pack):
+        raise ValueError(f"config.g_pack: expected a divisor of the GQA group ({group}) and of block_m "
+                         f"({config.block_m}), got {config.g_pack}")
     pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
                              causal=window[1] >= 0, interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size())

@@ -23,12 +23,13 @@ TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
 MAX_SPLITS = 128
-# Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13, v14): split programs
+# Split-KV decode (`bench tune --only decode` on an H200, docs/performance.md v13-v15): split programs
 # stream best with about this many K+V bytes per key step per SM (one program per SM for a 128-wide
 # bf16 head, two for a 64-wide one); twice as many over a page pool (block-table reads sit on its
-# load path) whose rows are gathered, or whose splits would stream LONG_KV_KEYS keys or more; a
-# split may be as short as one tile. Prefill tiles keep the earlier rule, about two programs per SM
-# rounded up, at least two tiles a split: they are compute-bound and were not swept.
+# load path) whose rows are gathered (while each split keeps two tiles, v15), or whose splits would
+# stream LONG_KV_KEYS keys or more; a split may be as short as one tile. Prefill tiles keep the
+# earlier rule, about two programs per SM rounded up, at least two tiles a split: they are
+# compute-bound and were not swept.
 KV_BYTES_PER_SM = 512
 # A decode program that streams this many keys or more takes 128-key tiles where their stages fit:
 # three deep alone on an SM over a contiguous cache, two deep in a wide grid (v14: 1-2 % faster than
@@ -171,7 +172,7 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_byte
     long = cdiv(max_seqlen_k, max(slots // programs, 1)) >= LONG_KV_KEYS
     # doubled splits over gathered pages must keep two tiles each (v15: page 1 and 16, B=1 4K: 16
     # splits of two 128-key tiles 18.3 us, 32 splits of one 19.3)
-    short = cdiv(max_seqlen_k, max(2 * slots // programs, 1)) < 2 * block_n
+    short = cdiv(max_seqlen_k, max(min(2 * slots // programs, MAX_SPLITS), 1)) < 2 * block_n
     if page_size and ((page_size < PAGED_TMA_MIN_PAGE and not short) or long):
         slots *= 2  # v14: block-table reads sit on the load path; more programs in flight hide them
     return max(1, min(slots // programs, kv_tiles, MAX_SPLITS))
