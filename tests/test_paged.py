@@ -175,3 +175,52 @@ def test_pool_offsets_past_int32():
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
     assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)[0], torch.bfloat16)
+
+
+@pytest.mark.parametrize("page", [0, 16, 64], ids=["contiguous", "page16", "page64"])
+def test_caches_as_views_of_one_fused_buffer(page):
+    """K and V caches that are halves of one buffer (FlashInfer's ``[num_blocks, 2, page, Hkv, D]``
+    pool, or ``[B, S, 2, Hkv, D]``): strided views, written in place and read back correctly
+    (over 64-row pages the pool's rows do not follow each other, so no TMA descriptor spans it)."""
+    dtype, hq, hkv, d, b = DTYPES[-1], 8, 2, 64, 3
+    lens = torch.tensor([0, 37, 70], dtype=torch.int32, device=DEVICE)
+    if page:
+        k_pool, v_pool, table = make_pool([n + 3 for n in lens.tolist()], page, hkv, d, dtype)
+        fused = torch.stack([k_pool, v_pool], dim=1)  # [num_blocks, 2, page, Hkv, D]
+        k_cache, v_cache = fused[:, 0], fused[:, 1]
+    else:
+        table = None
+        fused = randn(b, 80, 2, hkv, d, dtype=dtype)  # [B, S, 2, Hkv, D]
+        k_cache, v_cache = fused[:, :, 0], fused[:, :, 1]
+    assert not k_cache.is_contiguous()
+    q = randn(b, 3, hq, d, dtype=dtype)
+    k_new, v_new = randn(b, 3, hkv, d, dtype=dtype), randn(b, 3, hkv, d, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    for splits in (1, 0):
+        fused_before = fused.clone()
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
+                                           block_table=table, num_splits=splits, return_lse=True)
+        if splits == 1:
+            ref.append_ref(k_ref, v_ref, k_new, v_new, lens, block_table=table)
+        else:  # the second call rewrote the same slots with the same tokens
+            assert torch.equal(fused.nan_to_num(7.0), fused_before.nan_to_num(7.0))
+        assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+        assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+        ref_out, ref_lse = ref.kvcache_attention_ref(q, k_ref, v_ref, lens + 3, block_table=table)
+        assert_close(out, ref_out, dtype)
+        assert_close(lse, ref_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_chunked_prefill_over_a_fused_pool(page):
+    """Chunked prefill (query chunks over cached prefixes) through the K and V halves of one fused
+    ``[num_blocks, 2, page, Hkv, D]`` pool."""
+    dtype, hq, hkv, d = DTYPES[-1], 8, 2, 64
+    total, new = [100, 150], [30, 70]
+    k_pool, v_pool, table = make_pool(total, page, hkv, d, dtype)
+    fused = torch.stack([k_pool, v_pool], dim=1)
+    k_cache, v_cache = fused[:, 0], fused[:, 1]
+    q = randn(sum(new), hq, d, dtype=dtype)
+    cq, ck = cu_seqlens(new), cu_seqlens(total)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(new), max(total), causal=True, block_table=table)
+    assert_close(out, ref.paged_varlen_attention_ref(q, k_pool, v_pool, cq, ck, table, causal=True)[0], dtype)
