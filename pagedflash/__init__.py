@@ -9,6 +9,10 @@ flash-attn-compatible entry points (switch by changing the import):
 - :func:`merge_attn_states`       merge two partial attention states by their log-sum-exp
 - :func:`write_kv_cache`          scatter new keys/values into a paged cache by slot
 
+Code that calls flash-attn 2 positionally, or with its packed variants, rotary embedding or
+``cache_batch_idx``, imports :mod:`pagedflash.flash_attn_interface` instead: flash-attn's exact
+signatures over the same kernels.
+
 Dimension names used in every docstring: ``B`` batch, ``Sq``/``Sk`` query/key lengths, ``Hq``/``Hkv``
 query/key-value heads, ``G = Hq // Hkv``, ``D`` head dim. LSE is the natural-log log-sum-exp, fp32.
 """

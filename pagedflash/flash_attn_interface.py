@@ -1,0 +1,193 @@
+"""flash-attn 2's function signatures, argument for argument, over pagedflash's kernels.
+
+``from pagedflash.flash_attn_interface import flash_attn_func`` replaces
+``from flash_attn import flash_attn_func`` (or ``flash_attn.flash_attn_interface``) in code that
+calls it positionally or by flash-attn's keyword names: the same parameter order (``dropout_p``
+fourth), defaults (``causal=False`` everywhere), return values (``return_attn_probs`` gives
+``(out, softmax_lse, None)``; ``return_softmax_lse`` gives ``(out, softmax_lse)``), the packed
+``qkv`` / ``kv`` variants, and ``flash_attn_with_kvcache``'s rotary embedding and
+``cache_batch_idx``. pagedflash's own functions (``pagedflash.flash_attn_func`` ...) keep their
+shorter signatures.
+
+Forward only, for inference: ``dropout_p`` must be 0, ``alibi_slopes`` and ``cache_leftpad`` must
+be None (a clear error otherwise); ``deterministic`` is accepted and changes nothing, since every
+pagedflash kernel is deterministic. The rotary embedding of ``flash_attn_with_kvcache`` runs as
+PyTorch operations before the attention kernel (flash-attn fuses it into its kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedflash import validate
+from pagedflash.ops.decode import flash_attn_with_kvcache as _with_kvcache
+from pagedflash.ops.prefill import flash_attn_func as _dense
+from pagedflash.ops.prefill import flash_attn_varlen_func as _varlen
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _inference_only(dropout_p, alibi_slopes) -> None:
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: pagedflash runs the forward pass for inference, expected 0.0, got {dropout_p}")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: ALiBi is not supported by pagedflash, expected None")
+
+
+def _returns(result, return_attn_probs: bool):
+    """flash-attn returns ``(out, softmax_lse, S_dmask)`` with ``return_attn_probs``; the attention
+    probabilities exist only under dropout, so ``S_dmask`` is None as there."""
+    return (*result, None) if return_attn_probs else result
+
+
+def _unpack(packed: torch.Tensor, name: str, parts: int, axis: int) -> tuple[torch.Tensor, ...]:
+    validate.check_tensor(name, packed)
+    if packed.dim() <= axis or packed.shape[axis] != parts:
+        raise ValueError(f"{name}: expected {parts} along dimension {axis} "
+                         f"({'[..., 3, H, D]' if parts == 3 else '[..., 2, Hkv, D]'}), got shape {tuple(packed.shape)}")
+    return packed.unbind(axis)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_func``: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``."""
+    _inference_only(dropout_p, alibi_slopes)
+    return _returns(_dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, return_lse=return_attn_probs), return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv ``[B, S, 3, H, D]``."""
+    q, k, v = _unpack(qkv, "qkv", 3, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, kv ``[B, Sk, 2, Hkv, D]``."""
+    k, v = _unpack(kv, "kv", 2, 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn's ``flash_attn_varlen_func``: packed q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``
+    or, with ``block_table``, pages ``[num_blocks, page_size, Hkv, D]``."""
+    _inference_only(dropout_p, alibi_slopes)
+    return _returns(_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                            return_lse=return_attn_probs, block_table=block_table), return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, H, D]``."""
+    q, k, v = _unpack(qkv, "qkv", 3, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: q ``[total_q, Hq, D]``, kv ``[total_k, 2, Hkv, D]``."""
+    k, v = _unpack(kv, "kv", 2, 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[1]`` features of x ``[B, S, H, D]`` by the angles of rows
+    ``positions`` ``[B, S]`` of cos/sin ``[seqlen_ro, rotary_dim / 2]``: pairs ``(2i, 2i + 1)`` when
+    ``interleaved`` (GPT-J), halves ``(i, i + rotary_dim / 2)`` otherwise (GPT-NeoX). fp32 inside."""
+    half = cos.shape[1]
+    c = cos[positions].unsqueeze(2).float()  # [B, S, 1, half]
+    s = sin[positions].unsqueeze(2).float()
+    rot = x[..., : 2 * half].float()
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _check_rotary(rotary_cos, rotary_sin, q, cache_seqlens) -> None:
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        validate.check_tensor(name, t, ndim=2, dtypes=(q.dtype,), device=q.device)
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_sin: expected shape {tuple(rotary_cos.shape)} (rotary_cos's), "
+                         f"got {tuple(rotary_sin.shape)}")
+    if 2 * rotary_cos.shape[1] > q.shape[-1]:
+        raise ValueError(f"rotary_cos: expected [seqlen_ro, rotary_dim / 2] with rotary_dim <= head dim "
+                         f"{q.shape[-1]}, got shape {tuple(rotary_cos.shape)}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens: required with rotary_cos/rotary_sin (the positions to rotate at)")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's ``flash_attn_with_kvcache``.
+
+    Beyond :func:`pagedflash.flash_attn_with_kvcache`: ``rotary_cos``/``rotary_sin``
+    ``[seqlen_ro, rotary_dim / 2]`` rotate the new k at positions ``cache_seqlens + t`` and q at the
+    same positions when causal or local (else every query at ``cache_seqlens``), as flash-attn
+    does; ``cache_batch_idx`` int32 ``[B]`` picks the row of a contiguous ``k_cache``
+    ``[B_cache, S_max, Hkv, D]`` that query row b reads and appends to (it runs through the paged
+    path, one page of ``S_max`` rows per cache row)."""
+    _inference_only(0.0, alibi_slopes)
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: left-padded caches are not supported by pagedflash, expected None")
+    validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
+    if rotary_cos is not None or rotary_sin is not None:
+        _check_rotary(rotary_cos, rotary_sin, q, cache_seqlens)
+        batch, sq = q.shape[:2]
+        base = (torch.full((batch,), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
+                else cache_seqlens.long())
+        steps = torch.arange(sq, device=q.device)
+        if validate.value_checks_enabled(base):
+            reach = int(base.max()) + max(sq, k.shape[1] if k is not None else 0)
+            if reach > rotary_cos.shape[0]:
+                raise ValueError(f"rotary_cos: {rotary_cos.shape[0]} positions, but cache_seqlens + new tokens "
+                                 f"reach {reach}")
+        local = causal or window_size[0] >= 0 or window_size[1] >= 0
+        q_pos = base[:, None] + (steps[None, :] if local else 0 * steps[None, :])
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if k is not None:
+            k_pos = base[:, None] + torch.arange(k.shape[1], device=q.device)[None, :]
+            k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError("cache_batch_idx: not supported with block_table (a paged cache maps rows itself)")
+        validate.check_tensor("k_cache", k_cache, ndim=4, device=q.device)
+        validate.check_int32_vector("cache_batch_idx", cache_batch_idx, length=q.shape[0], device=q.device)
+        if validate.value_checks_enabled(cache_batch_idx):
+            ids = cache_batch_idx.tolist()
+            if ids and (min(ids) < 0 or max(ids) >= k_cache.shape[0]):
+                raise ValueError(f"cache_batch_idx: expected rows in [0, {k_cache.shape[0]}) of k_cache, got {ids}")
+        if cache_seqlens is None:
+            cache_seqlens = k_cache.shape[1]
+        block_table = cache_batch_idx.view(-1, 1)
+    return _with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
+                         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                         num_splits=num_splits, return_lse=return_softmax_lse)

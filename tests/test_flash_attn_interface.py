@@ -1,0 +1,174 @@
+"""flash-attn 2's signatures (pagedflash.flash_attn_interface): positional order, defaults, return
+values, packed variants, rotary embedding and cache_batch_idx in flash_attn_with_kvcache."""
+
+import inspect
+
+import pytest
+import torch
+from conftest import DEVICE, DTYPES, assert_close, cu_seqlens, randn
+
+import pagedflash
+from pagedflash import flash_attn_interface as fa
+from pagedflash import reference as ref
+
+DTYPE = DTYPES[-1]
+# flash-attn 2.6+'s parameter lists (flash_attn/flash_attn_interface.py), in order
+COMMON = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+          "return_attn_probs"]
+SIGNATURES = {
+    "flash_attn_func": ["q", "k", "v", *COMMON],
+    "flash_attn_qkvpacked_func": ["qkv", *COMMON],
+    "flash_attn_kvpacked_func": ["q", "kv", *COMMON],
+    "flash_attn_varlen_func": ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", *COMMON,
+                               "block_table"],
+    "flash_attn_varlen_qkvpacked_func": ["qkv", "cu_seqlens", "max_seqlen", *COMMON],
+    "flash_attn_varlen_kvpacked_func": ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                        *COMMON],
+    "flash_attn_with_kvcache": ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                                "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal",
+                                "window_size", "softcap", "rotary_interleaved", "alibi_slopes", "num_splits",
+                                "return_softmax_lse"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signatures_are_flash_attns(name):
+    params = inspect.signature(getattr(fa, name)).parameters
+    assert list(params) == SIGNATURES[name]
+    assert all(params[p].default is False for p in ("causal",) if p in params)  # flash-attn's default
+
+
+def test_positional_call_and_return_values():
+    q, k, v = randn(2, 37, 4, 64, dtype=DTYPE), randn(2, 50, 2, 64, dtype=DTYPE), randn(2, 50, 2, 64, dtype=DTYPE)
+    want, want_lse = pagedflash.flash_attn_func(q, k, v, softmax_scale=0.1, causal=True, return_lse=True)
+    # flash-attn's positional order: dropout_p, softmax_scale, causal
+    assert torch.equal(fa.flash_attn_func(q, k, v, 0.0, 0.1, True), want)
+    out, lse, probs = fa.flash_attn_func(q, k, v, 0.0, 0.1, True, return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse) and probs is None
+    for bad, match in ((dict(dropout_p=0.1), "dropout_p: .*expected 0.0"), (dict(alibi_slopes=torch.ones(4)),
+                                                                           "alibi_slopes: .*expected None")):
+        with pytest.raises(ValueError, match=match):
+            fa.flash_attn_func(q, k, v, **bad)
+
+
+def test_packed_variants():
+    qkv = randn(2, 30, 3, 4, 32, dtype=DTYPE)
+    q, k, v = qkv.unbind(2)
+    want = pagedflash.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(fa.flash_attn_qkvpacked_func(qkv, causal=True), want)
+    assert torch.equal(fa.flash_attn_kvpacked_func(q, qkv[:, :, 1:], causal=True), want)
+    with pytest.raises(ValueError, match=r"qkv: expected 3 along dimension 2"):
+        fa.flash_attn_qkvpacked_func(qkv[:, :, :2])
+
+    lens = [7, 20]
+    cu = cu_seqlens(lens)
+    packed = randn(sum(lens), 3, 4, 32, dtype=DTYPE)
+    q, k, v = packed.unbind(1)
+    want = pagedflash.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(packed, cu, max(lens), causal=True), want)
+    assert torch.equal(fa.flash_attn_varlen_kvpacked_func(q, packed[:, 1:], cu, cu, max(lens), max(lens),
+                                                          causal=True), want)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), 0.0, None, True,
+                                            return_attn_probs=True)
+    assert torch.equal(out, want) and lse.shape == (4, sum(lens))
+
+
+def _rotary_tables(seqlen, rotary_dim):
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2, device=DEVICE, dtype=torch.float32) / rotary_dim)
+    angles = torch.arange(seqlen, device=DEVICE, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles, angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+
+
+def _rotate_ref(x, angles, positions, interleaved):
+    """Rotation as complex multiplication (independent of the implementation under test)."""
+    half = angles.shape[1]
+    theta = angles[positions].unsqueeze(2)  # [B, S, 1, half]
+    xr = x[..., : 2 * half].double()
+    if interleaved:
+        z = torch.complex(xr[..., 0::2], xr[..., 1::2]) * torch.polar(torch.ones_like(theta).double(), theta.double())
+        rot = torch.stack([z.real, z.imag], dim=-1).flatten(-2)
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:]) * torch.polar(torch.ones_like(theta).double(), theta.double())
+        rot = torch.cat([z.real, z.imag], dim=-1)
+    return torch.cat([rot.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_rotary(interleaved, causal):
+    b, s_max, hq, hkv, d, s_new, rotary_dim = 2, 64, 4, 2, 64, 3, 32
+    angles, cos, sin = _rotary_tables(80, rotary_dim)
+    q, k_new, v_new = randn(b, s_new, hq, d, dtype=DTYPE), randn(b, s_new, hkv, d, dtype=DTYPE), randn(
+        b, s_new, hkv, d, dtype=DTYPE)
+    k_cache, v_cache = randn(b, s_max, hkv, d, dtype=DTYPE), randn(b, s_max, hkv, d, dtype=DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    lens = torch.tensor([5, 40], dtype=torch.int32, device=DEVICE)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, causal=causal,
+                                          rotary_interleaved=interleaved, return_softmax_lse=True)
+    steps = torch.arange(s_new, device=DEVICE)
+    k_pos = lens.long()[:, None] + steps
+    q_pos = k_pos if causal else lens.long()[:, None] + 0 * steps  # non-causal: every query at cache_seqlens
+    q_rot, k_rot = _rotate_ref(q, angles, q_pos, interleaved), _rotate_ref(k_new, angles, k_pos, interleaved)
+    ref.append_ref(k_ref, v_ref, k_rot, v_new, lens)
+    assert_close(k_cache, k_ref, DTYPE, name="k_cache")
+    assert torch.equal(v_cache, v_ref)
+    want, want_lse = ref.kvcache_attention_ref(q_rot, k_ref, v_ref, lens + s_new, causal=causal)
+    assert_close(out, want, DTYPE)
+    assert_close(lse, want_lse, torch.float32 if DTYPE == torch.float32 else torch.float16, name="lse")
+
+
+def test_kvcache_batch_idx():
+    b_cache, s_max, hq, hkv, d = 5, 48, 4, 2, 32
+    k_cache, v_cache = randn(b_cache, s_max, hkv, d, dtype=DTYPE), randn(b_cache, s_max, hkv, d, dtype=DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    idx = torch.tensor([3, 0, 4], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([10, 0, 46], dtype=torch.int32, device=DEVICE)
+    q, k_new, v_new = randn(3, 2, hq, d, dtype=DTYPE), randn(3, 2, hkv, d, dtype=DTYPE), randn(3, 2, hkv, d, dtype=DTYPE)
+    for splits in (1, 0):
+        out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx,
+                                         causal=True, num_splits=splits)
+        rows = idx.long()
+        k_rows, v_rows = k_ref[rows].clone(), v_ref[rows].clone()
+        ref.append_ref(k_rows, v_rows, k_new, v_new, lens)
+        k_ref[rows], v_ref[rows] = k_rows, v_rows
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # rows 1 and 2 untouched
+        assert_close(out, ref.kvcache_attention_ref(q, k_rows, v_rows, lens + 2, causal=True)[0], DTYPE)
+    # the whole row when cache_seqlens is None
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, cache_batch_idx=idx)
+    full = torch.full((3,), s_max, dtype=torch.int32, device=DEVICE)
+    assert_close(out, ref.kvcache_attention_ref(q, k_cache[idx.long()], v_cache[idx.long()], full, causal=False)[0],
+                 DTYPE)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(cache_leftpad="pad"), ValueError, "cache_leftpad: .*expected None"),
+    (dict(alibi_slopes="slopes"), ValueError, "alibi_slopes"),
+    (dict(rotary_cos="cos"), ValueError, "rotary_cos, rotary_sin: pass both"),
+    (dict(rotary_cos=0, rotary_sin=0, cache_seqlens=None), TypeError, "rotary_cos: expected a torch.Tensor"),
+    (dict(rotary_big=True), ValueError, r"rotary_cos: expected \[seqlen_ro, rotary_dim / 2\]"),
+    (dict(rotary_cos=1, rotary_sin=1, cache_seqlens=None), ValueError, "cache_seqlens: required with rotary"),
+    (dict(rotary_short=True), ValueError, "rotary_cos: 8 positions, but cache_seqlens"),
+    (dict(cache_batch_idx=[0, 1]), TypeError, "cache_batch_idx"),
+    (dict(cache_batch_idx=7), ValueError, r"cache_batch_idx: expected rows in \[0, 4\)"),
+    (dict(cache_batch_idx=0, block_table=True), ValueError, "cache_batch_idx: not supported with block_table"),
+])
+def test_kvcache_rejects(kwargs, error, match):
+    q = randn(2, 1, 4, 32, dtype=DTYPE)
+    k_cache, v_cache = randn(4, 16, 2, 32, dtype=DTYPE), randn(4, 16, 2, 32, dtype=DTYPE)
+    call = dict(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32, device=DEVICE))
+    _, cos, sin = _rotary_tables(16, 8)
+    for key, value in kwargs.items():
+        if key == "rotary_big":
+            call.update(rotary_cos=torch.cat([cos] * 5, 1), rotary_sin=torch.cat([sin] * 5, 1))  # rotary_dim 40 > D = 32
+        elif key == "rotary_short":
+            call.update(rotary_cos=cos[:8], rotary_sin=sin[:8])
+        elif key in ("rotary_cos", "rotary_sin") and value == 1:
+            call[key] = cos if key == "rotary_cos" else sin
+        elif key == "cache_batch_idx" and isinstance(value, int):
+            call[key] = torch.full((2,), value, dtype=torch.int32, device=DEVICE)
+        elif key == "block_table":
+            call[key] = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+        else:
+            call[key] = value
+    with pytest.raises(error, match=match):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
