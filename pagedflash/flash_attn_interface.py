@@ -10,9 +10,13 @@ fourth), defaults (``causal=False`` everywhere), return values (``return_attn_pr
 shorter signatures.
 
 Forward only, for inference: ``dropout_p`` must be 0, ``alibi_slopes`` and ``cache_leftpad`` must
-be None (a clear error otherwise); ``deterministic`` is accepted and changes nothing, since every
-pagedflash kernel is deterministic. The rotary embedding of ``flash_attn_with_kvcache`` runs as
-PyTorch operations before the attention kernel (flash-attn fuses it into its kernel).
+be None, and inputs that require grad are refused while autograd is on (a clear error in each
+case); ``deterministic`` is accepted and changes nothing, since every pagedflash kernel is
+deterministic. The rotary embedding of ``flash_attn_with_kvcache`` runs as PyTorch operations before
+the attention kernel (flash-attn fuses it into its kernel). Two values differ from flash-attn's:
+a query row that sees no key has LSE ``-inf`` (flash-attn 2 writes ``+inf``; both are "empty" to
+:func:`pagedflash.merge_attn_states`), and ``S_dmask`` is None, as in flash-attn 2.6 (2.7 returns an
+empty tensor).
 """
 
 from __future__ import annotations
@@ -128,9 +132,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
-def _check_rotary(rotary_cos, rotary_sin, q, cache_seqlens) -> None:
+def _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens) -> None:
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if k is None:
+        raise ValueError("k, v: required with rotary_cos/rotary_sin (as in flash-attn: the rotary embedding "
+                         "applies to the new keys and the queries together)")
+    validate.check_tensor("k", k, ndim=4, dtypes=(q.dtype,), device=q.device)
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         validate.check_tensor(name, t, ndim=2, dtypes=(q.dtype,), device=q.device)
     if rotary_sin.shape != rotary_cos.shape:
@@ -159,27 +167,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by pagedflash, expected None")
     validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
+    validate.check_tensor("k_cache", k_cache, ndim=4, device=q.device)
     if rotary_cos is not None or rotary_sin is not None:
-        _check_rotary(rotary_cos, rotary_sin, q, cache_seqlens)
+        _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens)
         batch, sq = q.shape[:2]
         base = (torch.full((batch,), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
                 else cache_seqlens.long())
         steps = torch.arange(sq, device=q.device)
         if validate.value_checks_enabled(base):
-            reach = int(base.max()) + max(sq, k.shape[1] if k is not None else 0)
+            reach = int(base.max()) + max(sq, k.shape[1])
             if reach > rotary_cos.shape[0]:
                 raise ValueError(f"rotary_cos: {rotary_cos.shape[0]} positions, but cache_seqlens + new tokens "
                                  f"reach {reach}")
-        local = causal or window_size[0] >= 0 or window_size[1] >= 0
+        # flash-attn: window sides at least the cache's length are unbounded; q rotates per token
+        # when causal or local, else every query sits at cache_seqlens
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        local = causal or any(0 <= w < capacity for w in validate.check_window(window_size, causal=False))
         q_pos = base[:, None] + (steps[None, :] if local else 0 * steps[None, :])
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        if k is not None:
-            k_pos = base[:, None] + torch.arange(k.shape[1], device=q.device)[None, :]
-            k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+        k_pos = base[:, None] + torch.arange(k.shape[1], device=q.device)[None, :]
+        k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     if cache_batch_idx is not None:
         if block_table is not None:
             raise ValueError("cache_batch_idx: not supported with block_table (a paged cache maps rows itself)")
-        validate.check_tensor("k_cache", k_cache, ndim=4, device=q.device)
         validate.check_int32_vector("cache_batch_idx", cache_batch_idx, length=q.shape[0], device=q.device)
         if validate.value_checks_enabled(cache_batch_idx):
             ids = cache_batch_idx.tolist()

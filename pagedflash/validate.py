@@ -72,6 +72,18 @@ def check_same_dtype(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -
             raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
 
 
+def check_no_grad(**tensors) -> None:
+    """The kernels are forward-only: an input that requires grad, with autograd on, would silently get
+    no gradient through attention, so it is refused (inference runs under ``torch.no_grad()`` or
+    ``torch.inference_mode()``, where this passes)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{name}: requires grad, but pagedflash has no backward pass; call it under "
+                             f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.stride(-1) != 1:

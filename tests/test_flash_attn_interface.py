@@ -140,35 +140,67 @@ def test_kvcache_batch_idx():
                  DTYPE)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(cache_leftpad="pad"), ValueError, "cache_leftpad: .*expected None"),
-    (dict(alibi_slopes="slopes"), ValueError, "alibi_slopes"),
-    (dict(rotary_cos="cos"), ValueError, "rotary_cos, rotary_sin: pass both"),
-    (dict(rotary_cos=0, rotary_sin=0, cache_seqlens=None), TypeError, "rotary_cos: expected a torch.Tensor"),
-    (dict(rotary_big=True), ValueError, r"rotary_cos: expected \[seqlen_ro, rotary_dim / 2\]"),
-    (dict(rotary_cos=1, rotary_sin=1, cache_seqlens=None), ValueError, "cache_seqlens: required with rotary"),
-    (dict(rotary_short=True), ValueError, "rotary_cos: 8 positions, but cache_seqlens"),
-    (dict(cache_batch_idx=[0, 1]), TypeError, "cache_batch_idx"),
-    (dict(cache_batch_idx=7), ValueError, r"cache_batch_idx: expected rows in \[0, 4\)"),
-    (dict(cache_batch_idx=0, block_table=True), ValueError, "cache_batch_idx: not supported with block_table"),
-])
-def test_kvcache_rejects(kwargs, error, match):
+def _bad_call(case):
+    """A flash_attn_with_kvcache call with one thing wrong (or unsupported)."""
     q = randn(2, 1, 4, 32, dtype=DTYPE)
     k_cache, v_cache = randn(4, 16, 2, 32, dtype=DTYPE), randn(4, 16, 2, 32, dtype=DTYPE)
-    call = dict(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32, device=DEVICE))
+    k_new, v_new = randn(2, 1, 2, 32, dtype=DTYPE), randn(2, 1, 2, 32, dtype=DTYPE)
     _, cos, sin = _rotary_tables(16, 8)
-    for key, value in kwargs.items():
-        if key == "rotary_big":
-            call.update(rotary_cos=torch.cat([cos] * 5, 1), rotary_sin=torch.cat([sin] * 5, 1))  # rotary_dim 40 > D = 32
-        elif key == "rotary_short":
-            call.update(rotary_cos=cos[:8], rotary_sin=sin[:8])
-        elif key in ("rotary_cos", "rotary_sin") and value == 1:
-            call[key] = cos if key == "rotary_cos" else sin
-        elif key == "cache_batch_idx" and isinstance(value, int):
-            call[key] = torch.full((2,), value, dtype=torch.int32, device=DEVICE)
-        elif key == "block_table":
-            call[key] = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-        else:
-            call[key] = value
+    lens = torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)
+    rows = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
+    rotary = dict(k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, cache_batch_idx=rows)
+    call = {
+        "leftpad": dict(cache_leftpad=lens, cache_batch_idx=rows),
+        "alibi": dict(alibi_slopes=torch.ones(4), cache_batch_idx=rows),
+        "cos only": {**rotary, "rotary_sin": None},
+        "cos not a tensor": {**rotary, "rotary_cos": 0.5},
+        "rotary without k": {**rotary, "k": None, "v": None},
+        "rotary_dim > D": {**rotary, "rotary_cos": torch.cat([cos] * 5, 1), "rotary_sin": torch.cat([sin] * 5, 1)},
+        "rotary without lengths": {**rotary, "cache_seqlens": None},
+        "rotary too short": {**rotary, "rotary_cos": cos[:8], "rotary_sin": sin[:8]},
+        "batch idx not int32": dict(cache_batch_idx=rows.long()),
+        "batch idx out of range": dict(cache_batch_idx=rows + 1),
+        "batch idx with pages": dict(cache_batch_idx=rows, cache_seqlens=lens,
+                                     block_table=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)),
+    }[case]
+    return lambda: fa.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("leftpad", ValueError, "cache_leftpad: .*expected None"),
+    ("alibi", ValueError, "alibi_slopes: .*expected None"),
+    ("cos only", ValueError, "rotary_cos, rotary_sin: pass both"),
+    ("cos not a tensor", TypeError, "rotary_cos: expected a torch.Tensor"),
+    ("rotary without k", ValueError, "k, v: required with rotary_cos/rotary_sin"),
+    ("rotary_dim > D", ValueError, r"rotary_cos: expected \[seqlen_ro, rotary_dim / 2\] with rotary_dim <= head dim"),
+    ("rotary without lengths", ValueError, "cache_seqlens: required with rotary"),
+    ("rotary too short", ValueError, "rotary_cos: 8 positions, but cache_seqlens \\+ new tokens reach 10"),
+    ("batch idx not int32", TypeError, "cache_batch_idx"),
+    ("batch idx out of range", ValueError, r"cache_batch_idx: expected rows in \[0, 4\)"),
+    ("batch idx with pages", ValueError, "cache_batch_idx: not supported with block_table"),
+])
+def test_kvcache_rejects(case, error, match):
     with pytest.raises(error, match=match):
-        fa.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+        _bad_call(case)()
+
+
+def test_kvcache_rotary_with_batch_idx_int_lengths_and_a_window():
+    """Rotary together with cache_batch_idx and an int cache_seqlens; a non-causal local window
+    rotates each query at its own position, a window as long as the cache counts as no window."""
+    b_cache, s_max, hq, hkv, d = 3, 40, 4, 2, 32
+    angles, cos, sin = _rotary_tables(64, 16)
+    q, k_new, v_new = randn(2, 2, hq, d, dtype=DTYPE), randn(2, 2, hkv, d, dtype=DTYPE), randn(2, 2, hkv, d, dtype=DTYPE)
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEVICE)
+    steps = torch.arange(2, device=DEVICE)
+    for window, per_token in (((5, 1), True), ((-1, s_max), False)):
+        k_cache, v_cache = randn(b_cache, s_max, hkv, d, dtype=DTYPE), randn(b_cache, s_max, hkv, d, dtype=DTYPE)
+        k_rows, v_rows = k_cache[rows.long()].clone(), v_cache[rows.long()].clone()
+        out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, 20, rows, window_size=window,
+                                         rotary_interleaved=False)
+        lens = torch.full((2,), 20, dtype=torch.int32, device=DEVICE)
+        k_pos = 20 + steps.expand(2, 2)
+        q_rot = _rotate_ref(q, angles, k_pos if per_token else 20 + 0 * k_pos, False)
+        ref.append_ref(k_rows, v_rows, _rotate_ref(k_new, angles, k_pos, False), v_new, lens)
+        assert_close(k_cache[rows.long()], k_rows, DTYPE, name="k_cache")
+        want = ref.kvcache_attention_ref(q_rot, k_rows, v_rows, lens + 2, causal=False, window_size=window)[0]
+        assert_close(out, want, DTYPE)

@@ -166,3 +166,28 @@ def test_merge_rejects():
         merge_attn_states(o, lse, o, lse[:, :2])
     with pytest.raises(TypeError, match="lse_a: expected dtype"):
         merge_attn_states(o, lse.half(), o, lse)
+
+
+def test_inputs_that_require_grad_are_refused_unless_autograd_is_off():
+    """Forward-only kernels: with autograd on, an input that requires grad would get no gradient
+    through attention without anyone noticing, so it is refused; under no_grad / inference_mode it runs."""
+    q, k, v = qkv()
+    cache, cu = randn(1, 16, 2, 32), i32([0, 8])
+
+    def needs(t):
+        return t.detach().requires_grad_(True)
+
+    calls = [
+        ("q", lambda: flash_attn_func(needs(q), k, v)),
+        ("v", lambda: flash_attn_varlen_func(q[0], k[0], needs(v[0]), cu, cu, 8, 8)),
+        ("k", lambda: flash_attn_with_kvcache(q, cache, cache.clone(), k=needs(k), v=v, cache_seqlens=1)),
+        ("v_cache", lambda: flash_attn_with_kvcache(q, cache, needs(cache), cache_seqlens=8)),
+        ("out_b", lambda: merge_attn_states(q[0], randn(8, 4), needs(q[0]), randn(8, 4))),
+    ]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=f"{name}: requires grad, but pagedflash has no backward pass"):
+            call()
+        with torch.no_grad():
+            call()
+        with torch.inference_mode():
+            call()

@@ -147,6 +147,7 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
         if lse.shape != out_a.shape[:-1]:
             raise ValueError(f"{name}: expected shape {tuple(out_a.shape[:-1])} (out's without D), got {tuple(lse.shape)}")
     validate.check_last_dim_contiguous(out_a=out_a, out_b=out_b)
+    validate.check_no_grad(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     a, b = _rows_view("out_a", out_a), _rows_view("out_b", out_b)
     la, lb = lse_a.reshape(-1), lse_b.reshape(-1)
     out = torch.empty_like(out_a)

@@ -68,6 +68,7 @@ def flash_attn_with_kvcache(
     validate.check_tensor("v_cache", v_cache, ndim=4, device=device)
     validate.check_same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
     validate.check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    validate.check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     validate.check_head_dims(q, k_cache, v_cache)
     validate.check_paged_caches(k_cache, v_cache)
     batch = q.shape[0]

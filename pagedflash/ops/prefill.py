@@ -20,6 +20,7 @@ def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int):
     validate.check_tensor("v", v, ndim=kv_ndim, device=q.device)
     validate.check_same_dtype("q", q, k=k, v=v)
     validate.check_last_dim_contiguous(q=q, k=k, v=v)
+    validate.check_no_grad(q=q, k=k, v=v)
     return validate.check_head_dims(q, k, v)
 
 
