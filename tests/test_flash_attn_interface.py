@@ -204,3 +204,22 @@ def test_kvcache_rotary_with_batch_idx_int_lengths_and_a_window():
         assert_close(k_cache[rows.long()], k_rows, DTYPE, name="k_cache")
         want = ref.kvcache_attention_ref(q_rot, k_rows, v_rows, lens + 2, causal=False, window_size=window)[0]
         assert_close(out, want, DTYPE)
+
+
+def test_kvcache_rotary_over_pages():
+    """Rotary with a paged cache: the new keys land rotated in their pages, q at its positions."""
+    from test_paged import make_pool
+
+    page, hq, hkv, d = 16, 4, 2, 32
+    lens = torch.tensor([0, 21, 35], dtype=torch.int32, device=DEVICE)
+    k_cache, v_cache, table = make_pool([n + 2 for n in lens.tolist()], page, hkv, d, DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    angles, cos, sin = _rotary_tables(64, 32)
+    q, k_new, v_new = randn(3, 2, hq, d, dtype=DTYPE), randn(3, 2, hkv, d, dtype=DTYPE), randn(3, 2, hkv, d, dtype=DTYPE)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, block_table=table, causal=True)
+    pos = lens.long()[:, None] + torch.arange(2, device=DEVICE)
+    ref.append_ref(k_ref, v_ref, _rotate_ref(k_new, angles, pos, True), v_new, lens, block_table=table)
+    assert_close(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0), DTYPE, name="k_cache")
+    want = ref.kvcache_attention_ref(_rotate_ref(q, angles, pos, True), k_ref, v_ref, lens + 2, block_table=table,
+                                     causal=True)[0]
+    assert_close(out, want, DTYPE)
