@@ -17,6 +17,39 @@ from pagedflash.ops._jit import LOG2E, NEG_INF
 
 
 @triton.jit
+def _lanes_range(acc, l_i, m_i, q, K, V, start_lo, start_hi, hi, rel, offs_d, stride_kt, stride_vt, qk_scale,
+                 TILE: tl.constexpr, MASKED: tl.constexpr):
+    """Fold the tiles starting in [start_lo, start_hi) into each lane's softmax state; a tile's lanes
+    are its key offsets ``rel`` ``[LANES, BLOCK_N]`` (TILE = LANES x BLOCK_N keys), keys at or past
+    ``hi`` masked when MASKED."""
+    for start in range(start_lo, start_hi, TILE):
+        pos = start + rel
+        n_ok = pos < hi
+        off = pos.to(tl.int64)[:, :, None] * stride_kt + offs_d[None, None, :]
+        if MASKED:
+            k = tl.load(K + off, mask=n_ok[:, :, None], other=0.0)
+        else:
+            k = tl.load(K + off)
+        s = tl.dot(q, tl.trans(k, (0, 2, 1))) * qk_scale  # [LANES, BLOCK_M, BLOCK_N]
+        if MASKED:
+            s = tl.where(n_ok[:, None, :], s, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, 2))
+        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, :, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None]
+        voff = pos.to(tl.int64)[:, :, None] * stride_vt + offs_d[None, None, :]
+        if MASKED:
+            v = tl.load(V + voff, mask=n_ok[:, :, None], other=0.0)
+        else:
+            v = tl.load(V + voff)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _lanes_kernel(Q, K, V, Out, Lens, OutPart, LsePart,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                   stride_ob, stride_oh, stride_ps, stride_pt, stride_ph, stride_lps, stride_lpt,
@@ -52,49 +85,12 @@ def _lanes_kernel(Q, K, V, Out, Lens, OutPart, LsePart,
     l_i = tl.zeros([LANES, BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([LANES, BLOCK_M, D], dtype=tl.float32)
     rel = lane[:, None] * BLOCK_N + offs_n[None, :]  # [LANES, BLOCK_N]: key offsets in a tile
-    # unmasked whole tiles, then one masked tail tile
-    for start in range(lo, hi if MASK_ALL else full_hi, TILE):
-        pos = start + rel
-        n_ok = pos < hi
-        off = pos.to(tl.int64)[:, :, None] * stride_kt + offs_d[None, None, :]
-        if MASK_ALL:
-            k = tl.load(K + off, mask=n_ok[:, :, None], other=0.0)
-        else:
-            k = tl.load(K + off)
-        s = tl.dot(q, tl.trans(k, (0, 2, 1))) * qk_scale  # [LANES, BLOCK_M, BLOCK_N]
-        if MASK_ALL:
-            s = tl.where(n_ok[:, None, :], s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, 2))
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, :, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 2)
-        acc = acc * alpha[:, :, None]
-        voff = pos.to(tl.int64)[:, :, None] * stride_vt + offs_d[None, None, :]
-        if MASK_ALL:
-            v = tl.load(V + voff, mask=n_ok[:, :, None], other=0.0)
-        else:
-            v = tl.load(V + voff)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+    # unmasked whole tiles, then one masked tail tile (MASK_ALL: every tile masked, one loop)
+    acc, l_i, m_i = _lanes_range(acc, l_i, m_i, q, K, V, lo, hi if MASK_ALL else full_hi, hi, rel, offs_d,
+                                 stride_kt, stride_vt, qk_scale, TILE, MASK_ALL)
     if not MASK_ALL:
-        for start in range(full_hi, hi, TILE):
-            pos = start + rel
-            n_ok = pos < hi
-            off = pos.to(tl.int64)[:, :, None] * stride_kt + offs_d[None, None, :]
-            k = tl.load(K + off, mask=n_ok[:, :, None], other=0.0)
-            s = tl.dot(q, tl.trans(k, (0, 2, 1))) * qk_scale
-            s = tl.where(n_ok[:, None, :], s, NEG_INF)
-            m_new = tl.maximum(m_i, tl.max(s, 2))
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, :, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 2)
-            acc = acc * alpha[:, :, None]
-            voff = pos.to(tl.int64)[:, :, None] * stride_vt + offs_d[None, None, :]
-            v = tl.load(V + voff, mask=n_ok[:, :, None], other=0.0)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
+        acc, l_i, m_i = _lanes_range(acc, l_i, m_i, q, K, V, full_hi, hi, hi, rel, offs_d, stride_kt, stride_vt,
+                                     qk_scale, TILE, True)
     # merge the lanes
     m = tl.max(m_i, 0)
     m_safe = tl.where(m == NEG_INF, 0.0, m)
