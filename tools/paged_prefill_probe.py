@@ -24,20 +24,27 @@ TILES = {0: [(64, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 3, Tr
          64: [(64, 64, 4, 3, False), (64, 64, 4, 3, True), (128, 64, 8, 3, False)]}
 
 
+def chunked_case(cached: int):
+    """B=1, NEW new tokens over ``cached`` ones: q, k, v (dense, bf16), the key count, the FLOPs, the
+    library's dense time and output ``[NEW, Hq, D]`` fp32, and the varlen offsets of q and k."""
+    n = cached + NEW
+    q = torch.randn(1, NEW, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops = 4 * D * HQ * (NEW * (n - NEW) + NEW * (NEW + 1) / 2)
+    dense = _time_us(partial(flash_attn_func, q, k, v, causal=True))
+    want = flash_attn_func(q, k, v, causal=True).flatten(0, 1).float()
+    print(f"cached={cached}: dense (library's choice) {dense:7.1f} us {flops / dense / 1e6:5.0f} TFLOP/s")
+    cq = torch.tensor([0, NEW], device="cuda", dtype=torch.int32)
+    ck = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+    return q, k, v, n, flops, dense, want, cq, ck
+
+
 def main(cached_list) -> None:
     import pagedflash
 
     print(f"pagedflash from {pagedflash.__file__}")
     for cached in cached_list:
-        n = cached + NEW
-        q = torch.randn(1, NEW, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        flops = 4 * D * HQ * (NEW * (n - NEW) + NEW * (NEW + 1) / 2)
-        dense = _time_us(partial(flash_attn_func, q, k, v, causal=True))
-        want = flash_attn_func(q, k, v, causal=True).flatten(0, 1).float()
-        print(f"cached={cached}: dense (library's choice) {dense:7.1f} us {flops / dense / 1e6:5.0f} TFLOP/s")
-        cq = torch.tensor([0, NEW], device="cuda", dtype=torch.int32)
-        ck = torch.tensor([0, n], device="cuda", dtype=torch.int32)
+        q, k, v, n, flops, dense, want, cq, ck = chunked_case(cached)
         for page, tiles in TILES.items():
             if page:
                 nb = -(-n // page)

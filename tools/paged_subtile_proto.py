@@ -192,27 +192,21 @@ def check() -> None:
 
 
 def bench(cached_list) -> None:
-    from pagedflash import flash_attn_func, flash_attn_varlen_func, validate
+    # the v15 probe's case (tools/ is on sys.path when this runs as a script)
+    from paged_prefill_probe import NEW, chunked_case
+
+    from pagedflash import flash_attn_varlen_func, validate
     from pagedflash.bench.tune import _time_us
 
     validate.value_checks(False).__enter__()
-    hq, hkv, d, new = 32, 8, 128, 512
     for cached in cached_list:
-        n = cached + new
-        q = torch.randn(1, new, hq, d, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, n, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        flops = 4 * d * hq * (new * (n - new) + new * (new + 1) / 2)
-        dense = _time_us(partial(flash_attn_func, q, k, v, causal=True))
-        want = flash_attn_func(q, k, v, causal=True)[0].float()
+        q, k, v, n, _, dense, want, cu_q, cu_k = chunked_case(cached)
         k_pool, v_pool, table = _pool(k[0], v[0], [n], 16, torch.bfloat16, "cuda")
-        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
-        cu_k = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        lib = _time_us(partial(flash_attn_varlen_func, q[0], k_pool, v_pool, cu_q, cu_k, new, n, causal=True,
+        lib = _time_us(partial(flash_attn_varlen_func, q[0], k_pool, v_pool, cu_q, cu_k, NEW, n, causal=True,
                                block_table=table))
-        print(f"cached={cached}: dense {dense:.1f} us ({flops / dense / 1e6:.0f} TFLOP/s), library page 16 "
-              f"{lib:.1f} us (x{dense / lib:.2f} dense)", flush=True)
+        print(f"  library page 16: {lib:.1f} us (x{dense / lib:.2f} dense)", flush=True)
         for bm, w, st in [(64, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 4)]:
-            call = partial(subtile_prefill, q[0], k_pool, v_pool, cu_q, cu_k, new, table, block_m=bm, warps=w,
+            call = partial(subtile_prefill, q[0], k_pool, v_pool, cu_q, cu_k, NEW, table, block_m=bm, warps=w,
                            stages=st)
             try:
                 err = (call().float() - want).abs().max().item()
