@@ -49,6 +49,13 @@ def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """A Python int (not a bool) ``>= minimum``; returns it. Shared by the cache manager and engine."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
 def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
