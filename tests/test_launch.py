@@ -1,10 +1,12 @@
-"""The launch table's invariants (the values themselves are measured: docs/performance.md)."""
+"""The launch table's invariants (the values themselves are measured: docs/performance.md), and the
+device test behind the Hopper descriptor path."""
 
 import itertools
 
 import pytest
 import torch
 
+from pagedflash.ops import launch, utils
 from pagedflash.ops.launch import (
     DECODE_SMEM_BUDGET,
     MAX_SPLITS,
@@ -12,8 +14,8 @@ from pagedflash.ops.launch import (
     PAGED_TMA_MIN_PAGE,
     choose_config,
     choose_num_splits,
-    next_pow2,
 )
+from pagedflash.ops.utils import next_pow2
 
 HEAD_DIMS = [16, 40, 64, 80, 96, 128, 160, 256]
 GROUPS = [1, 2, 4, 8]
@@ -75,3 +77,43 @@ def test_split_count_rule():
     for programs, n in itertools.product([1, 3, 8, 17, 64, 1000], [0, 1, 63, 64, 65, 5000, 1 << 17]):
         for kind in ({}, {"page": 16}, {"page": 64}, {"decode": False}):
             assert 1 <= pick(programs, n, **kind) <= MAX_SPLITS
+
+
+class _CudaTensor:
+    """What :func:`pagedflash.ops.launch.use_tma` reads of a K/V tensor: a bf16 cache on GPU 0."""
+
+    dtype, device, shape = torch.bfloat16, torch.device("cuda", 0), (2, 64, 8, 128)
+
+    def element_size(self):
+        return 2
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def stride(self):
+        return (65536, 1024, 128, 1)
+
+
+@pytest.mark.parametrize("hip,capability,tma", [
+    ("6.2.41133", (9, 4), False),  # MI300X: ROCm builds of torch call it "cuda" and report gfx942 as 9.4
+    ("6.2.41133", (9, 0), False),  # MI200-class (gfx90a): 9.0
+    (None, (9, 0), True),  # H100 / H200
+    (None, (10, 0), True),  # Blackwell
+    (None, (8, 9), False),  # Ada
+    (None, (8, 0), False),  # A100
+], ids=["rocm_mi300", "rocm_gfx90a", "sm90", "sm100", "sm89", "sm80"])
+def test_hopper_path_only_on_nvidia(monkeypatch, hip, capability, tma):
+    """The descriptor (TMA) path is chosen by an NVIDIA CUDA device of capability 9.0+, never by the
+    major version alone: an AMD GPU reporting 9.x takes the portable pointer path."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(launch, "interpreted", lambda: False)  # as compiled on that device
+    monkeypatch.setattr(launch, "TMA", True)
+    utils.nvidia_capability.cache_clear()
+    try:
+        assert utils.nvidia_capability(torch.device("cuda", 0)) == (None if hip else capability)
+        assert launch.tma_device(torch.device("cuda", 0)) == tma
+        assert launch.use_tma(_CudaTensor(), _CudaTensor(), paged=False) == tma
+        assert not launch.tma_device(torch.device("cpu"))
+    finally:
+        utils.nvidia_capability.cache_clear()

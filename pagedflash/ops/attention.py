@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedflash import _env
 from pagedflash.ops import _jit
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.combine import combine_splits
@@ -38,13 +37,11 @@ from pagedflash.ops.launch import (
     MAX_SPLITS,
     PACK_MAX_ROWS,
     LaunchConfig,
-    cdiv,
     choose_config,
     choose_num_splits,
-    next_pow2,
-    num_sms,
     use_tma,
 )
+from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms
 
 
 @triton.jit
@@ -311,7 +308,7 @@ def _attention_kernel(
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if _env.interpreted() else "cuda")
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreted() else "cuda")
 
 
 def _ensure_allocator() -> None:
@@ -402,7 +399,7 @@ def attention_forward(
         raise ValueError(f"config.g_pack: expected a divisor of the GQA group ({group}) and of block_m "
                          f"({config.block_m}), got {config.g_pack}")
     pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
-                             causal=window[1] >= 0, interpreted=_env.interpreted(), tma=tma_ok, page_size=page_size,
+                             causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size())
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.launch import cdiv, next_pow2
+from pagedflash.ops.utils import cdiv, next_pow2
 
 
 @triton.jit(do_not_specialize=["stride_tb", "new_per_row"])  # vary per call: no recompiles

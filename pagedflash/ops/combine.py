@@ -15,7 +15,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import _jit
-from pagedflash.ops.launch import cdiv, next_pow2
+from pagedflash.ops.utils import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedflash import _env
+from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms, nvidia_capability
 
 # Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
 # whose pages hold whole 64-key tiles (prefill, and short decode in wide grids); other decode
@@ -42,16 +42,6 @@ DECODE_SMEM_BUDGET = 192 * 1024
 PACK_MAX_ROWS = 128  # pack the query heads of a group while (queries x group) rows fit one tile
 
 
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` is a constexpr function: ~10 us per host call)."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """Host-side ``triton.next_power_of_2`` (same reason)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     block_m: int  # rows per tile: query tokens x packed heads
@@ -60,22 +50,6 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     tma: bool = False  # K/V through Hopper tensor descriptors (only where _use_tma allows)
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (a nominal 16 under the interpreter)."""
-    if device.type != "cuda":
-        return 16
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _cuda_sm_count(index: int) -> int:
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 PAGED_TMA_MIN_PAGE = 64  # pages of 64+ rows load through TMA with 64-key tiles; smaller ones gather rows
@@ -178,17 +152,21 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_byte
     return max(1, min(slots // programs, kv_tiles, MAX_SPLITS))
 
 
+def tma_device(device: torch.device) -> bool:
+    """Whether ``device`` loads through Hopper tensor descriptors: an NVIDIA GPU of compute capability
+    9.0 or newer. AMD GPUs never (ROCm reports 9.x for an MI300, which has no TMA)."""
+    capability = nvidia_capability(device)
+    return capability is not None and capability >= (9, 0)
+
+
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
-    """Whether K/V may load through tensor descriptors: Hopper, fp16/bf16, 16-byte aligned bases and
-    row strides; for a page pool also rows that follow each other across pages (one descriptor over
-    ``[num_blocks * page_size, D]``, rows addressable by int32). The tile must then fit a page, which
-    the caller checks against its block size."""
+    """Whether K/V may load through tensor descriptors: a :func:`tma_device`, fp16/bf16, 16-byte
+    aligned bases and row strides; for a page pool also rows that follow each other across pages (one
+    descriptor over ``[num_blocks * page_size, D]``, rows addressable by int32). The tile must then
+    fit a page, which the caller checks against its block size."""
     if not TMA or k.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if _env.interpreted():
-        if not INTERPRET_TMA:
-            return False
-    elif not k.is_cuda or _capability(k.device)[0] < 9:
+    if not (INTERPRET_TMA if interpreted() else tma_device(k.device)):
         return False
     align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
     if not all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v)):
@@ -196,8 +174,3 @@ def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
     if paged:
         return all(t.stride(0) == t.shape[1] * t.stride(1) for t in (k, v)) and k.shape[0] * k.shape[1] < 2**31
     return True
-
-
-@functools.lru_cache(maxsize=16)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)

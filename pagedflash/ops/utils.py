@@ -1,0 +1,87 @@
+"""Host-side helpers shared by every op launcher: integer arithmetic for grids and tiles, the
+device's SM count and NVIDIA compute capability, whether kernels run under the interpreter, and the
+input checks of the engine's ops (on :mod:`pagedflash.validate`'s).
+
+Whether to interpret is decided once, by :mod:`pagedflash._env`, before any kernel is defined.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from pagedflash import _env, validate
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a constexpr function: ~10 us per host call)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Host-side ``triton.next_power_of_2`` (same reason)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def interpreted() -> bool:
+    """True when Triton kernels run under the CPU interpreter (how every kernel here was defined)."""
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4 reads the switch through its knobs
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return _env.interpret_requested()
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (AMD: compute units) of ``device``; a nominal 16 off the GPU."""
+    if device.type != "cuda":
+        return 16
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=16)
+def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` of an NVIDIA CUDA device; None for anything else. ROCm builds of torch also
+    call their GPUs ``cuda`` and report a gfx version as the capability (9.4 on an MI300), so the
+    device type alone does not say NVIDIA: ``torch.version.hip`` does."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def check_operand(name: str, t, shape: tuple[int | None, ...], *, like: tuple[str, torch.Tensor] | None = None,
+                  dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32),
+                  contiguous: bool = False) -> None:
+    """Input check of the engine's ops: ``t`` is a tensor of ``shape`` (None: any size) whose last
+    dimension is contiguous (the whole tensor with ``contiguous``); its dtype and device are those of
+    ``like = (name, tensor)``, or without ``like`` its dtype is one of ``dtypes``."""
+    validate.check_tensor(name, t, ndim=len(shape))
+    if any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        expected = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(t.shape)}")
+    if like is not None:
+        ref_name, ref = like
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name}: expected dtype {ref.dtype} (the dtype of {ref_name}), got {t.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"{name}: expected a tensor on {ref.device} (where {ref_name} is), got one on {t.device}")
+    elif t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+def check_eps(eps) -> float:
+    """A normalization epsilon: a finite number >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return float(eps)
