@@ -169,3 +169,67 @@ def merge_attn_states_ref(out_a, lse_a, out_b, lse_b):
     wb = torch.exp(lb - safe)[..., None]
     out = wa * out_a.float() + wb * out_b.float()
     return out, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# The decoder's other kernels (pagedflash.ops.norm, rope, activation, sampling, gemv).
+# Computed in fp32 and rounded to the input dtype exactly where the kernels round (as transformers'
+# unfused model does), so they are exact up to fp32 summation order; the results are fp32. The
+# engine runs them, cast to its dtype, as its PyTorch path off the GPU (pagedflash.engine.layers).
+
+
+def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype``, back in fp32."""
+    return t.to(dtype).float()
+
+
+def rms_norm_ref(x, weight, eps, residual=None):
+    """``(rms_norm(x + residual) * weight, x + residual)``; x, residual ``[T, H]``, weight ``[H]``.
+    The sum, and the normalized row before the weight, are rounded to x's dtype."""
+    h = x.float() if residual is None else _rounded(x.float() + residual.float(), x.dtype)
+    y = _rounded(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    return y * weight.float(), h
+
+
+def rope_ref(x, positions, cos, sin, num_heads, head_dim):
+    """``x [T, W]`` with heads ``0 .. num_heads - 1`` (``head_dim`` wide, rotate-half) rotated by the
+    angles of ``positions [T]``; ``cos``/``sin`` ``[max_len, head_dim]``, first half read. Returns
+    the whole row ``[T, W]``, the rest of it unchanged."""
+    out = x.float().clone()
+    half = head_dim // 2
+    heads = out[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    x1, x2 = heads[..., :half].clone(), heads[..., half:].clone()
+    c, s = cos[positions, None, :half].float(), sin[positions, None, :half].float()
+    heads.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    return out
+
+
+def silu_mul_ref(gate_up):
+    """``silu(gate) * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]``; SiLU rounded to the
+    input dtype before the multiply."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return _rounded(torch.nn.functional.silu(gate), gate_up.dtype) * up
+
+
+def argmax_ref(logits):
+    """First index of each row's maximum of ``logits [R, V]`` (NaN the largest) -> int64 ``[R]``."""
+    return logits.float().argmax(-1)
+
+
+def gemv_ref(x, weight, bias=None):
+    """``x @ weight.T + bias``; x ``[1, k]``, weight ``[n, k]``, bias ``[n]`` -> ``[1, n]``."""
+    out = x.float() @ weight.float().t()
+    return out if bias is None else out + bias.float()
+
+
+def rms_norm_gemv_ref(x, weight, bias=None, *, norm_weight, eps, residual=None):
+    """``(gemv_ref(rms_norm(x + residual) * norm_weight), x + residual)``: the sum rounded to x's
+    dtype, the normalized row not (the kernel scales its fp32 dot products by the rstd)."""
+    h = x.float() if residual is None else _rounded(x.float() + residual.float(), x.dtype)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return gemv_ref(y, weight, bias), h
+
+
+def silu_mul_gemv_ref(gate_up, weight, bias=None):
+    """``gemv_ref(silu(gate) * up)`` for one row ``gate_up [1, 2k]``, the product rounded to its dtype."""
+    return gemv_ref(_rounded(silu_mul_ref(gate_up), gate_up.dtype), weight, bias)

@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def fp32_llm(model, **kwargs):
@@ -149,88 +148,12 @@ def test_engine_argument_errors(tmp_path):
             LLM(cfg, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fused_kernels_match_torch(monkeypatch, dtype):
-    """The Triton kernels of the GPU path against the PyTorch path (odd sizes, strided rows)."""
-    from pagedflash.engine import fused
-
-    g = torch.Generator().manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
-    x, res, w = rnd(7, 100), rnd(7, 100), rnd(100)
-    qkv = rnd(5, 9 * 20)  # 5 heads rotated (q and k), 4 left alone (v), D = 20
-    pos = torch.tensor([0, 3, 9, 2, 100], device=DEVICE)
-    cos, sin = (torch.randn(128, 20, generator=g).to(DEVICE) for _ in range(2))
-    gate_up = rnd(6, 2 * 300)
-    results = []
-    for force in (False, True):  # the PyTorch path, then the kernels
-        monkeypatch.setattr(fused, "FORCE_KERNELS", force)
-        rotated = qkv.clone()
-        fused.rope_(rotated, pos, cos, sin, 5, 20)
-        results.append([*fused.rms_norm(x, w, 1e-6, res), fused.rms_norm(x, w, 1e-6)[0], rotated,
-                        fused.silu_mul(gate_up)])
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
-    for name, want, got in zip(["add_norm", "residual", "norm", "rope", "silu_mul"], *results):
-        torch.testing.assert_close(got, want, **tol, msg=name)
-    assert torch.equal(results[1][3][:, 100:], qkv[:, 100:])  # v untouched
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_single_row_linears_match_torch(monkeypatch, dtype):
-    """The fused single-row projections (norm or SiLU in the prologue) against the unfused PyTorch path:
-    widths that are not multiples of the tiles, with and without bias and residual."""
-    from pagedflash.engine import fused, gemv
-    from pagedflash.engine.model import RMSNorm
-
-    monkeypatch.setattr(gemv, "TILE", (16, 32, 4, 2))  # several loop steps, partial last ones
-    g = torch.Generator().manual_seed(1)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype=dtype, device=DEVICE)
-    k, n, inter = 100, 37, 150
-    norm = RMSNorm(k, 1e-6).to(DEVICE, dtype)
-    norm.weight.data = rnd(k)
-    lin = torch.nn.Linear(k, n, bias=True).to(DEVICE, dtype)
-    lin_nb = torch.nn.Linear(k, n, bias=False).to(DEVICE, dtype)
-    down = torch.nn.Linear(inter, k, bias=False).to(DEVICE, dtype)
-    x, res, gate_up = rnd(1, k), rnd(1, k), rnd(1, 2 * inter)
-    results = []
-    with torch.no_grad():
-        for force in (False, True):
-            monkeypatch.setattr(fused, "FORCE_KERNELS", force)
-            assert gemv.applies(x) == force
-            results.append([*gemv.norm_linear(x, res, norm, lin), gemv.norm_linear(x, None, norm, lin_nb)[0],
-                            gemv.silu_mul_linear(gate_up, down), gemv.linear(x, lin)])
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
-    for name, want, got in zip(["norm_linear", "residual", "norm_linear_first", "silu_mul_linear", "linear"],
-                               *results):
-        torch.testing.assert_close(got, want, **tol, msg=name)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_argmax_kernel_matches_torch(monkeypatch, dtype):
-    """Greedy sampling's chunked argmax: first index of the maximum, across chunk borders, with ties,
-    a vocabulary that is not a multiple of the chunk, -inf rows and NaN (torch: NaN is the largest)."""
-    from pagedflash.engine import fused
-
-    monkeypatch.setattr(fused, "ARGMAX_CHUNK", 64)
-    v = 64 * 5 + 17
-    logits = torch.randn(6, v, generator=torch.Generator().manual_seed(0)).to(dtype)
-    logits[1, [70, 300, 330]] = 9.0  # tie across chunks: the first wins
-    logits[2, [3, 4]] = 9.0  # tie inside a chunk
-    logits[3] = float("-inf")
-    logits[4, v - 1] = 9.0  # the last, partial chunk
-    logits[5, 200] = float("nan")
-    logits = logits.to(DEVICE)
-    monkeypatch.setattr(fused, "FORCE_KERNELS", True)
-    got = fused.argmax(logits)
-    assert got.dtype == torch.int64
-    assert got.tolist() == logits.cpu().float().argmax(-1).tolist()
-    assert got.tolist()[1:] == [70, 3, 0, v - 1, 200]
-
-
 def test_gpu_model_path_under_interpreter(tmp_path, monkeypatch):
-    """The model with the fused kernels (the GPU path, minus CUDA graphs) against transformers."""
-    from pagedflash.engine import fused
+    """The model with the kernels of pagedflash.ops (the GPU path, minus CUDA graphs) against
+    transformers; the kernels themselves are checked in test_ops_layers.py."""
+    from pagedflash.engine import layers
 
-    monkeypatch.setattr(fused, "FORCE_KERNELS", True)
+    monkeypatch.setattr(layers, "FORCE_KERNELS", True)
     torch.manual_seed(2)
     hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY)).eval()
     hf.save_pretrained(tmp_path)
@@ -240,9 +163,9 @@ def test_gpu_model_path_under_interpreter(tmp_path, monkeypatch):
         for p, got in zip(prompts, llm.prompt_logits(prompts)):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
     # one sequence decodes alone: single-row steps take the fused projections (gemv) and argmax
-    fused_tokens = llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
-    monkeypatch.setattr(fused, "FORCE_KERNELS", False)
-    assert fused_tokens == llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
+    kernel_tokens = llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
+    monkeypatch.setattr(layers, "FORCE_KERNELS", False)
+    assert kernel_tokens == llm.generate([prompts[0]], SamplingParams(max_tokens=5))[0].token_ids
 
 
 def test_llama_ignores_sliding_window_and_head_dim_is_checked():

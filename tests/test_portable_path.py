@@ -3,7 +3,15 @@ page pools whose pages hold whole key tiles) and the portable pointer path.
 
 On a Hopper GPU every case runs twice, TMA on and off. On the CPU the interpreter runs the descriptor
 path too (``launch.INTERPRET_TMA``), so its addressing and the masking of stale page slots are
-checked there; the pointer variant is what the rest of the suite covers, so it is skipped there."""
+checked there; the pointer variant is what the rest of the suite covers, so it is skipped there.
+
+Without a CUDA device the kernels run under the interpreter however the process began: with triton
+(or transformers, which imports it) imported before pagedflash too (checked in fresh processes)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +94,52 @@ def test_paged_varlen(tma, page, window):
                                  block_table=table, num_splits=2)
     want = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cq, ck, table, window_size=window)[0]
     assert_close(out, want, DTYPE)
+
+
+# Kernels that call triton's own library functions (tl.cdiv in attention, tl.sum in the norm,
+# tl.max / tl.min in the argmax): those were defined when triton was imported.
+_KERNELS_RUN = """
+import torch
+from pagedflash import flash_attn_func, reference as ref
+from pagedflash.ops import norm, sampling
+q = torch.randn(1, 5, 2, 16)
+assert torch.allclose(flash_attn_func(q, q, q, causal=True), ref.attention_ref(q, q, q, causal=True)[0], atol=1e-4)
+x, w = torch.randn(3, 40), torch.randn(40)
+assert torch.allclose(norm.rms_norm(x, w, 1e-6)[0], ref.rms_norm_ref(x, w, 1e-6)[0], atol=1e-4)
+logits = torch.randn(2, 5000)
+assert sampling.argmax(logits).tolist() == logits.argmax(-1).tolist()
+print("kernels ran")
+"""
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a new interpreter that sees no CUDA device and no TRITON_INTERPRET."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("first", [
+    "import pagedflash",
+    "import triton",
+    "from transformers import LlamaForCausalLM",  # transformers imports triton with its model code
+    "import os, triton; os.environ['TRITON_INTERPRET'] = '1'",  # the switch set after the import
+], ids=["pagedflash_first", "triton_first", "transformers_first", "switch_after_triton"])
+def test_kernels_run_without_cuda_whatever_was_imported_first(first):
+    if "transformers" in first:
+        pytest.importorskip("transformers")
+    done = _fresh_python(f"{first}\nimport pagedflash\n{_KERNELS_RUN}")
+    assert done.returncode == 0 and "kernels ran" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_triton_that_cannot_be_switched_gets_one_clear_error():
+    """Where triton's internals do not allow switching it after its import (here: its interpreter
+    module hidden), importing pagedflash fails at once, saying what to do."""
+    done = _fresh_python("import sys, triton\nsys.modules['triton.runtime.interpreter'] = None\nimport pagedflash")
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: pagedflash: triton"), done.stderr[-3000:]
+    assert "import pagedflash before triton" in last and "TRITON_INTERPRET=1" in last

@@ -1,5 +1,5 @@
-"""Tile sweep of the single-row projections (pagedflash/engine/gemv.py) on the 1B engine's shapes,
-against cuBLAS (F.linear, plus the separate norm / SiLU launch it needs) in the same run.
+"""Tile sweep of the single-row projections (pagedflash/ops/gemv.py) on the 1B engine's shapes,
+against cuBLAS (F.linear, plus the separate norm / SiLU kernel it needs) in the same run.
 
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
 of a model do, so weights come from HBM.   python tools/tune_gemv.py
@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from graph_timing import graph_us  # tools/ is on sys.path when run as a script
 
-from pagedflash.engine import fused, gemv
-from pagedflash.engine.model import RMSNorm
+from pagedflash.ops import activation, gemv, norm
 
 H, I, QKV, V = 2048, 8192, 3072, 128256
 CASES = [  # name, (n, k), prologue
@@ -30,27 +29,27 @@ def main() -> None:
     dt = torch.bfloat16
     for name, (n, k), prologue in CASES:
         copies = max(2, -(-300_000_000 // (n * k * 2)))
-        layers = [torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dt) for _ in range(copies)]
-        norm = RMSNorm(k, 1e-5).to("cuda", dt)
+        weights = [torch.randn(n, k, device="cuda", dtype=dt) / k**0.5 for _ in range(copies)]
+        norm_w = torch.randn(k, device="cuda", dtype=dt)
         x = torch.randn(1, 2 * k if prologue == gemv.SILU_MUL else k, device="cuda", dtype=dt)
         res = torch.randn(1, k, device="cuda", dtype=dt) if prologue == gemv.RMS_NORM and n != QKV else None
         calls = 2 * copies if copies < 20 else copies
 
-        def ours(i, layers=layers, copies=copies, prologue=prologue, x=x, res=res, norm=norm):
-            lin = layers[i % copies]
+        def ours(i, weights=weights, copies=copies, prologue=prologue, x=x, res=res, norm_w=norm_w):
+            w = weights[i % copies]
             if prologue == gemv.RMS_NORM:
-                return gemv.norm_linear(x, res, norm, lin)
+                return gemv.rms_norm_gemv(x, w, norm_weight=norm_w, eps=1e-5, residual=res)[0]
             if prologue == gemv.SILU_MUL:
-                return gemv.silu_mul_linear(x, lin)
-            return gemv.linear(x, lin)
+                return gemv.silu_mul_gemv(x, w)
+            return gemv.gemv(x, w)
 
-        def cublas(i, layers=layers, copies=copies, prologue=prologue, x=x, res=res, norm=norm):
-            lin = layers[i % copies]
+        def cublas(i, weights=weights, copies=copies, prologue=prologue, x=x, res=res, norm_w=norm_w):
+            w = weights[i % copies]
             if prologue == gemv.RMS_NORM:
-                return F.linear(norm(x, res)[0], lin.weight)
+                return F.linear(norm.rms_norm(x, norm_w, 1e-5, res)[0], w)
             if prologue == gemv.SILU_MUL:
-                return F.linear(fused.silu_mul(x), lin.weight)
-            return F.linear(x, lin.weight)
+                return F.linear(activation.silu_mul(x), w)
+            return F.linear(x, w)
 
         gemv.TILE = None
         default = graph_us(ours, calls)
@@ -63,7 +62,7 @@ def main() -> None:
         for bn, bk, warps, stages in CONFIGS:
             gemv.TILE = (bn, bk, warps, stages)
             try:
-                err = (ours(0)[0] if prologue == gemv.RMS_NORM else ours(0)).float().sub(want.float()).abs().max().item()
+                err = ours(0).float().sub(want.float()).abs().max().item()
                 t = graph_us(ours, calls)
             except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
                 print(f"  bn={bn} bk={bk} w={warps} s={stages}: failed {type(e).__name__}", flush=True)
@@ -72,7 +71,7 @@ def main() -> None:
         for t, bn, bk, warps, stages, err in sorted(rows)[:6]:
             print(f"  bn={bn:3d} bk={bk:4d} w={warps} s={stages}: {t:7.2f} us  {mb / t:.2f} TB/s  "
                   f"x{base / t:.2f} vs cuBLAS  max|diff| {err:.3g}", flush=True)
-        del layers
+        del weights
 
 
 if __name__ == "__main__":

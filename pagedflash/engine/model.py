@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedflash import flash_attn_varlen_func, write_kv_cache
-from pagedflash.engine import fused, gemv
+from pagedflash.engine import layers
 from pagedflash.engine.config import ModelConfig
 
 
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``(norm(x + residual), x + residual)``; the sum is the residual stream going on."""
-        return fused.rms_norm(x, self.weight, self.eps, residual)
+        return layers.rms_norm(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding(nn.Module):
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
         fused in), through ``o_proj``."""
         t, d = qkv.shape[0], self.head_dim
-        fused.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
+        layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
@@ -90,7 +90,7 @@ class Attention(nn.Module):
             softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
             num_splits=meta.num_splits,
         )
-        return gemv.linear(o.reshape(t, self.q_size), self.o_proj)
+        return layers.linear(o.reshape(t, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -112,10 +112,10 @@ class DecoderLayer(nn.Module):
         """Pre-norm block; returns ``(mlp_out, residual)``. The residual add is fused into the next norm,
         and on single rows (batch-1 decode) each norm and the SiLU into the projection after them."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = gemv.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
         h = attn(qkv, positions, rope, meta, kv_cache)
-        gate_up, residual = gemv.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return gemv.silu_mul_linear(gate_up, mlp.down_proj), residual
+        gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return layers.silu_mul_linear(gate_up, mlp.down_proj), residual
 
 
 class DecoderModel(nn.Module):
@@ -152,8 +152,8 @@ class CausalLM(nn.Module):
     def logits_into(self, x, residual, out: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``forward_unnormed``'s output, written into ``out [T, vocab]``
         (the model's dtype; fused into one kernel on single rows)."""
-        if gemv.applies(x):
-            return gemv.norm_linear(x, residual, self.model.norm, self.lm_head, out=out)[0]
+        if layers.single_row(x):
+            return layers.norm_linear(x, residual, self.model.norm, self.lm_head, out=out)[0]
         return torch.mm(self.model.norm(x, residual)[0], self.lm_head.weight.t(), out=out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ import torch
 
 from pagedflash import validate
 from pagedflash.cache import PAD_BLOCK_ID, KVCache, slot_mapping
-from pagedflash.engine import fused
+from pagedflash.engine import layers
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
-from pagedflash.ops.launch import num_sms
+from pagedflash.ops.utils import num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
 MAX_GRAPH_SPLITS = 32
@@ -280,7 +280,7 @@ class ModelRunner:
         torch.cumsum(self._pos[:bs] + 1, 0, dtype=torch.int32, out=self._cu_k[1 : bs + 1])
         x, residual = self.model.forward_unnormed(self._ids[:bs], self._pos[:bs], meta, self.kv_caches)
         self.model.logits_into(x, residual, self._logits[:bs])
-        self._greedy[:bs] = fused.argmax(self._logits[:bs])
+        self._greedy[:bs] = layers.argmax(self._logits[:bs])
 
     def _decode_meta(self, bs: int, *, max_seqlen_k: int, num_splits: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedflash.engine import fused
+from pagedflash.engine import layers
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: dividing the logits by it would overflow fp32
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -81,7 +81,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            default_generator: torch.Generator | None, greedy: torch.Tensor | None = None) -> list[int]:
     """One token per row of ``logits [R, V]`` (the model's dtype; sampled rows are computed in fp32).
     ``greedy``: the rows' argmax when the step already computed it (the decode graphs do)."""
-    tokens = greedy if greedy is not None else fused.argmax(logits)
+    tokens = greedy if greedy is not None else layers.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         tokens = tokens.clone()

@@ -1,0 +1,83 @@
+"""The decoder's steps around attention, each run by a kernel of :mod:`pagedflash.ops` on a GPU and
+by the same math in PyTorch elsewhere (the ops' references, :mod:`pagedflash.reference`, cast to the
+model's dtype): residual add + RMSNorm, RoPE in place, SiLU-and-multiply, greedy argmax, and the
+single-row projections of batch-1 decode with the norm or SiLU fused in front.
+
+Why kernels: in plain PyTorch these are ~40 small launches per layer, and a batch-1 decode step of a
+16-layer model would spend more time launching them than reading the weights. Why PyTorch off the
+GPU: the interpreter runs a kernel one program at a time, far too slowly for a model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedflash import reference
+from pagedflash.ops import activation, gemv, norm, rope, sampling
+
+FORCE_KERNELS: bool | None = None  # None: kernels on a GPU, PyTorch elsewhere; tests force either
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda if FORCE_KERNELS is None else FORCE_KERNELS
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``(norm(x + residual), x + residual)``, or ``(norm(x), x)``; x, residual ``[T, H]``."""
+    if use_kernels(x):
+        return norm.rms_norm(x, weight, eps, residual)
+    out, summed = reference.rms_norm_ref(x, weight, eps, residual)
+    return out.to(x.dtype), x if residual is None else summed.to(x.dtype)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+          head_dim: int) -> None:
+    """Rotate, in place, the first ``num_heads`` heads of every row of ``x [T, >= num_heads * D]``
+    (rotate-half layout) by the angles of ``positions [T]``; ``cos``/``sin`` ``[max_len, D]`` fp32."""
+    if use_kernels(x):
+        rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim)
+    else:
+        x.copy_(reference.rope_ref(x, positions, cos, sin, num_heads, head_dim))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]``."""
+    if use_kernels(gate_up):
+        return activation.silu_mul(gate_up)
+    return reference.silu_mul_ref(gate_up).to(gate_up.dtype)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the first index of each row's maximum of ``logits [R, V]`` -> int64 ``[R]``."""
+    return sampling.argmax(logits) if use_kernels(logits) else logits.argmax(-1)
+
+
+def single_row(x: torch.Tensor) -> bool:
+    """Whether the fused single-row projections serve ``x [T, ...]``: one row, kernels on."""
+    return x.shape[0] == 1 and use_kernels(x)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, linear_layer: nn.Linear,
+                out: torch.Tensor | None = None):
+    """``(linear_layer(norm_layer(x + residual)), x + residual)``; ``norm_layer`` is the model's
+    RMSNorm module. ``out``: where the (contiguous) result goes; a new tensor when None."""
+    if single_row(x):
+        return gemv.rms_norm_gemv(x, linear_layer.weight, linear_layer.bias, norm_weight=norm_layer.weight,
+                                  eps=norm_layer.eps, residual=residual, out=out)
+    h, residual = norm_layer(x, residual)
+    if out is None:
+        return linear_layer(h), residual
+    return out.copy_(linear_layer(h)), residual
+
+
+def silu_mul_linear(gate_up: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
+    """``linear_layer(silu(gate) * up)`` for ``gate_up [T, 2n]`` (gate first)."""
+    if single_row(gate_up):
+        return gemv.silu_mul_gemv(gate_up, linear_layer.weight, linear_layer.bias)
+    return linear_layer(silu_mul(gate_up))
+
+
+def linear(x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
+    """``linear_layer(x)``, through the single-row kernel where it applies."""
+    return gemv.gemv(x, linear_layer.weight, linear_layer.bias) if single_row(x) else linear_layer(x)

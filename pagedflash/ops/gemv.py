@@ -1,0 +1,156 @@
+"""Single-row linear layers (batch-1 decode) with the decoder's elementwise step fused in front.
+
+At one token per step a projection is a matrix-vector product: its cost is reading the weight once.
+Each program owns ``BLOCK_N`` output features (a few per SM, every SM busy; cuBLAS's 64-feature
+tiles leave most SMs of an H200 idle on a 2048-wide projection, docs/performance.md) and streams
+its rows of the weight through a pipelined loop over the input dimension.
+
+The input row is formed as the loop reads it, not by a separate launch:
+
+- :func:`rms_norm_gemv`: ``linear(rms_norm(x + residual) * norm_weight)``. Every program walks the
+  whole input row, so it sums the squares on the way and scales its dot products by the rstd at the
+  end; program 0 also stores ``x + residual``, the residual stream.
+- :func:`silu_mul_gemv`: ``linear(silu(gate) * up)`` from the gate/up projection's output.
+
+Rounding: the residual sum and the SiLU product are rounded to the input dtype as in the unfused
+ops (:mod:`pagedflash.ops.norm`, :mod:`pagedflash.ops.activation`); the normalized row is not
+rounded (the unfused path rounds it after the rstd and after the norm weight), a difference of the
+order of one rounding of the output. fp32 accumulation, one rounding of the output. References:
+:func:`pagedflash.reference.gemv_ref` and its two fused forms.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+from pagedflash.ops.utils import cdiv, check_eps, check_operand, next_pow2
+
+PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2  # the prologue that forms the input row
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _gemv_kernel(
+    X,  # [k] (PLAIN, RMS_NORM) or [2k] (SILU_MUL): the one input row
+    Res,  # [k] residual (HAS_RES)
+    NormW,  # [k] RMSNorm weight (RMS_NORM)
+    W,  # [n, k] weight, row stride stride_w
+    Bias,  # [n] (HAS_BIAS)
+    Out,  # [n]
+    ResOut,  # [k] x + residual (HAS_RES)
+    n, k, stride_w, eps,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = X.dtype.element_ty
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < n
+    w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k
+        if PROLOGUE == 2:  # silu(gate) * up; X = [gate | up], k wide each
+            g = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(X + k + ks, mask=k_ok, other=0.0).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            xk = (act * u).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(X + ks, mask=k_ok, other=0.0)
+            if HAS_RES:  # the residual stream: the sum rounded as unfused; program 0 stores it
+                x = (x.to(tl.float32) + tl.load(Res + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dtype)
+                if pid == 0:
+                    tl.store(ResOut + ks, x, mask=k_ok)
+            xk = x.to(tl.float32)
+            if PROLOGUE == 1:  # every program walks the whole row: its rms comes with the dot product
+                sumsq += xk * xk
+                xk = xk * tl.load(NormW + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    if PROLOGUE == 1:
+        acc *= 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / k + eps)
+    if HAS_BIAS:
+        acc += tl.load(Bias + rows, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(Out + rows, acc.to(Out.dtype.element_ty), mask=r_ok)
+
+
+TILE: tuple[int, int, int, int] | None = None  # forced tile (tests, tools/tune_gemv.py)
+
+
+def tile(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an ``n x k`` weight (tools/tune_gemv.py, H200):
+    8 rows per program while that still leaves 2+ programs per SM, 32 above; 8 KB of weight per
+    pipeline stage; a deeper pipeline on long rows."""
+    if TILE is not None:
+        return TILE
+    if n <= 4096:
+        return 8, min(512, next_pow2(k)), 4, 4 if k >= 8192 else 3
+    return 32, min(256, next_pow2(k)), 4, 3
+
+
+def _launch(x, weight, bias, *, prologue: int, k: int, residual=None, norm_weight=None, eps=0.0, out=None):
+    """Check the operands every form shares, then launch. ``x``: the ``[1, k]`` (``[1, 2k]``) row."""
+    check_operand("weight", weight, (None, k), like=("x", x))
+    n = weight.shape[0]
+    if n < 1 or k < 1:
+        raise ValueError(f"weight: expected at least one row and one column, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        check_operand("bias", bias, (n,), like=("x", x))
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    else:
+        check_operand("out", out, (1, n), like=("x", x))
+    validate.check_no_grad(x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight)
+    res_out = torch.empty_like(x) if residual is not None else x
+    block_n, block_k, warps, stages = tile(n, k)
+    _gemv_kernel[(cdiv(n, block_n),)](
+        X=x, Res=residual if residual is not None else x, NormW=norm_weight if norm_weight is not None else x,
+        W=weight, Bias=bias if bias is not None else weight, Out=out, ResOut=res_out,
+        n=n, k=k, stride_w=weight.stride(0), eps=eps,
+        PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
+    )
+    return out, res_out
+
+
+def _check_row(name: str, x) -> int:
+    check_operand(name, x, (1, None))
+    return x.shape[1]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for one row: x ``[1, k]`` fp16/bf16/fp32; weight ``[n, k]`` (rows may be
+    strided, last dim contiguous), bias ``[n]`` and ``out [1, n]`` (written, and returned) in x's
+    dtype. Returns ``[1, n]``."""
+    k = _check_row("x", x)
+    return _launch(x, weight, bias, prologue=PLAIN, k=k, out=out)[0]
+
+
+def rms_norm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm_weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemv(rms_norm(x + residual) * norm_weight, weight, bias), x + residual)`` for one row (without
+    a residual: of x, and x itself second). x, residual: ``[1, k]``; norm_weight ``[k]``; eps a finite
+    number >= 0; weight, bias and out as in :func:`gemv`."""
+    k = _check_row("x", x)
+    check_operand("norm_weight", norm_weight, (k,), like=("x", x))
+    if residual is not None:
+        check_operand("residual", residual, (1, k), like=("x", x))
+    return _launch(x, weight, bias, prologue=RMS_NORM, k=k, residual=residual, norm_weight=norm_weight,
+                   eps=check_eps(eps), out=out)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv(silu(gate) * up, weight, bias)`` for one row ``gate_up [1, 2k]`` (gate first); weight
+    ``[n, k]``, bias and out as in :func:`gemv`."""
+    width = _check_row("gate_up", gate_up)
+    if width < 2 or width % 2:
+        raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
+                         f"got shape {tuple(gate_up.shape)}")
+    return _launch(gate_up, weight, bias, prologue=SILU_MUL, k=width // 2, out=out)[0]

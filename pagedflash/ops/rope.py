@@ -1,0 +1,77 @@
+"""Rotary position embedding, in place, rotate-half layout: the first ``num_heads`` heads of each row
+(the q heads then the k heads of a fused qkv projection) are rotated by the angles of the row's
+position; the rest of the row (v) is left alone. Computed in fp32, rounded once
+(:func:`pagedflash.reference.rope_ref`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+from pagedflash.ops.utils import cdiv, check_operand, next_pow2
+
+HEADS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _rope_kernel(
+    X,  # [T, >= num_heads * 2 * HALF], row stride stride_t
+    Cos, Sin,  # [max_len, 2 * HALF] fp32, contiguous; only the first HALF of a row is read
+    Pos,  # [T] int32/int64
+    stride_t, num_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    d_ok = d < HALF
+    mask = (heads[:, None] < num_heads) & d_ok[None, :]
+    pos = tl.load(Pos + t).to(tl.int64)
+    c = tl.load(Cos + pos * (2 * HALF) + d, mask=d_ok, other=0.0)[None, :]
+    s = tl.load(Sin + pos * (2 * HALF) + d, mask=d_ok, other=0.0)[None, :]
+    p = X + t * stride_t + heads[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=mask)
+    tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=mask)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
+          head_dim: int) -> None:
+    """Rotate, in place, heads ``0 .. num_heads - 1`` of every row of ``x [T, >= num_heads * D]``.
+
+    x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
+    each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
+    second half repeats its first, which is all that is read). ``D = head_dim``, even."""
+    check_operand("x", x, (None, None))
+    validate.check_int("num_heads", num_heads)
+    validate.check_int("head_dim", head_dim, minimum=2)
+    if head_dim % 2:
+        raise ValueError(f"head_dim: expected an even number (rotate-half pairs), got {head_dim}")
+    t = x.shape[0]
+    if x.shape[1] < num_heads * head_dim:
+        raise ValueError(f"x: expected rows of at least num_heads * head_dim = {num_heads * head_dim} elements, "
+                         f"got shape {tuple(x.shape)}")
+    check_operand("positions", positions, (t,), dtypes=(torch.int32, torch.int64), contiguous=True)
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_operand(name, table, (None, head_dim), dtypes=(torch.float32,), contiguous=True)
+    for name, other in (("positions", positions), ("cos", cos), ("sin", sin)):
+        if other.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (where x is), got one on {other.device}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin: expected the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
+    validate.check_no_grad(x=x)
+    if t and validate.value_checks_enabled(positions):
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= cos.shape[0]:
+            raise ValueError(f"positions: expected values in [0, {cos.shape[0]}) (rows of cos/sin), "
+                             f"got values in [{lo}, {hi}]")
+    if t:
+        block_h = min(HEADS_PER_PROGRAM, next_pow2(num_heads))
+        _rope_kernel[(t, cdiv(num_heads, block_h))](
+            X=x, Cos=cos, Sin=sin, Pos=positions, stride_t=x.stride(0), num_heads=num_heads,
+            HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2),
+        )

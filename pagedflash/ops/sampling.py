@@ -1,0 +1,72 @@
+"""Greedy sampling: the first index of each row's maximum, as ``torch.argmax`` (NaN counts as the
+largest), over a large vocabulary.
+
+``torch.argmax`` reduces a row in one thread block (~27 us for 128K entries on an H200 at batch 1).
+Here chunks of ``ARGMAX_CHUNK`` columns reduce in parallel, then one small launch merges them, the
+first index of the maximum kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+from pagedflash.ops.utils import cdiv, check_operand, next_pow2
+
+ARGMAX_CHUNK = 4096  # columns reduced by one program
+
+
+@triton.jit
+def _argmax_chunks_kernel(
+    X,  # [R, V] logits, row stride stride_x
+    Val, Idx,  # [R, C] fp32 / int32: max and its first index in each chunk of BLOCK columns
+    stride_x, n, num_chunks,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN counts as the largest, as in torch.argmax
+    m = tl.max(x, axis=0)
+    tl.store(Val + row * num_chunks + chunk, m)
+    tl.store(Idx + row * num_chunks + chunk, tl.min(tl.where((x == m) & (cols < n), cols, n), axis=0))
+
+
+@triton.jit
+def _argmax_merge_kernel(
+    Val, Idx,  # [R, C] from _argmax_chunks_kernel
+    Out,  # [R] int64
+    num_chunks,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    ok = c < num_chunks
+    v = tl.load(Val + row * num_chunks + c, mask=ok, other=float("-inf"))
+    i = tl.load(Idx + row * num_chunks + c, mask=ok, other=0x7FFFFFFF)
+    m = tl.max(v, axis=0)
+    tl.store(Out + row, tl.min(tl.where(ok & (v == m), i, 0x7FFFFFFF), axis=0).to(tl.int64))
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the first index of each row's maximum of ``logits [R, V]`` (fp16/bf16/fp32, rows
+    may be strided; ``1 <= V < 2**31``) -> int64 ``[R]``. NaN counts as the largest, as in torch."""
+    check_operand("logits", logits, (None, None))
+    r, v = logits.shape
+    if not 1 <= v < 2**31:
+        raise ValueError(f"logits: expected between 1 and 2**31 - 1 columns, got shape {tuple(logits.shape)}")
+    validate.check_no_grad(logits=logits)
+    chunks = cdiv(v, ARGMAX_CHUNK)
+    val = torch.empty((r, chunks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((r, chunks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(r, dtype=torch.int64, device=logits.device)
+    if r:
+        _argmax_chunks_kernel[(r, chunks)](
+            X=logits, Val=val, Idx=idx, stride_x=logits.stride(0), n=v, num_chunks=chunks, BLOCK=ARGMAX_CHUNK,
+            num_warps=8,
+        )
+        _argmax_merge_kernel[(r,)](Val=val, Idx=idx, Out=out, num_chunks=chunks, BLOCK=next_pow2(chunks))
+    return out
