@@ -16,7 +16,8 @@ from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms, nvidia_c
 
 # Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
 # whose pages hold whole 64-key tiles (prefill, and short decode in wide grids); other decode
-# launches measured faster with pointer tiles (v13, v14) and smaller pages gather rows.
+# launches take pointer tiles (faster there: docs/performance.md, v13 and v14) and smaller pages
+# gather rows.
 # PAGEDFLASH_TMA=0 turns it off; the pointer path is the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
@@ -32,10 +33,9 @@ MAX_SPLITS = 128
 # compute-bound and were not swept.
 KV_BYTES_PER_SM = 512
 # A decode program that streams this many keys or more takes 128-key tiles where their stages fit:
-# three deep alone on an SM over a contiguous cache, two deep in a wide grid (v14: 1-2 % faster than
-# 32- and 64-key tiles at 4K+ keys, 0-5 % slower below, where pipeline fill is a larger share). Over
-# 64-row pages such splits are halved instead (choose_num_splits); smaller pages always take
-# 128-key tiles two deep.
+# three deep alone on an SM over a contiguous cache, two deep in a wide grid (below it, pipeline fill
+# makes them slower than 32- and 64-key tiles: docs/performance.md, v14). Over 64-row pages such
+# splits are halved instead (choose_num_splits); smaller pages always take 128-key tiles two deep.
 LONG_KV_KEYS = 4096
 # Shared memory a decode tile's K/V stages may take (H200: 227 KB per block; Q and scratch need the rest).
 DECODE_SMEM_BUDGET = 192 * 1024
@@ -93,20 +93,20 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
         # stages of 128-key K and V tiles (padded to block_d) that fit shared memory
         stages_fit = DECODE_SMEM_BUDGET // (2 * 128 * block_d * kv_itemsize) if kv_itemsize else 0
         if wide:  # the grid fills the GPU unsplit
-            if long_kv and stages_fit >= 2:  # v14: 1.4-2.1 % faster than 32 x 4 at 4K-128K keys
+            if long_kv and stages_fit >= 2:  # long programs: 128-key tiles two deep (performance.md, v14)
                 return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
             if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
                 return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2,
                                     tma=True)
-            # short pointer tiles 4 deep (v13; TMA tiles lost by 0-9 %)
+            # short programs: pointer tiles 4 deep, not TMA (performance.md, v13)
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
-        if page_size >= PAGED_TMA_MIN_PAGE:  # v14: pointer tiles beat the TMA tile by 0-7 % on split grids
+        if page_size >= PAGED_TMA_MIN_PAGE:  # split grids over 64-row pages: pointer tiles (performance.md, v14)
             return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
         if page_size and stages_fit >= 2:  # rows gathered from small pages: long tiles, two deep (v14)
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
         if long_kv and stages_fit >= 3:  # one long split per SM: 128-key tiles three deep (v14)
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=3)
-        # short splits: pointer tiles 3 deep (v13: TMA lost 1-2 us a call)
+        # short splits: pointer tiles 3 deep, not TMA (performance.md, v13)
         return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
     if block_d > 128:
         return LaunchConfig(block_m=64, block_n=32, g_pack=1, num_warps=4, num_stages=1)
@@ -144,11 +144,11 @@ def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_byte
         return max(1, min(splits, kv_tiles // 2, MAX_SPLITS))
     slots = sms * max(1, KV_BYTES_PER_SM // kv_bytes_per_key)
     long = cdiv(max_seqlen_k, max(slots // programs, 1)) >= LONG_KV_KEYS
-    # doubled splits over gathered pages must keep two tiles each (v15: page 1 and 16, B=1 4K: 16
-    # splits of two 128-key tiles 18.3 us, 32 splits of one 19.3)
+    # doubled splits over gathered pages must keep two tiles each (one tile a split is slower:
+    # docs/performance.md, v15, "Paged split counts")
     short = cdiv(max_seqlen_k, max(min(2 * slots // programs, MAX_SPLITS), 1)) < 2 * block_n
     if page_size and ((page_size < PAGED_TMA_MIN_PAGE and not short) or long):
-        slots *= 2  # v14: block-table reads sit on the load path; more programs in flight hide them
+        slots *= 2  # block-table reads sit on the load path; more programs in flight hide them (v14)
     return max(1, min(slots // programs, kv_tiles, MAX_SPLITS))
 
 
