@@ -15,8 +15,10 @@ import torch
 
 import pagedflash as pf
 from pagedflash import reference as ref
-from pagedflash.bench.common import TOLERANCE, check_close, time_ms
+from pagedflash.bench.common import time_ms
 from pagedflash.bench.report import Table, print_table
+from pagedflash.cache import cu_seqlens_tensor
+from pagedflash.testing import TOLERANCES, check_close, random_paged_kv
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def _prefill_checks(s: Sizes, dev) -> list[Check]:
 def _varlen_checks(s: Sizes, dev) -> list[Check]:
     hq, hkv, dtype = *s.heads, s.dtype
     lens = list(s.varlen)
-    cu = _cu(lens, dev)
+    cu = cu_seqlens_tensor(lens, device=dev)
     q = torch.randn(sum(lens), hq, s.dim, dtype=dtype, device=dev)
     k, v = (torch.randn(sum(lens), hkv, s.dim, dtype=dtype, device=dev) for _ in range(2))
     shape = f"lens={lens} H={hq}/{hkv} D={s.dim}"
@@ -89,8 +91,8 @@ def _varlen_checks(s: Sizes, dev) -> list[Check]:
     # chunked prefill: each sequence has cached tokens already in the paged cache, plus new ones
     new = [max(1, n // 4) for n in lens]
     total = [n + m for n, m in zip(lens, new)]
-    kc, vc, table = _paged_cache(total, hkv, s, dev)
-    cu_q, cu_k = _cu(new, dev), _cu(total, dev)
+    kc, vc, table = random_paged_kv(total, s.page, hkv, s.dim, dtype, device=dev)
+    cu_q, cu_k = cu_seqlens_tensor(new, device=dev), cu_seqlens_tensor(total, device=dev)
     qn = torch.randn(sum(new), hq, s.dim, dtype=dtype, device=dev)
     checks.append(Check(
         "varlen paged (chunked prefill)", f"new={new} cached={lens} page={s.page}", dtype,
@@ -109,7 +111,7 @@ def _decode_checks(s: Sizes, dev) -> list[Check]:
     checks = [Check("decode contiguous, splits=auto", shape, dtype,
                     lambda: pf.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True),
                     lambda: ref.kvcache_attention_ref(q, kc, vc, lens))]
-    pk, pv, table = _paged_cache(lens.tolist(), hkv, s, dev)
+    pk, pv, table = random_paged_kv(lens.tolist(), s.page, hkv, s.dim, dtype, device=dev)
     checks.append(Check(f"decode paged, page={s.page}", shape, dtype,
                         lambda: pf.flash_attn_with_kvcache(q, pk, pv, cache_seqlens=lens, block_table=table, num_splits=4),
                         lambda: ref.kvcache_attention_ref(q, pk, pv, lens, block_table=table)[0]))
@@ -161,24 +163,6 @@ def _cache_checks(s: Sizes, dev) -> list[Check]:
     return checks
 
 
-def _cu(lengths, dev) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-
-
-def _paged_cache(lengths, hkv: int, s: Sizes, dev):
-    """Random paged caches holding ``lengths`` tokens per sequence, blocks in a random order."""
-    per_seq = [-(-n // s.page) for n in lengths]
-    num_blocks = sum(per_seq) + 1
-    perm = torch.randperm(num_blocks, device=dev).tolist()
-    table = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32, device=dev)
-    start = 0
-    for b, m in enumerate(per_seq):
-        table[b, :m] = torch.tensor(perm[start:start + m], dtype=torch.int32)
-        start += m
-    kc, vc = (torch.randn(num_blocks, s.page, hkv, s.dim, dtype=s.dtype, device=dev) for _ in range(2))
-    return kc, vc, table
-
-
 def run_kernel_checks(device: str | torch.device | None = None) -> list[dict]:
     """Run every public kernel once against the reference; on a GPU also time it.
 
@@ -209,8 +193,9 @@ def print_kernel_checks(rows: list[dict]) -> bool:
     table = Table("kernels", "pagedflash kernels against the fp32 reference",
                   {"kernel": "kernel", "shape": "shape", "dtype": "dtype", "rel_err": "rel. error", "ok": "pass",
                    "ms": "ms"},
-                  note="rel. error = max |out - ref| / max |ref| (lse too, where returned); pass if <= "
-                       + ", ".join(f"{str(k)[6:]} {v}" for k, v in TOLERANCE.items()))
+                  note="rel. error = max |out - ref| / max |ref| (lse too, where returned); pass if every element "
+                       "has |out - ref| <= atol * max|ref| + rtol * |ref| (pagedflash.testing), (atol, rtol) = "
+                       + ", ".join(f"{str(k)[6:]} {v}" for k, v in TOLERANCES.items()))
     table.rows = [r | {"ok": "PASS" if r["ok"] else "FAIL"} for r in rows]
     print_table(table)
     for r in rows:

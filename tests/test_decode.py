@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ON_GPU, assert_close, ids, randn
+from helpers import DTYPES, ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_with_kvcache, merge_attn_states
 from pagedflash import reference as ref

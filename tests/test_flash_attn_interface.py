@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, assert_close, cu_seqlens, randn
+from helpers import DEVICE, DTYPES, assert_close, cu_seqlens, randn
 
 import pagedflash
 from pagedflash import flash_attn_interface as fa
@@ -208,7 +208,7 @@ def test_kvcache_rotary_with_batch_idx_int_lengths_and_a_window():
 
 def test_kvcache_rotary_over_pages():
     """Rotary with a paged cache: the new keys land rotated in their pages, q at its positions."""
-    from test_paged import make_pool
+    from helpers import make_pool
 
     page, hq, hkv, d = 16, 4, 2, 32
     lens = torch.tensor([0, 21, 35], dtype=torch.int32, device=DEVICE)

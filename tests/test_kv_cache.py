@@ -62,7 +62,7 @@ def test_bad_layer(layer):
 
 @pytest.mark.parametrize("name", list(SIZES))
 def test_bad_sizes(name):
-    with pytest.raises(ValueError, match=f"{name} must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=f"{name} must be an int >= 1, got 0"):
         KVCache(**{**SIZES, name: 0}, dtype=torch.float16, device="cpu")
 
 
@@ -72,7 +72,7 @@ def test_num_blocks_for_memory():
     assert KVCache.bytes_per_block(**sizes) == per_block
     assert KVCache.num_blocks_for_memory(10 * per_block + per_block - 1, **sizes) == 10
     assert KVCache.num_blocks_for_memory(per_block - 1, **sizes) == 0
-    with pytest.raises(ValueError, match="num_bytes must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match="num_bytes must be an int >= 0, got -1"):
         KVCache.num_blocks_for_memory(-1, **sizes)
 
 
@@ -107,7 +107,7 @@ def test_slot_mapping_errors():
         slot_mapping([1, 2], 0, 5, page_size=2)
     with pytest.raises(ValueError, match="got start=2, end=1"):
         slot_mapping([1, 2], 2, 1, page_size=2)
-    with pytest.raises(ValueError, match="page_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="page_size must be an int >= 1, got 0"):
         slot_mapping([1, 2], 0, 1, page_size=0)
 
 
@@ -125,6 +125,7 @@ def test_seqlens_and_cu_seqlens():
     cu = cu_seqlens_tensor([3, 0, 5], device="cpu")
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 8]
     assert cu_seqlens_tensor([], device="cpu").tolist() == [0]
+    assert cu_seqlens_tensor((n for n in (2, 4)), device="cpu").tolist() == [0, 2, 6]  # any iterable
     with pytest.raises(ValueError, match=r"seqlens must be non-negative, got \[2, -1\]"):
         cu_seqlens_tensor([2, -1], device="cpu")
 
@@ -149,6 +150,7 @@ def test_block_manager_tables_drive_the_pool():
         table, cached = bm.allocate(seq_id, prompt)
         slots = slot_mapping_tensor([table], [cached], [len(prompt)], page_size=page_size, device="cpu")
         k[slots] = torch.tensor(prompt[cached:], dtype=torch.float32)  # the engine's cache write
+        bm.commit(seq_id, len(prompt))  # its K/V are in the pool: its full pages may be hit
     tables = block_table_tensor([bm.block_table(s) for s in prompts], device="cpu")
     for row, prompt in zip(tables.tolist(), prompts.values()):
         pages = cache.k_cache(0)[row[: math.ceil(len(prompt) / page_size)]].flatten()

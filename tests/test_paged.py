@@ -3,36 +3,12 @@ prefill+decode batches, and slot-mapped cache writes."""
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, ids, randn
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, ids, make_pool, randn
 
 from pagedflash import flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 from pagedflash import reference as ref
 
 PAGE_SIZES = [1, 2, 4, 5, 8, 16, 32, 64, 128, 256] if ON_GPU else [1, 5, 16, 64]
-
-
-def make_pool(seqlens, page, hkv, d, dtype, *, share_first=0, spare=3):
-    """A NaN-poisoned pool ``spare`` x larger than needed, block tables a random permutation of it.
-    ``share_first`` > 0 makes every sequence alias the first sequence's first pages (prefix caching)."""
-    pages = [-(-n // page) for n in seqlens]
-    num_blocks = max(1, sum(pages) * spare)
-    k_cache = torch.full((num_blocks, page, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    perm = torch.randperm(num_blocks, device=DEVICE)
-    width = max(max(pages), 1)
-    table = torch.zeros(len(seqlens), width, dtype=torch.int32, device=DEVICE)
-    used = 0
-    for b, p in enumerate(pages):
-        table[b, :p] = perm[used: used + p].int()
-        used += p
-    if share_first:
-        table[1:, :share_first] = table[0, :share_first]
-    for b, n in enumerate(seqlens):  # fill only the slots that are in use
-        pos = torch.arange(n, device=DEVICE)
-        blk, off = table[b, pos // page].long(), pos % page
-        k_cache[blk, off] = randn(n, hkv, d, dtype=dtype)
-        v_cache[blk, off] = randn(n, hkv, d, dtype=dtype)
-    return k_cache, v_cache, table
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)

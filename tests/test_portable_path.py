@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ON_GPU, assert_close, cu_seqlens, randn
-from test_paged import make_pool
+from helpers import ON_GPU, assert_close, cu_seqlens, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash import reference as ref

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DTYPES, ON_GPU, assert_close, cu_seqlens, ids, randn
+from helpers import DTYPES, ON_GPU, assert_close, cu_seqlens, ids, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref

@@ -5,7 +5,7 @@ did not think of (hypothesis shrinks a failure to a small reproducer)."""
 
 import pytest
 import torch
-from conftest import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, randn
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, make_pool, randn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,20 +48,7 @@ def test_paged_varlen_mixed_batches(data, page, group, d, splits, dtype):
     cached = data.draw(st.lists(st.integers(0, 60), min_size=n, max_size=n), label="cached tokens")
     total = [c + q for c, q in zip(cached, new)]
     hkv = 2
-    pages = [-(-t // page) for t in total]
-    pool = max(1, 2 * sum(pages))
-    k_cache = torch.full((pool, page, hkv, d), float("nan"), dtype=dtype, device=DEVICE)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    perm = torch.randperm(pool, device=DEVICE)
-    table = torch.zeros(n, max(max(pages), 1), dtype=torch.int32, device=DEVICE)
-    used = 0
-    for i, p in enumerate(pages):
-        table[i, :p] = perm[used: used + p].int()
-        used += p
-        pos = torch.arange(total[i], device=DEVICE)
-        blk, off = table[i, pos // page].long(), pos % page
-        k_cache[blk, off] = randn(total[i], hkv, d, dtype=dtype)
-        v_cache[blk, off] = randn(total[i], hkv, d, dtype=dtype)
+    k_cache, v_cache, table = make_pool(total, page, hkv, d, dtype, spare=2)
     q = randn(sum(new), hkv * group, d, dtype=dtype)
     cq, ck = cu_seqlens(new), cu_seqlens(total)
     out = flash_attn_varlen_func(q, k_cache, v_cache, cq, ck, max(new), max(total), causal=True,

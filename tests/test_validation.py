@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import DEVICE, randn
+from helpers import DEVICE, randn
 
 from pagedflash import (
     flash_attn_func,

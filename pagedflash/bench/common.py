@@ -1,21 +1,25 @@
 """Shared benchmark plumbing: timing, SDPA baselines, correctness checks, derived figures.
 (Tables, result files and plots are in :mod:`pagedflash.bench.report`.)
 
-Timing on a GPU is ``triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")`` of a
-CUDA-graph replay of the call (:func:`graphed`; ``--eager`` times the call itself), in
-milliseconds (``warmup``/``rep`` are time budgets in ms, not iteration counts). do_bench zeroes a
-256 MB buffer before *every* timed call, which evicts the whole 60 MB L2 of an H200, so each call
-reads its inputs from HBM and no buffer rotation is needed even for small caches. The zeroing also
-gives the host a head start (the memset takes roughly 50-90 us) to enqueue ``fn``: host overhead
-below that is hidden, above it shows up as time. :func:`host_us` measures the host side of a call:
-where it exceeds the kernel time, back-to-back calls without CUDA graphs would be launch-bound.
+:func:`time_ms` is the one timing method of the benchmarks, ``bench tune`` and ``tools/``; its
+default is the procedure behind every published figure: ``triton.testing.do_bench(replay,
+warmup=25, rep=100, return_mode="median")`` of a CUDA-graph replay of the call (:func:`graphed`;
+``--eager`` times the call itself), in milliseconds (``warmup``/``rep`` are time budgets in ms, not
+iteration counts). do_bench zeroes a 256 MB buffer before *every* timed call, which evicts the whole
+60 MB L2 of an H200, so each call reads its inputs from HBM and no buffer rotation is needed even
+for small caches. The zeroing also gives the host a head start (the memset takes roughly 50-90 us)
+to enqueue ``fn``: host overhead below that is hidden, above it shows up as time. :func:`host_us`
+measures the host side of a call: where it exceeds the kernel time, back-to-back calls without CUDA
+graphs would be launch-bound. Why graph replays: docs/performance.md, "v3 — the host, and CUDA-graph
+timing".
 
 Without a GPU (``--quick`` under the Triton interpreter) the "time" is the wall clock of one call:
 it proves the plumbing works and is not a figure.
 
-Every measured case goes through :func:`measure`: run once, check against the fp32 reference,
-then time. A wrong result is reported as ``FAIL`` and not timed, an out-of-memory as ``OOM``, a
-baseline that refuses the shape as ``n/a``; nothing in a sweep crashes the sweep.
+Every measured case goes through :func:`measure`: run once, check against the fp32 reference with
+the tolerance rule of :mod:`pagedflash.testing` (the one the tests use), then time. A wrong result
+is reported as ``FAIL`` and not timed, an out-of-memory as ``OOM``, a baseline that refuses the
+shape as ``n/a``; nothing in a sweep crashes the sweep.
 """
 
 from __future__ import annotations
@@ -26,21 +30,20 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from pagedflash.testing import check_close
+
 HBM_TBPS = 4.8  # H200 HBM3e datasheet bandwidth, TB/s
 OOM, NA, FAIL, ERROR = "OOM", "n/a", "FAIL", "error"
 _OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
-# Tolerance of a kernel output against the fp32 reference, relative to the reference's scale:
-# max |out - ref| <= tol * max |ref| (see check_close).
-TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 2e-3}
-
-_TIMING = {"warmup": 25, "rep": 100}
+_TIMING = {"warmup": 25, "rep": 100, "graphs": True}
+FLUSHES = ("zero", "read", None)
 
 
 @dataclass
@@ -64,7 +67,17 @@ def device() -> str:
 
 
 def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100, graphs: bool = True) -> None:
+    """The defaults of :func:`time_ms` (the command line's ``--warmup-ms``, ``--rep-ms``, ``--eager``)."""
     _TIMING.update(warmup=warmup_ms, rep=rep_ms, graphs=graphs)
+
+
+def timing_description() -> str:
+    """How :func:`time_ms` times by default, as the result files record it."""
+    if not has_gpu():
+        return "CPU wall clock under the Triton interpreter (smoke only, not a figure)"
+    what = "CUDA-graph replays" if _TIMING["graphs"] else "eager calls"
+    return (f"triton.testing.do_bench(warmup={_TIMING['warmup']}, rep={_TIMING['rep']}, return_mode='median') of "
+            f"{what} (both sides); L2 flushed before every call; pagedflash value checks (host syncs) off while timing")
 
 
 # ---------------------------------------------------------------- timing
@@ -73,23 +86,14 @@ def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100, graphs: bool = True) -
 def no_host_syncs():
     """pagedflash's value checks read metadata from the device (a host sync per call); a serving
     engine turns them off, and so does the timing (the first, checked call keeps them on)."""
-    try:
-        from pagedflash import validate
+    from pagedflash import validate
 
-        return validate.value_checks(False)
-    except (ImportError, AttributeError):
-        return contextlib.nullcontext()
-
-
-def time_ms(fn: Callable[[], object]) -> float:
-    """Median milliseconds of ``fn()`` (do_bench on a GPU, wall clock otherwise), with
-    pagedflash's host-syncing value checks off (:func:`no_host_syncs`)."""
-    with no_host_syncs():
-        return _time_ms(fn)
+    return validate.value_checks(False)
 
 
 def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
-    """``fn`` captured in a CUDA graph (its replay), or None when it cannot be captured."""
+    """``fn`` captured in a CUDA graph (its replay), or None when it cannot be captured. The graph
+    stays alive until the end of the :func:`time_ms` call that made it."""
     try:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -107,23 +111,70 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
 
 
 _GRAPHS: list = []
+_READ_FLUSH: list = []
 
 
-def _time_ms(fn: Callable[[], object]) -> float:
-    if has_gpu():
-        from triton.testing import do_bench
+def time_ms(fn: Callable[[], object], *, graph: bool | None = None, flush: str | None = "zero",
+            warmup_ms: int | None = None, rep_ms: int | None = None, reps: int = 20,
+            value_checks: bool = False) -> float:
+    """Milliseconds per call of ``fn()`` on the GPU; the wall clock of one call without one.
 
-        # Every case, ours and the baselines alike, is timed as a CUDA-graph replay: the device
-        # machine's host needs ~100 us to launch one Triton kernel from Python, more than many of
-        # the kernels take, so eager timings there measure the host, not the GPU.
-        replay = graphed(fn) if _TIMING.get("graphs", True) else None
+    ``graph``: time the replay of ``fn`` captured in a CUDA graph (default: as :func:`set_timing`
+    says, i.e. unless ``--eager``); a call that cannot be captured is timed eagerly. ``flush``, what
+    happens to the L2 between calls:
+
+    - ``"zero"`` (the benchmarks' figures): ``do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+      return_mode="median")``, which zeroes 256 MB before each call, leaving L2 full of dirty lines
+      the timed call must write back as it reads; ``warmup_ms``/``rep_ms`` default to
+      :func:`set_timing`'s;
+    - ``"read"``: a 256 MB read before each call (L2 left clean), 10 untimed calls then ``reps``
+      calls timed one by one between CUDA events, median;
+    - ``None``: one untimed call, then ``reps`` calls back to back between two CUDA events, mean:
+      for work that streams more than L2 holds by itself (a model step, weights cycled past L2).
+
+    pagedflash's device-reading value checks are off while timing unless ``value_checks``."""
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+    with contextlib.nullcontext() if value_checks else no_host_syncs():
+        if not has_gpu():  # under the interpreter a figure means nothing anyway
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        replay = graphed(fn) if (_TIMING["graphs"] if graph is None else graph) else None
         try:
-            return float(do_bench(replay or fn, warmup=_TIMING["warmup"], rep=_TIMING["rep"], return_mode="median"))
+            return _time_on_gpu(replay or fn, flush, _TIMING["warmup"] if warmup_ms is None else warmup_ms,
+                                _TIMING["rep"] if rep_ms is None else rep_ms, reps)
         finally:
             _GRAPHS.clear()
-    t0 = time.perf_counter()  # one call: under the interpreter a figure means nothing anyway
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_on_gpu(fn: Callable[[], object], flush: str | None, warmup_ms: int, rep_ms: int, reps: int) -> float:
+    if flush == "zero":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if flush is None:
+        fn()
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+    if not _READ_FLUSH:
+        _READ_FLUSH.extend([torch.ones(64 * 2**20, device="cuda"), torch.empty((), device="cuda")])
+    buf, out = _READ_FLUSH
+    times = []
+    for i in range(10 + reps):
+        torch.sum(buf, dim=0, out=out)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 10:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def host_us(fn: Callable[[], object], calls: int = 20) -> float | None:
@@ -154,7 +205,7 @@ class Measured:
 
     ms: float | None = None
     status: str = "ok"
-    err: float | None = None  # check_close's relative error of the checked slices
+    err: float | None = None  # max |out - ref| / max|ref| over the checked slices (pagedflash.testing)
     note: str = ""
 
     @property
@@ -178,7 +229,8 @@ def measure(fn: Callable[[], object], check: Callable[[object], tuple[float, boo
         if check is not None:
             err, ok = check(_first(fn()))
             if not ok:
-                print(f"  FAIL {label}: relative error {err:.3g} over tolerance; not timed", file=sys.stderr)
+                print(f"  FAIL {label}: error {err:.3g} x max|ref| is outside the tolerance rule; not timed",
+                      file=sys.stderr)
                 return Measured(status=FAIL, err=err)
         return Measured(ms=time_ms(fn), err=err)
     except _OOM_ERRORS:
@@ -198,24 +250,6 @@ def failures(cases: Iterable[Measured]) -> int:
 
 
 # ---------------------------------------------------------------- checks against the reference
-
-
-def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
-    """``(err, ok)``: err = max |out - ref| / max |ref| (finite entries; equal infinities such as an
-    LSE of -inf match), ok = err <= :data:`TOLERANCE` of ``dtype``; NaN fails.
-
-    Relative to the largest reference value on purpose: a decode output over 128K random keys is
-    of order 1e-3, so an absolute tolerance would pass an all-zero output."""
-    o, r = out.float(), ref.float().to(out.device)
-    if o.shape != r.shape:
-        raise ValueError(f"output shape {tuple(o.shape)} != reference shape {tuple(r.shape)}")
-    if not o.numel():
-        return 0.0, True
-    diff = torch.where(o == r, 0.0, (o - r).abs())
-    finite = r[torch.isfinite(r)].abs()
-    scale = max(float(finite.max()) if finite.numel() else 1.0, 1e-6)
-    err = float(diff.max()) / scale
-    return err, err <= TOLERANCE[dtype]  # NaN <= x is False
 
 
 def reference_rows(q, k, v, *, causal: bool, rows: int = 128):
@@ -341,18 +375,6 @@ def geomean(values: Iterable[float | str]) -> float | str:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else NA
 
 
-def progress(items: Sequence, desc: str):
-    """tqdm over ``items`` when stderr is a terminal; in a log, one line per sweep instead."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None and sys.stderr.isatty():
-        return tqdm(items, desc=desc, leave=False)
-    print(f"{desc}: {len(items)} cases ...", file=sys.stderr, flush=True)
-    return items
-
-
 # ---------------------------------------------------------------- small helpers shared by benches
 
 
@@ -361,14 +383,6 @@ def randn(*shape, dtype, seed: int | None = None) -> torch.Tensor:
     if seed is not None:
         torch.manual_seed(seed)
     return torch.randn(*shape, dtype=dtype, device=device())
-
-
-def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
-    """int32 ``[B+1]`` prefix sums of ``lengths``."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device())
 
 
 def human(n: int) -> str:

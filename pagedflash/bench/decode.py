@@ -20,14 +20,13 @@ import itertools
 import torch
 
 import pagedflash as pf
+from pagedflash._progress import progress
 from pagedflash.bench.common import (
     HBM_TBPS,
     NA,
     Config,
     Measured,
     bhsd,
-    check_close,
-    device,
     failures,
     free_memory,
     geomean,
@@ -35,7 +34,6 @@ from pagedflash.bench.common import (
     human,
     measure,
     measure_sdpa,
-    progress,
     randn,
     ratio,
     tbps,
@@ -49,6 +47,7 @@ from pagedflash.bench.report import (
     print_table,
     write_results,
 )
+from pagedflash.testing import check_close, random_block_table, to_paged
 
 FULL = dict(
     seed=dict(batch=4, heads=(16, 16), dim=64, dtype=torch.float16, lens=(1024, 2048, 4096, 8192, 16384),
@@ -70,20 +69,6 @@ def kv_bytes(b: int, n: int, hkv: int, d: int, dtype) -> int:
 def decode_bytes(b: int, n: int, hq: int, hkv: int, d: int, dtype) -> int:
     """Bytes one decode step must move: K+V read, plus Q read and O written."""
     return kv_bytes(b, n, hkv, d, dtype) + 2 * b * hq * d * dtype.itemsize
-
-
-def permuted_table(num_blocks: int, batch: int) -> torch.Tensor:
-    """A random permutation of the pool as an int32 block table ``[B, num_blocks / B]``."""
-    return torch.randperm(num_blocks, device=device()).view(batch, -1).to(torch.int32)
-
-
-def to_pool(cache: torch.Tensor, page: int, block_table: torch.Tensor) -> torch.Tensor:
-    """Contiguous ``[B, N, Hkv, D]`` -> pool ``[B*N/page, page, Hkv, D]`` holding page j of sequence b
-    in block ``block_table[b, j]`` (the table must be a permutation of the pool)."""
-    chunks = cache.reshape(-1, page, *cache.shape[2:])
-    pool = torch.empty_like(chunks)
-    pool[block_table.flatten().long()] = chunks
-    return pool
 
 
 class DecodeInputs:
@@ -118,8 +103,8 @@ class DecodeInputs:
         """The same cache as a pool of ``page``-token blocks in a random order, read through a block
         table (same values, so :meth:`check` applies)."""
         b, n = self.shape[:2]
-        table = permuted_table(b * n // page, b)
-        k_pool, v_pool = (to_pool(x, page, table) for x in (self.k, self.v))
+        table = random_block_table([n // page] * b, b * n // page, device=self.q.device)
+        k_pool, v_pool = (to_paged(x, page, table) for x in (self.k, self.v))
         return lambda: pf.flash_attn_with_kvcache(self.q, k_pool, v_pool, cache_seqlens=self.seqlens,
                                                   block_table=table, num_splits=num_splits)
 
@@ -142,7 +127,7 @@ def seed_sweep(spec: dict) -> tuple[Table, list[list], int]:
                   columns, note="auto = num_splits=0; 'auto ≈ s' is the fixed split whose time is closest. "
                   "÷cuDNN: speed ratio (>1: pagedflash faster).")
     heat, bad = [], 0
-    for n in progress(spec["lens"], "decode num_splits sweep"):
+    for n in progress(spec["lens"], desc="decode num_splits sweep"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
         cases = {s: measure(inputs.contiguous(s), inputs.check, label=f"decode N={n} s={s}")
                  for s in (*splits, AUTO)}
@@ -192,7 +177,7 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
              "SDPA GQA: gqa-native = enable_gqa=True; gqa-expanded = K/V repeated to Hq heads (reads G x the bytes).",
     )
     bad = 0
-    for b, n in progress(grid_cells(spec), "decode serving grid"):
+    for b, n in progress(grid_cells(spec), desc="decode serving grid"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
         ours = measure(inputs.contiguous(), inputs.check, label=f"decode B={b} N={n}")
         full = measure(inputs.contiguous(lengths=False), inputs.check, label=f"decode B={b} N={n} no lengths")

@@ -10,9 +10,10 @@
    FLOPs = 4*D*Hq * B * (Sq*(Sk - Sq) + Sq*(Sq + 1)/2) (both rows of a comparison use this count).
 3. Prefix caching: 64 requests sharing a 4K-token prefix, each with its own 128-token suffix
    (Hq/Hkv = 32/8, D=128, bf16, page 16, one layer's K/V; random values stand for the projections).
-   :class:`pagedflash.cache.BlockManager` decides which tokens each request computes; one prefill
-   step of the whole batch (``write_kv_cache`` of the computed tokens, then one varlen attention
-   over the pool) is timed with and without prefix caching.
+   :class:`pagedflash.cache.BlockManager` decides which tokens each request computes (the first
+   request computes the prefix, the others hit its pages in the same step); one prefill step of the
+   whole batch (``write_kv_cache`` of the computed tokens, then one varlen attention over the pool)
+   is timed with and without prefix caching.
 """
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ import time
 import torch
 
 import pagedflash as pf
+from pagedflash._progress import progress
 from pagedflash.bench.common import (
     NA,
     Config,
     Measured,
-    cu_seqlens,
+    device,
     failures,
     free_memory,
     geomean,
     human,
     measure,
-    progress,
     randn,
     ratio,
     reference_rows,
@@ -42,8 +43,10 @@ from pagedflash.bench.common import (
 )
 from pagedflash.bench.decode import FULL as DECODE_FULL
 from pagedflash.bench.decode import QUICK as DECODE_QUICK
-from pagedflash.bench.decode import DecodeInputs, grid_cells, permuted_table, to_pool
+from pagedflash.bench.decode import DecodeInputs, grid_cells
 from pagedflash.bench.report import Table, panels_by_batch, plot, print_summary, print_table, write_results
+from pagedflash.cache import BlockManager, block_table_tensor, cu_seqlens_tensor, slot_mapping_tensor
+from pagedflash.testing import random_block_table, to_paged
 
 FULL = dict(
     grid=DECODE_FULL["grid"] | dict(lens=(1024, 4096, 16384, 65536)), pages=(1, 16, 64),
@@ -83,7 +86,7 @@ def paged_vs_contiguous(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]
                   columns, note="page p/contig: time ratio, same run (1.00 = paging is free; >1 = overhead).")
     bad = 0
     cells = [(b, n) for b, n in grid_cells(spec) if all(n % p == 0 for p in pages)]
-    for b, n in progress(cells, "paged vs contiguous decode"):
+    for b, n in progress(cells, desc="paged vs contiguous decode"):
         row, cases = paged_row(b, n, spec, pages)
         table.rows.append(row)
         bad += failures(cases)
@@ -110,7 +113,7 @@ def chunked_prefill(spec: dict) -> tuple[Table, int]:
              "through TMA descriptors; smaller pages gather rows.",
     )
     bad = 0
-    for b, prefix in progress(list(itertools.product(spec["batches"], spec["prefixes"])), "chunked prefill"):
+    for b, prefix in progress(list(itertools.product(spec["batches"], spec["prefixes"])), desc="chunked prefill"):
         row, cases = chunked_row(b, prefix, spec)
         table.rows.append(row)
         bad += failures(cases)
@@ -130,12 +133,13 @@ def chunked_row(b: int, prefix: int, spec: dict) -> tuple[dict, list[Measured]]:
     row = {"B": b, "prefix": human(prefix), "flops": flops, "dense_tflops": dense.show(lambda ms: tflops(flops, ms)),
            "dense_us": dense.show(lambda ms: ms * 1e3), "dense_err": dense.err}
     cases = [dense]
-    qp, cu_q, cu_k = q.view(b * new, hq, d), cu_seqlens([new] * b), cu_seqlens([sk] * b)
+    qp = q.view(b * new, hq, d)
+    cu_q, cu_k = cu_seqlens_tensor([new] * b, device=device()), cu_seqlens_tensor([sk] * b, device=device())
     for page in spec["pages"]:
         width = -(-sk // page)
-        table_ids = permuted_table(b * width, b)
+        table_ids = random_block_table([width] * b, b * width, device=device())
         pad = width * page - sk  # the last page's tail stays unused
-        k_pool, v_pool = (to_pool(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table_ids) for x in (k, v))
+        k_pool, v_pool = (to_paged(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table_ids) for x in (k, v))
         paged = measure(
             lambda: pf.flash_attn_varlen_func(qp, k_pool, v_pool, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                               max_seqlen_q=new, max_seqlen_k=sk, causal=True, block_table=table_ids),
@@ -156,10 +160,14 @@ class PrefillStep:
     attention over the pool gives their outputs (causal, bottom-right: each sees its whole prefix)."""
 
     def __init__(self, manager, tokens: list[list[int]], x: dict[str, torch.Tensor], page: int):
-        from pagedflash.cache import block_table_tensor, slot_mapping_tensor
-
         t0 = time.perf_counter()
-        allocs = [manager.allocate(r, ids) for r, ids in enumerate(tokens)]
+        allocs = []
+        for r, ids in enumerate(tokens):
+            allocs.append(manager.allocate(r, ids))
+            # Committed before the step runs, which an engine must not do (its forward may fail):
+            # here the one launch of :meth:`run` writes every computed token's K/V before any
+            # attention reads the pool, so a later request of the same step may hit these pages.
+            manager.commit(r, len(ids))
         self.allocate_ms = (time.perf_counter() - t0) * 1e3
         tables, self.cached = [a[0] for a in allocs], [a[1] for a in allocs]
         self.lengths = [len(ids) for ids in tokens]
@@ -174,7 +182,7 @@ class PrefillStep:
         dev = self.q.device
         self.slots = slot_mapping_tensor(tables, self.cached, self.lengths, page_size=page, device=dev)
         self.block_table = block_table_tensor(tables, device=dev)
-        self.cu_q, self.cu_k = cu_seqlens(self.new), cu_seqlens(self.lengths)
+        self.cu_q, self.cu_k = (cu_seqlens_tensor(n, device=dev) for n in (self.new, self.lengths))
         self.full = {n: [torch.cat([x[f"prefix_{n}"], x[f"suffix_{n}"][r]]) for r in (0, len(tokens) - 1)] for n in "qkv"}
 
     def run(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -208,11 +216,6 @@ def prefix_caching(spec: dict) -> tuple[Table, int]:
         note="step = write_kv_cache of the computed tokens + one varlen attention launch over the pool. "
              "speedup = time without / with caching, same run; FLOP ratio = the ideal speedup.",
     )
-    try:
-        from pagedflash.cache import BlockManager
-    except ImportError as e:
-        table.rows.append({"mode": NA, "note": f"pagedflash.cache unavailable: {e}"})
-        return table, 0
     gen = torch.Generator().manual_seed(0)
     prefix_ids = torch.randint(0, 32000, (n_prefix,), generator=gen).tolist()
     tokens = [prefix_ids + torch.randint(0, 32000, (n_suffix,), generator=gen).tolist() for _ in range(n_req)]

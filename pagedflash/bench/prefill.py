@@ -16,13 +16,14 @@ import itertools
 import torch
 
 import pagedflash as pf
+from pagedflash._progress import progress
 from pagedflash.bench.common import (
     NA,
     OOM,
     Config,
     Measured,
     bhsd,
-    cu_seqlens,
+    device,
     failures,
     free_memory,
     geomean,
@@ -30,7 +31,6 @@ from pagedflash.bench.common import (
     human,
     measure,
     measure_sdpa,
-    progress,
     randn,
     ratio,
     reference_rows,
@@ -38,6 +38,7 @@ from pagedflash.bench.common import (
     tflops,
 )
 from pagedflash.bench.report import Table, plot, print_summary, print_table, write_results
+from pagedflash.cache import cu_seqlens_tensor
 
 FULL = dict(
     memory=dict(batch=4, heads=16, dim=64, lens=(4096, 8192, 16384), dtype=torch.float16),
@@ -136,7 +137,7 @@ def sweep_case(dtype, d: int, causal: bool, n: int, spec: dict) -> tuple[dict, l
     dense = measure(lambda: pf.flash_attn_func(q, k, v, causal=causal),
                     rows_checker(refs, dtype, lambda o, i: o[i]), label=f"dense {label}")
     qp, kp, vp = (x.view(b * n, h, d) for x in (q, k, v))
-    cu = cu_seqlens([n] * b)
+    cu = cu_seqlens_tensor([n] * b, device=device())
     varlen = measure(
         lambda: pf.flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
                                           max_seqlen_k=n, causal=causal),
@@ -168,7 +169,7 @@ def tflops_table(spec: dict) -> tuple[Table, int]:
     )
     cells = list(itertools.product(spec["dtypes"], spec["dims"], (False, True), spec["lens"]))
     bad = 0
-    for dtype, d, causal, n in progress(cells, "prefill sweep"):
+    for dtype, d, causal, n in progress(cells, desc="prefill sweep"):
         row, ours = sweep_case(dtype, d, causal, n, spec)
         table.rows.append(row)
         bad += failures(ours)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.bench.common import _TIMING, has_gpu, human
+from pagedflash.bench.common import has_gpu, human, timing_description
 
 # ---------------------------------------------------------------- tables and results
 
@@ -91,12 +91,7 @@ def env_info(quick: bool) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "quick": quick,
-        "timing": (f"triton.testing.do_bench(warmup={_TIMING['warmup']}, rep={_TIMING['rep']}, "
-                   "return_mode='median') of " + ("CUDA-graph replays" if _TIMING.get("graphs", True)
-                                                  else "eager calls") +
-                   " (both sides); L2 flushed before every call; pagedflash value checks "
-                   "(host syncs) off while timing" if has_gpu()
-                   else "CPU wall clock under the Triton interpreter (smoke only, not a figure)"),
+        "timing": timing_description(),
     }
     try:
         import triton

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.bench.common import HBM_TBPS, free_memory
+from pagedflash._progress import progress
+from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, TINY_LLAMA, ModelConfig
@@ -239,15 +240,7 @@ def _graph_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     size = next((b for b in sorted(graphs) if b >= batch), None)
     if size is None or not torch.cuda.is_available():
         return None
-    graph = graphs[size]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return time_ms(graphs[size].replay, graph=False, flush=None, reps=reps)  # it streams the weights itself
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -343,7 +336,7 @@ def _hf_static(model, prompts, out_lens, batch_size, timeout: float) -> tuple[in
     _sync()
     t0 = time.perf_counter()
     done = []
-    for idx in _progress(batches, "transformers static"):
+    for idx in progress(batches, desc="transformers static"):
         if done and time.perf_counter() - t0 > timeout:
             break
         run(idx)
@@ -392,7 +385,7 @@ def _hf_continuous_batching(model, prompts, out_lens, _batch_size, timeout: floa
 
 def _collect(manager, ids: set[str], timeout: float) -> dict:
     results, deadline = {}, time.perf_counter() + timeout
-    bar = _progress(None, "transformers CB", total=len(ids))
+    bar = progress(desc="transformers CB", total=len(ids))
     while len(results) < len(ids):
         if time.perf_counter() > deadline:
             raise TimeoutError(f"{len(ids) - len(results)} requests unfinished after {timeout:.0f}s")
@@ -410,17 +403,6 @@ def _collect(manager, ids: set[str], timeout: float) -> dict:
     if bar is not None:
         bar.close()
     return results
-
-
-def _progress(items, desc: str, total: int | None = None):
-    """A tqdm bar on a terminal; in a log nothing (``items`` unchanged, or None for a manual bar)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is None or not sys.stderr.isatty():
-        return items
-    return tqdm(items, desc=desc, total=total if items is None else None, leave=False, dynamic_ncols=True)
 
 
 def _previous(out: Path, have: set[str], *, quick: bool) -> tuple[list[Table], dict]:

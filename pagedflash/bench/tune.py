@@ -19,9 +19,11 @@ import warnings
 import torch
 import triton
 
-from pagedflash.bench.common import graphed
+from pagedflash.bench.common import time_ms
+from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.launch import LaunchConfig
+from pagedflash.testing import random_block_table, to_paged
 
 PREFILL_CONFIGS = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
@@ -35,8 +37,16 @@ DECODE_CONFIGS = [(128, 4, 2, True), (64, 4, 3, False), (32, 4, 4, False), (64, 
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64]
 
 
-def _bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+def sweep_us(fn, flush: str = "zero") -> float:
+    """:func:`~pagedflash.bench.common.time_ms` of a graph replay with the sweep's shorter budgets
+    (many candidates per cell), in µs; ``flush="read"`` for the timing floor's second flush."""
+    return time_ms(fn, graph=True, flush=flush, warmup_ms=10, rep_ms=30, reps=50) * 1e3
+
+
+def eager_ms(fn) -> float:
+    """:func:`~pagedflash.bench.common.time_ms` of eager calls: prefill tiles (ms-long kernels, so
+    launch cost does not matter) and the eager side of the overhead probe."""
+    return time_ms(fn, graph=False, warmup_ms=10, rep_ms=40)
 
 
 def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
@@ -55,7 +65,7 @@ def tune_prefill(rows: list, *, dtype=torch.bfloat16) -> None:
                                              window=(-1, 0 if causal else -1), softcap=0.0, num_splits=1,
                                              config=cfg)
                 try:
-                    ms = _bench(run)
+                    ms = eager_ms(run)
                     tf = flops / ms / 1e9
                 except Exception as e:  # noqa: BLE001  (out of shared memory etc.: record and go on)
                     ms, tf = float("nan"), float("nan")
@@ -68,14 +78,14 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
                 pages: list[int] | None = None, tiles: list[tuple] | None = None) -> None:
     """Decode tiles x split counts per cell, on the contiguous cache (page 0) and on page pools (a
     random permutation of the pool as block table), with SDPA cuDNN on the contiguous cache timed
-    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits`` (v13).
+    the same way: the evidence for ``choose_config``'s decode rows and ``choose_num_splits``
+    (docs/performance.md, v13).
     ``tiles``: (block_n, warps, stages, tma[, g_pack]) to time instead of the default lists, at every page size;
     ``g_pack`` (default: the whole group) packs fewer query heads per program, for more programs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from pagedflash import validate
-    from pagedflash.bench.decode import permuted_table, to_pool
 
     splits = splits or DECODE_SPLITS
     for b, n, hq, hkv, d, dtype in cells or DECODE_CELLS:
@@ -83,7 +93,7 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
         kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cudnn = _time_us(functools.partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
+            cudnn = sweep_us(functools.partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
                                                vc.transpose(1, 2), enable_gqa=True))
         shape = [b, n, hq, hkv, d, str(dtype)]
         want = attention_forward(q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
@@ -91,8 +101,8 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
         print(f"decode B={b} N={n} {hq}/{hkv} D={d} {dtype}: cuDNN {cudnn:.1f} us; splits {splits} then auto "
               "(err: max |out - contiguous auto|)", flush=True)
         for page in pages or [0]:
-            table = permuted_table(b * n // page, b) if page else None
-            k, v = (to_pool(t, page, table) for t in (kc, vc)) if page else (kc, vc)
+            table = random_block_table([n // page] * b, b * n // page, device="cuda") if page else None
+            k, v = (to_paged(t, page, table) for t in (kc, vc)) if page else (kc, vc)
             for bn, w, st, tma, *g in tiles or (PAGED_DECODE_CONFIGS[page] if page else DECODE_CONFIGS):
                 g_pack = g[0] if g else hq // hkv
                 if (hq // hkv) % g_pack:
@@ -109,7 +119,7 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
                         try:
                             with validate.value_checks(False):
                                 err = (call()[0].float() - want).abs().max().item()
-                                us = _time_us(call)
+                                us = sweep_us(call)
                         except Exception as e:  # noqa: BLE001  (a tile ptxas refuses: record and go on)
                             print(f"  page={page} {cfg} splits={s}: {type(e).__name__}: {str(e)[:80]}")
                         worst = err if err != err else max(worst, err)  # a NaN stays visible
@@ -140,38 +150,11 @@ PAGED_DECODE_CONFIGS = {
 PACK_PROBE = [(bm, bn, 4, st) for bm in (64, 128) for bn in (32, 64) for st in (2, 3)]
 
 
-_READ_FLUSH: list = []
-
-
-def _time_us(fn, flush: str = "zero") -> float:
-    """Median µs of CUDA-graph replays of ``fn``, the L2 flushed before each: ``zero`` as do_bench
-    (and ``bench``) does, writing 256 MB, which leaves L2 full of dirty lines the timed call must
-    write back as it reads; ``read`` reads 256 MB instead (L2 left clean)."""
-    replay = graphed(fn) or fn
-    if flush == "zero":
-        return triton.testing.do_bench(replay, warmup=10, rep=30, return_mode="median") * 1e3
-    if not _READ_FLUSH:
-        _READ_FLUSH.extend([torch.ones(64 * 2**20, device="cuda"), torch.empty((), device="cuda")])
-    buf, out = _READ_FLUSH
-    times = []
-    for i in range(60):
-        torch.sum(buf, dim=0, out=out)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        if i >= 10:
-            times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
     """Chunked prefill over a paged prefix: tile, pipeline depth and TMA per page size, against the
     contiguous kernel on the same shape (graph replays); then which packed tiles ptxas compiles.
     Paged decode: :func:`tune_decode` with ``pages``."""
     from pagedflash import flash_attn_func
-    from pagedflash.bench.decode import permuted_table, to_pool
 
     hq, hkv, d, new = 32, 8, 128, 512
     for b, cached in ((1, 4096), (1, 16384), (4, 16384)):
@@ -179,17 +162,16 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
         q = torch.randn(b, new, hq, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
         flops = 4 * d * hq * b * (new * (n - new) + new * (new + 1) / 2)
-        dense_us = _time_us(lambda: flash_attn_func(q, k, v, causal=True))
+        dense_us = sweep_us(lambda: flash_attn_func(q, k, v, causal=True))
         want = flash_attn_func(q, k, v, causal=True).flatten(0, 1)
         print(f"chunked B={b} cached={cached}: dense {dense_us:7.1f} us {flops / dense_us / 1e6:5.0f} TFLOP/s")
         rows.append(dict(kind="chunked", b=b, cached=cached, page=0, cfg=None, us=dense_us))
-        cq = torch.arange(0, b + 1, device="cuda", dtype=torch.int32) * new
-        ck = torch.arange(0, b + 1, device="cuda", dtype=torch.int32) * n
+        cq, ck = cu_seqlens_tensor([new] * b, device="cuda"), cu_seqlens_tensor([n] * b, device="cuda")
         for page, configs in PAGED_PREFILL_CONFIGS.items():
             nb = b * -(-n // page)
-            table = permuted_table(nb, b)
+            table = random_block_table([nb // b] * b, nb, device="cuda")
             pad = nb // b * page - n
-            kp, vp = (to_pool(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table) for x in (k, v))
+            kp, vp = (to_paged(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)), page, table) for x in (k, v))
             for bm, bn, w, st, tma in configs:
                 cfg = LaunchConfig(block_m=bm, block_n=bn, g_pack=1, num_warps=w, num_stages=st, tma=tma)
 
@@ -199,7 +181,7 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
                                              cu_seqlens_k=ck, block_table=table, config=cfg)[0]
                 try:
                     err = (run().float() - want.float()).abs().max().item()
-                    us = _time_us(run)
+                    us = sweep_us(run)
                 except Exception as e:  # noqa: BLE001
                     print(f"  page={page} cfg={cfg}: {type(e).__name__}")
                     continue
@@ -231,11 +213,11 @@ def tune_paged(rows: list, *, dtype=torch.bfloat16) -> None:
 
 
 def timing_floor(rows: list) -> None:
-    """The floor of this timing method under both L2 flushes (:func:`_time_us`): a graph of one
+    """The floor of this timing method under both L2 flushes (:func:`sweep_us`): a graph of one
     trivial kernel. No sweep can post a time below it."""
     x = torch.zeros(1, device="cuda")
     for flush in ("zero", "read"):
-        rows.append(dict(kind="floor", flush=flush, us=_time_us(lambda: x.add_(1), flush)))
+        rows.append(dict(kind="floor", flush=flush, us=sweep_us(lambda: x.add_(1), flush)))
         print(f"timing floor ({flush} flush): one tiny kernel, graph replay: {rows[-1]['us']:.1f} us", flush=True)
 
 
@@ -243,7 +225,7 @@ def probe_overhead(rows: list) -> None:
     """Where small-decode time goes: eager launch vs the same work replayed from a CUDA graph."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from pagedflash import flash_attn_with_kvcache, validate
+    from pagedflash import flash_attn_with_kvcache
 
     for b, hq, hkv, d, dtype, n in [(4, 16, 16, 64, torch.float16, 1024), (1, 32, 8, 128, torch.bfloat16, 16384),
                                     (1, 32, 8, 128, torch.bfloat16, 4096)]:
@@ -256,17 +238,16 @@ def probe_overhead(rows: list) -> None:
         for splits in (1, 4, 8, 16, 0):
             def api(splits=splits):
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-            res[f"api_checked_s{splits}"] = _bench(api) * 1e3
-            with validate.value_checks(False):
-                res[f"api_s{splits}"] = _bench(api) * 1e3
-                res[f"graph_s{splits}"] = _bench(graphed(api) or api) * 1e3
+            res[f"api_checked_s{splits}"] = time_ms(api, graph=False, warmup_ms=10, rep_ms=40, value_checks=True) * 1e3
+            res[f"api_s{splits}"] = eager_ms(api) * 1e3
+            res[f"graph_s{splits}"] = time_ms(api, graph=True, warmup_ms=10, rep_ms=40) * 1e3
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             def sd(backend=backend):
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
             try:
-                res[f"sdpa_{name}"] = _bench(sd) * 1e3
-                res[f"sdpa_{name}_graph"] = _bench(graphed(sd) or sd) * 1e3
+                res[f"sdpa_{name}"] = eager_ms(sd) * 1e3
+                res[f"sdpa_{name}_graph"] = time_ms(sd, graph=True, warmup_ms=10, rep_ms=40) * 1e3
             except Exception as e:  # noqa: BLE001
                 print(f"  sdpa {name}: {type(e).__name__}: {e}"[:200])
         rows.append(dict(kind="overhead", shape=[b, hq, hkv, d, str(dtype), n], us=res))

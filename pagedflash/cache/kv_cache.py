@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedflash.validate import check_int
+
 __all__ = [
     "PAD_BLOCK_ID",
     "KVCache",
@@ -34,11 +36,6 @@ PAD_BLOCK_ID = 0
 padding stays inside the pool; correct kernels never use it (they stop at the sequence length)."""
 
 _KV = 2  # one pool for keys, one for values
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class KVCache:
@@ -72,7 +69,7 @@ class KVCache:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ]:
-            _check_positive_int(name, value)
+            check_int(name, value)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.page_size = page_size
@@ -136,8 +133,7 @@ class KVCache:
         dtype: torch.dtype,
     ) -> int:
         """How many blocks fit in ``num_bytes`` (may be 0: the caller decides whether that is an error)."""
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
-            raise ValueError(f"num_bytes must be a non-negative int, got {num_bytes!r}")
+        check_int("num_bytes", num_bytes, minimum=0)
         per_block = KVCache.bytes_per_block(
             num_layers=num_layers,
             page_size=page_size,
@@ -167,7 +163,7 @@ def block_table_tensor(
 
 def slot_mapping(block_table: Sequence[int], start: int, end: int, *, page_size: int) -> list[int]:
     """Slots of token positions ``start .. end - 1`` of one sequence: ``table[i // p] * p + i % p``."""
-    _check_positive_int("page_size", page_size)
+    check_int("page_size", page_size)
     capacity = len(block_table) * page_size
     if not 0 <= start <= end <= capacity:
         raise ValueError(
@@ -202,7 +198,9 @@ def seqlens_tensor(seqlens: Sequence[int], *, device: torch.device | str) -> tor
 
 
 def cu_seqlens_tensor(seqlens: Sequence[int], *, device: torch.device | str) -> torch.Tensor:
-    """Cumulative lengths with a leading 0, ``int32 [B + 1]``: sequence ``b`` is rows ``cu[b]:cu[b+1]``."""
+    """Cumulative lengths with a leading 0, ``int32 [B + 1]``: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
+    The one builder of ``cu_seqlens`` in the package, the benchmarks and the tests."""
+    seqlens = list(seqlens)
     if any(n < 0 for n in seqlens):
         raise ValueError(f"seqlens must be non-negative, got {list(seqlens)}")
     cu = [0]

@@ -1,0 +1,154 @@
+"""What the tests, the benchmarks and ``pagedflash demo`` share to check a kernel: one tolerance rule
+against the fp32 reference (:mod:`pagedflash.reference`), and random paged caches.
+
+The rule, for an output in ``dtype`` against its fp32 reference ``ref``, element by element::
+
+    |out - ref| <= atol * max|ref| + rtol * |ref|        (atol, rtol) = TOLERANCES[dtype]
+
+``max|ref|`` is taken over the finite entries; equal infinities (an LSE of -inf for a row that sees
+no key) match, NaN never does. ``atol`` is relative to the reference's scale because the error of a
+softmax-weighted sum is proportional to the size of its terms, not of its result: a decode output
+over 128K random keys is of order 1e-3, where an absolute ``atol`` would pass an all-zero output,
+and a projection's outputs near zero carry the rounding of terms of order one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedflash.cache.kv_cache import PAD_BLOCK_ID
+
+__all__ = [
+    "TOLERANCES",
+    "Mismatch",
+    "assert_close",
+    "check_close",
+    "compare",
+    "random_block_table",
+    "random_paged_kv",
+    "to_paged",
+]
+
+# (atol, rtol) of the rule above, per output dtype; randn inputs.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (6e-3, 6e-3),
+    torch.bfloat16: (4e-2, 4e-2),
+}
+_MIN_SCALE = 1e-6  # an all-zero reference still gets a (tiny) allowance, and err stays finite
+
+
+@dataclass
+class Mismatch:
+    """The rule applied to one pair: ``err`` = max |out - ref| / max|ref| (the figure the benchmarks
+    report), ``bad`` the elements outside the allowance, ``diff`` |out - ref| (inf where NaN)."""
+
+    err: float
+    bad: torch.Tensor
+    diff: torch.Tensor
+    scale: float
+
+    @property
+    def ok(self) -> bool:
+        return not bool(self.bad.any())
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Mismatch:
+    """Apply the rule (module docstring) to ``out`` against ``ref`` with the tolerance of ``dtype``."""
+    atol, rtol = TOLERANCES[dtype]
+    o, r = out.float(), ref.float().to(out.device)
+    if o.shape != r.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != reference shape {tuple(r.shape)}")
+    if not o.numel():
+        return Mismatch(0.0, torch.zeros_like(o, dtype=torch.bool), torch.zeros_like(o), _MIN_SCALE)
+    diff = torch.where(o == r, torch.zeros_like(o), (o - r).abs())  # equal infinities match
+    diff = torch.where(o.isnan() | r.isnan(), torch.full_like(o, float("inf")), diff)
+    finite = r.isfinite()
+    scale = max(float(r.abs().where(finite, 0.0).max()), _MIN_SCALE)
+    bad = diff > atol * scale + rtol * r.abs().where(finite, 0.0)
+    return Mismatch(float(diff.max()) / scale, bad, diff, scale)
+
+
+def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
+    """``(err, ok)`` of :func:`compare`: what a benchmark records for a checked case."""
+    m = compare(out, ref, dtype)
+    return m.err, m.ok
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "out") -> None:
+    """:func:`compare`, raising ``AssertionError`` that shows the first elements outside the rule."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(expected.shape)}")
+    m = compare(actual, expected, dtype)
+    if m.ok:
+        return
+    atol, rtol = TOLERANCES[dtype]
+    a, e = actual.float(), expected.float()
+    idx = m.bad.nonzero()[:5].tolist()
+    rows = "; ".join(f"{tuple(i)}: got {a[tuple(i)].item():.6g}, want {e[tuple(i)].item():.6g}" for i in idx)
+    raise AssertionError(
+        f"{name}: {int(m.bad.sum())}/{m.bad.numel()} elements off (max diff {m.diff.max().item():.3g}, "
+        f"max|ref| {m.scale:.3g}, atol {atol} x max|ref|, rtol {rtol}); first: {rows}")
+
+
+# ---------------------------------------------------------------- random paged caches
+
+
+def random_block_table(pages: Sequence[int], num_blocks: int, *, device: torch.device | str,
+                       share_first: int = 0) -> torch.Tensor:
+    """Block tables ``int32 [B, max(pages)]`` (at least one column) drawn from one random permutation
+    of a pool of ``num_blocks`` pages: row ``b`` takes the next ``pages[b]`` ids of the permutation (rows
+    disjoint), then :data:`~pagedflash.cache.PAD_BLOCK_ID`. ``share_first`` > 0: every row's first
+    ``share_first`` pages alias row 0's, as prefix caching produces."""
+    pages = list(pages)
+    if sum(pages) > num_blocks:
+        raise ValueError(f"num_blocks must hold the {sum(pages)} pages the rows need, got {num_blocks}")
+    perm = torch.randperm(num_blocks, device=device)
+    table = torch.full((len(pages), max(max(pages, default=0), 1)), PAD_BLOCK_ID, dtype=torch.int32,
+                       device=device)
+    used = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[used:used + p]
+        used += p
+    if share_first:
+        table[1:, :share_first] = table[0, :share_first]
+    return table
+
+
+def to_paged(cache: torch.Tensor, page_size: int, block_table: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``[B, N, Hkv, D]`` -> pool ``[B * N / page_size, page_size, Hkv, D]`` holding page ``j``
+    of sequence ``b`` in block ``block_table[b, j]``; the table must be a permutation of the whole pool
+    (``random_block_table([N // page_size] * B, B * N // page_size)``). Same values, so a check against
+    the contiguous cache's reference applies to the pool."""
+    b, n = cache.shape[:2]
+    if n % page_size or block_table.numel() != b * n // page_size:
+        raise ValueError(f"block_table must cover the {b} x {n} keys in pages of {page_size}, got shape "
+                         f"{tuple(block_table.shape)}")
+    chunks = cache.reshape(-1, page_size, *cache.shape[2:])
+    pool = torch.empty_like(chunks)
+    pool[block_table.flatten().long()] = chunks
+    return pool
+
+
+def random_paged_kv(seqlens: Sequence[int], page_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype, *, device: torch.device | str, spare: int = 3,
+                    share_first: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_cache, v_cache, block_table)``: pools ``[num_blocks, page_size, Hkv, D]`` ``spare`` times
+    larger than the sequences need, NaN everywhere but the slots of each sequence's first
+    ``seqlens[b]`` tokens (normal random values, drawn in fp32), block tables from
+    :func:`random_block_table` (``share_first``: aliased first pages). A kernel that reads a slot past
+    a length, or a page outside its table, shows it as NaN."""
+    pages = [-(-n // page_size) for n in seqlens]
+    num_blocks = max(1, sum(pages) * spare)
+    k_cache = torch.full((num_blocks, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    table = random_block_table(pages, num_blocks, device=device, share_first=share_first)
+    for b, n in enumerate(seqlens):  # fill only the slots in use
+        pos = torch.arange(n, device=device)
+        blk, off = table[b, pos // page_size].long(), pos % page_size
+        for cache in (k_cache, v_cache):
+            cache[blk, off] = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+    return k_cache, v_cache, table
