@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call, several steps, every result back in $OUT/results.tgz.
 #   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
-# Steps: tests (the compiled matrix, -n 8), bench:<prefill|decode|paged>, tune:<prefill|decode|overhead|paged>,
-# serve:<sections>[:<num-requests>]; TUNE_ARGS adds options to tune steps (--cells, --tiles, ...).
+# Steps: tests (the compiled matrix, -n 8), bench:<name> (any `pagedflash bench` benchmark but serve and tune),
+# tune:<prefill|decode|overhead|paged>, serve:<sections>[:<num-requests>]; TUNE_ARGS adds options to tune
+# steps (--cells, --tiles, ...), TESTS picks test files.
 # Each kind of step has its own time limit (T_<kind>, seconds) so
 # that the archive is written inside the call's limit; logs land beside the results.
 set -uo pipefail

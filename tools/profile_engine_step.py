@@ -2,37 +2,29 @@
 replay (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
     python tools/profile_engine_step.py [context]     # default 1024
 """
+import random
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pagedflash.bench.serve import LLAMA_3_2_1B, _tokens, _write_random_model
+from pagedflash.bench.common import time_ms
 from pagedflash.engine import LLM, SamplingParams
+from pagedflash.engine.config import LLAMA_3_2_1B
 
 
 def main() -> None:
     ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-    import random
-
     rng = random.Random(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(_write_random_model(LLAMA_3_2_1B, tmp, True, 0), max_num_seqs=64)
-    prompt = _tokens(rng, llm.config, ctx)
+    llm = LLM(LLAMA_3_2_1B, max_num_seqs=64)  # seeded random weights
+    prompt = [rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)]
     llm.generate([prompt], SamplingParams(max_tokens=1))
     out = llm.generate([prompt], SamplingParams(max_tokens=128, ignore_eos=True))[0]
     itl = statistics.median(out.itl[16:])
     graph = llm.runner.graphs[1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    g_ms = start.elapsed_time(end) / 50
+    g_ms = time_ms(graph.replay, graph=False, flush=None, reps=50)  # the step streams its weights itself
     print(f"context {ctx}: ITL median {itl * 1e3:.3f} ms, graph replay {g_ms:.3f} ms (back to back)")
     launch, whole = [], []
     for _ in range(20):  # host cost of one replay call, and launch-to-finish of a lone replay
