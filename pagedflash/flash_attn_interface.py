@@ -12,14 +12,29 @@ shorter signatures.
 Forward only, for inference: ``dropout_p`` must be 0, ``alibi_slopes`` and ``cache_leftpad`` must
 be None, and inputs that require grad are refused while autograd is on (a clear error in each
 case); ``deterministic`` is accepted and changes nothing, since every pagedflash kernel is
-deterministic. The rotary embedding of ``flash_attn_with_kvcache`` runs as PyTorch operations before
-the attention kernel (flash-attn fuses it into its kernel). Two values differ from flash-attn's:
+deterministic. Bad input raises :class:`~pagedflash.validate.FlashAttnValueError` or
+:class:`~pagedflash.validate.FlashAttnTypeError`: a ``ValueError``/``TypeError`` naming the argument,
+and a ``RuntimeError`` too, which is what flash-attn's own checks raise and what code written for it
+catches.
+
+The rotary embedding of ``flash_attn_with_kvcache`` runs as PyTorch operations before the attention
+kernel (flash-attn fuses it into its kernel), at flash-attn 2's positions and with its bounds: new
+key ``t`` at ``cache_seqlens + t``; query row ``i`` at ``cache_seqlens + i`` when the call is causal
+or local, else every query at ``cache_seqlens``; a window side at least the cache's length
+``seqlen_k`` (``S_max``, or ``block_table`` columns x page size) is unbounded, so it does not make
+the call local; ``rotary_cos``/``rotary_sin`` hold at least ``seqlen_k`` rows. flash-attn reads past
+the table when a causal or local call's query rows outrun it (more queries than new keys in a nearly
+full cache); pagedflash raises instead (the check reads ``cache_seqlens`` from the device, so it is
+skipped, like every value check, under CUDA-graph capture or ``set_value_checks(False)``, where such
+rows take the table's last row). Two values differ from flash-attn's:
 a query row that sees no key has LSE ``-inf`` (flash-attn 2 writes ``+inf``; both are "empty" to
 :func:`pagedflash.merge_attn_states`), and ``S_dmask`` is None, as in flash-attn 2.6 (2.7 returns an
 empty tensor).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -37,6 +52,24 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
+
+
+def _runtime_errors(fn):
+    """Raise bad-input errors as flash-attn's checks do, as RuntimeError: a ``ValueError`` becomes a
+    :class:`~pagedflash.validate.FlashAttnValueError`, a ``TypeError`` a
+    :class:`~pagedflash.validate.FlashAttnTypeError` (each both), message and traceback unchanged."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, RuntimeError):
+                raise
+            cls = validate.FlashAttnValueError if isinstance(e, ValueError) else validate.FlashAttnTypeError
+            raise cls(*e.args).with_traceback(e.__traceback__) from None
+
+    return call
 
 
 def _inference_only(dropout_p, alibi_slopes) -> None:
@@ -60,6 +93,7 @@ def _unpack(packed: torch.Tensor, name: str, parts: int, axis: int) -> tuple[tor
     return packed.unbind(axis)
 
 
+@_runtime_errors
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_func``: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``."""
@@ -68,6 +102,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                            softcap=softcap, return_lse=return_attn_probs), return_attn_probs)
 
 
+@_runtime_errors
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_qkvpacked_func``: qkv ``[B, S, 3, H, D]``."""
@@ -76,6 +111,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                            deterministic, return_attn_probs)
 
 
+@_runtime_errors
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, kv ``[B, Sk, 2, Hkv, D]``."""
@@ -84,6 +120,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                            deterministic, return_attn_probs)
 
 
+@_runtime_errors
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
@@ -95,6 +132,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                             return_lse=return_attn_probs, block_table=block_table), return_attn_probs)
 
 
+@_runtime_errors
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
@@ -104,6 +142,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+@_runtime_errors
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
@@ -132,7 +171,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
 
 
-def _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens) -> None:
+def _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens, capacity: int) -> None:
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos, rotary_sin: pass both or neither")
     if k is None:
@@ -147,10 +186,37 @@ def _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens) -> None:
     if 2 * rotary_cos.shape[1] > q.shape[-1]:
         raise ValueError(f"rotary_cos: expected [seqlen_ro, rotary_dim / 2] with rotary_dim <= head dim "
                          f"{q.shape[-1]}, got shape {tuple(rotary_cos.shape)}")
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos: expected at least {capacity} rows, the cache's length seqlen_k (as flash-attn "
+                         f"requires), got shape {tuple(rotary_cos.shape)}")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens: required with rotary_cos/rotary_sin (the positions to rotate at)")
+    if isinstance(cache_seqlens, torch.Tensor):
+        validate.check_int32_vector("cache_seqlens", cache_seqlens, length=q.shape[0], device=q.device)
+    else:
+        validate.check_int("cache_seqlens", cache_seqlens, minimum=0)
 
 
+def _rotary_positions(q, k, cache_seqlens, rows: int, capacity: int, causal: bool, window_size):
+    """Rows of rotary_cos/sin for q ``[B, Sq]`` and the new k ``[B, S_new]``, by flash-attn 2's rule (module doc)."""
+    batch, sq = q.shape[:2]
+    base = (torch.full((batch, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
+            else cache_seqlens.long()[:, None])
+    left, right = validate.check_window(window_size, causal)
+    per_row = any(0 <= w < capacity for w in (left, right))  # causal (right 0) or local
+    if batch and validate.value_checks_enabled(base):
+        last = int(base.max()) + (sq - 1 if per_row else 0)
+        if last >= rows:
+            how = f"query row {sq - 1} at cache_seqlens + {sq - 1}" if per_row else "the queries at cache_seqlens"
+            raise ValueError(f"rotary_cos: {rows} positions, but this {'causal or local ' if per_row else ''}call "
+                             f"rotates {how} = position {last}")
+    q_pos = base + (torch.arange(sq, device=q.device) if per_row else 0)
+    k_pos = base + torch.arange(k.shape[1], device=q.device)
+    # rows past the table: refused above or, for k, by the cache's bound; left unchecked they take its last row
+    return q_pos.expand(batch, sq).clamp(0, rows - 1), k_pos.clamp(0, rows - 1)
+
+
+@_runtime_errors
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -158,34 +224,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn's ``flash_attn_with_kvcache``.
 
     Beyond :func:`pagedflash.flash_attn_with_kvcache`: ``rotary_cos``/``rotary_sin``
-    ``[seqlen_ro, rotary_dim / 2]`` rotate the new k at positions ``cache_seqlens + t`` and q at the
-    same positions when causal or local (else every query at ``cache_seqlens``), as flash-attn
-    does; ``cache_batch_idx`` int32 ``[B]`` picks the row of a contiguous ``k_cache``
-    ``[B_cache, S_max, Hkv, D]`` that query row b reads and appends to (it runs through the paged
-    path, one page of ``S_max`` rows per cache row)."""
+    ``[seqlen_ro, rotary_dim / 2]``, ``seqlen_ro >= seqlen_k``, rotate the new k at positions
+    ``cache_seqlens + t`` and q at ``cache_seqlens + i`` when causal or local, else every query at
+    ``cache_seqlens`` (flash-attn's rule, module doc); ``cache_batch_idx`` int32 ``[B]`` picks the
+    row of a contiguous ``k_cache`` ``[B_cache, S_max, Hkv, D]`` that query row b reads and appends
+    to (it runs through the paged path, one page of ``S_max`` rows per cache row)."""
     _inference_only(0.0, alibi_slopes)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by pagedflash, expected None")
     validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
     validate.check_tensor("k_cache", k_cache, ndim=4, device=q.device)
     if rotary_cos is not None or rotary_sin is not None:
-        _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens)
-        batch, sq = q.shape[:2]
-        base = (torch.full((batch,), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
-                else cache_seqlens.long())
-        steps = torch.arange(sq, device=q.device)
-        if validate.value_checks_enabled(base):
-            reach = int(base.max()) + max(sq, k.shape[1])
-            if reach > rotary_cos.shape[0]:
-                raise ValueError(f"rotary_cos: {rotary_cos.shape[0]} positions, but cache_seqlens + new tokens "
-                                 f"reach {reach}")
-        # flash-attn: window sides at least the cache's length are unbounded; q rotates per token
-        # when causal or local, else every query sits at cache_seqlens
-        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        local = causal or any(0 <= w < capacity for w in validate.check_window(window_size, causal=False))
-        q_pos = base[:, None] + (steps[None, :] if local else 0 * steps[None, :])
+        if block_table is not None:
+            validate.check_tensor("block_table", block_table, ndim=2, device=q.device)
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)  # flash-attn's seqlen_k
+        _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens, capacity)
+        q_pos, k_pos = _rotary_positions(q, k, cache_seqlens, rotary_cos.shape[0], capacity, causal, window_size)
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
-        k_pos = base[:, None] + torch.arange(k.shape[1], device=q.device)[None, :]
         k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     if cache_batch_idx is not None:
         if block_table is not None:

@@ -15,13 +15,29 @@ Checks split in two kinds:
 from __future__ import annotations
 
 import contextlib
+import numbers
+import operator
 
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+# window sides from this length up are unbounded (exact for sequences of up to 2**30 tokens; it keeps
+# position + window inside int32 in the kernels)
+MAX_WINDOW = 2**30
+MIN_SOFTCAP = 2.0**-126  # fp32's smallest normal number
+_FP32_MAX = torch.finfo(torch.float32).max
 
 _value_checks = True
+
+
+class FlashAttnValueError(ValueError, RuntimeError):
+    """A bad value, raised by :mod:`pagedflash.flash_attn_interface`: code written for flash-attn,
+    whose checks raise ``RuntimeError``, catches it as well as code that expects ``ValueError``."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A bad type, raised by :mod:`pagedflash.flash_attn_interface` (a ``RuntimeError`` as well)."""
 
 
 def set_value_checks(enabled: bool) -> bool:
@@ -108,28 +124,54 @@ def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_a
     hq, hkv = q.shape[head_axis], k.shape[head_axis]
     if v.shape[head_axis] != hkv:
         raise ValueError(f"v: expected {hkv} heads (k's), got {v.shape[head_axis]}")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"heads: Hq must be a multiple of Hkv, got Hq={hq}, Hkv={hkv}")
+    if hq == 0 or hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"heads: Hq must be a multiple of Hkv, both at least 1, got Hq={hq}, Hkv={hkv}")
     return hq, hkv
 
 
 def check_window(window_size, causal: bool) -> tuple[int, int]:
-    """Normalize ``window_size`` to ``(left, right)`` with -1 meaning unbounded; causal sets right=0."""
+    """Normalize ``window_size`` to ``(left, right)`` with -1 meaning unbounded; causal sets right=0.
+
+    Each side is an int (a bool or a float is refused), -1 or >= 0. A side of ``MAX_WINDOW`` or more
+    reaches past every key of a sequence the kernels take, so it becomes -1: the kernels' int32
+    position arithmetic never sees it."""
     try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
+        sides = tuple(window_size)
+    except TypeError:
+        sides = None
+    if sides is None or len(sides) != 2 or any(isinstance(w, bool) or not _is_int(w) for w in sides):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    left, right = (operator.index(w) for w in sides)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected entries >= -1 (-1 = unbounded), got {window_size!r}")
+    left, right = (-1 if w >= MAX_WINDOW else w for w in (left, right))
     if causal:
         right = 0
     return left, right
 
 
+def _is_int(value) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def check_softcap(softcap) -> float:
+    """``softcap`` as a float: 0 and None turn it off (0.0), and so does a cap past fp32's largest
+    value, inf included (the kernel computes in fp32, where such a cap is inf and ``inf * tanh(s /
+    inf)`` is the identity's limit); otherwise ``softcap * tanh(score / softcap)`` with
+    ``softcap >= MIN_SOFTCAP`` (fp32's smallest normal number, so that ``1 / softcap`` is finite)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a float (0 or None disables it), got {type(softcap).__name__} {softcap!r}")
     softcap = float(softcap)
-    if softcap < 0 or softcap != softcap:
-        raise ValueError(f"softcap: expected a value >= 0 (0 disables it), got {softcap}")
+    if softcap > _FP32_MAX:
+        return 0.0
+    if not (softcap == 0.0 or softcap >= MIN_SOFTCAP):
+        raise ValueError(f"softcap: expected 0, None or inf (no cap), or a value >= {MIN_SOFTCAP:.3g}, got {softcap}")
     return softcap
 
 

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, assert_close, cu_seqlens, randn
+from helpers import DEVICE, DTYPES, assert_close, cu_seqlens, ids, randn
 
 import pagedflash
 from pagedflash import flash_attn_interface as fa
@@ -157,7 +157,7 @@ def _bad_call(case):
         "rotary without k": {**rotary, "k": None, "v": None},
         "rotary_dim > D": {**rotary, "rotary_cos": torch.cat([cos] * 5, 1), "rotary_sin": torch.cat([sin] * 5, 1)},
         "rotary without lengths": {**rotary, "cache_seqlens": None},
-        "rotary too short": {**rotary, "rotary_cos": cos[:8], "rotary_sin": sin[:8]},
+        "rotary shorter than the cache": {**rotary, "rotary_cos": cos[:15], "rotary_sin": sin[:15]},
         "batch idx not int32": dict(cache_batch_idx=rows.long()),
         "batch idx out of range": dict(cache_batch_idx=rows + 1),
         "batch idx with pages": dict(cache_batch_idx=rows, cache_seqlens=lens,
@@ -174,13 +174,16 @@ def _bad_call(case):
     ("rotary without k", ValueError, "k, v: required with rotary_cos/rotary_sin"),
     ("rotary_dim > D", ValueError, r"rotary_cos: expected \[seqlen_ro, rotary_dim / 2\] with rotary_dim <= head dim"),
     ("rotary without lengths", ValueError, "cache_seqlens: required with rotary"),
-    ("rotary too short", ValueError, "rotary_cos: 8 positions, but cache_seqlens \\+ new tokens reach 10"),
+    ("rotary shorter than the cache", ValueError,
+     r"rotary_cos: expected at least 16 rows, the cache's length seqlen_k \(as flash-attn requires\), got shape \(15, 4\)"),
     ("batch idx not int32", TypeError, "cache_batch_idx"),
     ("batch idx out of range", ValueError, r"cache_batch_idx: expected rows in \[0, 4\)"),
     ("batch idx with pages", ValueError, "cache_batch_idx: not supported with block_table"),
 ])
 def test_kvcache_rejects(case, error, match):
     with pytest.raises(error, match=match):
+        _bad_call(case)()
+    with pytest.raises(RuntimeError, match=match):  # what code written for flash-attn catches
         _bad_call(case)()
 
 
@@ -223,3 +226,127 @@ def test_kvcache_rotary_over_pages():
     want = ref.kvcache_attention_ref(_rotate_ref(q, angles, pos, True), k_ref, v_ref, lens + 2, block_table=table,
                                      causal=True)[0]
     assert_close(out, want, DTYPE)
+
+
+def _fa2_rotary_positions(lens, sq, s_new, seqlen_k, causal, window):
+    """flash-attn 2's rotary rows, restated from its source (csrc/flash_attn/flash_api.cpp:
+    mha_fwd_kvcache and set_params_fprop; flash_fwd_kernel.h: the Append_KV rotary copies), as an
+    independent reference: a one-row call is not causal; causal sets right = 0; a side >= seqlen_k
+    is -1; causal means left < 0 and right == 0, local any other side >= 0; q row i sits at
+    cache_seqlens + i when causal or local, else at cache_seqlens; new key t at cache_seqlens + t."""
+    left, right = window
+    if sq == 1:
+        causal = False
+    if causal:
+        right = 0
+    left, right = (-1 if w >= seqlen_k else w for w in (left, right))
+    is_causal = left < 0 and right == 0
+    is_local = (left >= 0 or right >= 0) and not is_causal
+    base = lens.long()[:, None]
+    q_pos = base + torch.arange(sq, device=DEVICE) if is_causal or is_local else base.expand(-1, sq)
+    return q_pos, base + torch.arange(s_new, device=DEVICE)
+
+
+CAPACITY = 32  # seqlen_k of every layout below; rotary tables have exactly this many rows (flash-attn's minimum)
+MODES = {
+    "causal": (True, (-1, -1)),
+    "causal+left": (True, (5, -1)),
+    "local": (False, (4, 1)),
+    "left only": (False, (6, -1)),
+    "neither": (False, (-1, -1)),
+    "right as long as the cache": (False, (-1, CAPACITY)),
+    "left one short of the cache": (False, (CAPACITY - 1, -1)),
+}
+
+
+# every mode over a contiguous cache; the paged and cache_batch_idx layouts with a per-row and a shared mode
+# each (the layout changes where keys land, not the positions); both rotary layouts alternate
+ROTARY_CASES = [(mode, "contiguous", i % 2 == 0) for i, mode in enumerate(sorted(MODES))] + [
+    ("causal", "paged", False), ("left only", "paged", True), ("neither", "paged", True),
+    ("right as long as the cache", "paged", False), ("local", "batch_idx", True), ("neither", "batch_idx", False),
+]
+
+
+@pytest.mark.parametrize("mode,layout,interleaved", ROTARY_CASES, ids=ids)
+def test_kvcache_rotary_positions_are_flash_attns(mode, layout, interleaved):
+    """Modes x cache layouts, with more queries than new keys (so the modes' positions differ) and a
+    rotary_dim below the head dim, against flash-attn 2's rule restated in _fa2_rotary_positions."""
+    causal, window = MODES[mode]
+    b, sq, s_new, hq, hkv, d, rotary_dim, page = 3, 5, 3, 4, 2, 32, 16, 8
+    lens = torch.tensor([0, 7, 24], dtype=torch.int32, device=DEVICE)
+    angles, cos, sin = _rotary_tables(CAPACITY, rotary_dim)
+    q, k_new, v_new = randn(b, sq, hq, d, dtype=DTYPE), randn(b, s_new, hkv, d, dtype=DTYPE), randn(
+        b, s_new, hkv, d, dtype=DTYPE)
+    table, rows = None, None
+    if layout == "paged":
+        from helpers import make_pool
+
+        k_cache, v_cache, table = make_pool([n + s_new for n in lens.tolist()], page, hkv, d, DTYPE)
+        assert table.shape[1] * page == CAPACITY
+    elif layout == "batch_idx":
+        k_cache, v_cache = randn(5, CAPACITY, hkv, d, dtype=DTYPE), randn(5, CAPACITY, hkv, d, dtype=DTYPE)
+        rows = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    else:
+        k_cache, v_cache = randn(b, CAPACITY, hkv, d, dtype=DTYPE), randn(b, CAPACITY, hkv, d, dtype=DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, rows, None, table,
+                                     causal=causal, window_size=window, rotary_interleaved=interleaved)
+
+    q_pos, k_pos = _fa2_rotary_positions(lens, sq, s_new, CAPACITY, causal, window)
+    q_rot, k_rot = _rotate_ref(q, angles, q_pos, interleaved), _rotate_ref(k_new, angles, k_pos, interleaved)
+    if rows is not None:  # the rows this batch reads and appends to
+        k_ref, v_ref = k_ref[rows.long()], v_ref[rows.long()]
+        k_cache, v_cache = k_cache[rows.long()], v_cache[rows.long()]
+    ref.append_ref(k_ref, v_ref, k_rot, v_new, lens, block_table=table)
+    assert_close(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0), DTYPE, name="k_cache")
+    want = ref.kvcache_attention_ref(q_rot, k_ref, v_ref, lens + s_new, block_table=table, causal=causal,
+                                     window_size=window)[0]
+    assert_close(out, want, DTYPE)
+
+
+def test_kvcache_rotary_queries_at_cache_seqlens_in_a_full_cache():
+    """The issue's case (flash-attn's test_flash_attn_kvcache: batch 1, seqlen_q 128, a cache of 128, D 32,
+    rotary_fraction 0.5, fewer new keys than queries): neither causal nor local, every query rotates
+    at cache_seqlens, so a table as long as the cache is enough (pagedflash asked for cache_seqlens +
+    seqlen_q rows and refused it). Causal, the query rows would run past the table: a clear error."""
+    sq, s_new, s_max, d, rotary_dim = 128, 5, 128, 32, 16
+    angles, cos, sin = _rotary_tables(s_max, rotary_dim)
+    lens = torch.tensor([s_max - s_new - 10], dtype=torch.int32, device=DEVICE)
+    q, k_new, v_new = randn(1, sq, 4, d, dtype=DTYPE), randn(1, s_new, 2, d, dtype=DTYPE), randn(1, s_new, 2, d,
+                                                                                                   dtype=DTYPE)
+    k_cache, v_cache = randn(1, s_max, 2, d, dtype=DTYPE), randn(1, s_max, 2, d, dtype=DTYPE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, rotary_interleaved=False)
+    q_pos, k_pos = _fa2_rotary_positions(lens, sq, s_new, s_max, False, (-1, -1))
+    ref.append_ref(k_ref, v_ref, _rotate_ref(k_new, angles, k_pos, False), v_new, lens)
+    assert_close(k_cache, k_ref, DTYPE, name="k_cache")
+    want = ref.kvcache_attention_ref(_rotate_ref(q, angles, q_pos, False), k_ref, v_ref, lens + s_new, causal=False)[0]
+    assert_close(out, want, DTYPE)
+
+    k_before = k_cache.clone()
+    with pytest.raises(ValueError, match="rotary_cos: 128 positions, but this causal or local call rotates query row "
+                                         "127 at cache_seqlens \\+ 127 = position 240"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, causal=True)
+    assert torch.equal(k_cache, k_before)  # refused before anything was written
+
+
+def test_every_input_error_is_also_a_runtime_error():
+    """Code written for flash-attn catches its TORCH_CHECK failures as RuntimeError; the same code
+    catches pagedflash's ValueError/TypeError (same message) from every entry point here."""
+    q, k = randn(1, 8, 4, 32, dtype=DTYPE), randn(1, 8, 2, 32, dtype=DTYPE)
+    cu = cu_seqlens([8])
+    calls = {
+        "flash_attn_func": (lambda: fa.flash_attn_func(q, k, k, 0.5), ValueError, "dropout_p"),
+        "qkvpacked": (lambda: fa.flash_attn_qkvpacked_func(q), ValueError, "qkv: expected 3 along dimension 2"),
+        "kvpacked": (lambda: fa.flash_attn_kvpacked_func(q, "kv"), TypeError, "kv: expected a torch.Tensor"),
+        "varlen": (lambda: fa.flash_attn_varlen_func(q[0], k[0], k[0], cu, cu, 8, 8, softcap="1"), TypeError,
+                   "softcap"),
+        "varlen qkvpacked": (lambda: fa.flash_attn_varlen_qkvpacked_func(q[0], cu, 8), ValueError, "qkv"),
+        "varlen kvpacked": (lambda: fa.flash_attn_varlen_kvpacked_func(q[0], q[0], cu, cu, 8, 8), ValueError, "kv"),
+        "kvcache": (lambda: fa.flash_attn_with_kvcache(q, k, k, window_size=(1.5, -1)), TypeError, "window_size"),
+    }
+    for name, (call, kind, match) in calls.items():
+        with pytest.raises(RuntimeError, match=match) as caught:
+            call()
+        assert isinstance(caught.value, kind), name
+        assert type(caught.value).__name__ == f"FlashAttn{kind.__name__}", name

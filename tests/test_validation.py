@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the argument, before any launch."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import DEVICE, randn
@@ -9,8 +10,10 @@ from pagedflash import (
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
     merge_attn_states,
+    reference,
     write_kv_cache,
 )
+from pagedflash import flash_attn_interface as fa
 
 
 def qkv(b=1, s=8, hq=4, hkv=2, d=32, dtype=torch.float32):
@@ -191,3 +194,89 @@ def test_inputs_that_require_grad_are_refused_unless_autograd_is_off():
             call()
         with torch.inference_mode():
             call()
+
+
+# --- hostile options: softcap, window_size, zero heads, an empty rotary batch --------------------
+
+
+@pytest.mark.parametrize("off", [None, float("inf"), 1e300], ids=["None", "inf", "past-fp32"])
+def test_softcap_that_caps_nothing_is_no_cap(off):
+    """None (transformers' "no cap"), inf and caps past fp32's range are the identity: exactly no cap."""
+    q, k, v = qkv(s=19)
+    assert torch.equal(flash_attn_func(q, k, v, softcap=off, causal=True), flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize(
+    "softcap,exc,match",
+    [
+        ("2", TypeError, "softcap: expected a float .*got str"),
+        (True, TypeError, "softcap: expected a float .*got bool"),
+        (torch.tensor(2.0), TypeError, "softcap: expected a float .*got Tensor"),
+        (float("nan"), ValueError, "softcap: expected 0, None or inf .*got nan"),
+        (-1.0, ValueError, "softcap: expected 0, None or inf .*got -1.0"),
+        (float("-inf"), ValueError, "softcap: expected 0, None or inf"),
+        (1e-39, ValueError, "softcap: .* a value >= 1.18e-38, got 1e-39"),
+    ],
+)
+def test_softcap_rejects(softcap, exc, match):
+    with pytest.raises(exc, match=match):
+        flash_attn_func(*qkv(), softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("softcap", [1e6, 50.0, 1.0, 0.01])
+def test_softcap_accurate_for_any_cap(softcap, dtype):
+    """Scores up to about 30 under caps from 0.01 to 1e6: both sides of soft_cap's series/exp2 switch
+    (|s / cap| = 1/4). The former ``cap - 2 cap / (exp(2 s / cap) + 1)`` lost 0.12 at cap 1e6."""
+    torch.manual_seed(0)
+    q, k, v = (t * 3 if i < 2 else t for i, t in enumerate(qkv(b=2, s=40, dtype=dtype)))
+    out, lse = flash_attn_func(q, k, v, softcap=softcap, causal=True, return_lse=True)
+    want, want_lse = reference.attention_ref(q, k, v, softcap=softcap, causal=True)
+    torch.testing.assert_close(lse, want_lse, atol=5e-5, rtol=2e-6)
+    torch.testing.assert_close(out.float(), want, **({"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32
+                                                      else {"atol": 2e-3, "rtol": 2e-3}))
+
+
+def test_window_sides_past_any_sequence_are_unbounded():
+    """A side of 2**30 or more covers every key (and used to overflow the kernels' int32 positions:
+    2**31 - 2 on the right gave wrong output, 10**30 an OverflowError inside Triton)."""
+    q, k, v = qkv(s=13)
+    q = q[:, :9]
+    unbounded = flash_attn_func(q, k, v)
+    for window in [(-1, 2**31 - 2), (2**31 - 2, -1), (2**30, 2**30), (2**63, 2**63 - 1), (10**30, 10**40)]:
+        assert torch.equal(flash_attn_func(q, k, v, window_size=window), unbounded), window
+    causal = flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(2**40, 7), causal=True), causal)
+    numpy_ints = flash_attn_func(q, k, v, window_size=tuple(np.int64(w) for w in (3, 2)))
+    assert torch.equal(numpy_ints, flash_attn_func(q, k, v, window_size=(3, 2)))
+
+
+@pytest.mark.parametrize("window", [(3.0, -1), (-1, 2.5), (True, -1), (-1, False), (1, 2, 3), (4,), None, "ab"],
+                         ids=str)
+def test_window_rejects_non_ints(window):
+    with pytest.raises(TypeError, match=r"window_size: expected a pair of ints \(left, right\)"):
+        flash_attn_func(*qkv(), window_size=window)
+
+
+def test_zero_query_heads_rejected():
+    q, k, v = qkv()
+    cu = i32([0, 8])
+    calls = [
+        lambda: flash_attn_func(q[:, :, :0], k, v),
+        lambda: flash_attn_varlen_func(q[0, :, :0], k[0], v[0], cu, cu, 8, 8),
+        lambda: flash_attn_with_kvcache(q[:, :1, :0], k, v, cache_seqlens=3),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="heads: Hq must be a multiple of Hkv, both at least 1, got Hq=0, Hkv=2"):
+            call()
+
+
+def test_rotary_kvcache_with_a_batch_of_zero():
+    """flash_attn_interface's rotary path over an empty batch: the same empty output as without rotary."""
+    q, k_cache = randn(0, 3, 4, 32), randn(0, 16, 2, 32)
+    k_new, v_new = randn(0, 2, 2, 32), randn(0, 2, 2, 32)
+    cos, sin = randn(16, 8), randn(16, 8)
+    lens = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    out, lse = fa.flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k_new, v_new, cos, sin, lens, causal=True,
+                                          return_softmax_lse=True)
+    assert out.shape == (0, 3, 4, 32) and lse.shape == (0, 4, 3)

@@ -12,10 +12,21 @@ NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
 @triton.jit
 def soft_cap(s, softcap):
-    """``softcap * tanh(s / softcap)``, with tanh written through exp2 so that it runs on every
-    Triton target and in the interpreter: tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both tails."""
-    e = tl.exp2(s * (2.0 * LOG2E / softcap))
-    return softcap - (2.0 * softcap) / (e + 1.0)
+    """``softcap * tanh(s / softcap)`` to a few fp32 ulps for every cap >= fp32's smallest normal,
+    written with exp2 and a polynomial so that it runs on every Triton target and in the interpreter.
+
+    With ``x = s / softcap``: for ``|x| < 1/4`` the odd Taylor series ``s * (1 - x^2/3 + 2x^4/15 -
+    17x^6/315 + 62x^8/2835)`` (truncation under 1e-8 relative; it never forms ``softcap - ...``, whose
+    cancellation loses the score under a large cap), else ``sign(s) * softcap * (1 - t) / (1 + t)``
+    with ``t = exp(-2|x|) <= e^-0.5`` (1 - t loses at most 2 bits)."""
+    x = s * (1.0 / softcap)
+    a = tl.minimum(tl.abs(x), 0.25)  # the series' range (keeps the unused branch finite)
+    u = a * a
+    series = s * (1.0 + u * (-0.3333333333333333 + u * (0.13333333333333333 + u * (-0.05396825396825397
+                                                                                   + u * 0.021869488536155203))))
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    tail = softcap * ((1.0 - t) / (1.0 + t))
+    return tl.where(tl.abs(x) < 0.25, series, tl.where(s < 0, -tail, tail))
 
 
 @triton.jit
