@@ -1,5 +1,6 @@
-"""``attn_implementation="pagedflash"`` in transformers: logits equal SDPA's (prefill, padded batches,
-decode through transformers' own cache)."""
+"""``attn_implementation="pagedflash"`` in transformers: logits equal eager attention's and SDPA's
+(prefill, padded batches, decode through transformers' own cache, softcap, sliding windows both
+ways); keywords that would change the math and are not implemented raise errors that name them."""
 
 import inspect
 
@@ -21,13 +22,13 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
 
 
-def pair(tmp_path, cls, cfg, dtype=torch.float32, device=DEVICE):
+def pair(tmp_path, cls, cfg, dtype=torch.float32, device=DEVICE, reference="sdpa"):
     pf_hf.register()
     torch.manual_seed(0)
     with torch.device(device):
         cls(cfg).to(dtype).save_pretrained(tmp_path)
     load = lambda impl: cls.from_pretrained(tmp_path, attn_implementation=impl, dtype=dtype).to(device).eval()
-    return load("pagedflash"), load("sdpa")
+    return load("pagedflash"), load(reference)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,101 @@ def test_mistral_sliding_window_matches_sdpa(tmp_path):
     ours, ref = pair(tmp_path, transformers.MistralForCausalLM, cfg)
     ids = torch.randint(0, 128, (2, 19), device=DEVICE)
     torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_llama_prefill_and_decode_equal_eager(tmp_path):
+    ours, ref = pair(tmp_path, transformers.LlamaForCausalLM, transformers.LlamaConfig(**TINY), reference="eager")
+    ids = torch.randint(0, 128, (2, 23), device=DEVICE)
+    out_a, out_b = ours(ids, use_cache=True), ref(ids, use_cache=True)
+    torch.testing.assert_close(out_a.logits, out_b.logits, rtol=1e-4, atol=1e-4)
+    nxt = out_b.logits[:, -1:].argmax(-1)
+    step_a = ours(nxt, **{CACHE_ARG: out_a.past_key_values}, use_cache=True).logits
+    torch.testing.assert_close(step_a, ref(nxt, **{CACHE_ARG: out_b.past_key_values}, use_cache=True).logits,
+                               rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_gemma2_softcap_and_sliding_window_equal_eager(tmp_path):
+    """Gemma2: logit softcapping and alternating sliding-window layers (SDPA refuses softcap)."""
+    cfg = transformers.Gemma2Config(**TINY, sliding_window=5, attn_logit_softcapping=3.0, query_pre_attn_scalar=16)
+    ours, ref = pair(tmp_path, transformers.Gemma2ForCausalLM, cfg, reference="eager")
+    ids = torch.randint(0, 128, (2, 17), device=DEVICE)
+    torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_bidirectional_sliding_window_equal_eager(tmp_path):
+    """ModernBERT's local layers see w - 1 keys on each side (transformers' flash-attention rule, the
+    same keys as its bidirectional sliding mask); the right side used to be unbounded."""
+    cfg = transformers.ModernBertConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, local_attention=8, global_attn_every_n_layers=2,
+                                        max_position_embeddings=256, pad_token_id=0)
+    ours, ref = pair(tmp_path, transformers.ModernBertModel, cfg, reference="eager")
+    ids = torch.randint(1, 128, (2, 21), device=DEVICE)
+    torch.testing.assert_close(ours(ids).last_hidden_state, ref(ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+def _tiny_attention_call(**kwargs):
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 5, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE)
+    with torch.no_grad():
+        return pf_hf.pagedflash_attention_forward(torch.nn.Module(), q, k, k, None, **kwargs)[0]
+
+
+@pytest.mark.parametrize("name,value", [
+    ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4)), ("alibi_slopes", torch.ones(4)), ("head_mask", torch.ones(4)),
+    ("position_bias", torch.zeros(1, 4, 5, 5)), ("output_attentions", True), ("block_table", torch.zeros(1, 1)),
+    ("k_cache", torch.zeros(1)), ("use_top_left_mask", True),
+])
+def test_unsupported_keywords_raise_by_name(name, value):
+    with pytest.raises(NotImplementedError, match=f"^{name}: pagedflash attention got {name}="):
+        _tiny_attention_call(**{name: value})
+
+
+def test_unknown_keywords_and_dropout_raise_known_harmless_ones_pass():
+    with pytest.raises(TypeError, match="^attn_bias: pagedflash attention got an unexpected keyword argument"):
+        _tiny_attention_call(attn_bias=torch.zeros(5, 5))
+    with pytest.raises(ValueError, match="^dropout: pagedflash attention is inference-only"):
+        _tiny_attention_call(dropout=0.1)
+    want = _tiny_attention_call()
+    harmless = dict(s_aux=None, head_mask=None, output_attentions=False, use_cache=True, output_hidden_states=True,
+                    cache_position=torch.arange(5), deterministic=True, attn_bias=None)
+    assert torch.equal(_tiny_attention_call(**harmless), want)
+
+
+@torch.no_grad()
+def test_gpt_oss_sinks_are_refused():
+    """GPT-OSS passes its learned sinks as s_aux; running it through pagedflash must fail loudly.
+    (transformers sends GPT-OSS's flash requests to a hub kernel at load time, so the implementation
+    is switched on a model loaded with eager attention.)"""
+    pf_hf.register()
+    cfg = transformers.GptOssConfig(**TINY, num_local_experts=2, num_experts_per_tok=1, sliding_window=6)
+    with torch.device(DEVICE):
+        model = transformers.GptOssForCausalLM(cfg).eval()
+    model.config._attn_implementation = "pagedflash"
+    with pytest.raises(NotImplementedError, match="^s_aux: pagedflash attention got s_aux=Parameter, but attention "
+                                                  "sinks"):
+        model(torch.randint(0, 128, (1, 6), device=DEVICE))
+
+
+def test_flash_preload_hook_skips_only_registered_names():
+    """The one private hook (module doc), against the installed transformers: model init's preload
+    returns nothing for our name and behaves as before for any other."""
+    import transformers.modeling_utils as mu
+
+    pf_hf.register()
+    hook = mu.lazy_import_flash_attention
+    assert hook._pagedflash_wrapped and hook("pagedflash") is None
+    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention as original
+
+    def outcome(fn):
+        try:
+            return type(fn("no_such_flash_attention_impl")).__name__
+        except Exception as e:  # the original's own failure, whatever it is, must come through unchanged
+            return type(e).__name__
+
+    assert outcome(hook) == outcome(original)
 
 
 @pytest.mark.gpu

@@ -11,11 +11,24 @@ padding mask ``[B, Sk]``, from which the sequences are unpadded into one
 :func:`pagedflash.flash_attn_varlen_func` launch. Prefill and decode work with transformers' own
 caches (keys arrive with the past prepended; causal masking is bottom-right aligned). Inference only.
 
-One shim: transformers decides "is this flash attention?" by a substring test on the name
-(``"flash" in attn_implementation``) and then, at model init, tries to import a flash-attn package
-or hub kernel of that name, which fails for ``"pagedflash"``. :func:`register` therefore wraps
-``transformers.modeling_utils.lazy_import_flash_attention`` so that it skips the names registered
-here and defers to the original for every other name.
+Nothing is dropped silently. Every keyword transformers passes to an attention function is either
+used (``scaling``, ``sliding_window`` as flash-attn's ``(w - 1, w - 1)`` window, ``softcap``,
+``is_causal``, a packed row's ``cu_seq_lens_q/k`` or ``position_ids``), known to leave attention's
+math alone (``use_cache``, ``output_hidden_states``, ...), or refused with an error that names it:
+``dropout > 0``, attention sinks (``s_aux``, ``sinks``), ALiBi slopes, a ``head_mask``, an additive
+``position_bias``, ``output_attentions=True`` (no weights are formed), transformers' paged
+continuous-batching cache (``block_table``, ``k_cache``, ...), and any keyword this module does not
+know (read from the call sites and the ``TransformersKwargs``/``FlashAttentionKwargs`` of
+transformers 5.17 and 5.24) whose value is not None or False.
+
+One private hook, as transformers has no public one for it: transformers decides "is this flash
+attention?" by a substring test on the name (``"flash" in attn_implementation``) and then, at model
+init, tries to import a flash-attn package or hub kernel of that name, which fails for
+``"pagedflash"``. :func:`register` therefore wraps ``transformers.modeling_utils.lazy_import_flash_attention``
+so that it skips the names registered here and defers to the original for every other name
+(tests/test_transformers_integration.py checks the wrapper against the installed transformers).
+Routing through transformers' own flash-attention forward instead (its ``attention_wrapper`` hook)
+would not do: it drops keywords the kernel's signature lacks, ``s_aux`` among them, without a word.
 """
 
 from __future__ import annotations
@@ -26,6 +39,43 @@ from pagedflash import flash_attn_func, flash_attn_varlen_func
 
 NAME = "pagedflash"
 _MASK_SOURCE = "flash_attention_2"  # transformers' mask function for unpadded kernels
+
+# Keywords pagedflash reads itself (beyond the named parameters of pagedflash_attention_forward).
+_USED = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"})
+# Keywords that do not change attention's output: caching and output bookkeeping of the model around it.
+_NO_EFFECT = frozenset({
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "position_embeddings", "layer_idx",
+    "output_hidden_states", "output_router_logits", "num_items_in_batch", "seq_idx", "deterministic",
+    "target_dtype", "attn_implementation",
+})
+# Keywords that change the math and are not implemented: refused by name, whatever their value but None/False.
+_UNSUPPORTED = {
+    "s_aux": "attention sinks (one learned logit per head) are not implemented",
+    "sinks": "attention sinks are not implemented",
+    "learnable_sink": "attention sinks are not implemented",
+    "alibi_slopes": "ALiBi is not implemented",
+    "head_mask": "head masks are not implemented",
+    "position_bias": "an additive position bias on the scores is not implemented",
+    "output_attentions": "the attention weights are never formed (use attn_implementation='eager' for them)",
+    "block_table": "transformers' paged continuous-batching cache is not supported",
+    "k_cache": "transformers' paged continuous-batching cache is not supported",
+    "v_cache": "transformers' paged continuous-batching cache is not supported",
+    "cache_seqlens": "transformers' paged continuous-batching cache is not supported",
+    "use_top_left_mask": "top-left aligned causal masks are not implemented (pagedflash aligns bottom-right)",
+}
+
+
+def _refuse_unsupported(kwargs: dict) -> None:
+    """Raise for a keyword that would change the attention and is not implemented (module doc)."""
+    for name, value in kwargs.items():
+        if name in _USED or name in _NO_EFFECT or value is None or value is False:
+            continue
+        shown = type(value).__name__ if isinstance(value, torch.Tensor) else repr(value)
+        if name in _UNSUPPORTED:
+            raise NotImplementedError(f"{name}: pagedflash attention got {name}={shown}, but {_UNSUPPORTED[name]}; "
+                                      f"load this model with attn_implementation='sdpa' or 'eager'")
+        raise TypeError(f"{name}: pagedflash attention got an unexpected keyword argument {name}={shown}; it may "
+                        f"change the attention, so it is refused rather than ignored")
 
 
 def register(name: str = NAME) -> None:
@@ -73,14 +123,16 @@ def pagedflash_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention-function contract; returns ``([B, Sq, Hq, D], None)``."""
     if dropout:
-        raise ValueError("pagedflash attention is inference-only: dropout must be 0 (call model.eval())")
+        raise ValueError(f"dropout: pagedflash attention is inference-only, expected 0.0 (call model.eval()), "
+                         f"got {dropout}")
+    _refuse_unsupported(kwargs)
     if attention_mask is not None and attention_mask.dim() != 2:
-        raise ValueError(
-            f"pagedflash attention takes no mask or a 2D padding mask [B, Sk], got shape {tuple(attention_mask.shape)}"
-        )
+        raise ValueError(f"attention_mask: pagedflash attention takes no mask or a 2D padding mask [B, Sk], got "
+                         f"shape {tuple(attention_mask.shape)}")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    window = (sliding_window - 1, -1) if sliding_window else (-1, -1)
-    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    # transformers' flash-attention convention: w - 1 keys each side (causal keeps the left side only)
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
+    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
     if attention_mask is not None and attention_mask.shape[1] == k.shape[1] and bool(attention_mask.all()):
         attention_mask = None
