@@ -14,7 +14,7 @@ setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.9.0"
 	@$(PYTHON) -c "import pytest, hypothesis" 2>/dev/null || $(PIP) install "pytest>=8" "hypothesis>=6"
-	@$(PYTHON) -c "import safetensors, transformers, tqdm" 2>/dev/null || $(PIP) install safetensors "transformers>=4.48" tqdm
+	@$(PYTHON) -c "import safetensors, transformers, tqdm" 2>/dev/null || $(PIP) install safetensors "transformers>=4.53" tqdm
 	@$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PIP) install matplotlib
 	@$(PYTHON) -m pip show -q pagedflash >/dev/null 2>&1 || $(PIP) install --no-deps --no-build-isolation -e . \
 		|| echo "note: editable install failed; running from the source tree"
