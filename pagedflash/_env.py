@@ -38,6 +38,7 @@ def _interpret_imported_triton() -> None:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and not knobs.runtime.interpret:  # turned off in Python: the user's choice
         return
+    applied: list[tuple[object, str, object]] = []  # (owner, name, original), to undo on failure
     try:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
@@ -46,15 +47,21 @@ def _interpret_imported_triton() -> None:
                   if m is not None and (name == "triton.language" or name.startswith("triton.language."))]
         owners.append(triton.language.tensor)  # member functions: x.sum(), x.to(...)
         interpreted: dict[int, InterpretedFunction] = {}  # by id: one replacement per function
+        plan = []  # every replacement is built before any is applied
         for owner in owners:
             for name, value in list(vars(owner).items()):
                 if isinstance(value, JITFunction):
                     if id(value) not in interpreted:
                         interpreted[id(value)] = InterpretedFunction(value.fn)
-                    setattr(owner, name, interpreted[id(value)])
+                    plan.append((owner, name, value, interpreted[id(value)]))
+        for owner, name, value, replacement in plan:
+            setattr(owner, name, replacement)
+            applied.append((owner, name, value))
         if any(isinstance(v, JITFunction) for owner in owners for v in vars(owner).values()):
             raise RuntimeError("some triton.language functions stayed compiled")
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        for owner, name, value in reversed(applied):  # all or nothing: triton is left as it was
+            setattr(owner, name, value)
         raise ImportError(
             f"pagedflash: triton {getattr(triton, '__version__', '?')} was imported before pagedflash, "
             f"set up to compile for a GPU, and cannot be switched to its CPU interpreter now ({e}). "

@@ -142,3 +142,27 @@ def test_a_triton_that_cannot_be_switched_gets_one_clear_error():
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: pagedflash: triton"), done.stderr[-3000:]
     assert "import pagedflash before triton" in last and "TRITON_INTERPRET=1" in last
+
+
+def test_a_failed_switch_leaves_triton_as_it_was():
+    """The switch is all or nothing: when it fails part-way, every triton.language function is the
+    one triton defined, so code that catches the ImportError keeps a consistent triton."""
+    done = _fresh_python(
+        "import triton, triton.language as tl\n"
+        "import triton.runtime.interpreter as it\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "before = {n: v for n, v in vars(tl).items() if isinstance(v, JITFunction)}\n"
+        "real, count = it.InterpretedFunction, [0]\n"
+        "def flaky(fn):\n"
+        "    count[0] += 1\n"
+        "    if count[0] == 5:\n"
+        "        raise RuntimeError('boom')\n"
+        "    return real(fn)\n"
+        "it.InterpretedFunction = flaky\n"
+        "try:\n"
+        "    import pagedflash\n"
+        "except ImportError as e:\n"
+        "    assert 'boom' in str(e)\n"
+        "assert {n: v for n, v in vars(tl).items() if isinstance(v, JITFunction)} == before\n"
+        "print('unchanged', len(before))\n")
+    assert done.returncode == 0 and "unchanged" in done.stdout, done.stderr[-3000:]
