@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedflash.ops import _jit
+from pagedflash.ops import _jit, combine, fastlaunch, scratch
+from pagedflash.ops import launch as launch_table
 from pagedflash.ops._jit import LOG2E, NEG_INF
-from pagedflash.ops.combine import combine_splits
 from pagedflash.ops.launch import (
     LONG_KV_KEYS,
     MAX_SPLITS,
@@ -308,7 +308,9 @@ def _attention_kernel(
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreted() else "cuda")
+    if interpreted():
+        return torch.empty(size, dtype=torch.int8, device="cpu")
+    return scratch.buffers((((size,), torch.int8),), torch.device("cuda", torch.cuda.current_device()))[0]
 
 
 def _ensure_allocator() -> None:
@@ -334,58 +336,87 @@ _COMPILE_ERRORS = tuple(
 _FALLBACK: dict[tuple, tuple[LaunchConfig, bool]] = {}
 
 
-def _launch_with_fallback(grid, args, consts, cfg: LaunchConfig, tma_on: bool, dtype: torch.dtype) -> None:
-    key = (dtype, cfg, tma_on, tuple(sorted(consts.items())))
-    cfg, tma_on = _FALLBACK.get(key, (cfg, tma_on))
+def _launch_with_fallback(plan: _Plan, args: tuple) -> None:
+    """The public launch, retried once with a safe tile if compiling fails; a launch that compiled
+    as planned binds the plan's slot (:mod:`pagedflash.ops.fastlaunch`) for its next call."""
+    key = plan.fallback_key
+    cfg, tma_on = _FALLBACK.get(key, (plan.cfg, plan.tma_on))
     for attempt in range(2):
         if tma_on:
             _ensure_allocator()
+        kernel = _attention_kernel
         try:
-            _attention_kernel[grid](*args, **consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on,
-                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            return
+            compiled = kernel[plan.grid](*args, **plan.consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on,
+                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         except _COMPILE_ERRORS as e:
             safe = dataclasses.replace(cfg, block_n=32, num_warps=4, num_stages=1, tma=False)
             if attempt or (cfg, tma_on) == (safe, False):
                 raise
-            warnings.warn(f"pagedflash: compiling {cfg} failed ({type(e).__name__}); using {safe}", stacklevel=3)
+            warnings.warn(f"pagedflash: compiling {cfg} failed ({type(e).__name__}); using {safe}", stacklevel=4)
             _FALLBACK[key] = (safe, False)
             cfg, tma_on = safe, False
+            continue
+        if key not in _FALLBACK:
+            fastlaunch.bind(plan.slot, kernel, compiled, dict(plan.consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on))
+        return
 
 
-def _bsh_strides(t: torch.Tensor) -> tuple[int, int, int]:
+def _launch(plan: _Plan, args: tuple) -> None:
+    """The attention kernel over the plan's grid: through the plan's fast-launch handle when it has
+    one and no compile fallback applies, else :func:`_launch_with_fallback`."""
+    if not (_FALLBACK and plan.fallback_key in _FALLBACK):
+        if plan.tma_on:
+            _ensure_allocator()
+        if fastlaunch.run(plan.slot, _attention_kernel, plan.grid, args):
+            return
+    _launch_with_fallback(plan, args)
+
+
+def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
     """(batch or page, token or slot, head) strides of a 4-D tensor; batch stride 0 for a 3-D one."""
-    if t.dim() == 4:
-        return t.stride(0), t.stride(1), t.stride(2)
-    return 0, t.stride(0), t.stride(1)
+    if len(strides) == 4:
+        return strides[0], strides[1], strides[2]
+    return 0, strides[0], strides[1]
 
 
-def attention_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    batch: int,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    sm_scale: float,
-    window: tuple[int, int],
-    softcap: float,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    seqused_k: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    num_splits: int = 0,
-    return_lse: bool = False,
-    config: LaunchConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the attention kernel on validated inputs (public functions validate first).
+class _Plan:
+    """Everything :func:`attention_forward` derives from a call's signature, computed once per
+    signature (:func:`_plan_key`) and reused: tiles, split count, grid, the kernel's integer
+    arguments and constexprs, the combine launch, and the fast-launch slot. Nothing in it depends
+    on the values in the tensors, only on what the key holds."""
 
-    q is ``[B, Sq, Hq, D]`` (dense) or ``[total_q, Hq, D]`` (with ``cu_seqlens_q``); k/v are
-    ``[B, Sk, Hkv, D]``, ``[total_k, Hkv, D]`` (with ``cu_seqlens_k``) or pages
-    ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). Returns ``(out, lse)``; out has q's
-    shape and dtype, lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``).
-    """
+    __slots__ = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "window", "consts",
+                 "fallback_key", "slot", "combine", "tokens_per_batch")
+
+
+MAX_PLANS = 4096  # signatures kept; past this the cache starts over (a serving loop repeats a few)
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every launch plan (after changing the launch table's module constants at run time)."""
+    _PLANS.clear()
+
+
+def _plan_key(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q, cu_seqlens_k,
+              seqused_k, block_table, num_splits, config) -> tuple:
+    """What a launch plan depends on, and every input of Triton's specialization of the launch
+    beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
+    every pointer, the integers and flags of the call, and the launch table's switches. (Fresh
+    outputs and split partials are always aligned and contiguous.)"""
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+            k.shape, k.stride(), k.dtype, k.data_ptr() & 15, v.stride(), v.dtype, v.data_ptr() & 15,
+            out.stride(), out.dtype, out.data_ptr() & 15, None if lse is None else lse.stride(),
+            None if cu_seqlens_q is None else (cu_seqlens_q.dtype, cu_seqlens_q.data_ptr() & 15),
+            None if cu_seqlens_k is None else (cu_seqlens_k.dtype, cu_seqlens_k.data_ptr() & 15),
+            None if seqused_k is None else (seqused_k.dtype, seqused_k.data_ptr() & 15),
+            None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
+            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
+            launch_table.TMA, launch_table.INTERPRET_TMA)
+
+
+def _make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+               cu_seqlens_k, seqused_k, block_table, num_splits, config) -> _Plan:
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
     hq, d = q.shape[-2], q.shape[-1]
@@ -413,7 +444,6 @@ def attention_forward(
     num_splits = min(num_splits, MAX_SPLITS)
     if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
         cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
-    tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
         num_q_tiles = 0
@@ -421,52 +451,110 @@ def attention_forward(
     else:
         num_q_tiles = cdiv(q.shape[1], block_q)
         grid_q = batch * num_q_tiles
-    grid_h = hkv * (group // cfg.g_pack)
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = None
-    if return_lse:
-        lse_shape = (hq, tokens) if varlen_q else (q.shape[0], hq, q.shape[1])
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if num_splits > 1:
-        out_part = torch.empty((num_splits, tokens, hq, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, tokens, hq), dtype=torch.float32, device=q.device)
-    else:
-        out_part = lse_part = out  # unused
-
-    dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)
-    lse_arg = lse if lse is not None else dummy
     if lse is None:
         stride_l = (0, 0, 0)
     elif varlen_q:  # [Hq, total_q]
         stride_l = (0, lse.stride(0), lse.stride(1))
     else:  # [B, Hq, Sq]
         stride_l = lse.stride()
+    split = num_splits > 1
+
+    plan = _Plan()
+    plan.cfg, plan.num_splits = cfg, num_splits
+    plan.tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
+    plan.grid = (grid_q, hkv * (group // cfg.g_pack), num_splits) if tokens > 0 and grid_q > 0 else None
+    plan.part_shapes = (((num_splits, tokens, hq, d), torch.float32), ((num_splits, tokens, hq), torch.float32)) \
+        if split else None
+    plan.tokens_per_batch = tokens if varlen_q else q.shape[1]
+    plan.ints = (  # the kernel's integer arguments from stride_qb to num_splits (partials contiguous)
+        *_bsh(q.stride()), *_bsh(k.stride()), *_bsh(v.stride()), *_bsh(out.stride()), *stride_l,
+        block_table.stride(0) if paged else 0,
+        *((tokens * hq * d, hq * d, d) if split else (0, 0, 0)),
+        *((tokens * hq, hq) if split else (0, 0)),
+        batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
+        k.shape[0] * page_size, num_q_tiles, num_splits,
+    )
+    plan.window = window
+    plan.consts = dict(
+        GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_M=cfg.block_m, PAGE_SIZE=page_size or 1,
+        SPLIT_KV=split, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
+        HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0,
+        HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    plan.fallback_key = (q.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
+    plan.slot = fastlaunch.Slot()
+    plan.combine = None  # made by the first launch, from its tensors
+    return plan
+
+
+def attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    batch: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    sm_scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    config: LaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the attention kernel on validated inputs (public functions validate first).
+
+    q is ``[B, Sq, Hq, D]`` (dense) or ``[total_q, Hq, D]`` (with ``cu_seqlens_q``); k/v are
+    ``[B, Sk, Hkv, D]``, ``[total_k, Hkv, D]`` (with ``cu_seqlens_k``) or pages
+    ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). Returns ``(out, lse)``; out has q's
+    shape and dtype (written into ``out`` when given: checked by the public functions, not here),
+    lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``).
+
+    The launch plan (tiles, split count, grid, the kernel's integer arguments) is computed once per
+    signature (:func:`_plan_key`) and reused, as are the split partials (:mod:`pagedflash.ops.scratch`);
+    repeated launches skip Triton's argument binding where :mod:`pagedflash.ops.fastlaunch` can.
+    """
+    varlen_q = cu_seqlens_q is not None
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = None
+    if return_lse:
+        lse_shape = (q.shape[1], q.shape[0]) if varlen_q else (q.shape[0], q.shape[2], q.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     left, right = window
-    if tokens > 0 and grid_q > 0:
-        args = (
-            q, k, v, out, lse_arg, out_part, lse_part,
-            cu_seqlens_q if varlen_q else dummy,
-            cu_seqlens_k if cu_seqlens_k is not None else dummy,
-            seqused_k if seqused_k is not None else dummy,
-            block_table if paged else dummy,
-            *_bsh_strides(q), *_bsh_strides(k), *_bsh_strides(v), *_bsh_strides(out),
-            *stride_l,
-            block_table.stride(0) if paged else 0,
-            *(out_part.stride()[:3] if num_splits > 1 else (0, 0, 0)),
-            *(lse_part.stride()[:2] if num_splits > 1 else (0, 0)),
-            batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
-            k.shape[0] * page_size, num_q_tiles, num_splits, sm_scale, softcap, left, right,
-        )
-        consts = dict(
-            GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-            BLOCK_M=cfg.block_m, PAGE_SIZE=page_size or 1,
-            SPLIT_KV=num_splits > 1, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
-            HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0,
-            HAS_SOFTCAP=softcap > 0, WRITE_LSE=return_lse,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        )
-        _launch_with_fallback((grid_q, grid_h, num_splits), args, consts, cfg, tma_on, q.dtype)
-        if num_splits > 1:
-            combine_splits(out_part, lse_part, out, lse, tokens_per_batch=tokens if varlen_q else q.shape[1])
+    window = (left, right)
+    sm_scale, softcap = float(sm_scale), float(softcap)
+    key = _plan_key(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q, cu_seqlens_k,
+                    seqused_k, block_table, num_splits, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k, v, out, lse, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                          window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    if plan.grid is None:  # no query rows
+        return out, lse
+    if plan.part_shapes is not None:
+        out_part, lse_part = scratch.buffers(plan.part_shapes, q.device)
+    else:
+        out_part = lse_part = out  # unused
+    dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)
+    args = (q, k, v, out, dummy if lse is None else lse, out_part, lse_part,
+            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
+            dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
+            *plan.ints, sm_scale, softcap, left, right)
+    _launch(plan, args)
+    if plan.part_shapes is not None:
+        if plan.combine is None:
+            plan.combine = combine.plan_combine(out_part, lse_part, out, lse, tokens_per_batch=plan.tokens_per_batch)
+        combine.launch_combine(plan.combine, out_part, lse_part, out, lse)
     return out, lse

@@ -1,7 +1,8 @@
 """Merging partial attention states by their log-sum-exp.
 
-- :func:`combine_splits`: the second stage of split-KV (flash-decoding): ``num_splits`` partial
-  states of every (token, head) folded into the final output, in a fixed order (deterministic).
+- :func:`plan_combine` / :func:`launch_combine`: the second stage of split-KV (flash-decoding):
+  ``num_splits`` partial states of every (token, head) folded into the final output, in a fixed
+  order (deterministic); planned once per signature, launched every call.
 - :func:`merge_attn_states`: the public two-state merge for cascade / shared-prefix attention.
 
 Both use :func:`pagedflash.ops._jit.merge_state`, which treats an lse of ``±inf`` as an empty state.
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit
+from pagedflash.ops import _jit, fastlaunch
 from pagedflash.ops.utils import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
@@ -74,8 +75,16 @@ def _combine_kernel(
         tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
 
 
-def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> None:
-    """Fold split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` into ``out`` (and ``lse``).
+class CombineLaunch:
+    """The combine launch of one split-KV signature: grid, integer arguments, constexprs, and its
+    fast-launch slot (:mod:`pagedflash.ops.fastlaunch`); only the tensors change between calls."""
+
+    __slots__ = ("grid", "ints", "consts", "slot")
+
+
+def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> CombineLaunch:
+    """The launch that folds split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` into ``out``
+    (and ``lse``), for every call with these tensors' shapes, strides, dtypes and alignment.
 
     ``out`` is ``[B, Sq, H, D]`` with ``tokens_per_batch = Sq`` or ``[tokens, H, D]`` with
     ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None."""
@@ -87,13 +96,19 @@ def combine_splits(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> No
     else:
         stride_l = lse.stride()
     stride_o = (0, out.stride(0), out.stride(1)) if out.dim() == 3 else out.stride()[:3]
-    _combine_kernel[(tokens, heads)](
-        out_part, lse_part, out, lse if lse is not None else out,
-        *out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l,
-        tokens_per_batch, num_splits,
-        ALL_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None, num_warps=4,
-    )
+    plan = CombineLaunch()
+    plan.grid = (tokens, heads, 1)
+    plan.ints = (*out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l, tokens_per_batch, num_splits)
+    plan.consts = dict(ALL_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+                       BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None)
+    plan.slot = fastlaunch.Slot()
+    return plan
+
+
+def launch_combine(plan: CombineLaunch, out_part, lse_part, out, lse) -> None:
+    """Run ``plan`` (from :func:`plan_combine` on tensors like these) on these tensors."""
+    args = (out_part, lse_part, out, lse if lse is not None else out, *plan.ints)
+    fastlaunch.launch(plan.slot, _combine_kernel, plan.grid, args, plan.consts, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["rows"])

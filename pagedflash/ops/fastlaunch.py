@@ -1,0 +1,230 @@
+"""Relaunching a compiled Triton kernel without ``JITFunction.run``'s per-call work.
+
+``kernel[grid](*args, **constexprs)`` binds every argument, specializes each one (pointer dtype and
+16-byte alignment, the range and divisibility of every int), hashes that into a cache key, finds
+the compiled kernel, checks the globals it read, and only then calls the compiled kernel's C
+launcher: most of a launch's host time, paid again on every call. A caller that knows a launch
+specializes exactly like an earlier one (its own key covers every dtype, alignment, int value,
+constexpr and option: see :mod:`pagedflash.ops.attention`'s plans) keeps a :class:`Slot` per such
+key and, from the second call on, calls the launcher of the kernel the first call returned.
+
+The launcher's calling convention is a Triton internal that changes between releases, so:
+
+- handles are made only under the Triton releases whose convention is known
+  (:data:`KNOWN_VERSIONS`) and only for objects that have its shape (a ``JITFunction`` whose
+  constexpr parameters come last, a ``CompiledKernel`` with ``run``/``function``/
+  ``packed_metadata``); anything else keeps the public launch, and :func:`status` says why;
+- every slot's first launch is the public one;
+- an exception from a handle turns the fast path off for the rest of the process (a warning says
+  why) and that launch is repeated through the public path, so callers launch only kernels whose
+  outputs are a function of inputs they do not write (a repeated launch gives the same result);
+- a handle is skipped (public launch) when the current device is not the one it was bound on,
+  the kernel object changed, pre-run hooks were added, or ``knobs.runtime.debug`` changed;
+- ``PAGEDFLASH_FAST_LAUNCH=0`` or :func:`set_enabled` forces the public path (tests run both).
+
+Not checked on the fast path, as ``JITFunction.run`` does: that globals the kernel read were not
+reassigned (pagedflash's kernels read only constants) and compile knobs other than ``debug``
+changed after the first launch (set them before launching, or turn the fast path off).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import triton
+
+# Triton releases whose CompiledKernel launcher convention this module speaks: 3.6 (the H200's).
+KNOWN_VERSIONS = ("3.6.",)
+
+_enabled = os.environ.get("PAGEDFLASH_FAST_LAUNCH", "1") != "0"
+_off_reason = "" if _enabled else "PAGEDFLASH_FAST_LAUNCH=0"
+_api: str | None | bool = False  # False: not detected yet; None: the known API is there; str: why not
+_refused = ""  # the last reason a launch kept the public path (a kernel or result of another shape)
+_driver = None  # (get_current_device, get_current_stream), taken from Triton's active driver once
+_knobs = None  # triton.knobs.runtime: the launch hooks and the debug flag
+_HookChain = None  # 3.6's hook list type: one with no hooks needs no call
+
+
+class Slot:
+    """The fast handle of one launch signature (None until a public launch binds one)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle = None
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the fast path on or off for the process; returns the previous setting. Turning it on
+    again also forgets a failure that turned it off."""
+    global _enabled, _off_reason
+    previous, _enabled = _enabled, bool(enabled)
+    _off_reason = "" if _enabled else "set_enabled(False)"
+    return previous
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def status() -> str:
+    """"on", or why launches take the public path: turned off, an unknown Triton, or a refused kernel."""
+    if not _enabled:
+        return f"off: {_off_reason}"
+    if isinstance(_api, str):
+        return f"unavailable: {_api}"
+    if _refused:
+        return f"refused: {_refused}"
+    return "on" if _api is None else "no launch yet"
+
+
+class _Handle:
+    """Calls one compiled kernel's launcher directly with a fixed grid's worth of arguments."""
+
+    __slots__ = ("fn", "compiled", "launcher", "function", "metadata", "tail", "device", "debug")
+
+    def __init__(self, fn, compiled, tail: tuple, device: int, debug) -> None:
+        self.fn = fn
+        self.compiled = compiled
+        self.launcher = compiled.run  # a property in 3.6: loads the module once, then the launcher
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        self.tail = tail  # the constexpr values, in parameter order (they follow every runtime argument)
+        self.device = device
+        self.debug = debug
+
+    def usable(self, fn) -> bool:
+        return (fn is self.fn and not fn.pre_run_hooks and _knobs.debug == self.debug
+                and _driver[0]() == self.device)
+
+    def __call__(self, grid, args: tuple) -> None:
+        stream = _driver[1](self.device)
+        full = args + self.tail
+        enter, leave = _knobs.launch_enter_hook, _knobs.launch_exit_hook
+        # hooks that do nothing (None, or 3.6's default: a chain of no hooks) are not called at all
+        if ((enter is None or type(enter) is _HookChain and not enter.calls)
+                and (leave is None or type(leave) is _HookChain and not leave.calls)):
+            meta = enter = leave = None
+        else:
+            meta = self.compiled.launch_metadata(grid, stream, *full)
+        self.launcher(grid[0], grid[1], grid[2], stream, self.function, self.metadata, meta, enter, leave, *full)
+
+
+def _detect() -> str | None:
+    """Whether the known Triton API is there (detected once): None, or the reason it is not."""
+    global _api, _driver, _knobs, _HookChain
+    if _api is not False:
+        return _api
+    version = getattr(triton, "__version__", "")
+    if not version.startswith(KNOWN_VERSIONS):
+        _api = f"triton {version} is not a known release ({', '.join(v + 'x' for v in KNOWN_VERSIONS)})"
+        return _api
+    try:
+        from triton.runtime import driver
+
+        active = driver.active
+        get_device = active.get_current_device
+        if get_device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+            get_device = torch._C._cuda_getDevice  # the same answer without the lazy-init check
+        getters = (get_device, active.get_current_stream)
+        knobs = triton.knobs.runtime
+        knobs.launch_enter_hook, knobs.launch_exit_hook, knobs.debug  # noqa: B018 (they exist)
+    except Exception as e:  # noqa: BLE001  (any other layout: public launches only)
+        _api = f"triton's driver/knobs layout differs ({type(e).__name__}: {e})"
+        return _api
+    _api, _driver, _knobs, _HookChain = None, getters, knobs, getattr(triton.knobs, "HookChain", None)
+    return None
+
+
+def bind(slot: Slot, fn, compiled, consts: dict) -> None:
+    """After a successful public launch ``compiled = fn[grid](*args, **consts, ...)``: give ``slot``
+    a handle that repeats it for the same signature, where the installed Triton allows."""
+    global _refused
+    slot.handle = None
+    if not _enabled or _detect() is not None:
+        return
+    reason, const_names = _kernel_shape(fn)
+    if reason is None:
+        reason = _compiled_shape(compiled)
+    if reason is None:
+        try:
+            tail = tuple(consts[name] for name in const_names)
+            slot.handle = _Handle(fn, compiled, tail, _driver[0](), _knobs.debug)
+            return
+        except Exception as e:  # noqa: BLE001
+            reason = f"binding failed ({type(e).__name__}: {e})"
+    _refused = reason
+
+
+_KERNELS: dict[int, tuple] = {}  # id(fn) -> (fn, refusal reason or None, constexpr names in order)
+
+
+def _kernel_shape(fn) -> tuple[str | None, tuple[str, ...]]:
+    """Whether ``fn`` looks like 3.6's JITFunction with its constexprs last (once per kernel)."""
+    known = _KERNELS.get(id(fn))
+    if known is not None and known[0] is fn:
+        return known[1], known[2]
+    params = getattr(fn, "params", None)
+    reason, names = None, ()
+    if params is None or not hasattr(fn, "pre_run_hooks"):
+        reason = f"{type(fn).__name__} is not a JITFunction"
+    else:
+        flags = [getattr(p, "is_constexpr", None) for p in params]
+        if None in flags or flags != sorted(flags):  # runtime arguments first, then every constexpr
+            reason = f"{fn}: constexpr parameters must follow the runtime ones"
+        names = tuple(p.name for p in params if getattr(p, "is_constexpr", False))
+    _KERNELS[id(fn)] = (fn, reason, names)
+    return reason, names
+
+
+def _compiled_shape(compiled) -> str | None:
+    if compiled is None or hasattr(compiled, "result"):  # the interpreter, or an async compile
+        return f"the launch returned {type(compiled).__name__}, not a compiled kernel"
+    missing = [a for a in ("run", "function", "packed_metadata", "launch_metadata") if not hasattr(compiled, a)]
+    if missing:
+        return f"{type(compiled).__name__} lacks {missing}"
+    return None
+
+
+def run(slot: Slot, fn, grid, args: tuple) -> bool:
+    """Launch ``fn`` over ``grid`` through ``slot``'s handle; False (nothing launched) when there is
+    none or it does not apply to this call, and the caller launches publicly."""
+    handle = slot.handle
+    if handle is None or not _enabled or not handle.usable(fn):
+        return False
+    try:
+        handle(grid, args)
+    except Exception as e:  # noqa: BLE001  (any failure: the public path, for good)
+        _disable(f"a fast launch failed ({type(e).__name__}: {e})")
+        warnings.warn(f"pagedflash: {_off_reason}; using triton's public launch from now on", stacklevel=3)
+        return False
+    return True
+
+
+def _disable(reason: str) -> None:
+    global _enabled, _off_reason
+    _enabled, _off_reason = False, reason
+
+
+def launch(slot: Slot, fn, grid, args: tuple, consts: dict, **options) -> None:
+    """``fn[grid](*args, **consts, **options)``, through ``slot``'s handle when it has one."""
+    if not run(slot, fn, grid, args):
+        bind(slot, fn, fn[grid](*args, **consts, **options), consts)
+
+
+@contextlib.contextmanager
+def assume_api(get_device, get_stream, knobs):
+    """Inside: launch handles are made and called as under a known Triton, with these device and
+    stream getters and this ``knobs.runtime`` stand-in (``launch_enter_hook``, ``launch_exit_hook``,
+    ``debug``). For kernels that are stand-ins themselves: the overhead bench's CPU mode and the
+    tests of this module, which run no GPU."""
+    global _api, _driver, _knobs, _enabled, _off_reason, _refused
+    saved = (_api, _driver, _knobs, _enabled, _off_reason, _refused)
+    _api, _driver, _knobs, _enabled, _off_reason, _refused = None, (get_device, get_stream), knobs, True, "", ""
+    try:
+        yield
+    finally:
+        _api, _driver, _knobs, _enabled, _off_reason, _refused = saved

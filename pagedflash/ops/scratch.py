@@ -1,0 +1,56 @@
+"""Device buffers that a kernel launch writes and reads within one call (split-KV partials, Triton's
+global scratch for device-side tensor descriptors), reused from call to call: an allocation costs a
+few microseconds of host time per tensor, on every call.
+
+A buffer is reused only by launches that run one after another. It is kept per thread, device,
+stream, shape and dtype, so two threads, two streams or two shapes never share one, and a launch
+on the stream that used it last starts after that use (stream order). While a CUDA graph is being
+captured nothing is reused (the graph keeps the addresses it captured, and its replays may run
+beside eager calls): a fresh tensor, as without reuse. Off the GPU nothing is reused either
+(nothing to gain under the interpreter, and the tests' NaN-poisoned fresh memory stays in force on
+every call, unless :data:`CPU` is set). A thread keeps at most :data:`MAX_BUFFERS` sets of buffers,
+dropping the oldest first.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+MAX_BUFFERS = 16
+REUSE = True  # False: a fresh tensor on every call (as before reuse)
+CPU = False  # reuse for CPU tensors too (the overhead bench's CPU mode times the GPU's host path)
+
+_local = threading.local()
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on
+_capturing = torch.cuda.is_current_stream_capturing
+
+
+def _stream(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def buffers(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Uninitialized tensors of ``specs`` (``(shape, dtype)`` pairs) that the caller's kernels fill
+    before they read them."""
+    if device.type != "cuda" and not CPU or not REUSE or (device.type == "cuda" and _capturing()):
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
+    key = (specs, index, _stream(index) if device.type == "cuda" else 0)
+    kept = getattr(_local, "buffers", None)
+    if kept is None:
+        kept = _local.buffers = {}
+    found = kept.get(key)
+    if found is None:
+        if len(kept) >= MAX_BUFFERS:
+            del kept[next(iter(kept))]
+        found = kept[key] = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+    return found
+
+
+def clear() -> None:
+    """Drop this thread's buffers (their memory goes back to torch's caching allocator)."""
+    _local.buffers = {}
