@@ -1,0 +1,316 @@
+"""``pagedflash bench overhead``: the host time of one eager call, pagedflash's and SDPA's, measured
+side by side in one process (issue 14: ours at most 2.5x SDPA's for decode and prefill).
+
+Workloads, bf16 on a GPU (fp32 on a CPU), 32 query heads over 8 KV heads, D = 128, batch 1:
+
+- ``decode``: ``flash_attn_with_kvcache(q [1, 1, 32, 128], cache [1, 4096, 8, 128], cache_seqlens)``
+  with ``cache_seqlens = [4096]``;
+- ``prefill``: ``flash_attn_func(q [1, 128, 32, 128], k/v [1, 128, 8, 128], causal=True)``;
+- ``paged decode``: the decode over a pool of 16-row pages through a block table.
+
+SDPA is ``F.scaled_dot_product_attention(q, k, v, is_causal=..., enable_gqa=True)`` on the same
+problem in its ``[B, H, S, D]`` layout, with PyTorch's own backend choice (the ``sdpa backend``
+column); its decode reads the whole cache (SDPA takes no lengths and no pages).
+
+**Method (GPU).** The host time per call is the wall time of a loop of ``CALLS`` back-to-back calls
+that does not wait for the GPU, divided by ``CALLS``: synchronize, start the clock, make the
+calls, stop the clock, synchronize. These shapes take the GPU less time than the host needs to
+launch them, so the queue never fills and the loop measures the host alone; ``wall`` times the
+same loop through the final synchronize and shows it (were it well above ``host``, the GPU would be
+the bound). Median of ``ROUNDS`` rounds, after warm-up calls (compiles, launch plans). Every call
+runs under ``torch.inference_mode`` with pagedflash's value checks off (the checks that read
+device metadata; a serving engine turns them off, :func:`pagedflash.validate.set_value_checks`).
+Before timing, each of our outputs is checked against SDPA's.
+
+Columns: ``ours``, the public call; ``public launch``, the same with
+:mod:`pagedflash.ops.fastlaunch` off (Triton's ``kernel[grid](...)`` for every launch);
+``value checks``, the public call with the device-reading checks on (on a GPU a host sync per
+call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward``
+replaced by a no-op (input checks, output allocation, dispatch); ``launch``, ``attention_forward``
+alone (launch plan, scratch, both kernel launches); ``sdpa``; and the ratios to SDPA.
+
+**CPU** (no GPU, no ``--quick`` needed): the kernels do not run. Each Triton launch is replaced by
+a launcher that does nothing, reached through the fast-launch path exactly as the GPU's compiled
+launcher is (``public launch`` then reaches the stand-in through pagedflash's public-launch code,
+without Triton's), so the figures are pagedflash's host Python path minus Triton's C launcher, in
+seconds. SDPA computes on the host there, so it runs at N = 16 (keys and prefill tokens), where
+its time is mostly dispatch; CPU ratios do not predict the GPU's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import statistics
+import sys
+import time
+import types
+
+import torch
+
+import pagedflash as pf
+from pagedflash import validate
+from pagedflash.bench.common import FAIL, Config, device, has_gpu
+from pagedflash.bench.report import Table, print_summary, print_table, write_results
+from pagedflash.ops import attention, combine, fastlaunch, scratch
+from pagedflash.testing import check_close, random_block_table, to_paged
+
+TARGET = 2.5  # issue 14: host time at most 2.5x SDPA's
+HEADS, DIM, KEYS, PREFILL_TOKENS, PAGE = (32, 8), 128, 4096, 128, 16
+CPU_SDPA_LEN = 16
+CALLS, ROUNDS = 200, 7
+QUICK_CALLS, QUICK_ROUNDS = 20, 3
+
+
+# ---------------------------------------------------------------- timing
+
+
+def host_us(fn, *, calls: int, rounds: int, warmup: int = 3) -> tuple[float, float]:
+    """(host, wall) microseconds per call of ``fn()``: the median over ``rounds`` loops of ``calls``
+    calls, timed before and after the final synchronize (see the module doc)."""
+    sync = torch.cuda.synchronize if has_gpu() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    host, wall = [], []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return statistics.median(host), statistics.median(wall)
+
+
+# ---------------------------------------------------------------- the CPU's stand-in launches
+
+
+class _NoLaunch:
+    """A compiled kernel that launches nothing: what ``_DryKernel`` returns and fastlaunch binds."""
+
+    function = 0
+    packed_metadata = (4, 1, 0)
+
+    @staticmethod
+    def run(*args) -> None:
+        return None
+
+    @staticmethod
+    def launch_metadata(grid, stream, *args) -> None:
+        return None
+
+
+class _DryKernel:
+    """Stands in for a ``@triton.jit`` kernel: same parameters, launches nothing."""
+
+    def __init__(self, real) -> None:
+        params = getattr(real, "params", None)
+        if params is None:  # the interpreter's kernels: read the constexprs off the signature
+            sig = inspect.signature(real.fn)
+            params = [types.SimpleNamespace(name=name, is_constexpr="constexpr" in str(p.annotation))
+                      for name, p in sig.parameters.items()]
+        self.params = params
+        self.pre_run_hooks = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoLaunch
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Inside: pagedflash's attention and combine launches do nothing, through the same host path
+    as compiled kernels on a GPU (fast-launch handles included); split partials are reused as on a
+    GPU. Plans made inside are dropped on the way out."""
+    kernels = [(attention, "_attention_kernel"), (combine, "_combine_kernel")]
+    saved = [getattr(module, name) for module, name in kernels]
+    knobs = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    reuse = scratch.CPU
+    attention.clear_plans()
+    try:
+        for (module, name), real in zip(kernels, saved):
+            setattr(module, name, _DryKernel(real))
+        scratch.CPU = True
+        with fastlaunch.assume_api(lambda: 0, lambda index: 0, knobs):
+            yield
+    finally:
+        for (module, name), real in zip(kernels, saved):
+            setattr(module, name, real)
+        scratch.CPU = reuse
+        scratch.clear()
+        attention.clear_plans()
+
+
+@contextlib.contextmanager
+def fast_launch(enabled: bool):
+    previous = fastlaunch.set_enabled(enabled)
+    try:
+        yield
+    finally:
+        fastlaunch.set_enabled(previous)
+
+
+@contextlib.contextmanager
+def without_attention_forward():
+    """Inside: every pagedflash module's ``attention_forward`` returns the output it was given
+    (or q) at once, so a public call times what it does before the launch."""
+    real = attention.attention_forward
+
+    def skip(q, k, v, *, out=None, **kwargs):
+        return (q if out is None else out), None
+
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("pagedflash") and m is not None and getattr(m, "attention_forward", None) is real]
+    for m in holders:
+        m.attention_forward = skip
+    try:
+        yield
+    finally:
+        for m in holders:
+            m.attention_forward = real
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def _sdpa_backend(q, k, v, causal: bool) -> str:
+    """The backend PyTorch dispatches this SDPA call to (a private query; "?" where it is absent)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, enable_gqa=True)
+        return SDPBackend(choice).name.lower()
+    except Exception:  # noqa: BLE001  (informational only)
+        return "?"
+
+
+def workloads(dtype: torch.dtype) -> list[dict]:
+    """Each workload: ``ours()`` the public call, ``launch()`` its attention_forward, ``sdpa()``
+    and what it computes (``sdpa_args``), and the SDPA shape."""
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(0)
+    hq, hkv = HEADS
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+
+    scale = DIM ** -0.5
+    sdpa_len = KEYS if has_gpu() else CPU_SDPA_LEN
+    sdpa_tokens = PREFILL_TOKENS if has_gpu() else CPU_SDPA_LEN
+    F = torch.nn.functional
+
+    # decode over a contiguous cache
+    q = randn(1, 1, hq, DIM)
+    k_cache, v_cache = randn(1, KEYS, hkv, DIM), randn(1, KEYS, hkv, DIM)
+    seqlens = torch.full((1,), KEYS, dtype=torch.int32, device=dev)
+    sq, sk, sv = q.transpose(1, 2), k_cache[:, :sdpa_len].transpose(1, 2), v_cache[:, :sdpa_len].transpose(1, 2)
+    sq, sk, sv = sq.contiguous(), sk.contiguous(), sv.contiguous()
+    decode = dict(
+        name="decode", shape=f"B=1 N={KEYS} {hq}/{hkv} D={DIM}",
+        ours=lambda: pf.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
+        launch=lambda: attention.attention_forward(
+            q, k_cache, v_cache, batch=1, max_seqlen_q=1, max_seqlen_k=KEYS, sm_scale=scale, window=(-1, 0),
+            softcap=0.0, seqused_k=seqlens),
+        sdpa=lambda: F.scaled_dot_product_attention(sq, sk, sv, enable_gqa=True),
+        sdpa_args=(sq, sk, sv, False), sdpa_shape=f"N={sdpa_len}",
+    )
+
+    # the same decode over a pool of pages, in a shuffled order
+    table = random_block_table([KEYS // PAGE], KEYS // PAGE, device=dev)
+    k_pool, v_pool = to_paged(k_cache, PAGE, table), to_paged(v_cache, PAGE, table)
+    paged = dict(
+        name="paged decode", shape=f"B=1 N={KEYS} {hq}/{hkv} D={DIM} page {PAGE}",
+        ours=lambda: pf.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table),
+        launch=lambda: attention.attention_forward(
+            q, k_pool, v_pool, batch=1, max_seqlen_q=1, max_seqlen_k=KEYS, sm_scale=scale, window=(-1, 0),
+            softcap=0.0, seqused_k=seqlens, block_table=table),
+        sdpa=decode["sdpa"], sdpa_args=decode["sdpa_args"], sdpa_shape=decode["sdpa_shape"],
+    )
+
+    # causal prefill
+    pq, pk, pv = randn(1, PREFILL_TOKENS, hq, DIM), randn(1, PREFILL_TOKENS, hkv, DIM), randn(1, PREFILL_TOKENS, hkv, DIM)
+    tq, tk, tv = (x[:, :sdpa_tokens].transpose(1, 2).contiguous() for x in (pq, pk, pv))
+    prefill = dict(
+        name="prefill", shape=f"B=1 {PREFILL_TOKENS} tokens causal {hq}/{hkv} D={DIM}",
+        ours=lambda: pf.flash_attn_func(pq, pk, pv, causal=True),
+        launch=lambda: attention.attention_forward(
+            pq, pk, pv, batch=1, max_seqlen_q=PREFILL_TOKENS, max_seqlen_k=PREFILL_TOKENS, sm_scale=scale,
+            window=(-1, 0), softcap=0.0),
+        sdpa=lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True),
+        sdpa_args=(tq, tk, tv, True), sdpa_shape=f"{sdpa_tokens} tokens",
+    )
+    return [decode, prefill, paged]
+
+
+def _correct(case: dict, dtype) -> tuple[float, bool]:
+    """Our output against SDPA's (GPU only: on the CPU nothing is computed)."""
+    out = case["ours"]()
+    ref = case["sdpa"]().transpose(1, 2)
+    return check_close(out, ref, dtype)
+
+
+def measure_case(case: dict, *, calls: int, rounds: int, dtype) -> dict:
+    timing = dict(calls=calls, rounds=rounds)
+    row = {"workload": case["name"], "shape": case["shape"]}
+    if has_gpu():
+        err, ok = _correct(case, dtype)
+        row["err"] = err
+        if not ok:
+            row.update(ours=FAIL, vs_sdpa=FAIL)
+            return row
+    row["ours"], row["ours_wall"] = host_us(case["ours"], **timing)
+    with fast_launch(False):
+        row["public"], _ = host_us(case["ours"], **timing)
+    with validate.value_checks(True):
+        row["checked"], _ = host_us(case["ours"], **timing)
+    with without_attention_forward():
+        row["checks"], _ = host_us(case["ours"], **timing)
+    row["launch"], _ = host_us(case["launch"], **timing)
+    row["sdpa"], row["sdpa_wall"] = host_us(case["sdpa"], **timing)
+    row["sdpa_shape"] = case["sdpa_shape"]
+    row["sdpa_backend"] = _sdpa_backend(*case["sdpa_args"])
+    row["vs_sdpa"] = row["ours"] / row["sdpa"]
+    row["public_vs_sdpa"] = row["public"] / row["sdpa"]
+    row["meets_target"] = row["vs_sdpa"] <= TARGET
+    return row
+
+
+def overhead_table(*, calls: int, rounds: int) -> tuple[Table, str]:
+    dtype = torch.bfloat16 if has_gpu() else torch.float32
+    gpu = has_gpu()
+    table = Table(
+        "overhead", "Host time per eager call, µs (" + ("GPU" if gpu else "CPU: launches replaced, see note") + ")",
+        {"workload": "workload", "ours": "pagedflash", "public": "public launch", "checked": "value checks",
+         "checks": "checks", "launch": "launch", "sdpa": "SDPA", "vs_sdpa": "pf÷SDPA",
+         "public_vs_sdpa": "public÷SDPA", "ours_wall": "pf wall", "sdpa_backend": "SDPA backend"},
+        note=(f"Median of {rounds} loops of {calls} calls without waiting for the GPU; value checks off "
+              f"except in 'value checks'; target pf÷SDPA <= {TARGET}. "
+              + ("" if gpu else f"CPU: Triton launches replaced by a no-op through the same host path; "
+                 f"SDPA computes at N={CPU_SDPA_LEN}: ratios are not the GPU's.")),
+    )
+    with torch.inference_mode(), validate.value_checks(False):
+        context = contextlib.nullcontext() if gpu else dry_run()
+        with context:
+            status = fastlaunch.status() if gpu else "dry run (CPU)"
+            for case in workloads(dtype):
+                table.rows.append(measure_case(case, calls=calls, rounds=rounds, dtype=dtype))
+            if gpu:
+                status = fastlaunch.status()
+    return table, status
+
+
+def main(cfg: Config) -> int:
+    calls, rounds = (QUICK_CALLS, QUICK_ROUNDS) if cfg.quick else (CALLS, ROUNDS)
+    table, status = overhead_table(calls=calls, rounds=rounds)
+    print_table(table)
+    by_name = {r["workload"]: r for r in table.rows}
+    failed = sum(r.get("ours") == FAIL for r in table.rows)
+    summary = {f"{name.replace(' ', '_')}_vs_sdpa": by_name[name].get("vs_sdpa") for name in by_name}
+    summary.update(fast_launch=status, target=TARGET, failures=failed)
+    print_summary(summary)
+    path = write_results("overhead", [table], cfg.out, quick=cfg.quick, summary=summary)
+    print(f"wrote {path}")
+    return 1 if failed else 0
