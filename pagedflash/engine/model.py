@@ -9,6 +9,12 @@ attention launch over all sequences (``flash_attn_varlen_func`` with ``block_tab
 Parameters carry Hugging Face names except two fused projections: ``qkv_proj`` (q, k, v stacked on
 the output dim) and ``gate_up_proj`` (gate, up); :mod:`pagedflash.engine.weights` maps HF tensors
 onto them.
+
+Tensor parallelism: built with a :class:`~pagedflash.engine.parallel.ShardSizes` of ``N > 1`` ranks,
+the model holds this rank's shard (its heads, MLP rows and vocabulary rows) and joins the ranks with
+:class:`~pagedflash.engine.parallel.Collectives`: one all-reduce after the embedding, after
+``o_proj`` and after ``down_proj``, and a gather of the logits (:mod:`pagedflash.engine.parallel`).
+With one rank (the default) no collective runs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 from pagedflash import flash_attn_varlen_func, write_kv_cache
 from pagedflash.engine import layers
 from pagedflash.engine.config import ModelConfig
+from pagedflash.engine.parallel import Collectives, ShardSizes
 
 
 @dataclass
@@ -66,10 +73,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """This rank's heads (all of them with one rank)."""
+
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.window = (config.sliding_window - 1, -1) if config.is_sliding(layer) else (-1, -1)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
@@ -77,7 +86,7 @@ class Attention(nn.Module):
 
     def forward(self, qkv, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
         """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
-        fused in), through ``o_proj``."""
+        fused in), through ``o_proj``: this rank's part of the output, which the layer sums over ranks."""
         t, d = qkv.shape[0], self.head_dim
         layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
@@ -94,48 +103,78 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """This rank's rows of gate and up, the matching columns of down."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSizes):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        inter = shard.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+
+class VocabEmbedding(nn.Module):
+    """The token embedding ``weight [V, hidden]``, or with several ranks this rank's rows of it
+    (``vocab_per_rank``, zero-padded): ids of other ranks' rows look up zeros and the all-reduce sums
+    the ranks' lookups."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSizes, comm: Collectives):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, config.hidden_size))
+        self.start, self.rows, self.comm = shard.vocab_start, shard.vocab_rows, comm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        x = nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        return self.comm.all_reduce(x.masked_fill_(~inside[:, None], 0))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes, comm: Collectives):
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.comm = comm
+        self.self_attn = Attention(config, layer, shard)
+        self.mlp = MLP(config, shard)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, positions, rope, meta, kv_cache):
         """Pre-norm block; returns ``(mlp_out, residual)``. The residual add is fused into the next norm,
-        and on single rows (batch-1 decode) each norm and the SiLU into the projection after them."""
+        and on single rows (batch-1 decode) each norm and the SiLU into the projection after them.
+        With several ranks, the outputs of ``o_proj`` and ``down_proj`` are summed over them."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-        h = attn(qkv, positions, rope, meta, kv_cache)
+        h = self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache))
         gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return layers.silu_mul_linear(gate_up, mlp.down_proj), residual
+        return self.comm.all_reduce(layers.silu_mul_linear(gate_up, mlp.down_proj)), residual
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ShardSizes, comm: Collectives):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabEmbedding(config, shard, comm)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, comm) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], meta, kv_caches) -> hidden [T, hidden]``;
-    :meth:`compute_logits` turns selected rows into fp32 logits ``[R, vocab]``."""
+    :meth:`compute_logits` turns selected rows into fp32 logits ``[R, vocab]``.
 
-    def __init__(self, config: ModelConfig, max_len: int):
+    ``shard``/``comm``: this rank's part of a tensor-parallel model and its group (default: the
+    whole model, one rank). ``kv_caches`` then hold this rank's KV heads (``shard.num_kv_heads``)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, shard: ShardSizes | None = None,
+                 comm: Collectives | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.shard = shard or ShardSizes.of(config)
+        self.comm = comm or Collectives()
+        self.model = DecoderModel(config, self.shard, self.comm)
         self.rotary_emb = RotaryEmbedding(config, max_len)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -151,10 +190,25 @@ class CausalLM(nn.Module):
 
     def logits_into(self, x, residual, out: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of ``forward_unnormed``'s output, written into ``out [T, vocab]``
-        (the model's dtype; fused into one kernel on single rows)."""
+        (the model's dtype; fused into one kernel on single rows; gathered over the ranks)."""
+        local = out if self.comm.size == 1 else None
         if layers.single_row(x):
-            return layers.norm_linear(x, residual, self.model.norm, self.lm_head, out=out)[0]
-        return torch.mm(self.model.norm(x, residual)[0], self.lm_head.weight.t(), out=out)
+            local = layers.norm_linear(x, residual, self.model.norm, self.lm_head, out=local)[0]
+        else:
+            local = torch.mm(self.model.norm(x, residual)[0], self.lm_head.weight.t(), out=local)
+        return out if self.comm.size == 1 else out.copy_(self.gather_logits(local))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[R, vocab]`` of ``hidden [R, hidden]`` in the model's dtype (gathered over the ranks)."""
+        return self.gather_logits(self.lm_head(hidden))
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's vocabulary shard of the logits ``local [R, vocab_per_rank]`` side by side,
+        padding dropped: ``[R, vocab]`` (``local`` itself with one rank)."""
+        if self.comm.size == 1:
+            return local
+        parts = self.comm.all_gather(local)  # [N, R, vocab_per_rank]
+        return parts.permute(1, 0, 2).reshape(local.shape[0], -1)[:, : self.config.vocab_size]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_logits(hidden).float()

@@ -3,6 +3,11 @@
 
 Every HF tensor is shape-checked against the slot it fills; a missing or mis-shaped tensor raises a
 ``ValueError`` naming it. Tensors the model does not use (``rotary_emb.inv_freq``, ...) are ignored.
+
+A tensor-parallel rank fills only its shard (:mod:`pagedflash.engine.parallel` says which rows and
+columns): from a checkpoint it reads just those slices (safetensors ``get_slice``), never a whole
+tensor; with random weights it draws each tensor as one GPU would (so the model is the same for
+every ``tensor_parallel_size``), one tensor at a time, and keeps its slice.
 """
 
 from __future__ import annotations
@@ -11,20 +16,34 @@ import glob
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.model import CausalLM
+from pagedflash.engine.parallel import Collectives, ShardSizes
 
-# HF projection name -> (fused parameter, index of its shard along the output dim)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# fused parameter -> the HF projections stacked (in this order) on its output dim
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_ROW_PARALLEL = ("o_proj", "down_proj")  # split on the input dim; the all-reduce sums their outputs
+_VOCAB = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a parameter taken from one HF tensor: ``length`` rows (``dim`` 0) or columns (``dim``
+    1) from ``start`` of the HF tensor, written from ``offset`` of the parameter. ``full``: the HF
+    tensor's size along ``dim``; ``fused_offset``: where the HF tensor starts in the one-rank fused
+    parameter (q, k, v stacked)."""
+
+    hf_name: str
+    dim: int
+    start: int
+    length: int
+    offset: int
+    full: int
+    fused_offset: int = 0
 
 
 @contextmanager
@@ -37,48 +56,64 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(config: ModelConfig, *, max_len: int, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """An uninitialized model with parameters in ``dtype`` on ``device`` (RoPE tables stay fp32)."""
+def build_model(config: ModelConfig, *, max_len: int, dtype: torch.dtype, device: torch.device,
+                shard: ShardSizes | None = None, comm: Collectives | None = None) -> CausalLM:
+    """An uninitialized model (or this rank's shard of it, with its group ``comm``) with parameters
+    in ``dtype`` on ``device`` (RoPE tables stay fp32)."""
     with _default_dtype(dtype), torch.device(device):
-        model = CausalLM(config, max_len)
+        model = CausalLM(config, max_len, shard, comm)
     model.rotary_emb.to(device)  # fp32 tables built on the CPU
     return model.eval().requires_grad_(False)
 
 
-def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        return [config.q_size, config.kv_size, config.kv_size]
-    return [config.intermediate_size, config.intermediate_size]
-
-
-def _expected_hf_names(model: CausalLM) -> list[str]:
-    """Every HF tensor name the model needs (a tied lm_head is not one: it is embed_tokens)."""
-    names = []
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
-            hf = [k for k, (f, _) in _FUSED.items() if f == parts[-2]]
-            names += [".".join(parts[:-2] + [h, parts[-1]]) for h in hf]
+def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSizes) -> list[Piece]:
+    """Where the parameter ``name`` of ``shard``'s model comes from, HF tensor by HF tensor. A
+    parameter whose pieces do not cover it is zero elsewhere (vocabulary padding; a row-parallel bias
+    off rank 0)."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    prefix = ".".join(parts[:-2])
+    d = config.head_dim
+    if module in _FUSED:
+        if module == "qkv_proj":
+            q, kv = shard.num_heads * d, shard.num_kv_heads * d
+            spans = [(shard.rank * q, q, config.q_size), (shard.kv_head_start * d, kv, config.kv_size),
+                     (shard.kv_head_start * d, kv, config.kv_size)]
         else:
-            names.append(name)
-    return names
+            i = shard.intermediate_size
+            spans = [(shard.rank * i, i, config.intermediate_size)] * 2
+        out, offset, fused = [], 0, 0
+        for hf, (start, length, full) in zip(_FUSED[module], spans):
+            out.append(Piece(f"{prefix}.{hf}.{kind}", 0, start, length, offset, full, fused))
+            offset, fused = offset + length, fused + full
+        return out
+    if module in _ROW_PARALLEL and kind == "weight":
+        local = param.shape[1]
+        full = config.q_size if module == "o_proj" else config.intermediate_size
+        return [Piece(name, 1, shard.rank * local, local, 0, full)]
+    if module in _ROW_PARALLEL and shard.rank > 0:
+        return []  # the bias: added once, by rank 0
+    if module in _VOCAB:
+        return [Piece(name, 0, shard.vocab_start, shard.vocab_rows, 0, config.vocab_size)]
+    return [Piece(name, 0, 0, param.shape[0], 0, param.shape[0])]
 
 
-def _target(params: dict, config: ModelConfig, hf_name: str):
-    """(parameter, row offset, rows) that the HF tensor fills, or None if the model does not use it."""
-    parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, idx = _FUSED[parts[-2]]
-        pname = ".".join(parts[:-2] + [fused, parts[-1]])
-        sizes = _shard_sizes(config, fused)
-    else:
-        pname, idx, sizes = hf_name, 0, None
-    param = params.get(pname)
-    if param is None:
-        return None
-    if sizes is None:
-        return param, 0, param.shape[0]
-    return param, sum(sizes[:idx]), sizes[idx]
+def _covers(param: torch.Tensor, parts: list[Piece]) -> bool:
+    """Whether ``parts`` (all along one dim) fill the whole parameter."""
+    return bool(parts) and sum(p.length for p in parts) == param.shape[parts[0].dim]
+
+
+def _hf_shape(param: torch.Tensor, piece: Piece) -> tuple[int, ...]:
+    shape = list(param.shape)
+    shape[piece.dim] = piece.full
+    return tuple(shape)
+
+
+def _one_rank_shape(param: torch.Tensor, parts: list[Piece]) -> tuple[int, ...]:
+    """The parameter's shape in the one-rank model (fused projections whole)."""
+    shape = list(param.shape)
+    shape[parts[0].dim] = parts[-1].fused_offset + parts[-1].full
+    return tuple(shape)
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -99,28 +134,36 @@ def _safetensors_files(path: str) -> list[str]:
 
 @torch.no_grad()
 def load_weights(model: CausalLM, path: str) -> None:
-    """Copy a local HF checkpoint into ``model`` (fused projections assembled from their shards)."""
+    """Copy a local HF checkpoint into ``model`` (fused projections assembled from their shards; a
+    tensor-parallel rank reads only its slices)."""
     from safetensors import safe_open
 
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    wanted: dict[str, list[tuple[torch.Tensor, Piece]]] = {}
+    for name, param in model.named_parameters():  # a tied lm_head appears once, as embed_tokens
+        parts = pieces(name, param, model.config, model.shard)
+        if not _covers(param, parts):
+            param.zero_()
+        for piece in parts:
+            wanted.setdefault(piece.hf_name, []).append((param, piece))
     loaded: set[str] = set()
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                target = _target(params, model.config, hf_name)
-                if target is None:
+                targets = wanted.get(hf_name)
+                if not targets:
                     continue
-                param, offset, rows = target
-                tensor = f.get_tensor(hf_name)
-                want = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != tuple(want):
-                    raise ValueError(
-                        f"weight {hf_name!r} in {os.path.basename(file)} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(want)}"
-                    )
-                param.narrow(0, offset, rows).copy_(tensor)
+                tensor = f.get_slice(hf_name)
+                shape = tuple(tensor.get_shape())
+                for param, piece in targets:
+                    want = _hf_shape(param, piece)
+                    if shape != want:
+                        raise ValueError(f"weight {hf_name!r} in {os.path.basename(file)} has shape {shape}, "
+                                         f"expected {want}")
+                    end = piece.start + piece.length
+                    part = tensor[piece.start : end] if piece.dim == 0 else tensor[:, piece.start : end]
+                    param.narrow(piece.dim, piece.offset, piece.length).copy_(part)
                 loaded.add(hf_name)
-    missing = [n for n in _expected_hf_names(model) if n not in loaded]
+    missing = [n for n in wanted if n not in loaded]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"weights missing from {path!r}: {missing[0]!r}{more}")
@@ -131,7 +174,8 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
     """Seeded random weights like HF's init: normal(0, initializer_range) matrices, zero biases, unit norms.
 
     Drawn on the model's device with a generator seeded by ``seed`` (same seed, same device kind:
-    same weights).
+    same weights). A tensor-parallel rank draws every matrix whole, in the one-rank model's order, and
+    keeps its slice: the same weights as one device, one transient full matrix at a time.
     """
     std = model.config.initializer_range
     device = next(model.parameters()).device
@@ -141,5 +185,12 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
-        else:
+        elif model.comm.size == 1:
             param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32) * std)
+        else:
+            parts = pieces(name, param, model.config, model.shard)
+            full = torch.randn(_one_rank_shape(param, parts), generator=gen, device=device, dtype=torch.float32)
+            param.zero_()
+            for p in parts:
+                src = full.narrow(p.dim, p.fused_offset + p.start, p.length)
+                param.narrow(p.dim, p.offset, p.length).copy_(src * std)
