@@ -69,11 +69,14 @@ def check_tensor_parallel_size(config, size, device: torch.device) -> int:
     return size
 
 
-def allreduce_kind() -> str:
-    """The all-reduce ``PAGEDFLASH_ALLREDUCE`` selects (default ``nccl``)."""
+def allreduce_kind(device: torch.device) -> str:
+    """The all-reduce ``PAGEDFLASH_ALLREDUCE`` selects for ranks on ``device`` (default ``nccl``)."""
     kind = os.environ.get(ALLREDUCE_ENV, "nccl").strip().lower() or "nccl"
     if kind not in ALLREDUCE_KINDS:
         raise ValueError(f"{ALLREDUCE_ENV} must be one of {ALLREDUCE_KINDS}, got {kind!r}")
+    if kind == "symm_mem" and device.type != "cuda":
+        raise ValueError(f"{ALLREDUCE_ENV}=symm_mem needs CUDA devices (symmetric memory), got {device}; "
+                         "unset it to use the process group's all-reduce")
     return kind
 
 
