@@ -115,14 +115,15 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
 
 def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_axis: int = -2) -> tuple[int, int]:
     """Check D range and GQA divisibility; return ``(Hq, Hkv)``."""
-    d = q.shape[-1]
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    d = q_shape[-1]
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: head dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {d}")
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[-1] != d:
-            raise ValueError(f"{name}: expected head dim {d} (q's), got {t.shape[-1]}")
-    hq, hkv = q.shape[head_axis], k.shape[head_axis]
-    if v.shape[head_axis] != hkv:
+    if k_shape[-1] != d or v_shape[-1] != d:
+        name, got = ("k", k_shape[-1]) if k_shape[-1] != d else ("v", v_shape[-1])
+        raise ValueError(f"{name}: expected head dim {d} (q's), got {got}")
+    hq, hkv = q_shape[head_axis], k_shape[head_axis]
+    if v_shape[head_axis] != hkv:
         raise ValueError(f"v: expected {hkv} heads (k's), got {v.shape[head_axis]}")
     if hq == 0 or hkv == 0 or hq % hkv != 0:
         raise ValueError(f"heads: Hq must be a multiple of Hkv, both at least 1, got Hq={hq}, Hkv={hkv}")
@@ -135,16 +136,22 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
     Each side is an int (a bool or a float is refused), -1 or >= 0. A side of ``MAX_WINDOW`` or more
     reaches past every key of a sequence the kernels take, so it becomes -1: the kernels' int32
     position arithmetic never sees it."""
-    try:
-        sides = tuple(window_size)
-    except TypeError:
-        sides = None
-    if sides is None or len(sides) != 2 or any(isinstance(w, bool) or not _is_int(w) for w in sides):
-        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    left, right = (operator.index(w) for w in sides)
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is type(window_size[1]) is int:
+        left, right = window_size  # the usual call: no conversion needed
+    else:
+        try:
+            sides = tuple(window_size)
+        except TypeError:
+            sides = None
+        if sides is None or len(sides) != 2 or any(isinstance(w, bool) or not _is_int(w) for w in sides):
+            raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+        left, right = (operator.index(w) for w in sides)
     if left < -1 or right < -1:
         raise ValueError(f"window_size: expected entries >= -1 (-1 = unbounded), got {window_size!r}")
-    left, right = (-1 if w >= MAX_WINDOW else w for w in (left, right))
+    if left >= MAX_WINDOW:
+        left = -1
+    if right >= MAX_WINDOW:
+        right = -1
     if causal:
         right = 0
     return left, right
@@ -165,7 +172,7 @@ def check_softcap(softcap) -> float:
     ``softcap >= MIN_SOFTCAP`` (fp32's smallest normal number, so that ``1 / softcap`` is finite)."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+    if type(softcap) is not float and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)):
         raise TypeError(f"softcap: expected a float (0 or None disables it), got {type(softcap).__name__} {softcap!r}")
     softcap = float(softcap)
     if softcap > _FP32_MAX:

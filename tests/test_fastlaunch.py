@@ -297,6 +297,7 @@ def test_objects_of_another_shape_keep_the_public_launch(fake_triton, shape):
 
 
 def test_an_unknown_triton_keeps_the_public_launch(monkeypatch):
+    monkeypatch.setattr(fastlaunch, "_enabled", True)  # on, as without PAGEDFLASH_FAST_LAUNCH=0
     monkeypatch.setattr(fastlaunch, "_api", False)
     monkeypatch.setattr(fastlaunch, "KNOWN_VERSIONS", ("0.0.",))
     jit = _kernel_stub([types.SimpleNamespace(name="X", is_constexpr=True)], _Compiled(None))
@@ -543,6 +544,7 @@ def test_gpu_fast_path_is_bit_identical_to_the_public_launch():
             previous = fastlaunch.set_enabled(enabled)
             try:
                 results[enabled] = {name: [call() for _ in range(3)] for name, call in cases.items()}
+                status = fastlaunch.status()
             finally:
                 fastlaunch.set_enabled(previous)
     for name in results[False]:
@@ -551,7 +553,7 @@ def test_gpu_fast_path_is_bit_identical_to_the_public_launch():
             for a, b in zip(public, fast):
                 assert torch.equal(a, b), name
     if _known_triton():
-        assert fastlaunch.status() == "on", fastlaunch.status()
+        assert status == "on", status
         assert all(plan.slot.handle is not None for plan in attention._PLANS.values())
 
 

@@ -398,13 +398,13 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def _plan_key(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q, cu_seqlens_k,
-              seqused_k, block_table, num_splits, config) -> tuple:
+def _plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+              cu_seqlens_k, seqused_k, block_table, num_splits, config) -> tuple:
     """What a launch plan depends on, and every input of Triton's specialization of the launch
     beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
     every pointer, the integers and flags of the call, and the launch table's switches. (Fresh
     outputs and split partials are always aligned and contiguous.)"""
-    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() & 15,
+    return (q.shape, q.stride(), q.dtype, device, q.data_ptr() & 15,
             k.shape, k.stride(), k.dtype, k.data_ptr() & 15, v.stride(), v.dtype, v.data_ptr() & 15,
             out.stride(), out.dtype, out.data_ptr() & 15, None if lse is None else lse.stride(),
             None if cu_seqlens_q is None else (cu_seqlens_q.dtype, cu_seqlens_q.data_ptr() & 15),
@@ -521,18 +521,19 @@ def attention_forward(
     signature (:func:`_plan_key`) and reused, as are the split partials (:mod:`pagedflash.ops.scratch`);
     repeated launches skip Triton's argument binding where :mod:`pagedflash.ops.fastlaunch` can.
     """
-    varlen_q = cu_seqlens_q is not None
+    device = q.device
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = None
     if return_lse:
-        lse_shape = (q.shape[1], q.shape[0]) if varlen_q else (q.shape[0], q.shape[2], q.shape[1])
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        shape = q.shape
+        lse_shape = (shape[1], shape[0]) if cu_seqlens_q is not None else (shape[0], shape[2], shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
     left, right = window
     window = (left, right)
     sm_scale, softcap = float(sm_scale), float(softcap)
-    key = _plan_key(q, k, v, out, lse, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q, cu_seqlens_k,
-                    seqused_k, block_table, num_splits, config)
+    key = _plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+                    cu_seqlens_k, seqused_k, block_table, num_splits, config)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k, v, out, lse, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -544,7 +545,7 @@ def attention_forward(
     if plan.grid is None:  # no query rows
         return out, lse
     if plan.part_shapes is not None:
-        out_part, lse_part = scratch.buffers(plan.part_shapes, q.device)
+        out_part, lse_part = scratch.buffers(plan.part_shapes, device)
     else:
         out_part = lse_part = out  # unused
     dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)

@@ -36,10 +36,14 @@ def _stream(index: int) -> int:
 def buffers(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Uninitialized tensors of ``specs`` (``(shape, dtype)`` pairs) that the caller's kernels fill
     before they read them."""
-    if device.type != "cuda" and not CPU or not REUSE or (device.type == "cuda" and _capturing()):
+    kind = device.type
+    if kind == "cuda" and REUSE and not _capturing():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (specs, index, _stream(index))
+    elif kind == "cpu" and REUSE and CPU:
+        key = (specs, -1, 0)
+    else:
         return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else -1)
-    key = (specs, index, _stream(index) if device.type == "cuda" else 0)
     kept = getattr(_local, "buffers", None)
     if kept is None:
         kept = _local.buffers = {}
