@@ -309,7 +309,10 @@ def main(cfg: Config) -> int:
     by_name = {r["workload"]: r for r in table.rows}
     failed = sum(r.get("ours") == FAIL for r in table.rows)
     summary = {f"{name.replace(' ', '_')}_vs_sdpa": by_name[name].get("vs_sdpa") for name in by_name}
-    summary.update(fast_launch=status, target=TARGET, failures=failed)
+    summary.update(fast_launch=status, target=TARGET, failures=failed,
+                   method=(f"host wall time per call: median of {rounds} loops of {calls} eager calls that do not "
+                           "wait for the GPU, value checks off" if has_gpu() else
+                           f"CPU, Triton launches replaced by no-ops: median of {rounds} loops of {calls} calls"))
     print_summary(summary)
     path = write_results("overhead", [table], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path}")

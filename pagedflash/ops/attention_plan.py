@@ -1,0 +1,136 @@
+"""Launch plans of the attention kernel: what :func:`pagedflash.ops.attention.attention_forward`
+launches for a call signature (tiles, KV split count, grid, the kernel's integer arguments and
+constexprs), derived from the launch table (:mod:`pagedflash.ops.launch`) once per signature.
+
+:func:`plan_key` is the signature: everything a plan depends on, and everything Triton specializes
+a launch on beyond the plan's own numbers (shapes, strides, dtypes, device, the 16-byte alignment of
+every pointer, the call's integers and flags, the launch table's switches), so that one key means
+one compiled kernel and :mod:`pagedflash.ops.fastlaunch` may relaunch it. Nothing in a plan depends
+on the values in the tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedflash.ops import fastlaunch
+from pagedflash.ops import launch as launch_table
+from pagedflash.ops.launch import (
+    LONG_KV_KEYS,
+    MAX_SPLITS,
+    PACK_MAX_ROWS,
+    choose_config,
+    choose_num_splits,
+    use_tma,
+)
+from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms
+
+
+def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
+    """(batch or page, token or slot, head) strides of a 4-D tensor; batch stride 0 for a 3-D one."""
+    if len(strides) == 4:
+        return strides[0], strides[1], strides[2]
+    return 0, strides[0], strides[1]
+
+
+class Plan:
+    """What one signature (:func:`plan_key`) launches: tiles, split count, grid, the kernel's
+    integer arguments and constexprs, the combine launch (made by the first launch, from its
+    tensors), and the fast-launch slot."""
+
+    __slots__ = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "window", "consts",
+                 "fallback_key", "slot", "combine", "tokens_per_batch")
+
+
+def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+             cu_seqlens_k, seqused_k, block_table, num_splits, config) -> tuple:
+    """What a launch plan depends on, and every input of Triton's specialization of the launch
+    beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
+    every pointer, the integers and flags of the call, and the launch table's switches. (Fresh
+    outputs and split partials are always aligned and contiguous.)"""
+    return (q.shape, q.stride(), q.dtype, device, q.data_ptr() & 15,
+            k.shape, k.stride(), k.dtype, k.data_ptr() & 15, v.stride(), v.dtype, v.data_ptr() & 15,
+            out.stride(), out.dtype, out.data_ptr() & 15, None if lse is None else lse.stride(),
+            None if cu_seqlens_q is None else (cu_seqlens_q.dtype, cu_seqlens_q.data_ptr() & 15),
+            None if cu_seqlens_k is None else (cu_seqlens_k.dtype, cu_seqlens_k.data_ptr() & 15),
+            None if seqused_k is None else (seqused_k.dtype, seqused_k.data_ptr() & 15),
+            None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
+            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
+            launch_table.TMA, launch_table.INTERPRET_TMA)
+
+
+def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+              cu_seqlens_k, seqused_k, block_table, num_splits, config) -> Plan:
+    """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them)."""
+    varlen_q = cu_seqlens_q is not None
+    paged = block_table is not None
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-2]
+    group = hq // hkv
+    page_size = k.shape[1] if paged else 0
+    tma_ok = use_tma(k, v, paged)
+    packed = max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS
+    wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
+    if config is not None and (group % config.g_pack or config.block_m % config.g_pack):
+        raise ValueError(f"config.g_pack: expected a divisor of the GQA group ({group}) and of block_m "
+                         f"({config.block_m}), got {config.g_pack}")
+    pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
+                             causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
+                             wide=wide, kv_itemsize=k.element_size())
+    # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
+    cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
+    block_q = cfg.block_m // cfg.g_pack
+    if num_splits <= 0:
+        num_splits = choose_num_splits(
+            programs=batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack),
+            max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=2 * d * k.element_size(),
+            decode=packed, page_size=page_size, device=q.device,
+        )
+    num_splits = min(num_splits, MAX_SPLITS)
+    if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
+        cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
+    tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
+    if varlen_q:
+        num_q_tiles = 0
+        grid_q = tokens // block_q + batch
+    else:
+        num_q_tiles = cdiv(q.shape[1], block_q)
+        grid_q = batch * num_q_tiles
+    if lse is None:
+        stride_l = (0, 0, 0)
+    elif varlen_q:  # [Hq, total_q]
+        stride_l = (0, lse.stride(0), lse.stride(1))
+    else:  # [B, Hq, Sq]
+        stride_l = lse.stride()
+    split = num_splits > 1
+
+    plan = Plan()
+    plan.cfg, plan.num_splits = cfg, num_splits
+    plan.tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
+    plan.grid = (grid_q, hkv * (group // cfg.g_pack), num_splits) if tokens > 0 and grid_q > 0 else None
+    plan.part_shapes = (((num_splits, tokens, hq, d), torch.float32), ((num_splits, tokens, hq), torch.float32)) \
+        if split else None
+    plan.tokens_per_batch = tokens if varlen_q else q.shape[1]
+    plan.ints = (  # the kernel's integer arguments from stride_qb to num_splits (partials contiguous)
+        *_bsh(q.stride()), *_bsh(k.stride()), *_bsh(v.stride()), *_bsh(out.stride()), *stride_l,
+        block_table.stride(0) if paged else 0,
+        *((tokens * hq * d, hq * d, d) if split else (0, 0, 0)),
+        *((tokens * hq, hq) if split else (0, 0)),
+        batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
+        k.shape[0] * page_size, num_q_tiles, num_splits,
+    )
+    plan.window = window
+    plan.consts = dict(
+        GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_M=cfg.block_m, PAGE_SIZE=page_size or 1,
+        SPLIT_KV=split, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
+        HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0,
+        HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    plan.fallback_key = (q.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
+    plan.slot = fastlaunch.Slot()
+    plan.combine = None  # made by the first launch, from its tensors
+    return plan
