@@ -2,7 +2,8 @@
 
 ``check_invariants`` is asserted after every step, as in vLLM's prefix-caching tests. The stateful
 test also simulates the K/V pool: each written slot holds the token prefix its K/V depends on, so any
-wrong sharing or overwrite of a shared block shows as a mismatched slot.
+wrong sharing, overwrite of a shared block, or hit on a block whose forward failed shows as a
+mismatched slot.
 """
 
 import math
@@ -36,20 +37,20 @@ def check_invariants(bm: BlockManager) -> None:
             owners.setdefault(b, []).append(seq_id)
     for b in blocks:
         assert b.ref_count == len(owners.get(b.block_id, [])) >= 0
-    # Hash chain of every full block; partial blocks unhashed and unshared.
+    # Hash chain of every committed block; partial and uncommitted blocks unhashed and unshared.
     p = bm.page_size
     for seq in bm._seqs.values():
+        assert 0 <= seq.num_committed <= len(seq.token_ids) // p
+        assert seq.num_committed == 0 or bm.enable_prefix_caching
         parent_hash = None
         for i, b in enumerate(seq.block_table):
             block, tokens = blocks[b], seq.token_ids[i * p : (i + 1) * p]
-            if len(tokens) < p:
-                assert block.hash is None and block.ref_count == 1
-            elif bm.enable_prefix_caching:
+            if i < seq.num_committed:
                 assert block.token_ids == tuple(tokens)
                 assert block.hash == bm_module.chain_hash(parent_hash, tokens)  # the patched one, if any
                 parent_hash = block.hash
             else:
-                assert block.hash is None
+                assert block.hash is None and block.ref_count == 1
     # A shared block holds the same token prefix in every sequence holding it.
     for b, seq_ids in owners.items():
         prefixes = set()
@@ -64,6 +65,20 @@ def check_invariants(bm: BlockManager) -> None:
         assert not bm._hash_to_block and not evictable
 
 
+def run(bm: BlockManager, seq_id, tokens):
+    """allocate, then the forward that writes the new K/V completes: commit every token."""
+    table, cached = bm.allocate(seq_id, tokens)
+    bm.commit(seq_id, len(tokens))
+    return table, cached
+
+
+def append(bm: BlockManager, seq_id, token):
+    """append_token, then its forward completes."""
+    table = bm.append_token(seq_id, token)
+    bm.commit(seq_id, bm.num_tokens(seq_id))
+    return table
+
+
 def snapshot(bm: BlockManager):
     """Everything an all-or-nothing failure must leave unchanged."""
     return (
@@ -71,7 +86,7 @@ def snapshot(bm: BlockManager):
         list(bm._free_uncached),
         list(bm._evictable),
         dict(bm._hash_to_block),
-        {s: (list(q.token_ids), list(q.block_table)) for s, q in bm._seqs.items()},
+        {s: (list(q.token_ids), list(q.block_table), q.num_committed) for s, q in bm._seqs.items()},
         (bm.stats.queried_tokens, bm.stats.hit_tokens),
     )
 
@@ -82,10 +97,10 @@ def snapshot(bm: BlockManager):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_blocks=0, page_size=4), "num_blocks must be a positive int, got 0"),
-        (dict(num_blocks=4, page_size=0), "page_size must be a positive int, got 0"),
-        (dict(num_blocks=4, page_size=2.0), "page_size must be a positive int, got 2.0"),
-        (dict(num_blocks=True, page_size=2), "num_blocks must be a positive int, got True"),
+        (dict(num_blocks=0, page_size=4), "num_blocks must be an int >= 1, got 0"),
+        (dict(num_blocks=4, page_size=0), "page_size must be an int >= 1, got 0"),
+        (dict(num_blocks=4, page_size=2.0), "page_size must be an int >= 1, got 2.0"),
+        (dict(num_blocks=True, page_size=2), "num_blocks must be an int >= 1, got True"),
     ],
     ids=["zero-blocks", "zero-page", "float-page", "bool-blocks"],
 )
@@ -143,15 +158,25 @@ def test_allocate_errors():
     assert issubclass(NoFreeBlocksError, RuntimeError)
 
 
-def test_token_ids_must_be_integers():
-    bm = BlockManager(4, 2)
-    with pytest.raises(TypeError):
-        bm.allocate(0, [1.0])
-    assert 0 not in bm
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+def test_token_ids_are_checked_before_any_change(caching):
+    bm = BlockManager(4, 2, enable_prefix_caching=caching)
+    for bad, exc, match in ((1.0, TypeError, r"token_ids\[1\] must be an int token id, got 1.0 of type float"),
+                            (True, TypeError, r"token_ids\[1\] must be an int token id, got True"),
+                            (-1, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\), got -1"),
+                            (2**63, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)")):
+        before = snapshot(bm)
+        with pytest.raises(exc, match=match):
+            bm.allocate(0, [1, bad])
+        assert snapshot(bm) == before and 0 not in bm
     bm.allocate(0, [1])
-    with pytest.raises(TypeError):
-        bm.append_token(0, 2.5)
-    assert bm.num_tokens(0) == 1
+    bm.append_token(0, 2**63 - 1)  # the largest int64 is a valid id
+    for bad, exc in ((2.5, TypeError), (2**63, ValueError), (-5, ValueError), (None, TypeError)):
+        before = snapshot(bm)
+        with pytest.raises(exc, match="token_id must be"):
+            bm.append_token(0, bad)  # with caching on, 2**63 used to change num_tokens, then overflow
+        assert snapshot(bm) == before and bm.num_tokens(0) == 2
+    bm.commit(0, 2)
     check_invariants(bm)
 
 
@@ -169,7 +194,7 @@ def test_can_allocate():
     assert bm.can_allocate(12) and not bm.can_allocate(13)
     bm.allocate(0, [1] * 5)
     assert bm.can_allocate(4) and not bm.can_allocate(5)
-    with pytest.raises(ValueError, match="num_tokens must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 1, got 0"):
         bm.can_allocate(0)
 
 
@@ -189,14 +214,18 @@ def test_append_token_fills_then_grows():
     table, _ = bm.allocate(0, [1])
     assert bm.can_append(0)
     assert bm.append_token(0, 2) == table  # fills block 0, no new block
-    assert bm.block_hash(table[0]) == chain_hash(None, [1, 2])  # registered once full
+    assert bm.block_hash(table[0]) is None  # full, but its K/V are not committed yet
+    bm.commit(0, 2)
+    assert bm.block_hash(table[0]) == chain_hash(None, [1, 2])
     assert bm.num_free_blocks == 3
     grown = bm.append_token(0, 3)
     assert grown[:1] == table and len(grown) == 2 and bm.num_free_blocks == 2
+    bm.commit(0, 3)
     assert bm.block_hash(grown[1]) is None  # partial
     bm.append_token(0, 4)
+    bm.commit(0, 4)
     assert bm.block_hash(grown[1]) == chain_hash(chain_hash(None, [1, 2]), [3, 4])
-    assert bm.num_tokens(0) == 4
+    assert bm.num_tokens(0) == 4 and bm.num_committed_tokens(0) == 4
     check_invariants(bm)
 
 
@@ -212,13 +241,63 @@ def test_append_token_exhausted():
     assert snapshot(bm) == before
 
 
+# ----------------------------------------------------------------------------- commit
+
+
+def test_uncommitted_blocks_are_never_hit():
+    bm = BlockManager(8, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4, 5])
+    assert bm.allocate("b", [1, 2, 3, 4, 6])[1] == 0  # a's K/V are not written yet
+    bm.commit("a", 2)  # the first block's forward completed
+    assert bm.block_hash(a[0]) is not None and bm.block_hash(a[1]) is None
+    assert bm.num_committed_tokens("a") == 2
+    table, cached = bm.allocate("c", [1, 2, 3, 4, 6])
+    assert cached == 2 and table[0] == a[0] and table[1] != a[1]
+    check_invariants(bm)
+
+
+def test_freed_uncommitted_blocks_go_back_uncached():
+    """A forward that failed: its blocks were handed out and maybe half written, never committed."""
+    bm = BlockManager(4, 2)
+    a, _ = bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.commit("a", 3)  # block 0 committed; block 1 full but its forward failed
+    bm.free("a")
+    assert bm.block_hash(a[1]) is None and a[1] in bm._free_uncached and a[0] in bm._evictable
+    assert bm.allocate("b", [1, 2, 3, 4, 5])[1] == 2
+    check_invariants(bm)
+
+
+def test_commit_is_monotone_and_checked():
+    bm = BlockManager(8, 2)
+    table, _ = bm.allocate("a", [1, 2, 3, 4, 5])
+    bm.commit("a", 4)
+    before = snapshot(bm)
+    bm.commit("a", 1)  # fewer than before: nothing changes
+    bm.commit("a", 5)  # the partial block is never registered
+    assert snapshot(bm) == before and bm.num_committed_tokens("a") == 4
+    for bad, match in ((6, "num_tokens must be at most the 5 tokens seq_id 'a' holds, got 6"),
+                       (-1, "num_tokens must be an int >= 0, got -1"), (2.0, "num_tokens must be an int >= 0"),
+                       (True, "num_tokens must be an int >= 0, got True")):
+        with pytest.raises(ValueError, match=match):
+            bm.commit("a", bad)
+    assert snapshot(bm) == before
+    with pytest.raises(ValueError, match="unknown seq_id 'z'"):
+        bm.commit("z", 1)
+    off = BlockManager(8, 2, enable_prefix_caching=False)
+    off.allocate("a", [1, 2, 3])
+    off.commit("a", 3)
+    assert off.num_committed_tokens("a") == 0 and off.block_hash(off.block_table("a")[0]) is None
+    check_invariants(bm)
+    check_invariants(off)
+
+
 # ----------------------------------------------------------------------------- prefix caching
 
 
 def test_shared_prefix_shares_blocks_and_counts_refs():
     bm = BlockManager(10, 2)
-    a, cached_a = bm.allocate("a", [1, 2, 3, 4, 5])
-    b, cached_b = bm.allocate("b", [1, 2, 3, 4, 9, 9])
+    a, cached_a = run(bm, "a", [1, 2, 3, 4, 5])
+    b, cached_b = run(bm, "b", [1, 2, 3, 4, 9, 9])
     assert cached_a == 0 and cached_b == 4 and b[:2] == a[:2] and b[2] != a[2]
     assert [bm.ref_count(x) for x in a] == [2, 2, 1]
     assert bm.stats.queried_tokens == 11 and bm.stats.hit_tokens == 4
@@ -231,168 +310,168 @@ def test_shared_prefix_shares_blocks_and_counts_refs():
 
 def test_hit_after_free_reuses_unreferenced_cached_blocks():
     bm = BlockManager(4, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4, 5])
+    a, _ = run(bm, "a", [1, 2, 3, 4, 5])
     bm.free("a")
     assert bm.num_free_blocks == 4  # cached blocks count as free
-    b, cached = bm.allocate("b", [1, 2, 3, 4, 6])
+    b, cached = run(bm, "b", [1, 2, 3, 4, 6])
     assert cached == 4 and b[:2] == a[:2] and bm.ref_count(a[0]) == 1
     check_invariants(bm)
 
 
 def test_whole_prompt_cached_recomputes_last_block():
     bm = BlockManager(8, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
-    b, cached = bm.allocate("b", [1, 2, 3, 4])  # everything cached: back off one block
+    a, _ = run(bm, "a", [1, 2, 3, 4])
+    b, cached = run(bm, "b", [1, 2, 3, 4])  # everything cached: back off one block
     assert cached == 2 and b[0] == a[0] and b[1] != a[1]
-    _, cached = bm.allocate("c", [1, 2, 3, 4, 5])  # both full blocks reusable, token 4 computed
+    _, cached = run(bm, "c", [1, 2, 3, 4, 5])  # both full blocks reusable, token 4 computed
     assert cached == 4
-    _, cached = bm.allocate("d", [1])
+    _, cached = run(bm, "d", [1])
     assert cached == 0
     check_invariants(bm)
 
 
 def test_page_size_one_never_caches_whole_prompt():
     bm = BlockManager(8, 1)
-    bm.allocate("a", [7, 8, 9])
-    assert bm.allocate("b", [7, 8, 9])[1] == 2
-    assert bm.allocate("c", [7])[1] == 0
+    run(bm, "a", [7, 8, 9])
+    assert run(bm, "b", [7, 8, 9])[1] == 2
+    assert run(bm, "c", [7])[1] == 0
 
 
 def test_partial_block_never_shared():
     bm = BlockManager(8, 4)
-    a, _ = bm.allocate("a", [1, 2, 3])
-    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    a, _ = run(bm, "a", [1, 2, 3])
+    b, cached = run(bm, "b", [1, 2, 3, 4, 5])
     assert cached == 0 and not set(a) & set(b)
     bm.free("a")
-    assert bm.allocate("c", [1, 2, 3, 9])[1] == 0  # freed partial block was not cached
+    assert run(bm, "c", [1, 2, 3, 9])[1] == 0  # freed partial block was not cached
     check_invariants(bm)
 
 
 def test_only_a_leading_run_of_blocks_hits():
     bm = BlockManager(8, 2)
-    bm.allocate("a", [1, 2, 3, 4, 5])
-    table, cached = bm.allocate("b", [9, 9, 3, 4, 5])  # block [3, 4] has another parent
+    run(bm, "a", [1, 2, 3, 4, 5])
+    table, cached = run(bm, "b", [9, 9, 3, 4, 5])  # block [3, 4] has another parent
     assert cached == 0 and bm.ref_count(table[1]) == 1
 
 
 def test_lru_eviction_order_and_evicted_block_loses_hash():
     bm = BlockManager(4, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
-    c, _ = bm.allocate("c", [5, 6])
+    a, _ = run(bm, "a", [1, 2, 3, 4])
+    c, _ = run(bm, "c", [5, 6])
     bm.free("a")  # freed last to first: a[1] is evicted before a[0]
     bm.free("c")
     old_hash = bm.block_hash(a[1])
-    fresh, _ = bm.allocate("x", [8, 8, 8])  # 1 uncached block, then evict the LRU: a[1]
+    fresh, _ = run(bm, "x", [8, 8, 8])  # 1 uncached block, then evict the LRU: a[1]
     assert set(fresh) == ({0, 1, 2, 3} - set(a) - set(c)) | {a[1]}
     assert bm.block_hash(a[1]) is None and old_hash not in bm._hash_to_block
-    assert bm.allocate("y", [1, 2, 3, 4])[1] == 2  # a[0] still cached, a[1] evicted
+    assert run(bm, "y", [1, 2, 3, 4])[1] == 2  # a[0] still cached, a[1] evicted
     check_invariants(bm)
 
 
 def test_hit_makes_a_block_most_recently_used():
     bm = BlockManager(4, 2)
-    bm.allocate("a", [1, 2])
-    bm.allocate("c", [5, 6])
+    run(bm, "a", [1, 2])
+    run(bm, "c", [5, 6])
     bm.free("a")
     bm.free("c")  # LRU order: a, c
-    bm.allocate("h", [1, 2, 9])  # hits a's block
+    run(bm, "h", [1, 2, 9])  # hits a's block
     bm.free("h")  # LRU order: c, a
-    bm.allocate("x", [8] * 5)  # the two uncached blocks, then evicts c's
+    run(bm, "x", [8] * 5)  # the two uncached blocks, then evicts c's
     bm.free("x")
-    assert bm.allocate("y", [1, 2, 0])[1] == 2
+    assert run(bm, "y", [1, 2, 0])[1] == 2
     bm.free("y")
-    assert bm.allocate("z", [5, 6, 0])[1] == 0
+    assert run(bm, "z", [5, 6, 0])[1] == 0
 
 
 def test_hits_are_not_evicted_to_make_room():
     bm = BlockManager(3, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
-    c, _ = bm.allocate("c", [7, 8])
+    a, _ = run(bm, "a", [1, 2, 3, 4])
+    c, _ = run(bm, "c", [7, 8])
     bm.free("a")
     bm.free("c")  # LRU order: a[1], a[0], c[0]; all three cached, none uncached
-    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    b, cached = run(bm, "b", [1, 2, 3, 4, 5])
     assert cached == 4 and b == a + c  # the needed block came from c, the first non-hit
     check_invariants(bm)
 
 
 def test_allocation_counting_free_hits_is_all_or_nothing():
     bm = BlockManager(3, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
+    a, _ = run(bm, "a", [1, 2, 3, 4])
     bm.free("a")
-    bm.allocate("k", [0])  # takes the uncached block; a's two blocks are free but cached
+    run(bm, "k", [0])  # takes the uncached block; a's two blocks are free but cached
     before = snapshot(bm)
     with pytest.raises(NoFreeBlocksError, match=r"needs 1 new blocks for 5 tokens \(2 cached\), but only 0"):
-        bm.allocate("b", [1, 2, 3, 4, 5])
+        run(bm, "b", [1, 2, 3, 4, 5])
     assert snapshot(bm) == before
 
 
 def test_append_registered_block_is_hit_later():
     bm = BlockManager(8, 2)
-    bm.allocate("a", [1])
-    bm.append_token("a", 2)
-    bm.append_token("a", 3)
-    assert bm.allocate("b", [1, 2, 3])[1] == 2
+    run(bm, "a", [1])
+    append(bm, "a", 2)
+    append(bm, "a", 3)
+    assert run(bm, "b", [1, 2, 3])[1] == 2
 
 
 def test_duplicate_full_blocks_keep_first_index_entry():
     bm = BlockManager(8, 2)
-    a, _ = bm.allocate("a", [1, 2, 3])
-    b, _ = bm.allocate("b", [1, 2, 3])
-    bm.append_token("a", 4)
-    bm.append_token("b", 4)  # same hash as a's block: b's copy is hashed but not indexed
+    a, _ = run(bm, "a", [1, 2, 3])
+    b, _ = run(bm, "b", [1, 2, 3])
+    append(bm, "a", 4)
+    append(bm, "b", 4)  # same hash as a's block: b's copy is hashed but not indexed
     assert bm.block_hash(a[1]) == bm.block_hash(b[1]) and bm._hash_to_block[bm.block_hash(a[1])] == a[1]
     check_invariants(bm)
     bm.free("a")
-    table, cached = bm.allocate("c", [1, 2, 3, 4, 5])
+    table, cached = run(bm, "c", [1, 2, 3, 4, 5])
     assert cached == 4 and table[1] == a[1]
 
 
 def test_hash_collision_checks_tokens(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: 42)  # every block collides
     bm = BlockManager(16, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4, 0])
-    b, cached = bm.allocate("b", [5, 6, 3, 4, 0])  # the index sends [5, 6] to a's [1, 2] block
+    a, _ = run(bm, "a", [1, 2, 3, 4, 0])
+    b, cached = run(bm, "b", [5, 6, 3, 4, 0])  # the index sends [5, 6] to a's [1, 2] block
     assert cached == 0 and not set(a) & set(b)
-    assert bm.allocate("c", [1, 2, 0])[1] == 2  # the indexed block itself still hits
+    assert run(bm, "c", [1, 2, 0])[1] == 2  # the indexed block itself still hits
     check_invariants(bm)
 
 
 def test_hash_collision_checks_parent(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
     bm = BlockManager(16, 2)
-    x, _ = bm.allocate("x", [5, 6, 3, 4, 0])  # indexes [3, 4] computed after [5, 6]
-    bm.allocate("a", [1, 2, 0])
-    table, cached = bm.allocate("y", [1, 2, 3, 4, 0])  # [1, 2] hits; x's [3, 4] has another parent
+    x, _ = run(bm, "x", [5, 6, 3, 4, 0])  # indexes [3, 4] computed after [5, 6]
+    run(bm, "a", [1, 2, 0])
+    table, cached = run(bm, "y", [1, 2, 3, 4, 0])  # [1, 2] hits; x's [3, 4] has another parent
     assert cached == 2 and x[1] not in table
-    assert bm.allocate("z", [3, 4, 0])[1] == 0  # nor is it a first block
+    assert run(bm, "z", [3, 4, 0])[1] == 0  # nor is it a first block
     check_invariants(bm)
 
 
 def test_hash_collision_checks_parent_incarnation(monkeypatch):
     monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
     bm = BlockManager(4, 2)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
-    bm.allocate("u", [7, 7, 7, 7])  # the pool is full, nothing uncached
+    a, _ = run(bm, "a", [1, 2, 3, 4])
+    run(bm, "u", [7, 7, 7, 7])  # the pool is full, nothing uncached
     bm.free("a")
     bm._evictable.move_to_end(a[1])  # make the parent a[0] older than its child a[1]
-    assert bm.allocate("x", [5, 6])[0] == [a[0]]  # evicts a[0] and refills it as a first block
+    assert run(bm, "x", [5, 6])[0] == [a[0]]  # evicts a[0] and refills it as a first block
     bm.free("u")
     # a[1] follows block a[0] as it was before the eviction: its K/V saw [1, 2], not [5, 6].
-    _, cached = bm.allocate("y", [5, 6, 3, 4, 0])
+    _, cached = run(bm, "y", [5, 6, 3, 4, 0])
     assert cached == 2
     check_invariants(bm)
 
 
 def test_prefix_caching_disabled():
     bm = BlockManager(8, 2, enable_prefix_caching=False)
-    a, _ = bm.allocate("a", [1, 2, 3, 4])
-    b, cached = bm.allocate("b", [1, 2, 3, 4, 5])
+    a, _ = run(bm, "a", [1, 2, 3, 4])
+    b, cached = run(bm, "b", [1, 2, 3, 4, 5])
     assert cached == 0 and not set(a) & set(b)
-    bm.append_token("a", 5)
-    bm.append_token("a", 6)
+    append(bm, "a", 5)
+    append(bm, "a", 6)
     assert all(bm.block_hash(x) is None for x in bm.block_table("a"))
     bm.free("a")
-    assert bm.allocate("c", [1, 2, 3, 4, 5])[1] == 0
+    assert run(bm, "c", [1, 2, 3, 4, 5])[1] == 0
     assert bm.stats.hit_tokens == 0 and bm.stats.queried_tokens == 14
     check_invariants(bm)
 
@@ -408,7 +487,9 @@ def weak_chain_hash(parent_hash, token_ids):
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append_token / free over a small pool, with a simulated K/V pool."""
+    """Random allocate / append_token / forward (completed or failed) / commit / free over a small
+    pool, with a simulated K/V pool: a completed forward writes each slot with the token prefix its
+    K/V depends on, a failed one leaves garbage in some of the slots it was writing."""
 
     @initialize(
         num_blocks=st.integers(8, 32),
@@ -420,20 +501,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if weak_hash:
             bm_module.chain_hash = weak_chain_hash  # restored in teardown
         self.bm = BlockManager(num_blocks, page_size, enable_prefix_caching=caching)
-        self.pool: dict[int, tuple[int, ...]] = {}  # slot -> token prefix its K/V was computed from
+        self.pool: dict[int, tuple] = {}  # slot -> token prefix its K/V was computed from
+        self.computed: dict[int, int] = {}  # live seq -> leading tokens written by completed forwards
+        self.registered: dict[int, tuple[int, tuple]] = {}  # block -> (reuses, prefix) when committed
         self.next_id = 0
 
-    def _write(self, seq_id, start):
-        """The engine's job: compute K/V of tokens ``start ..`` into their slots."""
-        tokens, table, p = self.bm._seqs[seq_id].token_ids, self.bm.block_table(seq_id), self.bm.page_size
-        for i in range(start, len(tokens)):
-            self.pool[table[i // p] * p + i % p] = tuple(tokens[: i + 1])
+    def _slot(self, seq_id, i):
+        p = self.bm.page_size
+        return self.bm._seqs[seq_id].block_table[i // p] * p + i % p
 
     def _lru_check(self, before_evictable, before_uncached, *, hits, num_fresh):
         """New blocks come from the uncached ones first, then evict the least recently used."""
         candidates = [b for b in before_evictable if b not in hits]
         num_evicted = max(0, num_fresh - before_uncached)
         assert [b for b in candidates if b not in self.bm._evictable] == candidates[:num_evicted]
+
+    def _commit(self, seq_id, num_tokens):
+        self.bm.commit(seq_id, num_tokens)
+        seq, p = self.bm._seqs[seq_id], self.bm.page_size
+        assert seq.num_committed == (max(seq.num_committed, num_tokens // p) if self.bm.enable_prefix_caching else 0)
+        for i in range(seq.num_committed):
+            b = seq.block_table[i]
+            self.registered[b] = (self.bm._blocks[b].reuses, tuple(seq.token_ids[: (i + 1) * p]))
 
     @rule(tokens=st.lists(TOKENS, min_size=1, max_size=12))
     def allocate(self, tokens):
@@ -447,8 +536,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         p = self.bm.page_size
         assert cached % p == 0 and cached < len(tokens)
+        assert self.bm.num_committed_tokens(seq_id) == cached
         self._lru_check(evictable, uncached, hits=table[: cached // p], num_fresh=len(table) - cached // p)
-        self._write(seq_id, cached)
+        self.computed[seq_id] = cached  # the hits' K/V are in the pool (checked by the invariant)
 
     @precondition(lambda self: self.bm._seqs)
     @rule(data=st.data(), token=TOKENS)
@@ -463,13 +553,40 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         assert can
         self._lru_check(evictable, uncached, hits=[], num_fresh=len(table) - num_blocks)
-        self._write(seq_id, self.bm.num_tokens(seq_id) - 1)
+
+    @precondition(lambda self: any(self.computed[s] < self.bm.num_tokens(s) for s in self.bm._seqs))
+    @rule(data=st.data(), fails=st.booleans(), commit=st.booleans())
+    def forward(self, data, fails, commit):
+        """One forward over the next chunk of a sequence: completes (then maybe commits), or fails
+        after writing some of the chunk's slots (a layer raised: K/V half written)."""
+        seq_id = data.draw(st.sampled_from(sorted(s for s in self.bm._seqs if self.computed[s] < self.bm.num_tokens(s))))
+        tokens, start = self.bm._seqs[seq_id].token_ids, self.computed[seq_id]
+        end = data.draw(st.integers(start + 1, len(tokens)), label="end")
+        before = snapshot(self.bm)
+        if fails:
+            for i in range(start, data.draw(st.integers(start, end), label="written before the failure")):
+                self.pool[self._slot(seq_id, i)] = ("garbage",)
+            assert snapshot(self.bm) == before
+            return
+        for i in range(start, end):
+            self.pool[self._slot(seq_id, i)] = tuple(tokens[: i + 1])
+        self.computed[seq_id] = end
+        if commit:
+            self._commit(seq_id, end)
+
+    @precondition(lambda self: self.bm._seqs)
+    @rule(data=st.data())
+    def commit_lagging(self, data):
+        """A commit of tokens computed earlier (any amount up to what was computed)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
+        self._commit(seq_id, data.draw(st.integers(0, self.computed[seq_id]), label="num_tokens"))
 
     @precondition(lambda self: self.bm._seqs)
     @rule(data=st.data())
     def free(self, data):
         seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
         self.bm.free(seq_id)
+        del self.computed[seq_id]
 
     def teardown(self):
         bm_module.chain_hash = chain_hash
@@ -479,11 +596,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         check_invariants(self.bm)
 
     @invariant()
-    def every_token_reads_its_own_kv(self):
+    def computed_tokens_read_their_own_kv(self):
+        """Every position a sequence counts as computed (its prefix hits included) holds its own K/V."""
+        for seq_id, seq in self.bm._seqs.items():
+            for i in range(self.computed[seq_id]):
+                assert self.pool[self._slot(seq_id, i)] == tuple(seq.token_ids[: i + 1])
+
+    @invariant()
+    def every_cached_block_holds_its_kv(self):
+        """A block with a hash (held or free) holds the K/V of the prefix it was committed with."""
         p = self.bm.page_size
-        for seq in self.bm._seqs.values():
-            for i in range(len(seq.token_ids)):
-                assert self.pool[seq.block_table[i // p] * p + i % p] == tuple(seq.token_ids[: i + 1])
+        for block in self.bm._blocks:
+            if block.hash is None:
+                continue
+            reuses, prefix = self.registered[block.block_id]
+            assert reuses == block.reuses and prefix[-p:] == block.token_ids
+            for j in range(p):
+                assert self.pool[block.block_id * p + j] == prefix[: len(prefix) - p + j + 1]
 
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)

@@ -121,17 +121,17 @@ def test_prefix_cache_hit_rate(llama):
     assert llm.last_stats["prefix_cache_hit_rate"] > 0.8
 
 
-def test_hit_on_pages_never_written_is_recomputed(llama):
-    """B is preempted mid-prefill: its full prompt pages were registered for sharing at allocation
-    but only the first two were computed. When B comes back, the block manager offers the ones not yet
-    evicted as hits; the engine must trust only the written ones."""
+def test_preempted_prefill_resumes_from_its_computed_pages(llama):
+    """B is preempted mid-prefill with all five prompt pages allocated and the first two computed.
+    Only those two joined the prefix cache (pages join it after the forward that wrote them), so
+    they are what B hits when it comes back; it computes the rest."""
     path, hf = llama
     a, b = prompts_of([6, 40], seed=13)
     llm = fp32_llm(path, page_size=8, num_blocks=6, max_num_batched_tokens=8)
     outs = llm.generate([a, b], [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)])
     assert outs[1].num_preemptions == 1
-    assert llm.block_manager.stats.hit_tokens == 24  # pages 0-2 offered on B's return (3-4 were evicted)
-    assert llm.last_stats["computed_prefill_tokens"] == 6 + 16 + (40 - 16)  # only pages 0-1 trusted
+    assert llm.block_manager.stats.hit_tokens == 16  # pages 0-1 on B's return; 2-4 were never computed
+    assert llm.last_stats["computed_prefill_tokens"] == 6 + 16 + (40 - 16)
     assert outs[0].token_ids == hf_greedy(hf, a, 12)
     assert outs[1].token_ids == hf_greedy(hf, b, 3)
 
@@ -248,7 +248,7 @@ def test_run_ahead_gives_the_synchronous_tokens(llama):
     runs = {}
     for ahead in (False, True):
         llm = fp32_llm(path, page_size=4, num_blocks=64)
-        llm.run_ahead = ahead
+        llm.run_ahead.enabled = ahead
         calls = []
         launch_ahead = llm.runner.launch_ahead
         llm.runner.launch_ahead = lambda batch, calls=calls, f=launch_ahead: calls.append(len(batch.rows)) or f(batch)
@@ -282,7 +282,7 @@ def test_run_ahead_matches_synchronous_on_random_workloads(llama, data):
     runs = {}
     for ahead in (False, True):
         llm = fp32_llm(path, page_size=page, num_blocks=blocks, enable_prefix_caching=caching)
-        llm.run_ahead = ahead
+        llm.run_ahead.enabled = ahead
         runs[ahead] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
         assert not llm.scheduler.running and llm.block_manager.num_free_blocks == blocks
     assert runs[True] == runs[False]

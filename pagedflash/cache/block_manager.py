@@ -7,11 +7,14 @@ and ``len(table) == ceil(num_tokens / page_size)``.
 
 Prefix caching (``enable_prefix_caching=True``)
 -----------------------------------------------
-- A block is *registered* when it becomes full: the prompt's full blocks at :meth:`allocate`, and
-  the block an appended token completes at :meth:`append_token`. It gets the chained hash
-  ``chain_hash(parent_hash, its token ids)`` (``parent_hash`` is the previous block's hash, ``None``
-  for a sequence's first block) and is indexed under it, unless another block already holds that
-  hash (the first one keeps the index entry; the duplicate is simply not found).
+- A block joins the prefix cache only once its K/V are in the pool: the caller reports that with
+  :meth:`commit` after a forward that wrote them completed. :meth:`allocate` and
+  :meth:`append_token` only hand out blocks; a block whose forward failed or never ran is never
+  registered, so no later request can hit it, and on :meth:`free` it goes back uncached.
+- :meth:`commit` registers every full block the committed tokens cover, in order: it gets the
+  chained hash ``chain_hash(parent_hash, its token ids)`` (``parent_hash`` is the previous block's
+  hash, ``None`` for a sequence's first block) and is indexed under it, unless another block
+  already holds that hash (the first one keeps the index entry; the duplicate is simply not found).
 - :meth:`allocate` reuses the longest run of indexed blocks matching the prompt from its start, over
   the first ``(len(token_ids) - 1) // page_size`` blocks only: the cached prefix is a multiple of
   ``page_size`` and strictly shorter than the prompt, so at least one token is computed (when the
@@ -28,10 +31,8 @@ Prefix caching (``enable_prefix_caching=True``)
 - Partial blocks are never registered, hence never shared; a shared block is full and is never
   written again (an appended token goes to the sequence's own partial block or to a new block).
 
-The K/V of every registered block must be in the pool before another sequence reads it. Blocks are
-registered at :meth:`allocate`, so an engine must write a prompt's K/V no later than the forward in
-which a sequence hitting it attends (true when each prompt is prefilled whole in the step it is
-allocated, keys and values written before attention in every layer).
+Token ids are ints in ``[0, 2**63)`` (hashed as signed 64-bit); every update checks its arguments
+before it changes anything.
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedflash.validate import check_int
+
 __all__ = ["BlockManager", "NoFreeBlocksError", "PrefixCacheStats", "chain_hash"]
 
 _HASH_BYTES = 8  # 64-bit block hashes: collisions are handled, so more bits buy nothing
 _TOKEN_TYPECODE = "q"  # token ids hashed as signed 64-bit ints
+_MAX_TOKEN_ID = 2**63 - 1
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -95,16 +99,27 @@ class _Block:
 
 
 class _Seq:
-    __slots__ = ("token_ids", "block_table")
+    """A live sequence: its tokens, its block table, and how many leading blocks are committed."""
 
-    def __init__(self, token_ids: list[int], block_table: list[int]):
+    __slots__ = ("token_ids", "block_table", "num_committed")
+
+    def __init__(self, token_ids: list[int], block_table: list[int], num_committed: int):
         self.token_ids = token_ids
         self.block_table = block_table
+        self.num_committed = num_committed  # leading blocks registered (prefix hits included)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+def _token_id(name: str, value) -> int:
+    """``value`` as a plain int token id in ``[0, 2**63)`` (numpy / 0-d tensor ints accepted)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int token id, got {value!r}")
+    try:
+        token = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int token id, got {value!r} of type {type(value).__name__}") from None
+    if not 0 <= token <= _MAX_TOKEN_ID:
+        raise ValueError(f"{name} must be a token id in [0, 2**63), got {token}")
+    return token
 
 
 class BlockManager:
@@ -116,13 +131,15 @@ class BlockManager:
         enable_prefix_caching: share full blocks between sequences with equal prefixes; with False
             nothing is hashed or shared.
 
-    Errors: :class:`NoFreeBlocksError` when the pool is exhausted (nothing changes); ``ValueError``
-    for an empty prompt, a known ``seq_id`` given to :meth:`allocate`, or an unknown one elsewhere.
+    Errors (the manager is unchanged by any of them): :class:`NoFreeBlocksError` when the pool is
+    exhausted; ``ValueError`` for an empty prompt, a known ``seq_id`` given to :meth:`allocate`, an
+    unknown one elsewhere, or a token id outside ``[0, 2**63)``; ``TypeError`` for a token id that
+    is not an int.
     """
 
     def __init__(self, num_blocks: int, page_size: int, *, enable_prefix_caching: bool = True):
-        _check_positive_int("num_blocks", num_blocks)
-        _check_positive_int("page_size", page_size)
+        check_int("num_blocks", num_blocks)
+        check_int("page_size", page_size)
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -146,6 +163,11 @@ class BlockManager:
         """Tokens the sequence holds (prompt plus appended)."""
         return len(self._seq(seq_id).token_ids)
 
+    def num_committed_tokens(self, seq_id) -> int:
+        """Leading tokens of the sequence whose full blocks are in the prefix cache (a multiple of
+        ``page_size``; prefix hits count)."""
+        return self._seq(seq_id).num_committed * self.page_size
+
     def block_table(self, seq_id) -> list[int]:
         """A copy of the sequence's block table."""
         return list(self._seq(seq_id).block_table)
@@ -160,7 +182,7 @@ class BlockManager:
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` tokens fits, counting no cache hit (conservative)."""
-        _check_positive_int("num_tokens", num_tokens)
+        check_int("num_tokens", num_tokens)
         return -(-num_tokens // self.page_size) <= self.num_free_blocks
 
     def can_append(self, seq_id) -> bool:
@@ -173,17 +195,20 @@ class BlockManager:
 
         Returns ``(block_ids, num_cached_tokens)``: the block table, and how many leading prompt
         tokens already have their K/V in the pool (a multiple of ``page_size``, always less than
-        ``len(token_ids)``). The caller computes K/V for tokens ``num_cached_tokens`` onward.
-        All or nothing: on :class:`NoFreeBlocksError` the manager is unchanged.
+        ``len(token_ids)``). The caller computes K/V for tokens ``num_cached_tokens`` onward and
+        reports them with :meth:`commit` once the forward that wrote them has completed.
+        All or nothing: on :class:`NoFreeBlocksError` (or a bad argument) the manager is unchanged.
         """
         if seq_id in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is already allocated; free it first")
-        tokens = [operator.index(t) for t in token_ids]  # plain ints (numpy / 0-d tensor ints accepted)
+        tokens = [t if type(t) is int else _token_id(f"token_ids[{i}]", t) for i, t in enumerate(token_ids)]
+        if tokens and not 0 <= min(tokens) <= max(tokens) <= _MAX_TOKEN_ID:
+            i = next(i for i, t in enumerate(tokens) if not 0 <= t <= _MAX_TOKEN_ID)
+            _token_id(f"token_ids[{i}]", tokens[i])  # raises, naming it
         if not tokens:
             raise ValueError(f"token_ids must hold at least one token for seq_id {seq_id!r}, got 0")
-        p = self.page_size
-        hits, hashes = self._match_prefix(tokens)
-        num_needed = -(-len(tokens) // p)
+        hits = self._match_prefix(tokens)
+        num_needed = -(-len(tokens) // self.page_size)
         free_hits = sum(self._blocks[b].ref_count == 0 for b in hits)
         num_fresh = num_needed - len(hits)
         if num_fresh + free_hits > self.num_free_blocks:
@@ -195,10 +220,8 @@ class BlockManager:
         for b in hits:
             self._take(b)
         table = hits + [self._allocate_block() for _ in range(num_fresh)]
-        for i in range(len(hits), len(hashes)):
-            self._register(table, i, tokens[i * p : (i + 1) * p], hashes[i])
-        self._seqs[seq_id] = _Seq(tokens, table)
-        num_cached = len(hits) * p
+        self._seqs[seq_id] = _Seq(tokens, table, len(hits))
+        num_cached = len(hits) * self.page_size
         self.stats.queried_tokens += len(tokens)
         self.stats.hit_tokens += num_cached
         return list(table), num_cached
@@ -206,11 +229,13 @@ class BlockManager:
     def append_token(self, seq_id, token_id: int) -> list[int]:
         """Add one token to a sequence; returns its block table (with a new block if one was needed).
 
-        Raises :class:`NoFreeBlocksError` (nothing changed) when a new block is needed and none is
-        free. A block the token completes is registered for prefix caching.
+        Raises :class:`NoFreeBlocksError` when a new block is needed and none is free, and
+        ``TypeError``/``ValueError`` for a token id that is not an int in ``[0, 2**63)``; either way
+        nothing changes. The token's K/V count only once :meth:`commit` says so.
         """
         seq = self._seq(seq_id)
-        token_id = operator.index(token_id)
+        if type(token_id) is not int or not 0 <= token_id <= _MAX_TOKEN_ID:
+            token_id = _token_id("token_id", token_id)
         if self._needs_new_block(seq):
             if not self.num_free_blocks:
                 raise NoFreeBlocksError(
@@ -219,12 +244,28 @@ class BlockManager:
                 )
             seq.block_table.append(self._allocate_block())
         seq.token_ids.append(token_id)
-        p, n = self.page_size, len(seq.token_ids)
-        if n % p == 0 and self.enable_prefix_caching:
-            i, block_tokens = n // p - 1, seq.token_ids[-p:]
+        return list(seq.block_table)
+
+    def commit(self, seq_id, num_tokens: int) -> None:
+        """Record that the K/V of the sequence's first ``num_tokens`` tokens are in the pool, written
+        by forwards that completed: the full blocks they cover join the prefix cache.
+
+        Call it after the forward, never before: a block committed before its K/V exist could be hit
+        with wrong contents. Committing fewer tokens than before changes nothing.
+        """
+        seq = self._seq(seq_id)
+        check_int("num_tokens", num_tokens, minimum=0)
+        if num_tokens > len(seq.token_ids):
+            raise ValueError(f"num_tokens must be at most the {len(seq.token_ids)} tokens seq_id {seq_id!r} "
+                             f"holds, got {num_tokens}")
+        if not self.enable_prefix_caching:
+            return
+        p = self.page_size
+        for i in range(seq.num_committed, num_tokens // p):
+            block_tokens = seq.token_ids[i * p : (i + 1) * p]
             parent_hash = self._blocks[seq.block_table[i - 1]].hash if i else None
             self._register(seq.block_table, i, block_tokens, chain_hash(parent_hash, block_tokens))
-        return list(seq.block_table)
+            seq.num_committed = i + 1
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks (last to first). Cached blocks stay reusable until evicted."""
@@ -249,30 +290,23 @@ class BlockManager:
     def _needs_new_block(self, seq: _Seq) -> bool:
         return len(seq.token_ids) % self.page_size == 0
 
-    def _match_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
-        """Cache hits for the prompt's leading blocks, and the hashes of all its full blocks (none
-        when prefix caching is off)."""
+    def _match_prefix(self, tokens: list[int]) -> list[int]:
+        """The indexed blocks holding the prompt's leading full blocks (none when prefix caching is off)."""
         p = self.page_size
         hits: list[int] = []
-        hashes: list[int] = []
         if not self.enable_prefix_caching:
-            return hits, hashes
-        max_hits = (len(tokens) - 1) // p  # leave at least one token to compute
+            return hits
+        parent_hash: int | None = None
         parent: tuple[int, int] | None = None
-        for i in range(len(tokens) // p):
+        for i in range((len(tokens) - 1) // p):  # leave at least one token to compute
             block_tokens = tuple(tokens[i * p : (i + 1) * p])
-            hashes.append(chain_hash(hashes[-1] if hashes else None, block_tokens))
-            if len(hits) < i or i >= max_hits:
-                continue  # a miss ends the cached prefix; later blocks only need their hashes
-            b = self._hash_to_block.get(hashes[-1])
-            if (
-                b is not None
-                and self._blocks[b].token_ids == block_tokens
-                and self._blocks[b].parent == parent
-            ):
-                hits.append(b)
-                parent = (b, self._blocks[b].reuses)
-        return hits, hashes
+            parent_hash = chain_hash(parent_hash, block_tokens)
+            b = self._hash_to_block.get(parent_hash)
+            if b is None or self._blocks[b].token_ids != block_tokens or self._blocks[b].parent != parent:
+                break  # a miss ends the cached prefix
+            hits.append(b)
+            parent = (b, self._blocks[b].reuses)
+        return hits
 
     def _take(self, b: int) -> None:
         """Reference a cached block found by a prefix hit."""
@@ -296,7 +330,7 @@ class BlockManager:
         return b
 
     def _register(self, table: list[int], i: int, tokens: Sequence[int], block_hash: int) -> None:
-        """Index ``table[i]``, which has just become full with ``tokens``, under ``block_hash``."""
+        """Index ``table[i]``, full with ``tokens`` whose K/V are written, under ``block_hash``."""
         block = self._blocks[table[i]]
         block.hash = block_hash
         block.token_ids = tuple(tokens)

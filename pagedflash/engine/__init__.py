@@ -1,16 +1,19 @@
 """A small serving engine on pagedflash's kernels and paged cache (in the spirit of nano-vllm).
 
 - :class:`LLM` loads a Llama-architecture model (local HF directory or a config with random weights)
-  and runs :meth:`LLM.generate` with continuous batching, chunked prefill and prefix caching.
-- :class:`SamplingParams` says how each request generates; :class:`GenerationOutput` is its result.
+  and runs continuous batching with chunked prefill and prefix caching: :meth:`LLM.generate` to
+  completion, or one step at a time (:meth:`LLM.add_request`, :meth:`LLM.step`, for streaming).
+- :class:`SamplingParams` says how each request generates; :class:`RequestOutput` is what a step
+  produced for a request, :class:`GenerationOutput` the result of ``generate``.
 
 Layout: ``config`` (ModelConfig) -> ``weights`` + ``model`` (the decoder) -> ``sequence`` ->
-``scheduler`` (what runs each step) -> ``runner`` (metadata, forward, CUDA graphs, sampling) -> ``llm``.
+``scheduler`` (what runs each step) -> ``runner`` (metadata, forward, CUDA graphs, sampling) ->
+``run_ahead`` (launches steps, greedy decode one step ahead) -> ``llm``.
 """
 
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.llm import LLM
 from pagedflash.engine.sampling import SamplingParams
-from pagedflash.engine.sequence import GenerationOutput
+from pagedflash.engine.sequence import GenerationOutput, RequestOutput
 
-__all__ = ["LLM", "GenerationOutput", "ModelConfig", "SamplingParams"]
+__all__ = ["LLM", "GenerationOutput", "ModelConfig", "RequestOutput", "SamplingParams"]

@@ -1,39 +1,46 @@
-"""LLM: the user-facing engine. Load a model, own the page pool, run continuous batching to completion.
+"""LLM: the user-facing engine. Load a model, own the page pool, run continuous batching.
 
-Bad requests fail alone: ``generate`` validates every prompt up front (empty, longer than the
-model's maximum, ids outside the vocabulary, a string without a tokenizer, sampling parameters out of
-range, more pages than the whole pool) and returns a :class:`GenerationOutput` with
-``finish_reason="error"`` and an ``error`` message for it; the other requests run normally.
-Bad engine arguments (a missing directory, an unsupported architecture, missing or mis-shaped
-weights) raise at construction.
+Two ways to drive it: :meth:`LLM.generate` runs a list of prompts to completion; the step API
+(:meth:`LLM.add_request`, :meth:`LLM.step`, :meth:`LLM.has_unfinished_requests`,
+:meth:`LLM.abort_request`) runs one step at a time and hands back each request's new tokens as they
+are produced, for streaming. ``generate`` is a loop over ``step``.
+
+Bad requests: ``add_request`` raises ``TypeError``/``ValueError`` saying what is wrong (empty, longer
+than the model's maximum, ids outside the vocabulary, a string without a tokenizer, sampling
+parameters out of range, more pages than the whole pool) and queues nothing; ``generate`` returns a
+:class:`GenerationOutput` with ``finish_reason="error"`` and that message for it, and runs the
+others. Bad engine arguments (a missing directory, an unsupported architecture or dtype, missing or
+mis-shaped weights) raise at construction.
+
+A step that fails (an exception in the forward, ``KeyboardInterrupt``, out of memory) changes no
+request's progress and puts no page in the prefix cache: pages join it only after the forward that
+wrote them completed. The requests stay queued; the next ``step`` runs them again, or
+``abort_request`` drops them. ``generate`` drops its requests when a step fails and re-raises.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 
 import torch
 
+from pagedflash._progress import progress
 from pagedflash.cache import BlockManager, KVCache
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.model import CausalLM
+from pagedflash.engine.run_ahead import RunAhead
 from pagedflash.engine.runner import ModelRunner
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
-from pagedflash.engine.sequence import GenerationOutput, Sequence
+from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
+from pagedflash.validate import check_int
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def _check_int(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+           "float16": torch.float16, "fp16": torch.float16}  # the dtypes the kernels take
 
 
 class LLM:
@@ -42,7 +49,9 @@ class LLM:
     Args:
         model: a local Hugging Face directory (config.json + *.safetensors), a ``transformers`` config,
             a :class:`ModelConfig` or an HF-style dict (the last three: seeded random weights).
-        device: default ``cuda`` when available, else ``cpu``. dtype: default bf16 on GPU, fp32 on CPU.
+        device: default ``cuda`` when available, else ``cpu``. dtype: ``torch.float32``,
+            ``torch.float16`` or ``torch.bfloat16`` (or their names; bf16 not on the CPU, where the
+            kernels run under the interpreter); default bf16 on GPU, fp32 on CPU.
         page_size: tokens per KV page. num_blocks: pages in the pool; None sizes it from free GPU
             memory (``gpu_memory_utilization`` of the total) or uses a modest default on CPU.
         max_num_seqs: running sequences at most. max_num_batched_tokens: tokens per step at most.
@@ -51,25 +60,26 @@ class LLM:
         max_model_len: cap on prompt + generated tokens (default: the model's maximum).
         seed: random weights and unseeded sampling. tokenizer: path to a tokenizer.json, a
             ``tokenizers.Tokenizer``, or None to use ``<model dir>/tokenizer.json`` when present.
+
+    Not thread-safe: drive one engine from one thread.
     """
 
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  seed: int = 0, tokenizer=None):
-        _check_int("page_size", page_size)
-        _check_int("max_num_seqs", max_num_seqs)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("page_size", page_size)
+        check_int("max_num_seqs", max_num_seqs)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
         if num_blocks is not None:
-            _check_int("num_blocks", num_blocks)
+            check_int("num_blocks", num_blocks)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            if dtype not in _DTYPES:
-                raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-            dtype = _DTYPES[dtype]
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = _check_dtype(dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            raise ValueError("dtype torch.bfloat16 is not supported on the CPU: the Triton interpreter computes bf16 "
+                             "dots wrongly; use torch.float32 or torch.float16 there")
 
         path = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
         if path is not None:
@@ -84,7 +94,7 @@ class LLM:
             raise TypeError(f"model must be a directory path or a config, got {type(model).__name__}")
         self.max_model_len = self.config.max_position_embeddings
         if max_model_len is not None:
-            _check_int("max_model_len", max_model_len)
+            check_int("max_model_len", max_model_len)
             self.max_model_len = min(self.max_model_len, max_model_len)
         self.model: CausalLM = build_model(self.config, max_len=self.max_model_len, dtype=self.dtype,
                                            device=self.device)
@@ -94,7 +104,6 @@ class LLM:
             init_random_weights(self.model, seed)
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
-        self.run_ahead = True  # greedy decode: launch a step before the previous one's tokens are read
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         if num_blocks is None:
@@ -109,13 +118,84 @@ class LLM:
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self.runner = ModelRunner(self.model, self.kv_cache, max_model_len=self.max_model_len,
                                   max_num_seqs=max_num_seqs, use_cuda_graphs=cuda_graphs, generator=generator)
-        self._ids = itertools.count()
+        self.run_ahead = RunAhead(self.scheduler, self.runner)  # .enabled=False: the synchronous loop
+        self._ids = itertools.count()  # request ids, and the block manager's ids of prompt_logits rows
+        self._num_ids = 0
+        self._requests: dict[int, Sequence] = {}  # unfinished requests by id
+        self.counters = {"steps": 0, "computed_prefill_tokens": 0, "sampled_tokens": 0}  # since construction
         self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------ step API
+    def add_request(self, prompt_token_ids, sampling_params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its id (what :meth:`step`'s outputs and :meth:`abort_request`
+        name it by). ``prompt_token_ids``: a list of token ids (or a string, with a tokenizer).
+
+        Raises ``TypeError``/``ValueError`` saying what is wrong with the request; nothing is queued.
+        """
+        params = SamplingParams() if sampling_params is None else sampling_params
+        ids, error = self._check_request(prompt_token_ids, params)
+        if error is not None:
+            raise error
+        return self._enqueue(ids, params, time.perf_counter()).seq_id
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running (:meth:`step` has work)."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step of continuous batching.
+
+        Returns one :class:`RequestOutput` per request that got a token or finished in this step
+        (none for a prefill chunk that does not reach its prompt's end), with the tokens of this step
+        in ``new_token_ids``: concatenating them over the steps streams the request's output. An
+        empty list when nothing is unfinished.
+
+        If it raises, no request advanced and no page joined the prefix cache; the requests stay
+        queued (call ``step`` again to retry, or :meth:`abort_request`).
+        """
+        if not self.scheduler.has_unfinished():
+            return []
+        try:
+            launched = self.run_ahead.next_step()
+            self.run_ahead.launch_successor(launched)  # launched before its predecessor's tokens are read
+            tokens = launched.tokens()
+        except BaseException:
+            self.run_ahead.discard()
+            self.runner.forget_decode_tables()
+            raise
+        now = time.perf_counter()
+        batch = launched.batch
+        sampled = self.scheduler.postprocess(batch, tokens, now, self.eos_ids, self.max_model_len)
+        self.run_ahead.confirm()
+        self.counters["steps"] += 1
+        self.counters["computed_prefill_tokens"] += sum(r.num_tokens for r in batch.rows if not r.decode)
+        self.counters["sampled_tokens"] += len(tokens)
+        outputs = [seq.step_output() for seq in sampled]
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+        return outputs
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request now: its pages go back to the pool at once and it produces no more output.
+
+        Returns True when the request was unfinished, False when it had already finished or been
+        aborted (so aborting races harmlessly with completion). Raises ``ValueError`` for an id this
+        engine never returned.
+        """
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
+                raise ValueError(f"request_id {request_id!r} was never returned by this engine's add_request")
+            return False
+        self.scheduler.abort(seq)
+        return True
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order.
+        """Run every prompt to completion with continuous batching (a loop over :meth:`step`);
+        outputs in prompt order. Needs an engine with no unfinished request of ``add_request``.
 
         ``prompts``: lists of token ids (or strings, with a tokenizer). ``sampling_params``: one for all,
         or one per prompt.
@@ -129,56 +209,37 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"generate needs an idle engine, but {len(self._requests)} requests of add_request "
+                               "are unfinished: step them to completion or abort them first")
         start = time.perf_counter()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         seqs: dict[int, tuple[int, Sequence]] = {}
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            ids, problem = self._validate(prompt, params)
-            if problem:
-                outputs[i] = GenerationOutput(index=i, prompt_token_ids=ids or [], finish_reason="error", error=problem)
+            ids, error = self._check_request(prompt, params)
+            if error is not None:
+                outputs[i] = GenerationOutput(index=i, prompt_token_ids=ids or [], finish_reason="error",
+                                              error=str(error))
                 continue
-            seq = Sequence(next(self._ids), ids, params, start, self.device)
+            seq = self._enqueue(ids, params, start)
             seqs[seq.seq_id] = (i, seq)
-            self.scheduler.add(seq)
 
-        bar = _progress(len(seqs), use_tqdm)
-        steps = prefill_tokens = generated = 0
-        preempt0 = self.scheduler.num_preemptions
+        before = dict(self.counters, preemptions=self.scheduler.num_preemptions)
+        bar = progress(desc="generate", total=len(seqs), unit="req", enabled=use_tqdm)
         try:
-            # ahead: (batch, pending tokens, kept rows or None) launched before its predecessor's tokens
-            # were read; a step that lost rows meanwhile is not followed ahead (the runner's buffers are
-            # laid out by row: the next step goes through the scheduler and re-lays them)
-            ahead = None
-            while self.scheduler.has_unfinished():
-                if ahead is None:
-                    batch = self.scheduler.schedule()
-                    pending, keep = self.runner.launch(batch), None
-                else:
-                    batch, pending, keep = ahead
-                nxt = None
-                if self.run_ahead and pending.deferred and keep is None:
-                    nxt = self.scheduler.schedule_ahead(batch)
-                ahead = None if nxt is None else (nxt, self.runner.launch_ahead(nxt), None)
-                tokens = pending.result()
-                if keep is not None:
-                    tokens = [tokens[i] for i in keep]
-                now = time.perf_counter()
-                prefill_tokens += sum(r.num_tokens for r in batch.rows if not r.decode)
-                finished = self.scheduler.postprocess(batch, tokens, now, self.eos_ids, self.max_model_len)
-                if ahead is not None:
-                    launched = len(ahead[0].rows)
-                    keep = self.scheduler.confirm_ahead(ahead[0])
-                    ahead = (ahead[0], ahead[1], keep if len(keep) < launched else None) if keep else None
-                steps += 1
-                generated += len(tokens)
-                for seq in finished:
-                    i, _ = seqs[seq.seq_id]
-                    outputs[i] = seq.to_output(i)
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        i, seq = seqs[out.request_id]
+                        outputs[i] = seq.to_output(i)
+                        if bar is not None:
+                            bar.update(1)
                 if bar is not None:
-                    bar.update(len(finished))
-                    bar.set_postfix_str(f"{generated / (now - start):.1f} tok/s", refresh=False)
+                    rate = (self.counters["sampled_tokens"] - before["sampled_tokens"]) / (time.perf_counter() - start)
+                    bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:
-            self.scheduler.abort_all()  # an engine failure (or Ctrl-C) leaves no request behind
+            for request_id in seqs:  # a failed step (or Ctrl-C) leaves no request behind
+                self.abort_request(request_id)
             raise
         finally:
             if bar is not None:
@@ -189,68 +250,101 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids)
         ok = [o for o in outputs if o.finish_reason != "error"]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in ok)
+        output_tokens = sum(len(o.token_ids) for o in ok)
         self.last_stats = {
             "elapsed_s": elapsed,
-            "steps": steps,
+            "steps": self.counters["steps"] - before["steps"],
             "num_requests": len(ok),
             "num_errors": len(outputs) - len(ok),
             "prompt_tokens": prompt_tokens,
-            "output_tokens": sum(len(o.token_ids) for o in ok),
-            "output_tokens_per_s": sum(len(o.token_ids) for o in ok) / elapsed if elapsed > 0 else 0.0,
+            "output_tokens": output_tokens,
+            "output_tokens_per_s": output_tokens / elapsed if elapsed > 0 else 0.0,
             "prefix_cache_hit_rate": sum(o.num_cached_tokens for o in ok) / prompt_tokens if prompt_tokens else 0.0,
-            "preemptions": self.scheduler.num_preemptions - preempt0,
-            "computed_prefill_tokens": prefill_tokens,
+            "preemptions": self.scheduler.num_preemptions - before["preemptions"],
+            "computed_prefill_tokens": self.counters["computed_prefill_tokens"] - before["computed_prefill_tokens"],
         }
         return outputs
 
-    def _validate(self, prompt, params) -> tuple[list[int] | None, str | None]:
-        """(token ids, None) for a good request, else (ids or None, message)."""
+    # ------------------------------------------------------------------ requests
+    def _new_id(self) -> int:
+        self._num_ids += 1
+        return next(self._ids)
+
+    def _enqueue(self, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
+        seq = Sequence(self._new_id(), ids, params, arrival, self.device)
+        self.scheduler.add(seq)
+        self._requests[seq.seq_id] = seq
+        return seq
+
+    def _check_request(self, prompt, params) -> tuple[list[int] | None, Exception | None]:
+        """(token ids, None) for a good request, else (ids or None, the error to raise or report)."""
+        ids, error = self._check_prompt(prompt)
+        if error is not None:
+            return ids, error
+        if not isinstance(params, SamplingParams):
+            return ids, TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        problem = params.problem()
+        if problem:
+            return ids, ValueError(problem)
+        total = min(len(ids) + params.max_tokens - 1, self.max_model_len)
+        pages = -(-total // self.page_size)
+        if pages > self.num_blocks:
+            return ids, ValueError(
+                f"request needs {pages} KV pages of {self.page_size} tokens ({len(ids)} prompt + {params.max_tokens} "
+                f"max_tokens) but the whole pool has {self.num_blocks}: it can never fit")
+        return ids, None
+
+    def _check_prompt(self, prompt) -> tuple[list[int] | None, Exception | None]:
+        """Token ids of a prompt (a string goes through the tokenizer), each in the vocabulary, at
+        most ``max_model_len`` of them; or the error."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                return None, "prompt is a string but the engine has no tokenizer (pass token ids)"
+                return None, TypeError("prompt is a string but the engine has no tokenizer (pass token ids)")
             prompt = self.tokenizer.encode(prompt)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
-            return None, f"prompt must be a list of int token ids (or a string), got {type(prompt).__name__}"
+            return None, TypeError(f"prompt must be a list of int token ids (or a string), got {type(prompt).__name__}")
         bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
         if bad is not None:
-            return None, f"prompt must be a list of int token ids, got an element {bad!r} of type {type(bad).__name__}"
+            return None, TypeError(f"prompt must be a list of int token ids, got an element {bad!r} of type "
+                                   f"{type(bad).__name__}")
         ids = list(prompt)
         if not ids:
-            return ids, "prompt is empty"
-        if not isinstance(params, SamplingParams):
-            return ids, f"sampling_params must be SamplingParams, got {type(params).__name__}"
-        problem = params.problem()
-        if problem:
-            return ids, problem
+            return ids, ValueError("prompt is empty")
         bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
         if bad is not None:
-            return ids, f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
+            return ids, ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(ids) > self.max_model_len:
-            return ids, f"prompt has {len(ids)} tokens, more than the model's maximum length {self.max_model_len}"
-        total = min(len(ids) + params.max_tokens - 1, self.max_model_len)
-        pages = -(-total // self.page_size)
-        if pages > self.num_blocks:
-            return ids, (f"request needs {pages} KV pages of {self.page_size} tokens ({len(ids)} prompt + "
-                         f"{params.max_tokens} max_tokens) but the whole pool has {self.num_blocks}: it can never fit")
+            return ids, ValueError(f"prompt has {len(ids)} tokens, more than the model's maximum length "
+                                   f"{self.max_model_len}")
         return ids, None
 
     # ------------------------------------------------------------------ helpers
     @torch.inference_mode()
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits ``[len(p), vocab]`` at every position of each prompt, from one packed prefill
-        through the paged cache (the pages are released afterwards). For checks against references."""
-        seqs = [Sequence(next(self._ids), list(p), SamplingParams(), 0.0, self.device) for p in prompts]
+        through the paged cache (the pages are released afterwards; once the forward completed, their
+        full pages stay in the prefix cache). For checks against references.
+
+        Raises ``TypeError``/``ValueError`` naming the bad prompt, and
+        :class:`pagedflash.cache.NoFreeBlocksError` when the prompts do not fit the free pages."""
+        checked = []
+        for i, prompt in enumerate(prompts):
+            ids, error = self._check_prompt(prompt)
+            if error is not None:
+                raise type(error)(f"prompts[{i}]: {error}")
+            checked.append(ids)
+        seqs = [Sequence(self._new_id(), ids, SamplingParams(), 0.0, self.device) for ids in checked]
         try:
             for seq in seqs:
                 seq.block_table, _ = self.block_manager.allocate(seq.seq_id, seq.token_ids)
-            # recompute every page (rewriting a shared page with equal values is harmless)
+            # every position is recomputed (rewriting a cached page with equal values is harmless)
             batch = Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs])
             ids, pos, meta, _ = self.runner.prepare(batch)
             logits = self.model.compute_logits(self.model(ids, pos, meta, self.runner.kv_caches))
-            for seq in seqs:  # only now are the pages written: a failed forward leaves none trusted
-                self.scheduler.mark_written(seq.block_table, len(seq))
+            for seq in seqs:
+                self.block_manager.commit(seq.seq_id, len(seq))
         finally:
             for seq in seqs:
                 if seq.seq_id in self.block_manager:
@@ -303,7 +397,7 @@ class LLM:
     def close(self) -> None:
         """Release the KV pool, CUDA graphs and weights (GPU memory comes back on the next empty_cache)."""
         self.runner.graphs.clear()
-        self.runner = self.kv_cache = self.model = None
+        self.runner = self.run_ahead = self.kv_cache = self.model = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -334,10 +428,13 @@ class _Tokenizer:
         return self.tok.decode(ids)
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on a terminal (requests done, tokens/s); nothing in a log or a pipe."""
-    if not enabled or total == 0 or not sys.stderr.isatty():
+def _check_dtype(dtype) -> torch.dtype | None:
+    """One of the dtypes the kernels take (a name or a torch.dtype), or None for the default."""
+    if dtype is None:
         return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.bfloat16 (or one of {sorted(_DTYPES)}), "
+                     f"got {dtype!r}")

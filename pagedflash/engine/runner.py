@@ -16,9 +16,8 @@ buffers feed an eager forward.
 
 Run-ahead: a decode step whose rows are all greedy leaves its tokens on the device (the graph ends
 with the LM head and an argmax) and copies them to the host behind itself, so while it runs the host
-can launch the step after it (:meth:`ModelRunner.launch_ahead`, rows from
-:meth:`pagedflash.engine.scheduler.Scheduler.schedule_ahead`), whose input ids are those device-side
-tokens. The host's per-step work then overlaps the GPU's instead of adding to it.
+can launch the step after it (:meth:`ModelRunner.launch_ahead`; when and with which rows:
+:mod:`pagedflash.engine.run_ahead`), whose input ids are those device-side tokens.
 """
 
 from __future__ import annotations
@@ -64,12 +63,9 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     (``max_model_len``), not the actual lengths; the kernel divides each sequence's actual length
     among the splits, so short contexts simply leave some splits empty.
 
-    Not the launcher's paged rule (``choose_num_splits``): for 8 KV heads 64 wide over 16-row pages
-    and a ``max_model_len`` of 8.5K or more, that one asks for 66 and 33 splits at batch 1 and 2 (this
-    rule: 32 and 32; below that length its one-split-per-tile cap binds first), and with it the
-    batch-1 ITL at 1K context measured 48.8 % of the bandwidth bound against 51.1 % with this rule in
-    the same session (docs/performance.md, v14). At the power-of-two batch sizes from 4 up the two
-    agree."""
+    Graphs keep this rule rather than the launcher's paged rule (``choose_num_splits``), which asks
+    for more splits at batch 1 and 2 and measured slower there (see docs/performance.md, "v14 —
+    decode: long tiles, split counts by page kind, a one-load combine")."""
     want = -(-2 * sms // (batch_size * num_kv_heads))
     return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
@@ -131,10 +127,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch_ahead(self, batch: Batch) -> PendingTokens:
-        """Launch ``batch`` (:meth:`Scheduler.schedule_ahead`: the rows of the step just launched, one
-        token further) before that step's tokens reach the host. Its input ids are that step's greedy
-        tokens, copied on the device; its positions and slots come from the host; its pages are held
-        already, so the block tables stay as they are."""
+        """Launch ``batch`` (the rows of the step just launched, in the same order, one token
+        further: :class:`pagedflash.engine.run_ahead.RunAhead`) before that step's tokens reach the
+        host. Its input ids are that step's greedy tokens, copied on the device; its positions and
+        slots come from the host; its pages are held already, so the block tables stay as they are."""
         n, p = len(batch.rows), self.page_size
         bs = self._graph_size(n)
         pos = [r.start for r in batch.rows]
@@ -229,6 +225,11 @@ class ModelRunner:
         self._greedy = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.pin) for _ in range(2)]
         self._flip = 0
+
+    def forget_decode_tables(self) -> None:
+        """After a failed step: assume no block-table row holds anything, so the next decode step
+        writes each row whole (a step that failed may have recorded rows it never copied)."""
+        self._held = [()] * self.max_decode_rows
 
     def _decode(self, batch: Batch) -> None:
         """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run the

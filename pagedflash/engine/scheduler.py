@@ -7,14 +7,15 @@ Each step packs, under a budget of ``max_num_batched_tokens`` tokens and ``max_n
    (its pages are freed, it goes back to the front of the queue and is recomputed later);
 2. the next prefill chunk of running sequences admitted in an earlier step;
 3. new (or preempted) sequences from the queue, first come first served, while their pages fit
-   (not in a step that had to preempt, unless nothing is running).
+   (not in a step that had to preempt, unless nothing is running), and while the next one's prompt
+   does not share a page that a prefill chunk of this step completes: admitted a step later, it
+   hits that page instead of computing it a second time.
 
-Pages come from :class:`pagedflash.cache.BlockManager`, which registers full blocks for prefix
-sharing as soon as they are allocated. The scheduler tracks which pages really hold their K/V
-(``_written``): a prefix hit on a page whose K/V no step has produced yet (its writer is still
-prefilling, or was preempted) is not trusted; the reader computes from that page on instead
-(writing the same values a second time, which is harmless). K/V written in a step is visible to
-every row of that step, because each layer writes the cache before it attends.
+Pages come from :class:`pagedflash.cache.BlockManager`. A sequence's tokens count as computed,
+and their full pages join the prefix cache (``BlockManager.commit``), only in :meth:`postprocess`,
+after the forward that wrote their K/V has completed. A step that fails before that changes no
+sequence's progress and registers no page: its rows keep the pages they were given and are
+scheduled again, and a page it half wrote is never hit by another request.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._written: set[int] = set()  # pages whose K/V is in the pool
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -102,7 +102,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and (self.num_preemptions == preemptions or not self.running)):
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if self._completes_shared_page(rows, seq) or not self._admit(seq):
                 break
             self.waiting.popleft()
             n = min(len(seq) - seq.num_computed, budget)
@@ -113,15 +113,22 @@ class Scheduler:
         return Batch(rows)
 
     def postprocess(self, batch: Batch, tokens: list[int], now: float, eos_ids: set[int], max_len: int) -> list[Sequence]:
-        """Advance every row; append sampled tokens; return the sequences that finished."""
-        finished = []
+        """After ``batch``'s forward completed: advance every row, commit the pages it filled, append
+        the sampled ``tokens`` (one per sampling row, in order); return the sequences that got a
+        token (those that finished with it are FINISHED). Rows whose request was aborted meanwhile
+        are skipped."""
+        sampled = []
         it = iter(tokens)
         for row in batch.rows:
             seq = row.seq
-            seq.num_computed = row.end
-            if not row.samples:
+            token = next(it) if row.samples else None
+            if seq.status is not Status.RUNNING:
                 continue
-            token = next(it)
+            seq.num_computed = row.end
+            if row.end // self.page_size > row.start // self.page_size:  # only a full page joins the cache
+                self.bm.commit(seq.seq_id, row.end)
+            if token is None:
+                continue
             seq.token_ids.append(token)
             seq.token_times.append(now)
             p = seq.params
@@ -131,72 +138,36 @@ class Scheduler:
                 seq.finish_reason = "length"
             if seq.finish_reason:
                 self._finish(seq)
-                finished.append(seq)
-        return finished
-
-    def schedule_ahead(self, batch: Batch) -> Batch | None:
-        """The step after ``batch``, to launch before ``batch``'s tokens are known, or None.
-
-        Only when ``batch`` decodes every running sequence greedily, nothing waits (no admission
-        would change the rows), and each row's next position lies in a page the sequence holds (no
-        allocation, so no preemption). The rows are the same sequences one position further; the
-        input tokens are ``batch``'s, on the device. Rows whose sequence turns out to have finished
-        are dropped by :meth:`confirm_ahead`; what they computed is discarded (their K/V went to a
-        slot of their own partly filled page, never a cached one)."""
-        if self.waiting or len(batch.rows) != len(self.running):
-            return None
-        p = self.page_size
-        rows = []
-        for row, seq in zip(batch.rows, self.running):
-            if row.seq is not seq or row.num_tokens != 1 or not row.samples or not seq.params.greedy:
-                return None
-            pos = len(seq)  # where batch's token goes
-            if pos % p == 0:  # a new page: allocation (maybe preemption) needs the sync path
-                return None
-            rows.append(ScheduledRow(seq, pos, 1, decode=True))
-        for r in rows:
-            self.mark_written(r.seq.block_table, r.end, r.start)
-        return Batch(rows)
-
-    def confirm_ahead(self, ahead: Batch) -> list[int]:
-        """After :meth:`postprocess` of the step before ``ahead``: hand the block manager each
-        continuing row's new token (it completes no allocation: the page is held) and drop the rows
-        whose sequence finished. Returns the indices of the kept rows in ``ahead``'s results."""
-        keep = []
-        for i, row in enumerate(ahead.rows):
-            seq = row.seq
-            if seq.status is Status.RUNNING:
-                seq.block_table = self.bm.append_token(seq.seq_id, seq.token_ids[-1])
-                keep.append(i)
-        ahead.rows = [ahead.rows[i] for i in keep]
-        return keep
+            sampled.append(seq)
+        return sampled
 
     # ------------------------------------------------------------------ internals
-    def mark_written(self, block_table: list[int], end: int, start: int = 0) -> None:
-        """Positions ``start .. end - 1`` get their K/V this step: the pages they complete are written."""
-        p = self.page_size
-        self._written.update(block_table[start // p : end // p])
+    def _completes_shared_page(self, rows: list[ScheduledRow], seq: Sequence) -> bool:
+        """Whether a prefill row of this step completes a page that ``seq``'s prompt could hit (the
+        page and every page before it equal to ``seq``'s)."""
+        p, tokens = self.page_size, seq.token_ids
+        limit = (len(tokens) - 1) // p  # pages a prompt can hit: at least one token is computed
+        for row in rows:
+            first, last = row.start // p, min(row.end // p, limit)  # pages [first, last) complete now
+            if row.decode or first >= last:
+                continue
+            other = row.seq.token_ids
+            end = (first + 1) * p
+            if other[first * p : end] == tokens[first * p : end] and other[:end] == tokens[:end]:
+                return True
+        return False
 
     def _take(self, seq: Sequence, n: int, decode: bool = False) -> ScheduledRow:
         """Schedule positions ``num_computed .. +n`` of ``seq``."""
-        row = ScheduledRow(seq, seq.num_computed, n, decode)
-        self.mark_written(seq.block_table, row.end, row.start)
-        return row
+        return ScheduledRow(seq, seq.num_computed, n, decode)
 
     def _admit(self, seq: Sequence) -> bool:
         try:
             table, num_cached = self.bm.allocate(seq.seq_id, seq.token_ids)
         except NoFreeBlocksError:
             return False
-        p = self.page_size
-        num_hits = num_cached // p
-        for b in table[num_hits:]:
-            self._written.discard(b)  # fresh pages: whatever they held is gone
-        ready = 0
-        while ready < num_hits and table[ready] in self._written:
-            ready += 1
         seq.block_table = table
-        seq.num_computed = ready * p
+        seq.num_computed = num_cached
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
         seq.status = Status.RUNNING
@@ -211,10 +182,7 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        old = len(seq.block_table)
         seq.block_table = self.bm.append_token(seq.seq_id, seq.token_ids[-1])
-        for b in seq.block_table[old:]:
-            self._written.discard(b)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -227,13 +195,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def abort_all(self) -> None:
-        """Drop every request (their pages go back to the pool); used when a step fails. The pages of
-        that step may never have been written, so no cached page is trusted any more."""
-        for seq in list(self.running):
+    def abort(self, seq: Sequence) -> None:
+        """End an unfinished request now (``finish_reason="abort"``); a running one frees its pages."""
+        if seq.status is Status.RUNNING:
             self._finish(seq)
-        self.waiting.clear()
-        self._written.clear()
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
 
     def _finish(self, seq: Sequence) -> None:
         self.bm.free(seq.seq_id)

@@ -1,4 +1,4 @@
-"""One request's state inside the engine, and what ``generate`` hands back for it."""
+"""One request's state inside the engine, and what ``step`` and ``generate`` hand back for it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,45 @@ class Status(enum.Enum):
     WAITING = "waiting"  # not holding blocks (new, or preempted for recompute)
     RUNNING = "running"  # holds blocks; prefilling (possibly in chunks) or decoding
     FINISHED = "finished"
+
+
+class RequestOutput:
+    """What one :meth:`LLM.step <pagedflash.engine.LLM.step>` produced for one request.
+
+    request_id: as returned by ``add_request``. new_token_ids: the tokens generated in this step
+    (concatenated over the steps they are the whole output). token_ids: every token generated up to
+    this step (no prompt). finished: whether the request ended in this step; then finish_reason is
+    ``"stop"`` (EOS or a stop id, which is kept) or ``"length"`` (max_tokens or the model's
+    maximum length). num_cached_tokens: prompt tokens served from the prefix cache at admission.
+
+    ``token_ids`` and ``prompt_token_ids`` are sliced from the request's tokens when read, so that
+    a step costs the host nothing per token of context.
+    """
+
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "num_cached_tokens", "_tokens",
+                 "_num_prompt", "_end")
+
+    def __init__(self, request_id: int, new_token_ids: list[int], finished: bool, finish_reason: str | None,
+                 num_cached_tokens: int, tokens: list[int], num_prompt_tokens: int):
+        self.request_id = request_id
+        self.new_token_ids = new_token_ids
+        self.finished = finished
+        self.finish_reason = finish_reason
+        self.num_cached_tokens = num_cached_tokens
+        self._tokens, self._num_prompt, self._end = tokens, num_prompt_tokens, len(tokens)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._tokens[: self._num_prompt]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._tokens[self._num_prompt : self._end]
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, new_token_ids={self.new_token_ids}, "
+                f"num_tokens={self._end - self._num_prompt}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass
@@ -65,6 +104,7 @@ class Sequence:
         self.arrival = arrival
         self.token_times: list[float] = []
         self.finish_reason: str | None = None
+        self.num_reported = 0  # generated tokens already handed out by a step's RequestOutput
         self.generator = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -79,6 +119,13 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def step_output(self) -> RequestOutput:
+        """The tokens generated since the last call, with the request's state now."""
+        new = self.token_ids[self.num_prompt_tokens + self.num_reported :]
+        self.num_reported += len(new)
+        return RequestOutput(self.seq_id, new, self.status is Status.FINISHED, self.finish_reason,
+                             self.num_cached_tokens or 0, self.token_ids, self.num_prompt_tokens)
 
     def to_output(self, index: int) -> GenerationOutput:
         times = self.token_times

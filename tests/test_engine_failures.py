@@ -1,0 +1,218 @@
+"""A forward that fails or is interrupted leaves the prefix cache and the page pool as if the step
+never ran: no page whose K/V it did not finish writing can be hit later, no page leaks.
+
+Each case makes one layer raise at a chosen call (prefill, chunked prefill, decode, a step launched
+ahead, ``prompt_logits``), then checks the pool is whole and that later requests give a fresh
+engine's tokens. Random weights with a wide init so that stale K/V changes the argmax. A captured
+CUDA graph does not call the Python layers, so these engines decode eagerly; a failing graph replay
+has its own case (runnable on the CPU through an eager stand-in for capture)."""
+
+import pytest
+import torch
+
+from pagedflash.engine import LLM, SamplingParams
+from pagedflash.engine.config import TINY_LLAMA
+
+MODEL = {**TINY_LLAMA, "vocab_size": 128, "max_position_embeddings": 256, "initializer_range": 0.3}
+
+
+def engine(**kwargs) -> LLM:
+    return LLM(MODEL, dtype=torch.float32, seed=0, **kwargs)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fail_layer(llm: LLM, layer: int, at_call: int, exc=KeyboardInterrupt):
+    """Make ``layer`` raise ``exc`` on its ``at_call``-th call (0-based) from now on, once."""
+    module = llm.model.model.layers[layer]
+    real, calls = module.forward, [0]
+
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] - 1 == at_call:
+            raise exc(f"injected failure in layer {layer}, call {at_call}")
+        return real(*args, **kwargs)
+
+    module.forward = forward
+    return calls
+
+
+def restore(llm: LLM, layer: int) -> None:
+    del llm.model.model.layers[layer].forward
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    bm = llm.block_manager
+    assert not llm.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} pages still held"
+
+
+def test_interrupted_prompt_logits_leaves_no_stale_page():
+    """The issue's reproducer: pool of 4 pages of 3, generate A, generate B, interrupt
+    prompt_logits(P) in layer 1, then generate P + [40]: the pages P took by eviction held A's and
+    B's K/V in layer 1 and must not be hit as P's."""
+    a, b, p = tokens(8, 1), tokens(8, 2), tokens(9, 3)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm = engine(page_size=3, num_blocks=4)
+    llm.generate([a], params)
+    llm.generate([b], params)
+    fail_layer(llm, 1, 0)
+    with pytest.raises(KeyboardInterrupt):
+        llm.prompt_logits([p])
+    restore(llm, 1)
+    assert_pool_whole(llm)
+    want = engine(page_size=3, num_blocks=4).generate([p + [40]], SamplingParams(max_tokens=3, ignore_eos=True))
+    got = llm.generate([p + [40]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert want[0].finish_reason == "length" and got[0].num_cached_tokens == 0
+    assert got[0].token_ids == want[0].token_ids
+
+
+SYSTEM = tokens(10, 100)
+PROMPTS = [SYSTEM + tokens(5, 1), tokens(11, 2), SYSTEM + tokens(3, 3), tokens(4, 4)]
+PARAMS = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True),
+          SamplingParams(max_tokens=7, ignore_eos=True),
+          SamplingParams(max_tokens=5, temperature=1.0, seed=3, ignore_eos=True)]
+# pages of 4, 12 tokens a step: the long prompts take two chunks; 14 pages: tight enough to preempt
+ENGINE = dict(page_size=4, num_blocks=14, max_num_batched_tokens=12, cuda_graphs=False)
+PHASES = {  # which launch the failure lands in
+    "prefill": lambda kind, batch: kind == "launch" and any(r.start == 0 for r in batch.rows),
+    "chunked_prefill": lambda kind, batch: kind == "launch" and any(r.start > 0 and not r.decode and r.num_tokens > 1
+                                                                    for r in batch.rows),
+    "decode": lambda kind, batch: kind == "launch" and batch.is_decode_only,
+    "ahead": lambda kind, batch: kind == "ahead",
+}
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """A fresh engine's tokens for the workload."""
+    return [o.token_ids for o in engine(**ENGINE).generate(PROMPTS, PARAMS)]
+
+
+def fail_in_phase(llm: LLM, phase: str, layer: int, exc, occurrence: int = 0) -> list:
+    """Make ``layer`` raise ``exc`` in the ``occurrence``-th launch of the kind ``phase`` names."""
+    runner, module = llm.runner, llm.model.model.layers[layer]
+    launches, current = [], {}
+
+    def track(kind, real):
+        def launch(batch):
+            current["fail"] = PHASES[phase](kind, batch) and sum(launches) == occurrence
+            launches.append(PHASES[phase](kind, batch))
+            return real(batch)
+        return launch
+
+    runner.launch = track("launch", runner.launch)
+    runner.launch_ahead = track("ahead", runner.launch_ahead)
+    real_forward = module.forward
+
+    def forward(*args, **kwargs):
+        if current.pop("fail", False):
+            raise exc(f"injected: layer {layer}, {phase}")
+        return real_forward(*args, **kwargs)
+
+    module.forward = forward
+    return launches
+
+
+def heal(llm: LLM) -> None:
+    for obj in (llm.runner, llm.model.model.layers[0], llm.model.model.layers[1]):
+        for name in ("launch", "launch_ahead", "forward"):
+            obj.__dict__.pop(name, None)
+
+
+@pytest.mark.parametrize("phase, layer, exc", [
+    ("prefill", 1, KeyboardInterrupt), ("chunked_prefill", 0, RuntimeError), ("chunked_prefill", 1, KeyboardInterrupt),
+    ("decode", 1, torch.OutOfMemoryError), ("ahead", 1, KeyboardInterrupt),
+], ids=lambda v: v if isinstance(v, str) else getattr(v, "__name__", str(v)))
+def test_failed_generate_leaves_the_pool_whole(fresh, phase, layer, exc):
+    """generate re-raises and drops its requests; the next generate gives a fresh engine's tokens."""
+    llm = engine(**ENGINE)
+    launches = fail_in_phase(llm, phase, layer, exc)
+    with pytest.raises(exc, match="injected"):
+        llm.generate(PROMPTS, PARAMS)
+    assert any(launches), f"no {phase} launch"
+    heal(llm)
+    assert_pool_whole(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == fresh
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("phase, occurrence", [("prefill", 1), ("chunked_prefill", 0), ("decode", 2), ("ahead", 1)])
+def test_failed_step_is_retried_as_if_it_never_ran(fresh, phase, occurrence):
+    """step raises, no request advanced; calling step again finishes the requests with a fresh
+    engine's tokens (the failed step's pages were rewritten, none was cached half written)."""
+    llm = engine(**ENGINE)
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    launches = fail_in_phase(llm, phase, 1, RuntimeError, occurrence)
+    got, failures = {i: [] for i in ids}, 0
+    while llm.has_unfinished_requests():
+        before = {i: (s.num_computed, len(s)) for i, s in llm._requests.items()}
+        try:
+            outs = llm.step()
+        except RuntimeError:
+            failures += 1
+            assert {i: (s.num_computed, len(s)) for i, s in llm._requests.items()} == before
+            continue
+        for out in outs:
+            got[out.request_id] += out.new_token_ids
+    assert failures == 1 and sum(launches) > occurrence
+    assert [got[i] for i in ids] == fresh
+    assert_pool_whole(llm)
+
+
+def test_failed_prompt_logits_then_requests_hit_only_written_pages(fresh):
+    """prompt_logits fails after evicting cached pages; generate afterwards equals a fresh engine's."""
+    llm = engine(**ENGINE)
+    llm.generate(PROMPTS[:2], PARAMS[:2])
+    fail_layer(llm, 1, 0, RuntimeError)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.prompt_logits([PROMPTS[2], tokens(30, 9)])  # takes every page: evicts the cached ones
+    restore(llm, 1)
+    assert_pool_whole(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == fresh
+    other = engine(**ENGINE)
+    torch.testing.assert_close(llm.prompt_logits([PROMPTS[2]])[0], other.prompt_logits([PROMPTS[2]])[0])
+    assert other.generate([PROMPTS[2]], PARAMS[2])[0].num_cached_tokens == 12  # completed: its pages cached
+
+
+def test_failed_graph_replay_is_retried(fresh, monkeypatch):
+    """A decode step whose graph replay raises: retried, the requests end with a fresh engine's tokens."""
+    from pagedflash.engine import runner as runner_mod
+
+    if not torch.cuda.is_available():  # capture stands in for a graph: replay reruns the captured body
+        class EagerReplay:
+            def __init__(self, body):
+                self.replay = body
+
+        monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (EagerReplay(body), pool))
+    llm = engine(**{**ENGINE, "cuda_graphs": True})
+    if not llm.runner.graphs:
+        llm.runner.capture_graphs()
+    replays = []
+
+    class FailOnce:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            replays.append(len(replays))
+            if len(replays) == 3:
+                raise RuntimeError("injected: graph replay")
+            self.graph.replay()
+
+    llm.runner.graphs = {bs: FailOnce(g) for bs, g in llm.runner.graphs.items()}
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    got, failures = {i: [] for i in ids}, 0
+    while llm.has_unfinished_requests():
+        try:
+            outs = llm.step()
+        except RuntimeError:
+            failures += 1
+            continue
+        for out in outs:
+            got[out.request_id] += out.new_token_ids
+    assert failures == 1 and len(replays) > 3
+    assert [got[i] for i in ids] == fresh
+    assert_pool_whole(llm)
