@@ -5,7 +5,7 @@
 the compiled kernel, checks the globals it read, and only then calls the compiled kernel's C
 launcher: most of a launch's host time, paid again on every call. A caller that knows a launch
 specializes exactly like an earlier one (its own key covers every dtype, alignment, int value,
-constexpr and option: see :mod:`pagedflash.ops.attention`'s plans) keeps a :class:`Slot` per such
+constexpr and option: see :mod:`pagedflash.ops.attention_plan`) keeps a :class:`Slot` per such
 key and, from the second call on, calls the launcher of the kernel the first call returned.
 
 The launcher's calling convention is a Triton internal that changes between releases, so:
