@@ -58,7 +58,9 @@ def value_checks(enabled: bool):
 
 
 def value_checks_enabled(*tensors: torch.Tensor) -> bool:
-    if not _value_checks:
+    """Whether to run the checks that read device values: on unless turned off, skipped while
+    ``torch.compile`` traces (fake tensors hold no values) and during CUDA-graph capture."""
+    if not _value_checks or torch.compiler.is_compiling():
         return False
     if any(t.is_cuda for t in tensors if t is not None) and torch.cuda.is_current_stream_capturing():
         return False
@@ -244,6 +246,61 @@ def check_block_table(block_table, *, batch: int, num_blocks: int, page_size: in
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_blocks:
             raise ValueError(f"block_table: page ids must be in [0, {num_blocks}), got ids in [{lo}, {hi}]")
+
+
+def check_out(out, *, shape, dtype, device, inputs: dict) -> None:
+    """A preallocated output: q's shape, dtype and device, last dim contiguous (other strides are
+    honoured), no two elements at one address, and no memory shared with an input, which the kernel
+    reads while it writes ``out``. The sharing check reads addresses, which tensors traced by
+    ``torch.compile`` do not have: it is skipped while compiling."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)} (q's), got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {dtype} (q's), got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected a tensor on {device} (where q is), got one on {out.device}")
+    check_last_dim_contiguous(out=out)
+    check_no_grad(out=out)
+    if _self_overlapping(out):
+        raise ValueError(f"out: expected every element at its own address, got strides {out.stride()} for shape "
+                         f"{tuple(out.shape)} (an expanded tensor?)")
+    if torch.compiler.is_compiling():
+        return
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and _shares_memory(out, t):
+            raise ValueError(f"out: shares memory with {name}, which the kernel reads while writing out; "
+                             f"pass a separate buffer")
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """True unless each dim's stride clears the span of the smaller-strided dims (a sufficient test,
+    written without sorting so that it runs on SymInt strides)."""
+    if t.numel() == 0:
+        return False
+    dims = [(s, n) for s, n in zip(t.stride(), t.shape) if n > 1]
+    for i, (stride, _) in enumerate(dims):
+        if stride < 1 + sum((n - 1) * s for s, n in dims if s < stride):
+            return True
+        if any(s == stride for j, (s, _) in enumerate(dims) if j != i):
+            return True
+    return False
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges spanned by two tensors intersect (conservative for interleaved views)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t):
+        start = t.data_ptr()
+        return start, start + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 def check_paged_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

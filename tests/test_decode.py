@@ -214,3 +214,33 @@ def test_merge_of_two_halves_equals_attention_over_all():
     out, lse = merge_attn_states(a[0][:, 0], a[1][..., 0], b[0][:, 0], b[1][..., 0])
     assert_close(out, full[0][:, 0], torch.float32)
     assert_close(lse, full[1][..., 0], torch.float32, name="lse")
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("seqlens", ["tensor", "int"])
+def test_empty_batch_gives_empty_outputs(paged, seqlens):
+    q, k, v = randn(0, 1, 4, 32), randn(0, 1, 2, 32), randn(0, 1, 2, 32)
+    k_cache, v_cache = (randn(3, 4, 2, 32), randn(3, 4, 2, 32)) if paged else (randn(0, 8, 2, 32), randn(0, 8, 2, 32))
+    table = torch.zeros(0, 2, dtype=torch.int32, device=q.device) if paged else None
+    lens = torch.zeros(0, dtype=torch.int32, device=q.device) if seqlens == "tensor" else 3
+    before = k_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, block_table=table,
+                                       return_lse=True)
+    assert out.shape == (0, 1, 4, 32) and lse.shape == (0, 4, 1) and lse.dtype == torch.float32
+    assert torch.equal(k_cache, before)
+
+
+def test_no_query_rows_still_append_the_new_tokens():
+    q = randn(2, 0, 4, 32)
+    k_cache, v_cache = randn(2, 8, 2, 32), randn(2, 8, 2, 32)
+    k, v = randn(2, 1, 2, 32), randn(2, 1, 2, 32)
+    lens = torch.tensor([1, 6], dtype=torch.int32, device=q.device)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens)
+    assert out.shape == (2, 0, 4, 32)
+    assert torch.equal(k_cache[0, 1], k[0, 0]) and torch.equal(v_cache[1, 6], v[1, 0])
+
+
+def test_zero_query_heads_are_refused_by_name():
+    q, k_cache = randn(1, 1, 0, 32), randn(1, 8, 2, 32)
+    with pytest.raises(ValueError, match="heads: .*got Hq=0, Hkv=2"):
+        flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=3)

@@ -158,3 +158,25 @@ def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
     assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.float32)
     flash_attn_func(q, k, v, causal=True)  # remembered: no second failing attempt
     assert len(seen) == 3 and seen[0] != 1 and seen[1:] == [1, 1]
+
+
+@pytest.mark.parametrize("b,sq,sk", [(0, 7, 5), (2, 0, 5), (0, 0, 0)], ids=str)
+def test_empty_batch_or_queries_give_empty_outputs(b, sq, sk):
+    q, k, v = randn(b, sq, 4, 32), randn(b, sk, 2, 32), randn(b, sk, 2, 32)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (b, sq, 4, 32) and out.dtype == q.dtype
+    assert lse.shape == (b, 4, sq) and lse.dtype == torch.float32
+    given = torch.empty_like(q)
+    assert flash_attn_func(q, k, v, out=given) is given
+
+
+def test_no_keys_give_zero_rows_and_neg_inf_lse():
+    q, k, v = randn(2, 3, 4, 32), randn(2, 0, 2, 32), randn(2, 0, 2, 32)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_zero_query_heads_are_refused_by_name():
+    q, k, v = randn(2, 3, 0, 32), randn(2, 5, 2, 32), randn(2, 5, 2, 32)
+    with pytest.raises(ValueError, match="heads: .*got Hq=0, Hkv=2"):
+        flash_attn_func(q, k, v)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
+from pagedflash.ops import custom_ops
 from pagedflash.ops.utils import cdiv, next_pow2
 
 
@@ -123,4 +124,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         top = int(slot_mapping.max())
         if top >= capacity:
             raise ValueError(f"slot_mapping: slots must be < num_blocks * page_size = {capacity}, got {top}")
+    _write_op(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _launch_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     _launch(k, v, k_cache, v_cache, tokens=k.shape[0], slots=slot_mapping)
+
+
+_write_op = custom_ops.implement("write_kv_cache", _launch_write)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit, fastlaunch
+from pagedflash.ops import _jit, custom_ops, fastlaunch
 from pagedflash.ops.utils import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
@@ -163,10 +163,17 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
             raise ValueError(f"{name}: expected shape {tuple(out_a.shape[:-1])} (out's without D), got {tuple(lse.shape)}")
     validate.check_last_dim_contiguous(out_a=out_a, out_b=out_b)
     validate.check_no_grad(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
-    a, b = _rows_view("out_a", out_a), _rows_view("out_b", out_b)
+    _rows_view("out_a", out_a)
+    _rows_view("out_b", out_b)
+    return _merge_op(out_a, lse_a, out_b, lse_b)
+
+
+def _launch_merge(out_a, lse_a, out_b, lse_b):
+    """The merge of checked inputs into new contiguous ``out`` and ``lse``."""
+    a, b = out_a.view(-1, out_a.shape[-1]), out_b.view(-1, out_b.shape[-1])
     la, lb = lse_a.reshape(-1), lse_b.reshape(-1)
-    out = torch.empty_like(out_a)
-    lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=device)
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(out_a.shape[:-1], dtype=torch.float32, device=out_a.device)
     rows, d = a.shape
     block_r = 16
     if rows > 0:
@@ -176,3 +183,6 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
             HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_R=block_r, num_warps=4,
         )
     return out, lse
+
+
+_merge_op = custom_ops.implement("merge_attn_states", _launch_merge)

@@ -4,6 +4,8 @@ With one query row per sequence there is no parallelism along the queries, so th
 over programs and the partial states merged by LSE (:mod:`pagedflash.ops.combine`). The query heads
 that share a KV head are packed into one program, so each KV byte is read once per group. The
 contiguous cache and the paged cache go through the same kernel; only the address helper differs.
+While ``torch.compile`` traces, the call goes through ``torch.ops.pagedflash.flash_attn_with_kvcache``
+(:mod:`pagedflash.ops.custom_ops`), which declares the caches and ``out`` as mutated.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedflash import validate
+from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.cache_write import append_kv
 
@@ -28,6 +31,24 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | No
     return cache_seqlens
 
 
+def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
+            softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
+    if k is not None and k.numel():
+        append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table)
+        cache_seqlens = cache_seqlens + k.shape[1]
+    if q.numel() == 0:  # a batch of 0: nothing to attend
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
+    return attention_forward(
+        q, k_cache, v_cache, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k,
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
+        return_lse=return_lse, out=out,
+    )[1]
+
+
+_op = custom_ops.implement("flash_attn_with_kvcache", _launch)
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -42,6 +63,7 @@ def flash_attn_with_kvcache(
     softcap: float = 0.0,
     num_splits: int = 0,
     return_lse: bool = False,
+    out: torch.Tensor | None = None,
 ):
     """Attention of new queries over a KV cache, flash-attn's ``flash_attn_with_kvcache``.
 
@@ -57,10 +79,13 @@ def flash_attn_with_kvcache(
         block_table: int32 ``[B, max_blocks_per_seq]``.
         num_splits: 0 chooses from B·Hkv, the cache capacity and the SM count (no host sync);
             >= 1 forces a split count (use a fixed one for CUDA-graph capture).
+        out: optional preallocated ``[B, Sq, Hq, D]`` output (q's dtype and device, last dim
+            contiguous, sharing no memory with q or the caches). Written and returned.
         Other arguments as :func:`pagedflash.flash_attn_func`.
 
     Returns:
-        out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32.
+        out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32. A batch of 0 gives
+        empty tensors.
     """
     validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
     device = q.device
@@ -108,22 +133,24 @@ def flash_attn_with_kvcache(
     lengths = None
     if seqlens is not None and validate.value_checks_enabled(seqlens):
         lengths = [n + s_new for n in seqlens.tolist()]
-        if min(lengths) < s_new:
+        if lengths and min(lengths) < s_new:
             raise ValueError(f"cache_seqlens: expected lengths >= 0, got {seqlens.tolist()}")
-        if max(lengths) > capacity:
+        if lengths and max(lengths) > capacity:
             raise ValueError(f"cache_seqlens: cache_seqlens + S_new = {max(lengths)} exceeds the cache "
                              f"capacity {capacity} (S_max or block_table columns x page_size)")
     if paged and lengths is not None:
         validate.check_block_table(block_table, batch=batch, num_blocks=k_cache.shape[0],
                                    page_size=k_cache.shape[1], seqlens=lengths, device=device)
-
-    if s_new:
-        append_kv(k, v, k_cache, v_cache, seqlens, block_table)
-        seqlens = seqlens + s_new
-    out, lse = attention_forward(
-        q, k_cache, v_cache, batch=batch, max_seqlen_q=q.shape[1], max_seqlen_k=max_len,
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
-        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
-        seqused_k=seqlens, block_table=block_table, num_splits=num_splits, return_lse=return_lse,
-    )
+    if softmax_scale is not None:
+        softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
+    left, right = validate.check_window(window_size, causal)
+    softcap = validate.check_softcap(softcap)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    else:
+        validate.check_out(out, shape=q.shape, dtype=q.dtype, device=device,
+                           inputs=dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
+                                       block_table=block_table))
+    lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
+              num_splits, return_lse)
     return (out, lse) if return_lse else out

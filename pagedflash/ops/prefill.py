@@ -1,9 +1,10 @@
 """Fused prefill attention (FlashAttention-2 style): ``flash_attn_func`` and ``flash_attn_varlen_func``.
 
-Both validate on the host, then launch :mod:`pagedflash.ops.attention`. Memory is O(N·D): the
-scores are never materialized. With ``block_table`` the varlen form reads keys/values from a paged
-cache, which makes it chunked prefill over a cached prefix and the mixed prefill+decode launch of a
-serving step.
+Both validate on the host, then launch :mod:`pagedflash.ops.attention` (through their
+``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`).
+Memory is O(N·D): the scores are never materialized. With ``block_table`` the varlen form reads
+keys/values from a paged cache, which makes it chunked prefill over a cached prefix and the mixed
+prefill+decode launch of a serving step.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagedflash import validate
+from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
 
 
@@ -24,6 +26,40 @@ def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int):
     return validate.check_head_dims(q, k, v)
 
 
+def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
+    """The caller's preallocated output after its checks, or a new ``[..., Hq, D]`` tensor like q."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    validate.check_out(out, shape=q.shape, dtype=q.dtype, device=q.device, inputs=dict(q=q, **inputs))
+    return out
+
+
+def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse):
+    if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
+        return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
+    return attention_forward(
+        q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        softcap=softcap, return_lse=return_lse, out=out,
+    )[1]
+
+
+def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
+                   softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
+    if q.numel() == 0:  # no query tokens
+        return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
+    return attention_forward(
+        q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+        num_splits=num_splits, return_lse=return_lse, out=out,
+    )[1]
+
+
+_dense_op = custom_ops.implement("flash_attn_func", _launch_dense)
+_varlen_op = custom_ops.implement("flash_attn_varlen_func", _launch_varlen)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -33,6 +69,7 @@ def flash_attn_func(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     return_lse: bool = False,
+    out: torch.Tensor | None = None,
 ):
     """Attention over a dense batch, flash-attn's ``flash_attn_func``.
 
@@ -44,22 +81,24 @@ def flash_attn_func(
         window_size: ``(left, right)`` local attention, -1 = unbounded.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling).
         return_lse: also return the natural-log LSE.
+        out: optional preallocated output (q's shape, dtype and device; last dim contiguous, other
+            strides honoured; sharing no memory with q, k, v). Written and returned.
 
     Returns:
         out ``[B, Sq, Hq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)``, lse ``[B, Hq, Sq]``
-        fp32. A row that sees no key gets 0 and lse ``-inf``.
+        fp32. A row that sees no key gets 0 and lse ``-inf``. A batch of 0 gives empty tensors.
     """
     _check_common(q, k, v, q_ndim=4, kv_ndim=4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
     if v.shape != k.shape:
         raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
-    out, lse = attention_forward(
-        q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
-        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
-        return_lse=return_lse,
-    )
+    if softmax_scale is not None:
+        softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
+    left, right = validate.check_window(window_size, causal)
+    softcap = validate.check_softcap(softcap)
+    out = _output(out, q, k=k, v=v)
+    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -78,6 +117,7 @@ def flash_attn_varlen_func(
     return_lse: bool = False,
     block_table: torch.Tensor | None = None,
     num_splits: int = 0,
+    out: torch.Tensor | None = None,
 ):
     """Attention over packed variable-length sequences, flash-attn's ``flash_attn_varlen_func``.
 
@@ -91,6 +131,7 @@ def flash_attn_varlen_func(
             and the KV split, never the result).
         block_table: int32 ``[B, max_blocks_per_seq]`` page ids (paged mode).
         num_splits: KV splits; 0 chooses from the sizes and the GPU, >= 1 forces (graph capture).
+        out: optional preallocated ``[total_q, Hq, D]`` output, checked as in :func:`flash_attn_func`.
         Other arguments as :func:`flash_attn_func`; causal is bottom-right aligned per sequence.
 
     Returns:
@@ -123,11 +164,11 @@ def flash_attn_varlen_func(
                                    seqlens=lengths, device=q.device)
     else:
         validate.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, total_name="k.shape[0]")
-    out, lse = attention_forward(
-        q, k, v, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]),
-        window=validate.check_window(window_size, causal), softcap=validate.check_softcap(softcap),
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
-        num_splits=num_splits, return_lse=return_lse,
-    )
+    if softmax_scale is not None:
+        softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
+    left, right = validate.check_window(window_size, causal)
+    softcap = validate.check_softcap(softcap)
+    out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
+                     softmax_scale, left, right, softcap, num_splits, return_lse)
     return (out, lse) if return_lse else out
