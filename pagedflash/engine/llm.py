@@ -16,6 +16,12 @@ A step that fails (an exception in the forward, ``KeyboardInterrupt``, out of me
 request's progress and puts no page in the prefix cache: pages join it only after the forward that
 wrote them completed. The requests stay queued; the next ``step`` runs them again, or
 ``abort_request`` drops them. ``generate`` drops its requests when a step fails and re-raises.
+
+Several GPUs: ``tensor_parallel_size=N`` splits the model over ``N`` ranks (one process each; this
+one is rank 0 and runs the scheduler): :mod:`pagedflash.engine.parallel` says how,
+:mod:`pagedflash.engine.workers` how the processes follow rank 0's steps, fail and stop. A rank that
+dies makes ``step``/``generate`` raise :class:`~pagedflash.engine.workers.WorkerError` and closes the
+engine. ``close()`` (or ``with LLM(...) as llm``) stops the processes; so does garbage collection.
 """
 
 from __future__ import annotations
@@ -23,22 +29,24 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import weakref
 
 import torch
 
 from pagedflash._progress import progress
-from pagedflash.cache import BlockManager, KVCache
+from pagedflash.cache import BlockManager
 from pagedflash.engine.config import ModelConfig
+from pagedflash.engine.executor import EngineSpec, build_rank
 from pagedflash.engine.model import CausalLM
+from pagedflash.engine.parallel import allreduce_kind, check_tensor_parallel_size
 from pagedflash.engine.run_ahead import RunAhead
 from pagedflash.engine.runner import ModelRunner
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
-from pagedflash.engine.weights import build_model, init_random_weights, load_weights
+from pagedflash.engine.workers import Workers
 from pagedflash.validate import check_int
 
-CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # the dtypes the kernels take
 
@@ -60,6 +68,10 @@ class LLM:
         max_model_len: cap on prompt + generated tokens (default: the model's maximum).
         seed: random weights and unseeded sampling. tokenizer: path to a tokenizer.json, a
             ``tokenizers.Tokenizer``, or None to use ``<model dir>/tokenizer.json`` when present.
+        tensor_parallel_size: ranks the model is split over (one process and one GPU each: GPUs
+            ``device.index .. + N - 1``; gloo processes on the CPU). It must divide the attention
+            heads and the intermediate size, and divide or be a multiple of the KV heads.
+            ``PAGEDFLASH_ALLREDUCE=symm_mem`` picks the one-shot all-reduce for small messages.
 
     Not thread-safe: drive one engine from one thread.
     """
@@ -67,7 +79,7 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 seed: int = 0, tokenizer=None):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1):
         check_int("page_size", page_size)
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -96,28 +108,35 @@ class LLM:
         if max_model_len is not None:
             check_int("max_model_len", max_model_len)
             self.max_model_len = min(self.max_model_len, max_model_len)
-        self.model: CausalLM = build_model(self.config, max_len=self.max_model_len, dtype=self.dtype,
-                                           device=self.device)
-        if path is not None:
-            load_weights(self.model, path)
-        else:
-            init_random_weights(self.model, seed)
+        if tensor_parallel_size != 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # rank r: the r-th GPU after it
+        self.tensor_parallel_size = check_tensor_parallel_size(self.config, tensor_parallel_size, self.device)
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        if num_blocks is None:
-            num_blocks = self._auto_num_blocks(max_num_seqs, gpu_memory_utilization)
-        self.num_blocks = num_blocks
-        self.kv_cache = KVCache(num_layers=self.config.num_layers, num_blocks=num_blocks, page_size=page_size,
-                                num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                                dtype=self.dtype, device=self.device)
+        spec = EngineSpec(config=self.config, path=path, seed=seed, dtype=self.dtype, device=self.device,
+                          max_model_len=self.max_model_len, page_size=page_size, num_blocks=num_blocks,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          cuda_graphs=cuda_graphs, gpu_memory_utilization=gpu_memory_utilization,
+                          tensor_parallel_size=self.tensor_parallel_size,
+                          all_reduce=allreduce_kind(self.device) if self.tensor_parallel_size > 1 else "nccl")
+        self.workers: Workers | None = None  # ranks 1..N-1 (tensor_parallel_size > 1)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self.tensor_parallel_size == 1:
+            rank0 = build_rank(spec, generator=generator)
+        else:
+            self.workers = Workers(spec)
+            weakref.finalize(self, self.workers.close, "the LLM was garbage-collected")
+            rank0 = self.workers.build_rank0(spec, generator)
+        self.model: CausalLM = rank0.model
+        self.kv_cache = rank0.kv_cache
+        self.runner: ModelRunner = rank0.runner
+        self.runner.workers = self.workers
+        self.num_blocks = num_blocks = rank0.num_blocks
         self.block_manager = BlockManager(num_blocks, page_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, max_model_len=self.max_model_len,
-                                  max_num_seqs=max_num_seqs, use_cuda_graphs=cuda_graphs, generator=generator)
         self.run_ahead = RunAhead(self.scheduler, self.runner)  # .enabled=False: the synchronous loop
         self._ids = itertools.count()  # request ids, and the block manager's ids of prompt_logits rows
         self._num_ids = 0
@@ -341,8 +360,7 @@ class LLM:
                 seq.block_table, _ = self.block_manager.allocate(seq.seq_id, seq.token_ids)
             # every position is recomputed (rewriting a cached page with equal values is harmless)
             batch = Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs])
-            ids, pos, meta, _ = self.runner.prepare(batch)
-            logits = self.model.compute_logits(self.model(ids, pos, meta, self.runner.kv_caches))
+            logits = self.runner.prompt_logits(batch)
             for seq in seqs:
                 self.block_manager.commit(seq.seq_id, len(seq))
         finally:
@@ -351,55 +369,22 @@ class LLM:
                     self.block_manager.free(seq.seq_id)
         return list(logits.split([len(s) for s in seqs]))
 
-    def _auto_num_blocks(self, max_num_seqs: int, utilization: float) -> int:
-        per_block = KVCache.bytes_per_block(num_layers=self.config.num_layers, page_size=self.page_size,
-                                            num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                                            dtype=self.dtype)
-        if self.device.type != "cuda":
-            return CPU_NUM_BLOCKS
-        peak = self._profile_activations(max_num_seqs)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * utilization) - (total - free) - peak
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
-                               "lower max_num_batched_tokens or raise gpu_memory_utilization")
-        # no more than every running sequence at full length needs (a small model on a big GPU)
-        return int(min(num_blocks, max_num_seqs * -(-self.max_model_len // self.page_size)))
-
-    @torch.inference_mode()
-    def _profile_activations(self, max_num_seqs: int) -> int:
-        """Peak activation bytes of a largest step (max_num_batched_tokens tokens), on a scratch pool."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        tokens = min(self.max_num_batched_tokens, max_num_seqs * self.max_model_len)
-        num_seqs = min(max_num_seqs, tokens)
-        lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
-        num_blocks = sum(-(-n // self.page_size) for n in lens)
-        scratch = KVCache(num_layers=self.config.num_layers, num_blocks=num_blocks, page_size=self.page_size,
-                          num_kv_heads=self.config.num_kv_heads, head_dim=self.config.head_dim,
-                          dtype=self.dtype, device=self.device)
-        bm = BlockManager(num_blocks, self.page_size, enable_prefix_caching=False)
-        seqs = [Sequence(i, [0] * n, SamplingParams(), 0.0, self.device) for i, n in enumerate(lens)]
-        for seq in seqs:
-            seq.block_table, _ = bm.allocate(seq.seq_id, seq.token_ids)
-        runner = ModelRunner(self.model, scratch, max_model_len=self.max_model_len, max_num_seqs=num_seqs,
-                             use_cuda_graphs=False, generator=None)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.run(Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs]))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del runner, scratch
-        torch.cuda.empty_cache()
-        return int(peak * 1.1) + (256 << 20)  # margin for CUDA graphs and allocator slack
-
     def close(self) -> None:
-        """Release the KV pool, CUDA graphs and weights (GPU memory comes back on the next empty_cache)."""
-        self.runner.graphs.clear()
+        """Release the KV pool, CUDA graphs and weights (GPU memory comes back on the next empty_cache)
+        and stop the tensor-parallel workers. Calling it again does nothing."""
+        if self.runner is not None:
+            self.runner.graphs.clear()
         self.runner = self.run_ahead = self.kv_cache = self.model = None
+        if self.workers is not None:
+            self.workers.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _load_tokenizer(tokenizer, path: str | None):

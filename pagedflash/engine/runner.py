@@ -18,6 +18,13 @@ Run-ahead: a decode step whose rows are all greedy leaves its tokens on the devi
 with the LM head and an argmax) and copies them to the host behind itself, so while it runs the host
 can launch the step after it (:meth:`ModelRunner.launch_ahead`; when and with which rows:
 :mod:`pagedflash.engine.run_ahead`), whose input ids are those device-side tokens.
+
+Tensor parallelism: each step has a host half (the lists above, built on rank 0 from the
+scheduler's batch) and a device half (``_forward``, ``_decode_apply``, ``_ahead_apply``: tensors from
+those lists, forward, logits). On rank 0 of a tensor-parallel engine, :attr:`ModelRunner.workers`
+sends each device half's input to the other ranks, whose runners run the same method on it
+(:mod:`pagedflash.engine.workers`); the logits are gathered on every rank, so the greedy tokens
+that run-ahead feeds back on the device are the same everywhere.
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ class PendingTokens:
     buffer (``result`` waits for them)."""
 
     def __init__(self, tokens: list[int] | None = None, *, host: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None):
+                 event: torch.cuda.Event | None = None, wait=None):
         self._tokens, self._host, self._event = tokens, host, event
+        self._wait = wait  # waits for the event instead of event.synchronize (tensor parallel: checks the ranks)
 
     @property
     def deferred(self) -> bool:
@@ -52,7 +60,10 @@ class PendingTokens:
     def result(self) -> list[int]:
         if self._tokens is None:
             if self._event is not None:
-                self._event.synchronize()
+                if self._wait is not None:
+                    self._wait(self._event)
+                else:
+                    self._event.synchronize()
             self._tokens = self._host.tolist()
         return self._tokens
 
@@ -81,6 +92,7 @@ class ModelRunner:
         self.generator = generator
         self.pin = self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.workers = None  # rank 0 of a tensor-parallel engine: the Workers that follow each step
         self._alloc_decode_buffers(min(max_num_seqs, GRAPH_BATCH_SIZES[-1]))
         if self.device.type == "cuda":
             self.warmup()
@@ -112,16 +124,14 @@ class ModelRunner:
                     keep = [i for i, r in enumerate(batch.rows) if r.samples]
                     logits, greedy = logits[keep], greedy[keep]
             else:
-                ids, pos, meta, logits_idx = self.prepare(batch)
-                hidden = self.model(ids, pos, meta, self.kv_caches)
-                if not logits_idx:
+                logits, greedy = self._call("_forward", *self.plan(batch)), None
+                if logits is None:
                     return PendingTokens([])
-                if len(logits_idx) < hidden.shape[0]:
-                    hidden = hidden[self._tensor(logits_idx, torch.int64)]
-                logits, greedy = self.model.lm_head(hidden), None
         rows = [r for r in batch.rows if r.samples]
         if not rows:
             return PendingTokens([])
+        if self.workers is not None:
+            self.workers.wait_device()  # sampling reads the device: wait there, watching the ranks
         return PendingTokens(sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
                                     self.generator, greedy=greedy))
 
@@ -136,10 +146,21 @@ class ModelRunner:
         pos = [r.start for r in batch.rows]
         slots = [r.seq.block_table[r.start // p] * p + r.start % p for r in batch.rows]
         with validate.value_checks(False):
-            self._meta[0, :n].copy_(self._greedy[:n])  # the previous step's tokens; padding ids stay 0
-            self._meta[1:, :bs].copy_(self._pinned([pos + [0] * (bs - n), slots + [-1] * (bs - n)]), non_blocking=True)
-            self._run_decode(n, bs, max_seqlen_k=max(pos) + 1)
+            self._call("_ahead_apply", n, bs, pos + [0] * (bs - n), slots + [-1] * (bs - n))
         return self._read_greedy(n)
+
+    def _ahead_apply(self, n: int, bs: int, pos: list[int], slots: list[int]) -> None:
+        """Device half of :meth:`launch_ahead` (every rank): the previous step's greedy tokens as
+        input ids, ``pos``/``slots`` of the ``bs`` rows (padding included), the decode step."""
+        self._meta[0, :n].copy_(self._greedy[:n])  # the previous step's tokens; padding ids stay 0
+        self._meta[1:, :bs].copy_(self._pinned([pos, slots]), non_blocking=True)
+        self._run_decode(n, bs, max_seqlen_k=max(pos[:n]) + 1)
+
+    def _call(self, name: str, *args):
+        """``self.name(*args)``, on every rank when this is rank 0 of a tensor-parallel engine."""
+        if self.workers is not None:
+            return self.workers.run(self, name, *args)
+        return getattr(self, name)(*args)
 
     def _read_greedy(self, n: int) -> PendingTokens:
         """Enqueue the copy of this step's greedy tokens to the host (two pinned buffers in turn: the
@@ -151,7 +172,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return PendingTokens(host=host, event=event)
+        return PendingTokens(host=host, event=event, wait=self.workers.wait_event if self.workers else None)
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
@@ -159,6 +180,45 @@ class ModelRunner:
 
     def prepare(self, batch: Batch):
         """Host lists -> device tensors: (input_ids, positions, meta, logits_indices)."""
+        ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx = self.plan(batch)
+        return self._inputs(ids, pos, slots, cu_q, cu_k, tables, max_q, max_k) + (logits_idx,)
+
+    def prompt_logits(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits ``[T, vocab]`` of every position of ``batch``'s rows (one forward, every rank)."""
+        with validate.value_checks(False):
+            logits = self._call("_forward", *self.plan(batch)[:-1], None).float()
+        if self.workers is not None:
+            self.workers.wait_device()  # the caller reads them: wait here, watching the ranks
+        return logits
+
+    def _forward(self, ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx) -> torch.Tensor | None:
+        """Device half of a step with prefill rows (every rank): the forward of :meth:`plan`'s lists,
+        then the logits (model dtype, gathered) of the rows ``logits_idx``: None when it is empty,
+        every row when it is None."""
+        ids, pos, meta = self._inputs(ids, pos, slots, cu_q, cu_k, tables, max_q, max_k)
+        hidden = self.model(ids, pos, meta, self.kv_caches)
+        if logits_idx is not None:
+            if not logits_idx:
+                return None
+            if len(logits_idx) < hidden.shape[0]:
+                hidden = hidden[self._tensor(logits_idx, torch.int64)]
+        return self.model.lm_logits(hidden)
+
+    def _inputs(self, ids, pos, slots, cu_q, cu_k, tables, max_q, max_k):
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            block_tables=self._tensor(tables, torch.int32),
+        )
+        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta
+
+    def plan(self, batch: Batch):
+        """The host half of a step with prefill rows: plain lists (input ids, positions, slots,
+        cu_seqlens q and k, padded block tables), the longest query and key lengths, and the packed
+        rows whose logits sample."""
         p = self.page_size
         ids, pos, slots, cu_q, cu_k, tables, logits_idx = [], [], [], [0], [0], [], []
         for row in batch.rows:
@@ -173,15 +233,8 @@ class ModelRunner:
                 logits_idx.append(cu_q[-1] - 1)
         width = max(len(t) for t in tables)
         tables = [t + [PAD_BLOCK_ID] * (width - len(t)) for t in tables]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            max_seqlen_q=max(r.num_tokens for r in batch.rows),
-            max_seqlen_k=max(r.end for r in batch.rows),
-            block_tables=self._tensor(tables, torch.int32),
-        )
-        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, logits_idx
+        max_q, max_k = max(r.num_tokens for r in batch.rows), max(r.end for r in batch.rows)
+        return ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -220,8 +273,8 @@ class ModelRunner:
         max_pages = -(-self.max_model_len // self.page_size)
         self._tables = torch.full((rows, max_pages), PAD_BLOCK_ID, dtype=torch.int32, device=dev)
         self._held: list[tuple] = [()] * rows  # what each table row holds: (seq_id, num_preemptions, pages)
-        lm = self.model.lm_head.weight
-        self._logits = torch.zeros(rows, lm.shape[0], dtype=lm.dtype, device=dev)
+        lm = self.model.lm_head.weight  # with several ranks this rank's vocabulary rows; the logits are whole
+        self._logits = torch.zeros(rows, self.model.config.vocab_size, dtype=lm.dtype, device=dev)
         self._greedy = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.pin) for _ in range(2)]
         self._flip = 0
@@ -255,11 +308,18 @@ class ModelRunner:
             t_vals += seq.block_table[first:pages]
             self._held[i] = (seq.seq_id, seq.num_preemptions, pages)
         pad = [0] * (bs - n)
-        self._meta[:, :bs].copy_(self._pinned([ids + pad, pos + pad, slots + [-1] * (bs - n)]), non_blocking=True)
-        if t_rows:
-            rows_t, cols_t, vals_t = self._pinned([t_rows, t_cols, t_vals]).to(self.device, non_blocking=True)
+        self._call("_decode_apply", n, bs, [ids + pad, pos + pad, slots + [-1] * (bs - n)], [t_rows, t_cols, t_vals],
+                   max(r.end for r in batch.rows))
+
+    def _decode_apply(self, n: int, bs: int, meta: list[list[int]], table_entries: list[list[int]],
+                      max_seqlen_k: int) -> None:
+        """Device half of :meth:`_decode` (every rank): the rows' ids, positions and slots (padding
+        included), the new block-table entries (rows, columns, page ids), the decode step."""
+        self._meta[:, :bs].copy_(self._pinned(meta), non_blocking=True)
+        if table_entries[0]:
+            rows_t, cols_t, vals_t = self._pinned(table_entries).to(self.device, non_blocking=True)
             self._tables.index_put_((rows_t, cols_t), vals_t.to(torch.int32))
-        self._run_decode(n, bs, max_seqlen_k=max(r.end for r in batch.rows))
+        self._run_decode(n, bs, max_seqlen_k=max_seqlen_k)
 
     def _graph_size(self, n: int) -> int:
         """The captured batch size that serves ``n`` rows (``n`` itself when none does)."""
@@ -297,7 +357,7 @@ class ModelRunner:
         with torch.inference_mode(), validate.value_checks(False):  # no syncs in the warm-up runs either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
-                                         num_splits=graph_num_splits(bs, self.model.config.num_kv_heads, sms))
+                                         num_splits=graph_num_splits(bs, self.model.shard.num_kv_heads, sms))
                 self.graphs[bs], pool = capture(lambda bs=bs, meta=meta: self._decode_step(bs, meta), pool)
 
 

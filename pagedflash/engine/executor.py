@@ -1,0 +1,135 @@
+"""What every rank of the engine builds: the model (with several ranks, this rank's shard of it)
+filled with weights, the KV pool of its KV heads sized from free memory, and the
+:class:`~pagedflash.engine.runner.ModelRunner` that runs its steps.
+
+Rank 0 (the process of :class:`~pagedflash.engine.LLM`) and the tensor-parallel workers
+(:mod:`pagedflash.engine.workers`) build it from the same :class:`EngineSpec`, in the same order:
+the collectives of the memory profile, the warm-up forwards and the CUDA-graph captures pair up
+across the ranks. The pool gets the same number of pages on every rank (the smallest any rank can
+hold), so that page ids mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedflash.cache import BlockManager, KVCache
+from pagedflash.engine.config import ModelConfig
+from pagedflash.engine.model import CausalLM
+from pagedflash.engine.parallel import Collectives, ShardSizes
+from pagedflash.engine.runner import ModelRunner
+from pagedflash.engine.sampling import SamplingParams
+from pagedflash.engine.scheduler import Batch, ScheduledRow
+from pagedflash.engine.sequence import Sequence
+from pagedflash.engine.weights import build_model, init_random_weights, load_weights
+
+CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine's arguments that every rank needs (picklable: workers receive it)."""
+
+    config: ModelConfig
+    path: str | None  # local HF directory, or None for seeded random weights
+    seed: int
+    dtype: torch.dtype
+    device: torch.device  # rank 0's; rank r runs on the GPU r places further (device_of)
+    max_model_len: int
+    page_size: int
+    num_blocks: int | None  # None: sized from free GPU memory (a default on the CPU)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    cuda_graphs: bool
+    gpu_memory_utilization: float
+    tensor_parallel_size: int = 1
+    all_reduce: str = "nccl"
+
+    def device_of(self, rank: int) -> torch.device:
+        """Rank ``rank``'s device: GPU ``device.index + rank`` (the LLM gives several ranks an
+        explicit index), the CPU for every rank on the CPU."""
+        if self.device.type != "cuda" or self.tensor_parallel_size == 1:
+            return self.device
+        return torch.device("cuda", self.device.index + rank)
+
+
+@dataclass
+class Rank:
+    model: CausalLM
+    kv_cache: KVCache
+    runner: ModelRunner
+    num_blocks: int
+
+
+def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = None,
+               generator: torch.Generator | None = None) -> Rank:
+    """Build rank ``rank``'s model, pool and runner (``comm``: the tensor-parallel group; None with
+    one rank). ``generator``: the runner's default sampling generator (rank 0's)."""
+    config, device = spec.config, spec.device_of(rank)
+    shard = ShardSizes.of(config, rank, spec.tensor_parallel_size)
+    model = build_model(config, max_len=spec.max_model_len, dtype=spec.dtype, device=device, shard=shard, comm=comm)
+    if spec.path is not None:
+        load_weights(model, spec.path)
+    else:
+        init_random_weights(model, spec.seed)
+    num_blocks = spec.num_blocks
+    if num_blocks is None:
+        num_blocks = auto_num_blocks(model, spec, device)
+        if comm is not None and comm.size > 1:
+            num_blocks = comm.min_int(num_blocks)
+    kv_cache = KVCache(num_layers=config.num_layers, num_blocks=num_blocks, page_size=spec.page_size,
+                       num_kv_heads=shard.num_kv_heads, head_dim=config.head_dim, dtype=spec.dtype, device=device)
+    runner = ModelRunner(model, kv_cache, max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
+                         use_cuda_graphs=spec.cuda_graphs, generator=generator)
+    return Rank(model, kv_cache, runner, num_blocks)
+
+
+def auto_num_blocks(model: CausalLM, spec: EngineSpec, device: torch.device) -> int:
+    """Pages that fit ``spec.gpu_memory_utilization`` of the GPU next to the weights and a largest
+    step's activations (:data:`CPU_NUM_BLOCKS` off the GPU)."""
+    if device.type != "cuda":
+        return CPU_NUM_BLOCKS
+    config = spec.config
+    per_block = KVCache.bytes_per_block(num_layers=config.num_layers, page_size=spec.page_size,
+                                        num_kv_heads=model.shard.num_kv_heads, head_dim=config.head_dim,
+                                        dtype=spec.dtype)
+    peak = _profile_activations(model, spec, device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * spec.gpu_memory_utilization) - (total - free) - peak
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); "
+                           "lower max_num_batched_tokens or raise gpu_memory_utilization")
+    # no more than every running sequence at full length needs (a small model on a big GPU)
+    return int(min(num_blocks, spec.max_num_seqs * -(-spec.max_model_len // spec.page_size)))
+
+
+@torch.inference_mode()
+def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device) -> int:
+    """Peak activation bytes of a largest step (max_num_batched_tokens tokens), on a scratch pool."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    page_size, max_len = spec.page_size, spec.max_model_len
+    tokens = min(spec.max_num_batched_tokens, spec.max_num_seqs * max_len)
+    num_seqs = min(spec.max_num_seqs, tokens)
+    lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+    num_blocks = sum(-(-n // page_size) for n in lens)
+    scratch = KVCache(num_layers=spec.config.num_layers, num_blocks=num_blocks, page_size=page_size,
+                      num_kv_heads=model.shard.num_kv_heads, head_dim=spec.config.head_dim, dtype=spec.dtype,
+                      device=device)
+    bm = BlockManager(num_blocks, page_size, enable_prefix_caching=False)
+    seqs = [Sequence(i, [0] * n, SamplingParams(), 0.0, device) for i, n in enumerate(lens)]
+    for seq in seqs:
+        seq.block_table, _ = bm.allocate(seq.seq_id, seq.token_ids)
+    runner = ModelRunner(model, scratch, max_model_len=max_len, max_num_seqs=num_seqs, use_cuda_graphs=False,
+                         generator=None)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.run(Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs]))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del runner, scratch
+    torch.cuda.empty_cache()
+    return int(peak * 1.1) + (256 << 20)  # margin for CUDA graphs and allocator slack
