@@ -17,6 +17,16 @@ engine and transformers load the very same tensors. Sections (``--sections``, de
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
   read, over 4.8 TB/s) divided by the measured gap. Target: batch 1 at 1K with graphs >= 50%.
 
+- ``tp`` (with ``--tensor-parallel-size N``, N >= 2; then the default section): Llama-3-8B-shaped
+  random weights, one GPU against N: batch-1 inter-token latency at 1K context (target: N GPUs <=
+  0.6x one GPU's) and output tokens/s of 64 requests, prompts and outputs uniform in 100..1024
+  (target >= 1.5x); then a Llama-3-70B-shaped model (too large for one H200 with its KV pool) on N
+  GPUs alone: tokens/s, ITL and ``% of bound``, the bound of a decode step with the weights and KV
+  spread over N GPUs (each reads its shard at 4.8 TB/s). Random weights are made on each rank, tensor
+  by tensor, keeping its slice (:func:`pagedflash.engine.weights.init_random_weights`): the model is
+  never whole on one GPU.
+  ``--tensor-parallel-size`` also runs the other sections' engine on N GPUs.
+
 Figures are printed and written to ``<out>/serve.json`` (tables of sections not run this time are
 kept from an earlier file). ``--quick`` runs a tiny model with tiny workloads anywhere (CPU: Triton
 interpreter): a smoke test of the plumbing, not figures.
@@ -40,21 +50,24 @@ from pagedflash._progress import progress
 from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
-from pagedflash.engine.config import LLAMA_3_2_1B, TINY_LLAMA, ModelConfig
+from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
 
-SECTIONS = ("throughput", "prefix", "itl")
+SECTIONS = ("throughput", "prefix", "itl", "tp")
 FULL = dict(num_requests=256, prompt=(100, 1024), output=(100, 1024), prefix_requests=64, system=4096, suffix=128,
-            prefix_output=128, itl_batches=(1, 32), itl_contexts=(1024, 32768), itl_tokens=64)
+            prefix_output=128, itl_batches=(1, 32), itl_contexts=(1024, 32768), itl_tokens=64, tp_requests=64,
+            tp_context=1024, tp_max_model_len=4096)
 QUICK = dict(num_requests=6, prompt=(8, 24), output=(3, 8), prefix_requests=4, system=32, suffix=8,
-             prefix_output=4, itl_batches=(1, 2), itl_contexts=(16, 48), itl_tokens=4)
-TARGETS = {"throughput": 3.0, "prefix_tps": 3.0, "prefix_ttft": 5.0, "itl_bound": 0.5}
+             prefix_output=4, itl_batches=(1, 2), itl_contexts=(16, 48), itl_tokens=4, tp_requests=3, tp_context=16,
+             tp_max_model_len=256)
+TARGETS = {"throughput": 3.0, "prefix_tps": 3.0, "prefix_ttft": 5.0, "itl_bound": 0.5, "tp_itl": 0.6, "tp_tps": 1.5}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedflash bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model and workloads (CPU ok): plumbing only")
     p.add_argument("--out", type=Path, default=Path("bench_results"), help="directory for serve.json")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--sections", default=None,
+                   help=f"comma-separated subset of {SECTIONS} (default: all but tp; with N >= 2 GPUs: tp)")
     p.add_argument("--model", default=None, help="local HF directory to use instead of random weights")
     p.add_argument("--num-requests", type=int, default=None, help="throughput requests (default 256)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
@@ -64,15 +77,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs per engine; >= 2 adds the 'tp' section (then the default) comparing 1 and N GPUs")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_transformers()
+    tp = args.tensor_parallel_size
+    if args.sections is None:
+        args.sections = "tp" if tp > 1 else ",".join(s for s in SECTIONS if s != "tp")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if unknown := [s for s in sections if s not in SECTIONS]:
         print(f"bench serve: unknown sections {unknown}; choose from {SECTIONS}", file=sys.stderr)
+        return 2
+    if tp < 1 or ("tp" in sections and tp < 2):
+        print(f"bench serve: the tp section needs --tensor-parallel-size >= 2 (got {tp})", file=sys.stderr)
         return 2
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.quick:
@@ -84,33 +105,42 @@ def main(argv: list[str] | None = None) -> int:
     engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.quick:
         engine_kw.update(num_blocks=512, max_num_batched_tokens=min(args.max_num_batched_tokens, 128))
+    if sections == ["tp"]:  # its own models, random weights drawn on the GPUs: no checkpoint to write
+        return _run(args, sections, w, engine_kw, None, None, on_gpu)
+    if tp > 1:
+        engine_kw["tensor_parallel_size"] = tp
     tmp = None
     if args.model is None:
         tmp = tempfile.mkdtemp(prefix="pagedflash_serve_")
         model_dir = _write_random_model(TINY_LLAMA if args.quick else LLAMA_3_2_1B, tmp, on_gpu, args.seed)
     else:
         model_dir = args.model
-    config = ModelConfig.from_pretrained(model_dir)
-    print(f"bench serve: {config.architecture} {config.num_layers}x{config.hidden_size}, "
-          f"{config.num_parameters() / 1e9:.2f} B params, {'bf16 on ' + torch.cuda.get_device_name() if on_gpu else 'fp32 on CPU (interpreter)'}",
-          flush=True)
+    try:
+        return _run(args, sections, w, engine_kw, model_dir, ModelConfig.from_pretrained(model_dir), on_gpu)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, sections, w, engine_kw, model_dir, config, on_gpu) -> int:
+    device = "bf16 on " + torch.cuda.get_device_name() if on_gpu else "fp32 on CPU (interpreter)"
+    if config is not None:
+        print(f"bench serve: {config.architecture} {config.num_layers}x{config.hidden_size}, "
+              f"{config.num_parameters() / 1e9:.2f} B params, {device}", flush=True)
     tables, summary = [], {}
     runners = {
         "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
         "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
         "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu),
+        "tp": lambda rng: bench_tp(w, rng, engine_kw, args, summary, on_gpu),
     }
-    try:
-        for name in SECTIONS:
-            if name in sections:
-                t0 = time.perf_counter()
-                tables.append(runners[name](random.Random(args.seed)))
-                print_table(tables[-1])
-                print(f"section {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-                _save(args.out, tables, summary, quick=args.quick)  # a later timeout keeps this section
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    for name in SECTIONS:
+        if name in sections:
+            t0 = time.perf_counter()
+            tables.append(runners[name](random.Random(args.seed)))
+            print_table(tables[-1])
+            print(f"section {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+            _save(args.out, tables, summary, quick=args.quick)  # a later timeout keeps this section
     print("summary: " + ", ".join(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}" for k, v in summary.items()))
     print(f"wrote {args.out / 'serve.json'}")
     return 0
@@ -235,12 +265,69 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
 
 def _graph_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     """GPU time of one replay of the decode graph that served ``batch`` rows (its buffers still hold
-    the last step, so a replay recomputes it and rewrites the same K/V values)."""
+    the last step, so a replay recomputes it and rewrites the same K/V values). None with several
+    GPUs: rank 0's graph alone would wait in its all-reduce for the others."""
     graphs = llm.runner.graphs
     size = next((b for b in sorted(graphs) if b >= batch), None)
-    if size is None or not torch.cuda.is_available():
+    if size is None or not torch.cuda.is_available() or llm.tensor_parallel_size > 1:
         return None
     return time_ms(graphs[size].replay, graph=False, flush=None, reps=reps)  # it streams the weights itself
+
+
+def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
+    """One GPU against ``--tensor-parallel-size`` N on a Llama-3-8B shape (batch-1 ITL at 1K context,
+    throughput of the 64-request workload), then a Llama-3-70B shape on N GPUs alone."""
+    n = args.tensor_parallel_size
+    models = [("Llama-3-8B", LLAMA_3_8B, (1, n)), ("Llama-3-70B", LLAMA_3_70B, (n,))]
+    if args.quick:
+        models = [("tiny", TINY_LLAMA, (1, n))]
+    lo, hi = w["prompt"]
+    olo, ohi = w["output"]
+    rows = []
+    for name, cfg, sizes in models:
+        config = ModelConfig.from_dict(cfg)
+        itemsize = 2 if on_gpu else 4
+        weight_bytes = config.num_parameters() * itemsize
+        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # per token
+        requests = [(_tokens(rng, config, rng.randint(lo, hi)), rng.randint(olo, ohi)) for _ in range(w["tp_requests"])]
+        context = [_tokens(rng, config, w["tp_context"])]
+        for size in sizes:
+            kw = {**engine_kw, "tensor_parallel_size": size, "max_model_len": w["tp_max_model_len"], "seed": args.seed}
+            t0 = time.perf_counter()
+            llm = LLM(cfg, **kw)
+            print(f"{name} on {size} GPU(s): built in {time.perf_counter() - t0:.0f} s", flush=True)
+            _warm(llm, config, rng)
+            llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
+            outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
+            itl = statistics.median(_steady_gaps(outs))
+            bound_s = (weight_bytes + (w["tp_context"] + w["itl_tokens"] / 2) * kv_bytes) / (size * HBM_TBPS * 1e12)
+            llm.generate([p for p, _ in requests], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests],
+                         use_tqdm=True)
+            s = llm.last_stats
+            sent = llm.workers.stats if llm.workers is not None else None
+            rows.append(dict(model=name, gpus=size, itl_ms=1e3 * itl, bound_ms=1e3 * bound_s,
+                             pct_bound=100 * bound_s / itl, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
+                             steps=s["steps"], msg_us=1e6 * sent["send_s"] / sent["messages"] if sent else None))
+            _close(llm)
+    by = {(r["model"], r["gpus"]): r for r in rows}
+    base = models[0][0]
+    if (base, 1) in by and (base, n) in by:
+        one, many = by[(base, 1)], by[(base, n)]
+        many["itl_x"], many["tps_x"] = many["itl_ms"] / one["itl_ms"], many["tok_s"] / one["tok_s"]
+        summary[f"tp{n}_itl_vs_1gpu"], summary[f"tp{n}_throughput_vs_1gpu"] = many["itl_x"], many["tps_x"]
+    if ("Llama-3-70B", n) in by:
+        big = by[("Llama-3-70B", n)]
+        summary[f"tp{n}_70b_tok_s"], summary[f"tp{n}_70b_itl_ms"] = big["tok_s"], big["itl_ms"]
+        summary[f"tp{n}_70b_pct_of_bound"] = big["pct_bound"]
+    return Table("tp", f"Tensor parallelism: batch-1 ITL at {w['tp_context']} context (median gap over "
+                 f"{w['itl_tokens']} tokens), throughput of {w['tp_requests']} requests (prompts {lo}-{hi}, "
+                 f"outputs {olo}-{ohi}, ignore_eos)",
+                 {"model": "model", "gpus": "GPUs", "itl_ms": "ITL ms", "bound_ms": "bound ms", "pct_bound": "% of bound",
+                  "itl_x": "ITL x 1 GPU", "tok_s": "output tok/s", "tps_x": "tok/s x 1 GPU", "steps": "steps",
+                  "msg_us": "step message us"},
+                 rows, note=f"bound = (weights + KV read) / (GPUs x {HBM_TBPS} TB/s); step message us: rank 0's host "
+                            f"time to send one step to the other ranks; targets: {n} GPUs ITL <= "
+                            f"{TARGETS['tp_itl']}x and throughput >= {TARGETS['tp_tps']}x one GPU's (8B)")
 
 
 # ------------------------------------------------------------------------------------ helpers
