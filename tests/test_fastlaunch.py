@@ -511,6 +511,7 @@ def _gpu_cases():
     q1, kc, vc = r(4, 1, 32, 128), r(4, 4096, 8, 128), r(4, 4096, 8, 128)
     lens = torch.tensor([4096, 1000, 1, 0], dtype=torch.int32, device="cuda")
     kp, vp, table = make_pool([4096, 100, 17, 0], 16, 8, 128, torch.bfloat16)
+    plens = torch.tensor([4096, 100, 17, 0], dtype=torch.int32, device="cuda")  # what the pool holds
     kp64, vp64, table64 = make_pool([300, 65], 64, 8, 128, torch.bfloat16)
     q64, cu64 = r(365, 32, 128), cu_seqlens([300, 65])
     pq, pk, pv = r(1, 128, 32, 128), r(1, 128, 8, 128), r(1, 128, 8, 128)
@@ -523,7 +524,7 @@ def _gpu_cases():
     return {
         "decode_split": lambda: flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=lens, return_lse=True),
         "decode_d80_fp16": lambda: flash_attn_with_kvcache(q80, k80, v80, cache_seqlens=333, num_splits=3),
-        "paged16": lambda: flash_attn_with_kvcache(q1, kp, vp, cache_seqlens=lens, block_table=table),
+        "paged16": lambda: flash_attn_with_kvcache(q1, kp, vp, cache_seqlens=plens, block_table=table),
         "paged64_prefill_tma": lambda: flash_attn_varlen_func(q64, kp64, vp64, cu64, cu64, 300, 300, causal=True,
                                                               block_table=table64),
         "prefill_tma": lambda: flash_attn_func(pq, pk, pv, causal=True, return_lse=True),

@@ -70,6 +70,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedflash.ops import scratch
+
 _lib = torch.library.Library("pagedflash", "DEF")
 
 _ATTENTION_OPTIONS = "float? softmax_scale, int window_left, int window_right, float softcap"
@@ -139,11 +141,15 @@ def implement(name: str, launch: Callable) -> Callable:
     empty fp32 tensor for None, as its schema has no optional result."""
     if name not in _SCHEMAS:
         raise ValueError(f"name: expected one of {sorted(_SCHEMAS)}, got {name!r}")
-    kernel = launch
-    if _SCHEMAS[name].endswith("-> Tensor"):
-        def kernel(q, *args):
-            lse = launch(q, *args)
-            return lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+    returns_lse = _SCHEMAS[name].endswith("-> Tensor")
+
+    def kernel(*args):
+        with scratch.no_reuse():  # compiled graphs own every buffer a call leaves (scratch's doc)
+            result = launch(*args)
+        if returns_lse and result is None:
+            return args[0].new_empty((0,), dtype=torch.float32)
+        return result
+
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     op = getattr(torch.ops.pagedflash, name).default
 

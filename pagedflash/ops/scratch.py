@@ -8,12 +8,16 @@ on the stream that used it last starts after that use (stream order). While a CU
 captured nothing is reused (the graph keeps the addresses it captured, and its replays may run
 beside eager calls): a fresh tensor, as without reuse. Off the GPU nothing is reused either
 (nothing to gain under the interpreter, and the tests' NaN-poisoned fresh memory stays in force on
-every call, unless :data:`CPU` is set). A thread keeps at most :data:`MAX_BUFFERS` sets of buffers,
+every call, unless :data:`CPU` is set), and neither inside :func:`no_reuse`, which the
+``torch.ops.pagedflash`` operators run under: ``torch.compile``'s CUDA graphs
+(``mode="reduce-overhead"``) warm up and record in a private memory pool, where a buffer kept past
+the call is memory the graph does not own. A thread keeps at most :data:`MAX_BUFFERS` sets of buffers,
 dropping the oldest first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -37,6 +41,8 @@ def buffers(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torc
     """Uninitialized tensors of ``specs`` (``(shape, dtype)`` pairs) that the caller's kernels fill
     before they read them."""
     kind = device.type
+    if getattr(_local, "off", 0):
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
     if kind == "cuda" and REUSE and not _capturing():
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (specs, index, _stream(index))
@@ -58,3 +64,13 @@ def buffers(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torc
 def clear() -> None:
     """Drop this thread's buffers (their memory goes back to torch's caching allocator)."""
     _local.buffers = {}
+
+
+@contextlib.contextmanager
+def no_reuse():
+    """Fresh buffers for every launch inside the block (this thread)."""
+    _local.off = getattr(_local, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _local.off -= 1
