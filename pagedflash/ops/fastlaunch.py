@@ -59,10 +59,12 @@ class Slot:
 
 def set_enabled(enabled: bool) -> bool:
     """Turn the fast path on or off for the process; returns the previous setting. Turning it on
-    again also forgets a failure that turned it off."""
-    global _enabled, _off_reason
+    again also forgets a failure that turned it off, and the last refused kernel."""
+    global _enabled, _off_reason, _refused
     previous, _enabled = _enabled, bool(enabled)
     _off_reason = "" if _enabled else "set_enabled(False)"
+    if _enabled:
+        _refused = ""
     return previous
 
 
