@@ -177,7 +177,7 @@ def test_flash_preload_hook_skips_only_registered_names():
     pf_hf.register()
     hook = mu.lazy_import_flash_attention
     assert hook._pagedflash_wrapped and hook("pagedflash") is None
-    from transformers.modeling_flash_attention_utils import lazy_import_flash_attention as original
+    original = hook.__wrapped__  # modeling_utils' own function, whichever module defines it
 
     def outcome(fn):
         try:

@@ -105,6 +105,7 @@ def _skip_flash_preload() -> None:
         return original(implementation, *args, **kwargs)
 
     lazy_import_flash_attention._pagedflash_wrapped = True
+    lazy_import_flash_attention.__wrapped__ = original
     mu.lazy_import_flash_attention = lazy_import_flash_attention
 
 
