@@ -3,6 +3,7 @@ leaves pagedflash as it found it. The figures themselves mean nothing here."""
 
 import json
 
+import pytest
 import torch
 
 from pagedflash import cli, flash_attn_with_kvcache, validate
@@ -35,6 +36,7 @@ def test_cpu_run_needs_no_quick_flag(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "overhead.json").read_text())["env"]["quick"] is False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives CPU tensors through the interpreter's launch")
 def test_dry_run_launches_nothing_and_restores_everything():
     kernels = attention._attention_kernel, combine._combine_kernel
     state = fastlaunch.enabled(), fastlaunch.status(), scratch.CPU

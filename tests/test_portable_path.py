@@ -127,6 +127,8 @@ def _fresh_python(code: str) -> subprocess.CompletedProcess:
     "from transformers import LlamaForCausalLM",  # transformers imports triton with its model code
     "import os, triton; os.environ['TRITON_INTERPRET'] = '1'",  # the switch set after the import
 ], ids=["pagedflash_first", "triton_first", "transformers_first", "switch_after_triton"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="emulates a CPU-only machine; a CUDA image's triton "
+                    "may not interpret there (triton 3.6's interpreter fails with numpy >= 2.5)")
 def test_kernels_run_without_cuda_whatever_was_imported_first(first):
     if "transformers" in first:
         pytest.importorskip("transformers")
