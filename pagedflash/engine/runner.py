@@ -178,11 +178,6 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, batch: Batch):
-        """Host lists -> device tensors: (input_ids, positions, meta, logits_indices)."""
-        ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx = self.plan(batch)
-        return self._inputs(ids, pos, slots, cu_q, cu_k, tables, max_q, max_k) + (logits_idx,)
-
     def prompt_logits(self, batch: Batch) -> torch.Tensor:
         """fp32 logits ``[T, vocab]`` of every position of ``batch``'s rows (one forward, every rank)."""
         with validate.value_checks(False):
@@ -195,16 +190,6 @@ class ModelRunner:
         """Device half of a step with prefill rows (every rank): the forward of :meth:`plan`'s lists,
         then the logits (model dtype, gathered) of the rows ``logits_idx``: None when it is empty,
         every row when it is None."""
-        ids, pos, meta = self._inputs(ids, pos, slots, cu_q, cu_k, tables, max_q, max_k)
-        hidden = self.model(ids, pos, meta, self.kv_caches)
-        if logits_idx is not None:
-            if not logits_idx:
-                return None
-            if len(logits_idx) < hidden.shape[0]:
-                hidden = hidden[self._tensor(logits_idx, torch.int64)]
-        return self.model.lm_logits(hidden)
-
-    def _inputs(self, ids, pos, slots, cu_q, cu_k, tables, max_q, max_k):
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32),
@@ -213,7 +198,13 @@ class ModelRunner:
             max_seqlen_k=max_k,
             block_tables=self._tensor(tables, torch.int32),
         )
-        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta
+        hidden = self.model(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, self.kv_caches)
+        if logits_idx is not None:
+            if not logits_idx:
+                return None
+            if len(logits_idx) < hidden.shape[0]:
+                hidden = hidden[self._tensor(logits_idx, torch.int64)]
+        return self.model.lm_logits(hidden)
 
     def plan(self, batch: Batch):
         """The host half of a step with prefill rows: plain lists (input ids, positions, slots,

@@ -147,7 +147,7 @@ class Workers:
             raise WorkerError(f"the tensor-parallel engine is closed: {self.closed}")
         problem = self._problem()
         if problem is not None:
-            self.close(problem)
+            self.close(problem, failed=True)
             raise WorkerError(problem)
 
     def fail(self, error: BaseException):
@@ -239,6 +239,11 @@ class Workers:
         Idempotent."""
         if self.closed is not None:
             return
+        if not failed and self._owns_group and self.device.type == "cuda":
+            with contextlib.suppress(WorkerError):  # a worker found dead here closes as failed
+                self.wait_device()  # the steps in flight end before the communicator does
+            if self.closed is not None:
+                return
         self.closed = reason
         bye = pickle.dumps(("close", ()))
         for conn in self.conns:
