@@ -34,7 +34,7 @@ from pagedflash.engine.workers import WorkerError
 ON_GPU = torch.cuda.is_available()
 TWO_GPUS = ON_GPU and torch.cuda.device_count() >= 2
 DEVICE = "cuda" if ON_GPU else "cpu"
-pytestmark = pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+two_ranks_here = pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
 gpu2 = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 
 TINY = {**TINY_LLAMA, "num_hidden_layers": 1}  # 4 heads, 2 KV heads: each rank one KV head
@@ -74,6 +74,7 @@ def one_rank():
         return outs, llm.last_stats, llm.prompt_logits([workload()[0][0]])[0]
 
 
+@two_ranks_here
 class TestTwoRanks:
     """One two-rank engine for these tests (a process holds one tensor-parallel engine at a time:
     it owns the process group), closed before the tests below start their own."""
@@ -119,6 +120,7 @@ class TestTwoRanks:
         torch.testing.assert_close(got.cpu(), one_rank[2].cpu(), rtol=1e-5, atol=1e-5)
 
 
+@two_ranks_here
 def test_checkpoint_with_a_replicated_kv_head_and_a_worker_that_dies(tmp_path):
     """A checkpoint read slice by slice: one KV head over two ranks (replicated, as vLLM does),
     biases (the row-parallel ones added once), a vocabulary that does not split evenly: the tokens
@@ -161,6 +163,7 @@ def test_checkpoint_with_a_replicated_kv_head_and_a_worker_that_dies(tmp_path):
     del llm
 
 
+@two_ranks_here
 def test_no_process_outlives_the_engine(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY))  # and no weights: every rank raises
     with pytest.raises(ValueError, match="no \\*.safetensors"):
