@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedflash import cli, flash_attn_with_kvcache, validate
-from pagedflash.bench import overhead
+from pagedflash.bench import common, overhead
 from pagedflash.ops import attention, combine, fastlaunch, scratch
 
 COLUMNS = ("ours", "public", "checked", "checks", "launch", "sdpa", "vs_sdpa", "public_vs_sdpa", "ours_wall")
@@ -59,5 +59,5 @@ def test_dry_run_launches_nothing_and_restores_everything():
 
 def test_host_us_times_a_loop():
     calls = []
-    host, wall = overhead.host_us(lambda: calls.append(1), calls=5, rounds=3, warmup=2)
+    host, wall = common.host_wall_us(lambda: calls.append(1), calls=5, rounds=3, warmup=2)
     assert len(calls) == 2 + 5 * 3 and 0 < host <= wall

@@ -8,8 +8,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from graph_timing import graph_us  # tools/ is on sys.path when run as a script
 
+from pagedflash.bench.common import time_ms
 from pagedflash.ops import activation, gemv, norm
 
 H, I, QKV, V = 2048, 8192, 3072, 128256
@@ -22,6 +22,12 @@ CASES = [  # name, (n, k), prologue
 ]
 CONFIGS = [(bn, bk, 4, st) for bn, bk, st in itertools.product((4, 8, 16, 32), (128, 256, 512), (3, 4))] + [
     (bn, bk, w, st) for bn, bk, w, st in itertools.product((2, 4, 8), (1024, 2048), (4, 8), (1, 2))]  # short loops
+
+
+def graph_us(fn, calls: int, reps: int = 5) -> float:
+    """Mean µs per call of ``fn(i)`` for i in range(calls), captured in one CUDA graph and replayed
+    back to back (no flush: the calls stream their own weight copies)."""
+    return time_ms(lambda: [fn(i) for i in range(calls)], graph=True, flush=None, reps=reps) * 1e3 / calls
 
 
 @torch.inference_mode()

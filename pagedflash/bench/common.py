@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import statistics
 import sys
 import time
 import warnings
@@ -177,20 +178,36 @@ def _time_on_gpu(fn: Callable[[], object], flush: str | None, warmup_ms: int, re
     return sorted(times)[len(times) // 2]
 
 
+def host_wall_us(fn: Callable[[], object], *, calls: int, rounds: int = 1, warmup: int = 1,
+                 clock=time.perf_counter, stat=statistics.median) -> tuple[float, float]:
+    """(host, wall) microseconds per call of ``fn()``: ``stat`` over ``rounds`` loops of ``calls``
+    calls, ``clock`` read after the loop (host: what enqueuing cost) and after the synchronize that
+    follows it (wall). Never waits on the device inside a loop."""
+    sync = torch.cuda.synchronize if has_gpu() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    host, wall = [], []
+    for _ in range(rounds):
+        sync()
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        t1 = clock()
+        sync()
+        t2 = clock()
+        host.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return stat(host), stat(wall)
+
+
 def host_us(fn: Callable[[], object], calls: int = 20) -> float | None:
     """Host microseconds to enqueue one ``fn()`` (GPU only; value checks off). Above the kernel
     time, back-to-back calls are launch-bound unless captured in a CUDA graph."""
     if not has_gpu():
         return None
     with no_host_syncs():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+        return host_wall_us(fn, calls=calls)[0]
 
 
 def free_memory() -> None:

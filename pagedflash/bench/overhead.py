@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import statistics
 import sys
 import time
 import types
@@ -51,7 +50,7 @@ import torch
 
 import pagedflash as pf
 from pagedflash import validate
-from pagedflash.bench.common import FAIL, Config, device, has_gpu
+from pagedflash.bench.common import FAIL, Config, device, has_gpu, host_wall_us
 from pagedflash.bench.report import Table, print_summary, print_table, write_results
 from pagedflash.ops import attention, combine, fastlaunch, scratch
 from pagedflash.testing import check_close, random_block_table, to_paged
@@ -61,31 +60,6 @@ HEADS, DIM, KEYS, PREFILL_TOKENS, PAGE = (32, 8), 128, 4096, 128, 16
 CPU_SDPA_LEN = 16
 CALLS, ROUNDS = 200, 7
 QUICK_CALLS, QUICK_ROUNDS = 20, 3
-
-
-# ---------------------------------------------------------------- timing
-
-
-def host_us(fn, *, calls: int, rounds: int, warmup: int = 3, clock=time.perf_counter,
-            stat=statistics.median) -> tuple[float, float]:
-    """(host, wall) microseconds per call of ``fn()``: ``stat`` over ``rounds`` loops of ``calls``
-    calls, timed by ``clock`` before and after the final synchronize (see the module doc)."""
-    sync = torch.cuda.synchronize if has_gpu() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    sync()
-    host, wall = [], []
-    for _ in range(rounds):
-        sync()
-        t0 = clock()
-        for _ in range(calls):
-            fn()
-        t1 = clock()
-        sync()
-        t2 = clock()
-        host.append((t1 - t0) / calls * 1e6)
-        wall.append((t2 - t0) / calls * 1e6)
-    return stat(host), stat(wall)
 
 
 # ---------------------------------------------------------------- the CPU's stand-in launches
@@ -267,8 +241,9 @@ def _one_thread():
 
 def measure_case(case: dict, *, calls: int, rounds: int, dtype) -> dict:
     # on the CPU: this thread's CPU time, least of the rounds (figures a busy machine inflates least)
-    timing = dict(calls=calls, rounds=rounds) if has_gpu() else dict(calls=calls, rounds=rounds,
-                                                                      clock=time.thread_time, stat=min)
+    timing = dict(calls=calls, rounds=rounds, warmup=3)
+    if not has_gpu():
+        timing.update(clock=time.thread_time, stat=min)
     row = {"workload": case["name"], "shape": case["shape"]}
     if has_gpu():
         err, ok = _correct(case, dtype)
@@ -276,16 +251,16 @@ def measure_case(case: dict, *, calls: int, rounds: int, dtype) -> dict:
         if not ok:
             row.update(ours=FAIL, vs_sdpa=FAIL)
             return row
-    row["ours"], row["ours_wall"] = host_us(case["ours"], **timing)
+    row["ours"], row["ours_wall"] = host_wall_us(case["ours"], **timing)
     with fast_launch(False):
-        row["public"], _ = host_us(case["ours"], **timing)
+        row["public"], _ = host_wall_us(case["ours"], **timing)
     with validate.value_checks(True):
-        row["checked"], _ = host_us(case["ours"], **timing)
+        row["checked"], _ = host_wall_us(case["ours"], **timing)
     with without_attention_forward():
-        row["checks"], _ = host_us(case["ours"], **timing)
-    row["launch"], _ = host_us(case["launch"], **timing)
+        row["checks"], _ = host_wall_us(case["ours"], **timing)
+    row["launch"], _ = host_wall_us(case["launch"], **timing)
     with contextlib.nullcontext() if has_gpu() else _one_thread():
-        row["sdpa"], row["sdpa_wall"] = host_us(case["sdpa"], **timing)
+        row["sdpa"], row["sdpa_wall"] = host_wall_us(case["sdpa"], **timing)
     row["sdpa_shape"] = case["sdpa_shape"]
     row["sdpa_backend"] = _sdpa_backend(*case["sdpa_args"])
     row["vs_sdpa"] = row["ours"] / row["sdpa"]
