@@ -8,12 +8,15 @@
 
 Layout: ``config`` (ModelConfig) -> ``weights`` + ``model`` (the decoder) -> ``sequence`` ->
 ``scheduler`` (what runs each step) -> ``runner`` (metadata, forward, CUDA graphs, sampling) ->
-``run_ahead`` (launches steps, greedy decode one step ahead) -> ``llm``.
+``run_ahead`` (launches steps, greedy decode one step ahead) -> ``llm``; for several GPUs
+``parallel`` (what each rank holds), ``executor`` (what every rank builds), ``workers`` (the rank
+processes; :class:`WorkerError` when one fails).
 """
 
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.llm import LLM
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput
+from pagedflash.engine.workers import WorkerError
 
-__all__ = ["LLM", "GenerationOutput", "ModelConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "GenerationOutput", "ModelConfig", "RequestOutput", "SamplingParams", "WorkerError"]
