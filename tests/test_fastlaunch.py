@@ -23,7 +23,18 @@ from helpers import DEVICE, ON_GPU, assert_close, cu_seqlens, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash import reference as ref
-from pagedflash.ops import attention, combine, fastlaunch, launch, scratch
+from pagedflash.ops import (
+    activation,
+    attention,
+    combine,
+    fastlaunch,
+    gemv,
+    launch,
+    norm,
+    rope,
+    sampling,
+    scratch,
+)
 
 # ---------------------------------------------------------------- stand-ins for triton 3.6's objects
 
@@ -43,23 +54,15 @@ class _Compiled:
     def __init__(self, jit):
         self.jit = jit
         self.calls = []  # (grid, stream, function, metadata, launch metadata, hooks)
-        self.metadata_calls = 0
 
     def run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, leave, *full):
         self.calls.append(((g0, g1, g2), stream, function, metadata, launch_meta, enter, leave))
         if self.jit.raises is not None:
             raise self.jit.raises
-        if enter is not None:
-            enter(launch_meta)
+        assert launch_meta is enter is leave is None  # hooks take the public launch
         n = self.jit.num_runtime
         consts = dict(zip(self.jit.const_names, full[n:]))
         self.jit.fn[(g0, g1, g2)](*full[:n], **consts)
-        if leave is not None:
-            leave(launch_meta)
-
-    def launch_metadata(self, grid, stream, *full):
-        self.metadata_calls += 1
-        return {"grid": grid, "stream": stream}
 
 
 class _Jit:
@@ -204,16 +207,40 @@ def test_fast_path_matches_public_path(fake_triton, case):
         assert_close(outs[1][1], want_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
 
 
-def test_hooks_get_launch_metadata(fake_triton):
-    seen = []
-    fake_triton.knobs.launch_enter_hook = lambda meta: seen.append(("enter", meta["grid"]))
-    fake_triton.knobs.launch_exit_hook = lambda meta: seen.append(("exit", meta["grid"]))
-    run, _ = _prefill()
-    run()
-    run()
-    grid = next(iter(attention._PLANS.values())).grid
-    assert seen[:2] == [("enter", grid), ("exit", grid)]  # then the combine's, if the prefill was split
-    assert fake_triton.attention.compiled.metadata_calls == 1
+def _decoder_calls():
+    """Every decoder op once (fresh outputs each call; rope rotates a fresh copy)."""
+    x, w, res = randn(3, 40), randn(40), randn(3, 40)
+    qkv, pos, table = randn(2, 50), torch.tensor([3, 0], device=DEVICE), randn(8, 10)
+    weight, gate_up, down = randn(24, 40), randn(1, 48), randn(40, 24)
+
+    def rotated():
+        t = qkv.clone()
+        rope.rope_(t, pos, table.cos(), table.sin(), num_heads=4, head_dim=10)
+        return t
+    return [lambda: norm.rms_norm(x, w, 1e-5, res), rotated, lambda: activation.silu_mul(gate_up),
+            lambda: sampling.argmax(res), lambda: gemv.rms_norm_gemv(x[:1], weight, norm_weight=w, eps=1e-5),
+            lambda: gemv.silu_mul_gemv(gate_up, down)]
+
+
+@pytest.mark.parametrize("op", range(6), ids=["rms_norm", "rope", "silu_mul", "argmax", "rms_norm_gemv",
+                                              "silu_mul_gemv"])
+def test_decoder_ops_relaunch_through_their_handles(monkeypatch, op):
+    """The engine's ops keep a launch per signature (1-D and 2-D grids padded to the launcher's 3)
+    and relaunch it through the handle with the public launch's results."""
+    module = (norm, rope, activation, sampling, gemv, gemv)[op]
+    names = [n for n in vars(module) if n.endswith("_kernel")]
+    jits = {n: _Jit(getattr(module, n)) for n in names}
+    for n, jit in jits.items():
+        monkeypatch.setattr(module, n, jit)
+    monkeypatch.setattr(module, "_PLANS", type(module._PLANS)())
+    call = _decoder_calls()[op]
+    with fastlaunch.assume_api(_Device(), lambda index: 77, _Knobs()):
+        first, second = call(), call()
+    for jit in jits.values():
+        assert jit.public == 1 and len(jit.compiled.calls) == 1
+        assert len(jit.compiled.calls[0][0]) == 3
+    for a, b in zip(first if isinstance(first, tuple) else (first,), second if isinstance(second, tuple) else (second,)):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- when the fast path must not apply
@@ -234,7 +261,7 @@ def test_a_failing_fast_launch_falls_back_for_good(fake_triton):
     assert len(fake_triton.attention.compiled.calls) == calls  # never again
 
 
-@pytest.mark.parametrize("change", ["kernel", "device", "pre_run_hook", "debug", "disabled"])
+@pytest.mark.parametrize("change", ["kernel", "device", "pre_run_hook", "launch_hook", "debug", "disabled"])
 def test_public_launch_when_the_handle_does_not_apply(fake_triton, monkeypatch, change):
     run, want = _prefill()
     run()
@@ -244,6 +271,8 @@ def test_public_launch_when_the_handle_does_not_apply(fake_triton, monkeypatch, 
         fake_triton.device.index = 1
     elif change == "pre_run_hook":
         fake_triton.attention.pre_run_hooks.append(lambda *a, **k: None)
+    elif change == "launch_hook":  # a profiler: Triton's launch runs it with the launch metadata
+        fake_triton.knobs.launch_exit_hook = lambda meta: None
     elif change == "debug":
         fake_triton.knobs.debug = True
     else:
@@ -285,9 +314,9 @@ def test_objects_of_another_shape_keep_the_public_launch(fake_triton, shape):
     elif shape == "interpreter_result":
         compiled = None
     elif shape == "async_result":  # a future, as under triton's async compile mode
-        compiled = p(result=lambda: None, run=None, function=0, packed_metadata=(), launch_metadata=None)
+        compiled = p(result=lambda: None, run=None, function=0, packed_metadata=())
     elif shape == "missing_run":
-        compiled = p(function=0, packed_metadata=(), launch_metadata=None)
+        compiled = p(function=0, packed_metadata=())
     if shape == "not_a_jit":
         kernel = type("Plain", (), {"__getitem__": lambda self, grid: lambda *a, **k: _Compiled(None)})()
     else:

@@ -75,10 +75,6 @@ class _NoLaunch:
     def run(*args) -> None:
         return None
 
-    @staticmethod
-    def launch_metadata(grid, stream, *args) -> None:
-        return None
-
 
 class _DryKernel:
     """Stands in for a ``@triton.jit`` kernel: same parameters, launches nothing."""

@@ -16,10 +16,13 @@ The launcher's calling convention is a Triton internal that changes between rele
   ``packed_metadata``); anything else keeps the public launch, and :func:`status` says why;
 - every slot's first launch is the public one;
 - an exception from a handle turns the fast path off for the rest of the process (a warning says
-  why) and that launch is repeated through the public path, so callers launch only kernels whose
-  outputs are a function of inputs they do not write (a repeated launch gives the same result);
+  why) and that launch is repeated through the public path. A handle that raised launched nothing
+  (it runs no launch hooks, the one code that runs after the kernel is queued; the launcher
+  converts every argument before queueing, and a failed queueing queues nothing), so in-place
+  kernels (RoPE) may use handles too;
 - a handle is skipped (public launch) when the current device is not the one it was bound on,
-  the kernel object changed, pre-run hooks were added, or ``knobs.runtime.debug`` changed;
+  the kernel object changed, pre-run or launch hooks are set (profilers), or
+  ``knobs.runtime.debug`` changed;
 - ``PAGEDFLASH_FAST_LAUNCH=0`` or :func:`set_enabled` forces the public path (tests run both).
 
 Not checked on the fast path, as ``JITFunction.run`` does: that globals the kernel read were not
@@ -100,19 +103,18 @@ class _Handle:
 
     def usable(self, fn) -> bool:
         return (fn is self.fn and not fn.pre_run_hooks and _knobs.debug == self.debug
+                and _no_hook(_knobs.launch_enter_hook) and _no_hook(_knobs.launch_exit_hook)
                 and _driver[0]() == self.device)
 
     def __call__(self, grid, args: tuple) -> None:
         stream = _driver[1](self.device)
-        full = args + self.tail
-        enter, leave = _knobs.launch_enter_hook, _knobs.launch_exit_hook
-        # hooks that do nothing (None, or 3.6's default: a chain of no hooks) are not called at all
-        if ((enter is None or type(enter) is _HookChain and not enter.calls)
-                and (leave is None or type(leave) is _HookChain and not leave.calls)):
-            meta = enter = leave = None
-        else:
-            meta = self.compiled.launch_metadata(grid, stream, *full)
-        self.launcher(grid[0], grid[1], grid[2], stream, self.function, self.metadata, meta, enter, leave, *full)
+        self.launcher(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None,
+                      *args, *self.tail)
+
+
+def _no_hook(hook) -> bool:
+    """A launch hook that does nothing: None, or 3.6's default, a chain of no hooks."""
+    return hook is None or (type(hook) is _HookChain and not hook.calls)
 
 
 def _detect() -> str | None:
@@ -185,14 +187,14 @@ def _kernel_shape(fn) -> tuple[str | None, tuple[str, ...]]:
 def _compiled_shape(compiled) -> str | None:
     if compiled is None or hasattr(compiled, "result"):  # the interpreter, or an async compile
         return f"the launch returned {type(compiled).__name__}, not a compiled kernel"
-    missing = [a for a in ("run", "function", "packed_metadata", "launch_metadata") if not hasattr(compiled, a)]
+    missing = [a for a in ("run", "function", "packed_metadata") if not hasattr(compiled, a)]
     if missing:
         return f"{type(compiled).__name__} lacks {missing}"
     return None
 
 
-def run(slot: Slot, fn, grid, args: tuple) -> bool:
-    """Launch ``fn`` over ``grid`` through ``slot``'s handle; False (nothing launched) when there is
+def run(slot: Slot, fn, grid: tuple[int, int, int], args: tuple) -> bool:
+    """Launch ``fn`` over ``grid`` (three ints) through ``slot``'s handle; False (nothing launched) when there is
     none or it does not apply to this call, and the caller launches publicly."""
     handle = slot.handle
     if handle is None or not _enabled or not handle.usable(fn):
