@@ -29,7 +29,7 @@ from pagedflash import (
     validate,
     write_kv_cache,
 )
-from pagedflash.ops import custom_ops
+from pagedflash.ops import activation, custom_ops, gemv, norm, rope, sampling
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 
@@ -37,10 +37,11 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 @dataclasses.dataclass
 class Case:
     """``fn(*args)`` returns every tensor to compare, mutated inputs included; ``op`` is the operator
-    its graph must call; ``args`` builds fresh inputs (the same values on every call)."""
+    (or the set of them) its graph must call; ``args`` builds fresh inputs (the same values on every
+    call)."""
 
     fn: Callable
-    op: str
+    op: str | set[str]
     args: Callable[[torch.dtype, bool], tuple]
 
 
@@ -157,6 +158,29 @@ def _write(k, v, kc, vc, slots):
     return kc, vc
 
 
+def _decoder_args(dtype, big):
+    """One decoder layer's inputs around attention: a residual stream row block, the fused qkv
+    row, RoPE tables, gate/up, projection weights and logits."""
+    t, h, heads, d, inter, vocab = (4, 512, 8, 64, 1024, 5000) if big else (3, 48, 2, 8, 40, 4100)
+    tables = torch.randn(32, d // 2, device=DEVICE).repeat(1, 2)
+    return (randn(t, h, dtype=dtype), randn(t, h, dtype=dtype), randn(h, dtype=dtype),
+            randn(t, heads * d + 8, dtype=dtype), torch.tensor([5, 0, 31, 2][:t], device=DEVICE), tables.cos(),
+            tables.sin(), heads, d, randn(t, 2 * inter, dtype=dtype), randn(inter, h, dtype=dtype),
+            randn(h, inter, dtype=dtype), randn(t, vocab, dtype=dtype))
+
+
+def _decoder(x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out, logits):
+    """Every decoder op, batched and single-row, in one graph."""
+    normed, summed = norm.rms_norm(x, norm_w, 1e-5, res)
+    plain, same = norm.rms_norm(x, norm_w, 1e-5)
+    rope.rope_(qkv, pos, cos, sin, num_heads=heads, head_dim=d)
+    act = activation.silu_mul(gate_up)
+    row_out, row_res = gemv.rms_norm_gemv(x[:1], w_in, norm_weight=norm_w, eps=1e-5, residual=res[:1])
+    down = gemv.silu_mul_gemv(gate_up[:1], w_out, norm_w)
+    return (normed, summed, plain, same, qkv, act, row_out, row_res, down, gemv.gemv(x[:1], w_in),
+            sampling.argmax(logits))
+
+
 CASES = {
     "dense": Case(_dense, "flash_attn_func", _dense_args),
     "dense_options": Case(_dense_options, "flash_attn_func", _dense_args),
@@ -175,6 +199,7 @@ CASES = {
                               lambda dt, big: _kvcache_args(dt, big, True)),
     "merge": Case(merge_attn_states, "merge_attn_states", _merge_args),
     "write_kv_cache": Case(_write, "write_kv_cache", _write_args),
+    "decoder_ops": Case(_decoder, {"rms_norm", "rope_", "silu_mul", "gemv", "argmax"}, _decoder_args),
 }
 
 
@@ -224,7 +249,7 @@ def test_explain_finds_no_graph_break(name):
     reasons = [b.reason.splitlines()[0] for b in report.break_reasons]
     assert report.graph_break_count == 0, reasons
     assert report.graph_count == 1
-    assert _ops_in(report.graphs) == {case.op}
+    assert _ops_in(report.graphs) == (case.op if isinstance(case.op, set) else {case.op})
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -237,7 +262,7 @@ def test_compiled_aot_eager_is_bit_identical(name):
 
 
 @pytest.mark.parametrize("name", ["dense_out", "varlen_paged", "kvcache_paged_append", "kvcache_int_seqlens",
-                                  "merge", "write_kv_cache"])
+                                  "merge", "write_kv_cache", "decoder_ops"])
 def test_dynamic_shapes_compile_once(name, monkeypatch):
     """``dynamic=True``: bit-identical to eager, and a second set of sizes reuses the graph (every
     check ran on SymInts). Duck sizing, off here, would specialize on sizes that happen to be equal
@@ -273,6 +298,9 @@ def _resized(name):
     if name == "merge":
         out_a, lse_a, out_b, lse_b = _merge_args(torch.float32, False)
         return out_a[:2], lse_a[:2], out_b[:2], lse_b[:2]
+    if name == "decoder_ops":
+        x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out, logits = _decoder_args(torch.float32, False)
+        return x[:2], res[:2], norm_w, qkv[:2], pos[:2], cos, sin, heads, d, gate_up[:2], w_in, w_out, logits[:2]
     k, v, kc, vc, slots = _write_args(torch.float32, False)
     return k[:4], v[:4], kc, vc, slots[:4]
 
@@ -312,7 +340,18 @@ OP_CALLS = {
     "flash_attn_with_kvcache": _kvcache_op_args,
     "merge_attn_states": lambda: _fresh(CASES["merge"]),
     "write_kv_cache": lambda: _fresh(CASES["write_kv_cache"]),
+    "rms_norm": lambda: (*_fresh(CASES["decoder_ops"])[:3:2], 1e-5, _fresh(CASES["decoder_ops"])[1]),
+    "rope_": lambda: (*_fresh(CASES["decoder_ops"])[3:9],),
+    "silu_mul": lambda: (_fresh(CASES["decoder_ops"])[9],),
+    "argmax": lambda: (_fresh(CASES["decoder_ops"])[12],),
+    "gemv": lambda: _gemv_op_args(),
 }
+
+
+def _gemv_op_args():
+    x, res, norm_w, *_, w_in, _, _ = _fresh(CASES["decoder_ops"])
+    bias = torch.randn(w_in.shape[0], device=DEVICE)
+    return x[:1], w_in, bias, res[:1], norm_w, 1e-5, 1, torch.empty(1, w_in.shape[0], device=DEVICE)
 
 
 @pytest.mark.parametrize("name", list(OP_CALLS))

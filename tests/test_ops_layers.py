@@ -262,3 +262,21 @@ def test_rope_refusal_changes_nothing():
     with pytest.raises(ValueError, match="positions"):
         rope.rope_(x, torch.tensor([0, 99], device=DEVICE), randn(16, 20), randn(16, 20), num_heads=2, head_dim=20)
     assert torch.equal(x, before)
+
+
+def test_a_signature_checked_once_still_refuses_other_inputs():
+    """Checks run on a call signature's first call; every property a check reads (dtype, shape,
+    strides, device, autograd) is part of the signature, so a call differing in one is checked."""
+    x, w = randn(3, 8), randn(8)
+    norm.rms_norm(x, w, 1e-6)
+    norm.rms_norm(x, w, 1e-6)  # the cached signature
+    with pytest.raises(ValueError, match="x: requires grad"):
+        norm.rms_norm(x.clone().requires_grad_(), w, 1e-6)
+    with pytest.raises(TypeError, match="weight: expected dtype"):
+        norm.rms_norm(x, w.double(), 1e-6)
+    with pytest.raises(ValueError, match="eps: expected a finite number"):
+        norm.rms_norm(x, w, float("inf"))  # a value, checked on every call
+    row, weight = randn(1, 8), randn(4, 8)
+    gemv.gemv(row, weight)
+    with pytest.raises(ValueError, match="weight: the last dimension must be contiguous"):
+        gemv.gemv(row, randn(8, 4).t())

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import cdiv, check_operand, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 MAX_BLOCK = 1024  # columns per program
 
@@ -31,20 +32,40 @@ def _silu_mul_kernel(
     tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up [T, 2n]`` (fp16/bf16/fp32, gate first, rows may be strided)
-    -> ``[T, n]`` in its dtype."""
+def _check(gate_up) -> None:
     check_operand("gate_up", gate_up, (None, None))
-    t, width = gate_up.shape
-    if width < 2 or width % 2:
+    if gate_up.shape[1] < 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
                          f"got shape {tuple(gate_up.shape)}")
     validate.check_no_grad(gate_up=gate_up)
-    n = width // 2
+
+
+def _plan(gate_up) -> Launch:
+    """Check the operand (all the checks read is in the plan's key) and work out the launch."""
+    _check(gate_up)
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    block = min(MAX_BLOCK, next_pow2(n))
+    return Launch(_silu_mul_kernel, (t, cdiv(n, block)) if t else None, dict(BLOCK=block))
+
+
+_PLANS = PlanCache()
+
+
+def _launch(gate_up):
+    key = _PLANS.key(gate_up)
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(gate_up))
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
-    if t:
-        block = min(MAX_BLOCK, next_pow2(n))
-        _silu_mul_kernel[(t, cdiv(n, block))](
-            GateUp=gate_up, Out=out, stride_g=gate_up.stride(0), stride_o=out.stride(0), n=n, BLOCK=block,
-        )
+    plan(gate_up, out, gate_up.stride(0), out.stride(0), n)
     return out
+
+
+_op = custom_ops.implement("silu_mul", _launch)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2n]`` (fp16/bf16/fp32, gate first, rows may be strided)
+    -> ``[T, n]`` in its dtype. Checked on a call signature's first call (and when traced)."""
+    if custom_ops.via_operator():
+        _check(gate_up)
+    return _op(gate_up)

@@ -14,6 +14,12 @@ operator                        public function                                m
 ``flash_attn_with_kvcache``     :func:`pagedflash.flash_attn_with_kvcache`     ``k_cache``, ``v_cache``, ``out``
 ``merge_attn_states``           :func:`pagedflash.merge_attn_states`           —
 ``write_kv_cache``              :func:`pagedflash.write_kv_cache`              ``k_cache``, ``v_cache``
+``rms_norm``                    :func:`pagedflash.ops.norm.rms_norm`           —
+``rope_``                       :func:`pagedflash.ops.rope.rope_`              ``x``
+``silu_mul``                    :func:`pagedflash.ops.activation.silu_mul`     —
+``argmax``                      :func:`pagedflash.ops.sampling.argmax`         —
+``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
+                                forms (``rms_norm_gemv``, ``silu_mul_gemv``)
 =============================== ============================================== ============================
 
 The operators take the arguments the public functions have already checked and normalized
@@ -22,7 +28,9 @@ their inputs first. Under ``torch.compile`` those checks run at trace time on fa
 SymInts; the ones that read device values (``cu_seqlens`` monotone, page ids in the pool, ...) are
 skipped there, as they are under CUDA-graph capture (:func:`pagedflash.validate.value_checks_enabled`).
 The attention operators return the LSE, or an empty fp32 tensor without ``return_lse``; their
-output is the mutated ``out``.
+output is the mutated ``out``. An operator's result may not alias an input, so where a function
+returns an input (``rms_norm`` without a residual returns ``x`` as the residual stream) the
+operator returns an empty tensor there and the function substitutes the input.
 
 Each kernel module binds its launcher to its operator with :func:`implement`, which returns the
 function the public entry point calls: the operator while Dynamo traces, the launcher itself in
@@ -86,7 +94,14 @@ _SCHEMAS = {
                                f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse) -> Tensor",
     "merge_attn_states": "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
     "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+    "rms_norm": "(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)",
+    "rope_": "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()",
+    "silu_mul": "(Tensor gate_up) -> Tensor",
+    "argmax": "(Tensor logits) -> Tensor",
+    "gemv": "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, "
+            "int prologue, Tensor(a!) out) -> Tensor",
 }
+_RETURNS_LSE = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
 
@@ -117,9 +132,30 @@ def _fake_write(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
+def _fake_rms_norm(x, weight, eps, residual):
+    return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
+
+
+def _fake_rope(x, positions, cos, sin, num_heads, head_dim):
+    return None
+
+
+def _fake_silu_mul(gate_up):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+def _fake_argmax(logits):
+    return logits.new_empty(logits.shape[:1], dtype=torch.int64)
+
+
+def _fake_gemv(x, weight, bias, residual, norm_weight, eps, prologue, out):
+    return x.new_empty(x.shape if residual is not None else (0,))
+
+
 for _name, _fake in (("flash_attn_func", _fake_dense), ("flash_attn_varlen_func", _fake_varlen),
                      ("flash_attn_with_kvcache", _fake_kvcache), ("merge_attn_states", _fake_merge),
-                     ("write_kv_cache", _fake_write)):
+                     ("write_kv_cache", _fake_write), ("rms_norm", _fake_rms_norm), ("rope_", _fake_rope),
+                     ("silu_mul", _fake_silu_mul), ("argmax", _fake_argmax), ("gemv", _fake_gemv)):
     torch.library.register_fake(f"pagedflash::{_name}", _fake, lib=_lib)
 
 _eager_via_ops = os.environ.get("PAGEDFLASH_EAGER_OPS", "0") == "1"
@@ -133,28 +169,39 @@ def dispatch_eager(enabled: bool) -> bool:
     return previous
 
 
+def via_operator() -> bool:
+    """Whether a call goes through ``torch.ops.pagedflash`` now: while Dynamo traces, or when eager
+    calls are routed there (:func:`dispatch_eager`)."""
+    return _eager_via_ops or torch.compiler.is_compiling()
+
+
 def implement(name: str, launch: Callable) -> Callable:
     """Bind ``launch`` (the operator's arguments, in schema order) to ``torch.ops.pagedflash.<name>``;
     return the callable the public function uses: the operator while compiling, else ``launch``.
 
-    An attention launcher returns the LSE or None (no ``return_lse``); the operator returns an
-    empty fp32 tensor for None, as its schema has no optional result."""
+    A launcher returns None for a result it does not make (an attention launcher's LSE without
+    ``return_lse``, ``rms_norm``'s residual stream without a residual); the operator returns an
+    empty tensor there (fp32 for an LSE, else the first argument's dtype), as schemas have no
+    optional results."""
     if name not in _SCHEMAS:
         raise ValueError(f"name: expected one of {sorted(_SCHEMAS)}, got {name!r}")
-    returns_lse = _SCHEMAS[name].endswith("-> Tensor")
+    returns = _SCHEMAS[name].rsplit("->", 1)[1].strip()
+    empty_dtype = torch.float32 if name in _RETURNS_LSE else None
 
     def kernel(*args):
         with scratch.no_reuse():  # compiled graphs own every buffer a call leaves (scratch's doc)
             result = launch(*args)
-        if returns_lse and result is None:
-            return args[0].new_empty((0,), dtype=torch.float32)
+        if returns == "Tensor" and result is None:
+            return args[0].new_empty((0,), dtype=empty_dtype or args[0].dtype)
+        if isinstance(result, tuple):
+            return tuple(args[0].new_empty((0,)) if r is None else r for r in result)
         return result
 
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     op = getattr(torch.ops.pagedflash, name).default
 
     def call(*args):
-        if _eager_via_ops or torch.compiler.is_compiling():
+        if via_operator():
             return op(*args)
         return launch(*args)
 

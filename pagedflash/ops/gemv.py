@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import cdiv, check_eps, check_operand, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_eps, check_operand, next_pow2
 
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2  # the prologue that forms the input row
 
@@ -92,43 +93,74 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
     return 32, min(256, next_pow2(k)), 4, 3
 
 
-def _launch(x, weight, bias, *, prologue: int, k: int, residual=None, norm_weight=None, eps=0.0, out=None):
-    """Check the operands every form shares, then launch. ``x``: the ``[1, k]`` (``[1, 2k]``) row."""
-    check_operand("weight", weight, (None, k), like=("x", x))
+def _check(x, weight, bias, residual, norm_weight, prologue: int, out) -> None:
+    """The operands of every form: ``x`` the ``[1, k]`` row (``[1, 2k]`` gate and up)."""
+    name = "gate_up" if prologue == SILU_MUL else "x"
+    check_operand(name, x, (1, None))
+    width = x.shape[1]
+    if prologue == SILU_MUL and (width < 2 or width % 2):
+        raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
+                         f"got shape {tuple(x.shape)}")
+    k = width // 2 if prologue == SILU_MUL else width
+    if prologue == RMS_NORM:
+        check_operand("norm_weight", norm_weight, (k,), like=("x", x))
+    if residual is not None:
+        check_operand("residual", residual, (1, k), like=("x", x))
+    check_operand("weight", weight, (None, k), like=(name, x))
     n = weight.shape[0]
     if n < 1 or k < 1:
         raise ValueError(f"weight: expected at least one row and one column, got shape {tuple(weight.shape)}")
     if bias is not None:
-        check_operand("bias", bias, (n,), like=("x", x))
-    if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    else:
-        check_operand("out", out, (1, n), like=("x", x))
+        check_operand("bias", bias, (n,), like=(name, x))
+    if out is not None:
+        check_operand("out", out, (1, n), like=(name, x))
     validate.check_no_grad(x=x, weight=weight, bias=bias, residual=residual, norm_weight=norm_weight)
-    res_out = torch.empty_like(x) if residual is not None else x
-    block_n, block_k, warps, stages = tile(n, k)
-    _gemv_kernel[(cdiv(n, block_n),)](
-        X=x, Res=residual if residual is not None else x, NormW=norm_weight if norm_weight is not None else x,
-        W=weight, Bias=bias if bias is not None else weight, Out=out, ResOut=res_out,
-        n=n, k=k, stride_w=weight.stride(0), eps=eps,
-        PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, num_warps=warps,
-    )
-    return out, res_out
 
 
-def _check_row(name: str, x) -> int:
-    check_operand(name, x, (1, None))
-    return x.shape[1]
+def _plan(x, weight, bias, residual, norm_weight, prologue: int, out) -> Launch:
+    """Check the operands (all the checks read is in the plan's key) and work out the launch."""
+    _check(x, weight, bias, residual, norm_weight, prologue, out)
+    block_n, block_k, warps, stages = tile(*weight.shape)
+    return Launch(_gemv_kernel, (cdiv(weight.shape[0], block_n),),
+                  dict(PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                       BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages), num_warps=warps)
+
+
+_PLANS = PlanCache()
+
+
+def _launch(x, weight, bias, residual, norm_weight, eps: float, prologue: int, out):
+    key = _PLANS.key(x, weight, bias, residual, norm_weight, out, extra=(prologue, TILE))
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, residual, norm_weight, prologue, out))
+    n, k = weight.shape
+    res_out = torch.empty((1, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    plan(x, x if residual is None else residual, x if norm_weight is None else norm_weight, weight,
+         weight if bias is None else bias, out, x if res_out is None else res_out, n, k, weight.stride(0), eps)
+    return res_out
+
+
+_op = custom_ops.implement("gemv", _launch)
+
+
+def _run(x, weight, bias, residual, norm_weight, eps: float, prologue: int, out):
+    """Check on a signature's first call (and when traced), allocate ``out`` if None, launch:
+    ``(out, x + residual or None)``."""
+    if custom_ops.via_operator():
+        _check(x, weight, bias, residual, norm_weight, prologue, out)
+    if out is None:
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            _check(x, weight, bias, residual, norm_weight, prologue, out)  # says what is wrong
+        out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return out, _op(x, weight, bias, residual, norm_weight, eps, prologue, out)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for one row: x ``[1, k]`` fp16/bf16/fp32; weight ``[n, k]`` (rows may be
     strided, last dim contiguous), bias ``[n]`` and ``out [1, n]`` (written, and returned) in x's
-    dtype. Returns ``[1, n]``."""
-    k = _check_row("x", x)
-    return _launch(x, weight, bias, prologue=PLAIN, k=k, out=out)[0]
+    dtype. Returns ``[1, n]``. The checks run on a call signature's first call, and at trace time
+    under ``torch.compile``."""
+    return _run(x, weight, bias, None, None, 0.0, PLAIN, out)[0]
 
 
 def rms_norm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -137,20 +169,12 @@ def rms_norm_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``(gemv(rms_norm(x + residual) * norm_weight, weight, bias), x + residual)`` for one row (without
     a residual: of x, and x itself second). x, residual: ``[1, k]``; norm_weight ``[k]``; eps a finite
     number >= 0; weight, bias and out as in :func:`gemv`."""
-    k = _check_row("x", x)
-    check_operand("norm_weight", norm_weight, (k,), like=("x", x))
-    if residual is not None:
-        check_operand("residual", residual, (1, k), like=("x", x))
-    return _launch(x, weight, bias, prologue=RMS_NORM, k=k, residual=residual, norm_weight=norm_weight,
-                   eps=check_eps(eps), out=out)
+    out, res_out = _run(x, weight, bias, residual, norm_weight, check_eps(eps), RMS_NORM, out)
+    return out, x if residual is None else res_out
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemv(silu(gate) * up, weight, bias)`` for one row ``gate_up [1, 2k]`` (gate first); weight
     ``[n, k]``, bias and out as in :func:`gemv`."""
-    width = _check_row("gate_up", gate_up)
-    if width < 2 or width % 2:
-        raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
-                         f"got shape {tuple(gate_up.shape)}")
-    return _launch(gate_up, weight, bias, prologue=SILU_MUL, k=width // 2, out=out)[0]
+    return _run(gate_up, weight, bias, None, None, 0.0, SILU_MUL, out)[0]

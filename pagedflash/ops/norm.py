@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import check_eps, check_operand, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import Launch, PlanCache, check_eps, check_operand, next_pow2
 
 
 @triton.jit
@@ -41,13 +42,7 @@ def _rms_norm_kernel(
     tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual) * weight, x + residual)``, or ``(rms_norm(x) * weight, x)`` without a
-    residual.
-
-    x, residual: ``[T, H]`` fp16/bf16/fp32, rows may be strided (last dim contiguous); weight ``[H]``
-    in x's dtype; eps a finite number >= 0. Returns two ``[T, H]`` tensors in x's dtype."""
+def _check(x, weight, residual) -> None:
     check_operand("x", x, (None, None))
     t, h = x.shape
     if h < 1:
@@ -55,15 +50,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     check_operand("weight", weight, (h,), like=("x", x))
     if residual is not None:
         check_operand("residual", residual, (t, h), like=("x", x))
-    eps = check_eps(eps)
     validate.check_no_grad(x=x, weight=weight, residual=residual)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out) if residual is not None else x
-    if t:
-        _rms_norm_kernel[(t,)](
-            X=x, Res=residual if residual is not None else x, W=weight, Out=out, ResOut=res_out,
-            stride_x=x.stride(0), stride_r=residual.stride(0) if residual is not None else 0,
-            stride_o=out.stride(0), stride_ro=res_out.stride(0), n_cols=h, eps=eps,
-            HAS_RES=residual is not None, BLOCK=next_pow2(h), num_warps=8 if h >= 2048 else 4,
-        )
+
+
+def _plan(x, weight, residual) -> Launch:
+    """Check the operands (all the checks read is in the :meth:`PlanCache.key`) and work out the launch."""
+    _check(x, weight, residual)
+    t, h = x.shape
+    return Launch(_rms_norm_kernel, (t,) if t else None, dict(HAS_RES=residual is not None, BLOCK=next_pow2(h)),
+                  num_warps=8 if h >= 2048 else 4)
+
+
+_PLANS = PlanCache()
+
+
+def _launch(x, weight, eps, residual):
+    key = _PLANS.key(x, weight, residual)
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, residual))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        plan(x, x, weight, out, x, x.stride(0), 0, out.stride(0), 0, x.shape[1], eps)
+        return out, None
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    plan(x, residual, weight, out, res_out, x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
+         x.shape[1], eps)
     return out, res_out
+
+
+_op = custom_ops.implement("rms_norm", _launch)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual) * weight, x + residual)``, or ``(rms_norm(x) * weight, x)`` without a
+    residual.
+
+    x, residual: ``[T, H]`` fp16/bf16/fp32, rows may be strided (last dim contiguous); weight ``[H]``
+    in x's dtype; eps a finite number >= 0. Returns two ``[T, H]`` tensors in x's dtype. The checks
+    run on a call signature's first call (:class:`~pagedflash.ops.utils.PlanCache`), and at trace
+    time under ``torch.compile``."""
+    eps = check_eps(eps)
+    if custom_ops.via_operator():
+        _check(x, weight, residual)
+    out, res_out = _op(x, weight, eps, residual)
+    return out, x if residual is None else res_out

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import cdiv, check_operand, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 HEADS_PER_PROGRAM = 16
 
@@ -39,23 +40,16 @@ def _rope_kernel(
     tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=mask)
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
-          head_dim: int) -> None:
-    """Rotate, in place, heads ``0 .. num_heads - 1`` of every row of ``x [T, >= num_heads * D]``.
-
-    x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
-    each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
-    second half repeats its first, which is all that is read). ``D = head_dim``, even."""
+def _check(x, positions, cos, sin, num_heads, head_dim) -> None:
     check_operand("x", x, (None, None))
     validate.check_int("num_heads", num_heads)
     validate.check_int("head_dim", head_dim, minimum=2)
     if head_dim % 2:
         raise ValueError(f"head_dim: expected an even number (rotate-half pairs), got {head_dim}")
-    t = x.shape[0]
     if x.shape[1] < num_heads * head_dim:
         raise ValueError(f"x: expected rows of at least num_heads * head_dim = {num_heads * head_dim} elements, "
                          f"got shape {tuple(x.shape)}")
-    check_operand("positions", positions, (t,), dtypes=(torch.int32, torch.int64), contiguous=True)
+    check_operand("positions", positions, (x.shape[0],), dtypes=(torch.int32, torch.int64), contiguous=True)
     for name, table in (("cos", cos), ("sin", sin)):
         check_operand(name, table, (None, head_dim), dtypes=(torch.float32,), contiguous=True)
     for name, other in (("positions", positions), ("cos", cos), ("sin", sin)):
@@ -64,14 +58,45 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     if sin.shape != cos.shape:
         raise ValueError(f"sin: expected the shape of cos {tuple(cos.shape)}, got {tuple(sin.shape)}")
     validate.check_no_grad(x=x)
-    if t and validate.value_checks_enabled(positions):
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= cos.shape[0]:
-            raise ValueError(f"positions: expected values in [0, {cos.shape[0]}) (rows of cos/sin), "
-                             f"got values in [{lo}, {hi}]")
-    if t:
-        block_h = min(HEADS_PER_PROGRAM, next_pow2(num_heads))
-        _rope_kernel[(t, cdiv(num_heads, block_h))](
-            X=x, Cos=cos, Sin=sin, Pos=positions, stride_t=x.stride(0), num_heads=num_heads,
-            HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2),
-        )
+
+
+def _plan(x, positions, cos, sin, num_heads, head_dim) -> Launch:
+    """Check the operands (all the checks read is in the plan's key) and work out the launch."""
+    _check(x, positions, cos, sin, num_heads, head_dim)
+    t = x.shape[0]
+    block_h = min(HEADS_PER_PROGRAM, next_pow2(num_heads))
+    return Launch(_rope_kernel, (t, cdiv(num_heads, block_h)) if t else None,
+                  dict(HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2)))
+
+
+_PLANS = PlanCache()
+
+
+def _launch(x, positions, cos, sin, num_heads, head_dim) -> None:
+    key = _PLANS.key(x, positions, cos, sin, extra=(num_heads, head_dim))
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, positions, cos, sin, num_heads, head_dim))
+    plan(x, cos, sin, positions, x.stride(0), num_heads)
+
+
+_op = custom_ops.implement("rope_", _launch)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
+          head_dim: int) -> None:
+    """Rotate, in place, heads ``0 .. num_heads - 1`` of every row of ``x [T, >= num_heads * D]``.
+
+    x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
+    each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
+    second half repeats its first, which is all that is read). ``D = head_dim``, even. The checks
+    of shapes, dtypes and devices run on a call signature's first call, and at trace time under
+    ``torch.compile``; the positions' range is read from the device when value checks are on."""
+    if custom_ops.via_operator():
+        _check(x, positions, cos, sin, num_heads, head_dim)
+    elif validate.value_checks_enabled():  # the range check reads the device, after the checks
+        _check(x, positions, cos, sin, num_heads, head_dim)
+        if positions.numel() and validate.value_checks_enabled(positions):
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= cos.shape[0]:
+                raise ValueError(f"positions: expected values in [0, {cos.shape[0]}) (rows of cos/sin), "
+                                 f"got values in [{lo}, {hi}]")
+    _op(x, positions, cos, sin, num_heads, head_dim)

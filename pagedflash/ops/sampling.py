@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import cdiv, check_operand, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 ARGMAX_CHUNK = 4096  # columns reduced by one program
 
@@ -51,22 +52,44 @@ def _argmax_merge_kernel(
     tl.store(Out + row, tl.min(tl.where(ok & (v == m), i, 0x7FFFFFFF), axis=0).to(tl.int64))
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens: the first index of each row's maximum of ``logits [R, V]`` (fp16/bf16/fp32, rows
-    may be strided; ``1 <= V < 2**31``) -> int64 ``[R]``. NaN counts as the largest, as in torch."""
+def _check(logits) -> None:
     check_operand("logits", logits, (None, None))
-    r, v = logits.shape
-    if not 1 <= v < 2**31:
+    if not 1 <= logits.shape[1] < 2**31:
         raise ValueError(f"logits: expected between 1 and 2**31 - 1 columns, got shape {tuple(logits.shape)}")
     validate.check_no_grad(logits=logits)
+
+
+def _plan(logits) -> tuple[Launch, Launch]:
+    """Check the operand (all the checks read is in the plan's key) and work out the two launches."""
+    _check(logits)
+    r, chunks = logits.shape[0], cdiv(logits.shape[1], ARGMAX_CHUNK)
+    return (Launch(_argmax_chunks_kernel, (r, chunks) if r else None, dict(BLOCK=ARGMAX_CHUNK), num_warps=8),
+            Launch(_argmax_merge_kernel, (r,) if r else None, dict(BLOCK=next_pow2(chunks))))
+
+
+_PLANS = PlanCache()
+
+
+def _launch(logits):
+    key = _PLANS.key(logits)
+    chunks_launch, merge_launch = _PLANS.get(key) or _PLANS.add(key, _plan(logits))
+    r, v = logits.shape
     chunks = cdiv(v, ARGMAX_CHUNK)
     val = torch.empty((r, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((r, chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(r, dtype=torch.int64, device=logits.device)
-    if r:
-        _argmax_chunks_kernel[(r, chunks)](
-            X=logits, Val=val, Idx=idx, stride_x=logits.stride(0), n=v, num_chunks=chunks, BLOCK=ARGMAX_CHUNK,
-            num_warps=8,
-        )
-        _argmax_merge_kernel[(r,)](Val=val, Idx=idx, Out=out, num_chunks=chunks, BLOCK=next_pow2(chunks))
+    chunks_launch(logits, val, idx, logits.stride(0), v, chunks)
+    merge_launch(val, idx, out, chunks)
     return out
+
+
+_op = custom_ops.implement("argmax", _launch)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: the first index of each row's maximum of ``logits [R, V]`` (fp16/bf16/fp32, rows
+    may be strided; ``1 <= V < 2**31``) -> int64 ``[R]``. NaN counts as the largest, as in torch.
+    Checked on a call signature's first call (and when traced)."""
+    if custom_ops.via_operator():
+        _check(logits)
+    return _op(logits)

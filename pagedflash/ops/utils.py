@@ -1,6 +1,7 @@
 """Host-side helpers shared by every op launcher: integer arithmetic for grids and tiles, the
-device's SM count and NVIDIA compute capability, whether kernels run under the interpreter, and the
-input checks of the engine's ops (on :mod:`pagedflash.validate`'s).
+device's SM count and NVIDIA compute capability, whether kernels run under the interpreter, the
+input checks of the engine's ops (on :mod:`pagedflash.validate`'s), and the per-signature launch
+cache those ops share (:class:`PlanCache`, :class:`Launch`).
 
 Whether to interpret is decided once, by :mod:`pagedflash._env`, before any kernel is defined.
 """
@@ -13,6 +14,7 @@ import torch
 import triton
 
 from pagedflash import _env, validate
+from pagedflash.ops import fastlaunch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -85,3 +87,52 @@ def check_eps(eps) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
     return float(eps)
+
+
+class Launch:
+    """One kernel launch worked out for a call signature: grid (one to three ints; None: nothing to
+    launch), constexprs and options. Calls relaunch it through :mod:`pagedflash.ops.fastlaunch`
+    from the second call on; the arguments are the kernel's runtime parameters, in order."""
+
+    __slots__ = ("kernel", "grid", "consts", "options", "slot")
+
+    def __init__(self, kernel, grid: tuple[int, ...] | None, consts: dict, **options) -> None:
+        self.grid = None if grid is None else tuple(grid) + (1,) * (3 - len(grid))  # the launcher takes 3
+        self.kernel, self.consts, self.options = kernel, consts, options
+        self.slot = fastlaunch.Slot()
+
+    def __call__(self, *args) -> None:
+        if self.grid is not None:
+            fastlaunch.launch(self.slot, self.kernel, self.grid, args, self.consts, **self.options)
+
+
+class PlanCache(dict):
+    """An op's launch plans by call signature (:meth:`key`): the op's input checks and launch
+    numbers are worked out on a signature's first call only, as the plans depend on nothing else.
+    Bounded: past ``maxsize`` signatures it starts over (a serving loop repeats a few)."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        super().__init__()
+        self.maxsize = maxsize
+
+    @staticmethod
+    def key(*tensors, extra: tuple = ()) -> tuple | None:
+        """What Triton specializes a launch over ``tensors`` (None entries allowed) on, and what the
+        checks read: shape, strides, dtype, device, the pointer's 16-byte alignment, and whether
+        autograd tracks the tensor; plus ``extra`` (the call's other launch-shaping values). None
+        when an argument is not a tensor (its check then says so)."""
+        grad = torch.is_grad_enabled()
+        try:
+            return extra + tuple(
+                None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, grad and t.requires_grad)
+                for t in tensors)
+        except (AttributeError, TypeError):
+            return None
+
+    def add(self, key: tuple | None, plan):
+        """Keep ``plan`` under ``key`` (not when the key is None); returns the plan."""
+        if key is not None:
+            if len(self) >= self.maxsize:
+                self.clear()
+            self[key] = plan
+        return plan
