@@ -228,16 +228,17 @@ class ModelRunner:
         return ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warmup(self, lengths: tuple[int, ...] = tuple(1 << i for i in range(9))) -> None:
         """Compile, before the first request, every kernel variant a step can need, so that no
         request waits for the JIT: the attention launch's tile depends on the step's longest query
         chunk (GQA packing below ``PACK_MAX_ROWS`` rows) and on whether the KV range is split, the
-        fused kernels on the token count. One forward per power-of-two chunk length, split and not;
-        their K/V writes go nowhere (slot -1) and their pages are page 0, read only."""
+        fused kernels on the token count. One forward per chunk length of ``lengths`` (powers of two
+        to 256), split and not; their K/V writes go nowhere (slot -1) and their pages are page 0,
+        read only."""
         p = self.page_size
         dev = self.device
         with validate.value_checks(False):
-            for q_len in (1 << i for i in range(9)):
+            for q_len in lengths:
                 q_len = min(q_len, self.max_model_len)
                 for splits in (1, 2):
                     meta = AttentionMetadata(
