@@ -9,7 +9,8 @@
 - the operators pass ``torch.library.opcheck`` (declared mutations, fake kernels, AOT dispatch);
 - eager calls routed through the dispatcher give the same bits as the direct eager route;
 - input checks still fire under compile, naming the argument;
-- a transformers Llama with ``attn_implementation="pagedflash"`` compiles without a break.
+- a transformers Llama with ``attn_implementation="pagedflash"`` compiles without a break, padded
+  batches included.
 """
 
 import dataclasses
@@ -401,6 +402,40 @@ def test_llama_compiles_without_graph_breaks(llama):
         torch._dynamo.reset()
         step = torch.compile(decode, backend="aot_eager", fullgraph=True)(nxt, compiled.past_key_values)
         assert torch.equal(step, decode(nxt, eager.past_key_values))
+
+
+def test_padded_llama_compiles_without_graph_breaks(llama):
+    """A padded batch: transformers' mask function and the integration read nothing on the host while
+    compiling (fullgraph: a break raises). Left padding as in generation, right padding in a prefill,
+    mixed lengths with a row all real and a row mostly pad, one graph for both; then a decode step
+    over the left-padded cache. Eager unpads; the graph launches the padded rows (integrations/
+    transformers.py, _padded), which may round differently: real tokens' logits are compared."""
+    model, cache_arg = llama
+    ids = torch.randint(0, 128, (3, 11), device=DEVICE)
+    left, right = torch.ones_like(ids), torch.ones_like(ids)
+    left[1, :4] = right[1, 7:] = 0
+    left[2, :10] = right[2, 1:] = 0
+
+    def prefill(ids, mask):
+        return model(ids, attention_mask=mask, use_cache=True)
+
+    def decode(ids, mask, past):
+        return model(ids, attention_mask=mask, **{cache_arg: past}, use_cache=True).logits
+
+    close = dict(rtol=1e-5, atol=1e-5)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        compiled = torch.compile(prefill, backend=counter, fullgraph=True)
+        for mask in (left, right):
+            got, want, real = compiled(ids, mask), prefill(ids, mask), mask.bool()
+            torch.testing.assert_close(got.logits[real], want.logits[real], **close)
+        assert counter.frame_count == 1, "recompiled for another mask of the same shape"
+        nxt = want.logits[:, -1:].argmax(-1)
+        mask = torch.cat([left, torch.ones_like(nxt)], dim=1)
+        got, want = compiled(ids, left).past_key_values, prefill(ids, left).past_key_values
+        step = torch.compile(decode, backend="aot_eager", fullgraph=True)(nxt, mask, got)
+        torch.testing.assert_close(step, decode(nxt, mask, want), **close)
 
 
 # -------------------------------------------------------------------------------------- Inductor

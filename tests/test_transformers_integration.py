@@ -85,6 +85,60 @@ def test_packed_sequences_by_position_ids(models):
     torch.testing.assert_close(packed, torch.cat([ref(a).logits, ref(b).logits], dim=1), rtol=1e-4, atol=1e-4)
 
 
+def _padded_layout_reference(mask, sq):
+    """Per row: pad keys before the first real one, real keys, and the same for its last sq positions."""
+    rows = []
+    for row in mask.tolist():
+        lead = next((i for i, real in enumerate(row) if real), len(row))
+        q_row = row[-sq:] if sq <= len(row) else [True] * sq
+        q_lead = next((i for i, real in enumerate(q_row) if real), sq)
+        rows.append((lead, sum(row), q_lead, sum(q_row)))
+    return rows
+
+
+def _mask(sk, *rows):
+    """Bool [B, Sk] with each row's real tokens at [start, end)."""
+    mask = torch.zeros(len(rows), sk, dtype=torch.bool, device=DEVICE)
+    for b, (start, end) in enumerate(rows):
+        mask[b, start:end] = True
+    return mask
+
+
+PADDED = {  # (mask, Sq): real tokens contiguous; queries are the last Sq positions
+    "left": (_mask(11, (0, 11), (4, 11), (10, 11), (11, 11)), 11),  # all real, mixed, mostly pad, all pad
+    "right": (_mask(11, (0, 11), (0, 6), (0, 1)), 11),
+    "decode": (_mask(13, (0, 13), (5, 13), (12, 13), (13, 13)), 1),
+    "chunk": (_mask(13, (0, 13), (5, 13), (11, 13)), 3),  # a row with fewer real tokens than queries
+    "longer_q": (_mask(4, (0, 4), (2, 4), (4, 4)), 6),  # Sq > Sk: every query counts as real
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_padded_layout_matches_a_reference(name):
+    mask, sq = PADDED[name]
+    got = torch.stack(pf_hf._padded_layout(mask, sq), dim=1).tolist()
+    assert [tuple(r) for r in got] == _padded_layout_reference(mask, sq)
+
+
+@pytest.mark.parametrize("name,causal,window", [
+    ("left", True, -1), ("right", False, 3), ("decode", True, -1), ("chunk", True, 2), ("longer_q", False, -1),
+])
+@torch.no_grad()
+def test_padded_launch_equals_unpadded(name, causal, window):
+    """The compiled path's launch (_padded: rows kept padded, keys real-first and queries real-last
+    in one flash_attn_with_kvcache) against eager's (_varlen: unpadded, one varlen launch): the same
+    real outputs up to rounding, zeros at pad queries, nothing non-finite (all-pad rows included)."""
+    mask, sq = PADDED[name]
+    b, sk = mask.shape
+    torch.manual_seed(0)
+    q = torch.randn(b, 4, sq, 16, device=DEVICE).transpose(1, 2)  # [B, S, H, D] views, as the forward has them
+    k, v = (torch.randn(b, 2, sk + 2, 16, device=DEVICE).transpose(1, 2) for _ in range(2))  # a longer cache
+    opts = dict(softmax_scale=None, causal=causal, window_size=(window, window), softcap=1.5 if causal else 0.0)
+    got, want = pf_hf._padded(q, k, v, mask, opts), pf_hf._varlen(q, k, v, mask, opts)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 def test_mistral_sliding_window_matches_sdpa(tmp_path):
     cfg = transformers.MistralConfig(**TINY, sliding_window=6)
