@@ -10,7 +10,7 @@
 - eager calls routed through the dispatcher give the same bits as the direct eager route;
 - input checks still fire under compile, naming the argument;
 - a transformers Llama with ``attn_implementation="pagedflash"`` compiles without a break, padded
-  batches included.
+  batches and packed rows included.
 """
 
 import dataclasses
@@ -436,6 +436,32 @@ def test_padded_llama_compiles_without_graph_breaks(llama):
         got, want = compiled(ids, left).past_key_values, prefill(ids, left).past_key_values
         step = torch.compile(decode, backend="aot_eager", fullgraph=True)(nxt, mask, got)
         torch.testing.assert_close(step, decode(nxt, mask, want), **close)
+
+
+def test_packed_row_compiles_without_graph_breaks(llama):
+    """One row holding two sequences, told by positions restarting at 0 (cut with static shapes while
+    compiling: _position_segments), equal to eager (which reads where they start); and the attention
+    function given transformers' cu_seq_lens_q/k without max lengths (bounded by the row's length
+    while compiling, read in eager)."""
+    import pagedflash.integrations.transformers as pf_hf
+
+    model, _ = llama
+    ids = torch.randint(0, 128, (1, 23), device=DEVICE)
+    positions = torch.cat([torch.arange(9), torch.arange(14)])[None].to(DEVICE)
+    q, k = randn(1, 4, 23, 16), randn(1, 2, 23, 16)  # [B, H, S, D], as transformers passes them
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32, device=DEVICE)
+
+    def packed(ids, positions):
+        return model(ids, position_ids=positions).logits
+
+    def attention(q, k, cu):
+        return pf_hf.pagedflash_attention_forward(model, q, k, k, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)[0]
+
+    with torch.inference_mode():
+        for fn, args in ((packed, (ids, positions)), (attention, (q, k, cu))):
+            torch._dynamo.reset()
+            got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+            torch.testing.assert_close(got, fn(*args), rtol=1e-5, atol=1e-5)
 
 
 # -------------------------------------------------------------------------------------- Inductor

@@ -85,6 +85,31 @@ def test_packed_sequences_by_position_ids(models):
     torch.testing.assert_close(packed, torch.cat([ref(a).logits, ref(b).logits], dim=1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("positions,sequences", [
+    ([*range(9), *range(14)], [(0, 9), (9, 23)]),
+    ([3, 4, 5, 0, 1, 2], [(0, 3), (3, 6)]),  # a row may start inside a sequence
+    ([0, 0, 1, 0], [(0, 1), (1, 3), (3, 4)]),
+    (list(range(6)), [(0, 6)]),
+], ids=["two", "continued", "three", "one"])
+def test_packed_row_cut_by_positions(positions, sequences):
+    """A sequence starts at index 0 and wherever a position is 0: eager finds the starts (a dense
+    launch for one sequence); the compiled form (_position_segments) has a segment per token, the
+    sequence ending there or nothing, and the same non-empty segments."""
+    pos = torch.tensor(positions, device=DEVICE)
+    n = len(positions)
+    cu = pf_hf._position_segments(pos).tolist()
+    assert len(cu) == n + 1 and cu[0] == 0 and cu[-1] == n
+    assert [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b != a] == sequences
+    q = torch.zeros(1, n, 4, 16, device=DEVICE)
+    packed = pf_hf._packed_cu_seqlens(q, q, {"position_ids": pos[None]})
+    if len(sequences) == 1:
+        assert packed is None
+    else:
+        cu_q, cu_k, max_q, max_k = packed
+        assert cu_q.tolist() == cu_k.tolist() == [a for a, _ in sequences] + [n]
+        assert max_q == max_k == max(b - a for a, b in sequences)
+
+
 def _padded_layout_reference(mask, sq):
     """Per row: pad keys before the first real one, real keys, and the same for its last sq positions."""
     rows = []

@@ -17,9 +17,11 @@ Under ``torch.compile`` nothing is read on the host (each read would be a graph 
 function hands over the 2D mask whenever there is one, padding or not; a padded batch stays padded
 and goes to one :func:`pagedflash.flash_attn_with_kvcache` launch of B rows, each row's keys gathered
 real-first and its queries real-last (:func:`_padded`: a copy of q, k, v and the output, about what
-eager's unpadding copies, paid for an all-real mask too). Eager keeps the paths above,
-whose lengths it reads; results agree to rounding (tests/test_compile.py,
-tests/test_transformers_integration.py).
+eager's unpadding copies, paid for an all-real mask too); a packed row is cut by its positions into
+one varlen segment per token, most of them empty (:func:`_position_segments`), or by transformers'
+``cu_seq_lens_q/k`` with its ``max_length_q/k`` (the row's length when it passes none). Eager keeps
+the paths above and reads the lengths transformers did not pass; results agree to rounding
+(tests/test_compile.py, tests/test_transformers_integration.py).
 
 Nothing is dropped silently. Every keyword transformers passes to an attention function is either
 used (``scaling``, ``sliding_window`` as flash-attn's ``(w - 1, w - 1)`` window, ``softcap``,
@@ -165,32 +167,63 @@ def pagedflash_attention_forward(
             return _padded(q, k, v, attention_mask.bool(), opts), None
         if attention_mask.shape[1] != k.shape[1] or not bool(attention_mask.all()):
             return _varlen(q, k, v, attention_mask.bool(), opts), None
-    cu = _packed_cu_seqlens(q, k, kwargs)
-    if cu is not None:  # padding-free batch: several sequences packed in one row
-        cu_q, cu_k = cu
-        lens_q, lens_k = torch.stack([(c[1:] - c[:-1]).max() for c in cu]).tolist()  # one sync
-        return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, lens_q, lens_k, **opts)[None], None
+    packed = _packed_cu_seqlens(q, k, kwargs)
+    if packed is not None:  # padding-free batch: several sequences packed in one row
+        cu_q, cu_k, max_q, max_k = packed
+        return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, **opts)[None], None
     return flash_attn_func(q, k, v, **opts), None  # strided views: only the last dim must be contiguous
 
 
-def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(cu_seqlens_q, cu_seqlens_k)`` of a packed row: from transformers' ``cu_seq_lens_q/k`` kwargs
-    (padding-free collators), or from ``position_ids`` restarting at 0 within a single row."""
+def _max_length(given, cu: torch.Tensor, bound: int):
+    """A packed row's longest sequence: transformers' ``max_length_q/k`` when it passed an int, else
+    ``bound`` (the row's length, an upper bound read from shapes) while compiling, else read from cu."""
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    if torch.compiler.is_compiling():
+        return bound
+    return int((cu[1:] - cu[:-1]).max())
+
+
+def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a packed row: from
+    transformers' ``cu_seq_lens_q/k`` kwargs (padding-free collators), or from ``position_ids``
+    restarting at 0 within a single row (a sequence starts at index 0 and wherever a position is 0)."""
     if q.shape[0] != 1:
         return None
     if kwargs.get("cu_seq_lens_q") is not None:
         cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
-        return cu_q, kwargs.get("cu_seq_lens_k", cu_q).to(torch.int32)
+        cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"].to(torch.int32)
+        max_q = _max_length(kwargs.get("max_length_q"), cu_q, q.shape[1])
+        max_k = _max_length(kwargs.get("max_length_k"), cu_k, k.shape[1])
+        return cu_q, cu_k, max_q, max_k
     pos = kwargs.get("position_ids")
-    if pos is None or q.shape[1] != k.shape[1] or q.shape[1] < 2:
+    n = q.shape[1]
+    if pos is None or n != k.shape[1] or n < 2:
         return None
-    starts = (pos.reshape(-1) == 0).nonzero().flatten()
+    pos = pos.reshape(-1).to(q.device)
+    if torch.compiler.is_compiling():
+        cu = _position_segments(pos)
+        return cu, cu, n, n
+    starts = pos == 0
+    starts[0] = True
+    starts = starts.nonzero().flatten()  # a sync: eager only
     if starts.numel() < 2:
-        return None
-    end = torch.tensor([q.shape[1]], device=starts.device)
-    cu = torch.cat([starts, end]).to(device=q.device, dtype=torch.int32)
-    return cu, cu
+        return None  # a single sequence: the dense kernel
+    cu = torch.cat([starts, starts.new_tensor([n])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, cu, max_len, max_len
 
+
+def _position_segments(pos: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` ``[S + 1]`` of a packed row from its positions, with no host read (compiled code):
+    segment j holds the whole sequence that ends at token j and is empty unless token j ends one, so
+    entry j < S is the start of the sequence holding token j (the last i <= j with ``pos[i] == 0``, or
+    0) and entry S is S. Same sequences as the eager path finds; the cost of the static form is S
+    segments, each one at least one (mostly empty, short-lived) program of the varlen grid."""
+    n = pos.shape[0]
+    idx = torch.arange(n, device=pos.device, dtype=torch.int32)
+    start = torch.where(pos == 0, idx, torch.zeros_like(idx)).cummax(0).values
+    return torch.cat([start, idx.new_full((1,), n)])
 
 
 def _padded_layout(mask: torch.Tensor, sq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
