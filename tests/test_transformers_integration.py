@@ -85,6 +85,85 @@ def test_packed_sequences_by_position_ids(models):
     torch.testing.assert_close(packed, torch.cat([ref(a).logits, ref(b).logits], dim=1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("positions,sequences", [
+    ([*range(9), *range(14)], [(0, 9), (9, 23)]),
+    ([3, 4, 5, 0, 1, 2], [(0, 3), (3, 6)]),  # a row may start inside a sequence
+    ([0, 0, 1, 0], [(0, 1), (1, 3), (3, 4)]),
+    (list(range(6)), [(0, 6)]),
+], ids=["two", "continued", "three", "one"])
+def test_packed_row_cut_by_positions(positions, sequences):
+    """A sequence starts at index 0 and wherever a position is 0: eager finds the starts (a dense
+    launch for one sequence); the compiled form (_position_segments) has a segment per token, the
+    sequence ending there or nothing, and the same non-empty segments."""
+    pos = torch.tensor(positions, device=DEVICE)
+    n = len(positions)
+    cu = pf_hf._position_segments(pos).tolist()
+    assert len(cu) == n + 1 and cu[0] == 0 and cu[-1] == n
+    assert [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b != a] == sequences
+    q = torch.zeros(1, n, 4, 16, device=DEVICE)
+    packed = pf_hf._packed_cu_seqlens(q, q, {"position_ids": pos[None]})
+    if len(sequences) == 1:
+        assert packed is None
+    else:
+        cu_q, cu_k, max_q, max_k = packed
+        assert cu_q.tolist() == cu_k.tolist() == [a for a, _ in sequences] + [n]
+        assert max_q == max_k == max(b - a for a, b in sequences)
+
+
+def _padded_layout_reference(mask, sq):
+    """Per row: pad keys before the first real one, real keys, and the same for its last sq positions."""
+    rows = []
+    for row in mask.tolist():
+        lead = next((i for i, real in enumerate(row) if real), len(row))
+        q_row = row[-sq:] if sq <= len(row) else [True] * sq
+        q_lead = next((i for i, real in enumerate(q_row) if real), sq)
+        rows.append((lead, sum(row), q_lead, sum(q_row)))
+    return rows
+
+
+def _mask(sk, *rows):
+    """Bool [B, Sk] with each row's real tokens at [start, end)."""
+    mask = torch.zeros(len(rows), sk, dtype=torch.bool, device=DEVICE)
+    for b, (start, end) in enumerate(rows):
+        mask[b, start:end] = True
+    return mask
+
+
+PADDED = {  # (mask, Sq): real tokens contiguous; queries are the last Sq positions
+    "left": (_mask(11, (0, 11), (4, 11), (10, 11), (11, 11)), 11),  # all real, mixed, mostly pad, all pad
+    "right": (_mask(11, (0, 11), (0, 6), (0, 1)), 11),
+    "decode": (_mask(13, (0, 13), (5, 13), (12, 13), (13, 13)), 1),
+    "chunk": (_mask(13, (0, 13), (5, 13), (11, 13)), 3),  # a row with fewer real tokens than queries
+    "longer_q": (_mask(4, (0, 4), (2, 4), (4, 4)), 6),  # Sq > Sk: every query counts as real
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_padded_layout_matches_a_reference(name):
+    mask, sq = PADDED[name]
+    got = torch.stack(pf_hf._padded_layout(mask, sq), dim=1).tolist()
+    assert [tuple(r) for r in got] == _padded_layout_reference(mask, sq)
+
+
+@pytest.mark.parametrize("name,causal,window", [
+    ("left", True, -1), ("right", False, 3), ("decode", True, -1), ("chunk", True, 2), ("longer_q", False, -1),
+])
+@torch.no_grad()
+def test_padded_launch_equals_unpadded(name, causal, window):
+    """The compiled path's launch (_padded: rows kept padded, keys real-first and queries real-last
+    in one flash_attn_with_kvcache) against eager's (_varlen: unpadded, one varlen launch): the same
+    real outputs up to rounding, zeros at pad queries, nothing non-finite (all-pad rows included)."""
+    mask, sq = PADDED[name]
+    b, sk = mask.shape
+    torch.manual_seed(0)
+    q = torch.randn(b, 4, sq, 16, device=DEVICE).transpose(1, 2)  # [B, S, H, D] views, as the forward has them
+    k, v = (torch.randn(b, 2, sk + 2, 16, device=DEVICE).transpose(1, 2) for _ in range(2))  # a longer cache
+    opts = dict(softmax_scale=None, causal=causal, window_size=(window, window), softcap=1.5 if causal else 0.0)
+    got, want = pf_hf._padded(q, k, v, mask, opts), pf_hf._varlen(q, k, v, mask, opts)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 def test_mistral_sliding_window_matches_sdpa(tmp_path):
     cfg = transformers.MistralConfig(**TINY, sliding_window=6)

@@ -10,6 +10,18 @@ attention either ``None`` (no padding: dense causal :func:`pagedflash.flash_attn
 padding mask ``[B, Sk]``, from which the sequences are unpadded into one
 :func:`pagedflash.flash_attn_varlen_func` launch. Prefill and decode work with transformers' own
 caches (keys arrive with the past prepended; causal masking is bottom-right aligned). Inference only.
+A padded row's real tokens must be contiguous and end with its queries (left padding, or right
+padding in a prefill).
+
+Under ``torch.compile`` nothing is read on the host (each read would be a graph break): the mask
+function hands over the 2D mask whenever there is one, padding or not; a padded batch stays padded
+and goes to one :func:`pagedflash.flash_attn_with_kvcache` launch of B rows, each row's keys gathered
+real-first and its queries real-last (:func:`_padded`: a copy of q, k, v and the output, about what
+eager's unpadding copies, paid for an all-real mask too); a packed row is cut by its positions into
+one varlen segment per token, most of them empty (:func:`_position_segments`), or by transformers'
+``cu_seq_lens_q/k`` with its ``max_length_q/k`` (the row's length when it passes none). Eager keeps
+the paths above and reads the lengths transformers did not pass; results agree to rounding
+(tests/test_compile.py, tests/test_transformers_integration.py).
 
 Nothing is dropped silently. Every keyword transformers passes to an attention function is either
 used (``scaling``, ``sliding_window`` as flash-attn's ``(w - 1, w - 1)`` window, ``softcap``,
@@ -35,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedflash import flash_attn_func, flash_attn_varlen_func
+from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 NAME = "pagedflash"
 _MASK_SOURCE = "flash_attention_2"  # transformers' mask function for unpadded kernels
@@ -82,13 +94,28 @@ def register(name: str = NAME) -> None:
     """Make ``attn_implementation=name`` available to every transformers model (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
+    global _flash_mask_source
     AttentionInterface.register(name, pagedflash_attention_forward)
-    AttentionMaskInterface.register(name, AttentionMaskInterface()[_MASK_SOURCE])
+    if _flash_mask_source is None:
+        _flash_mask_source = AttentionMaskInterface()[_MASK_SOURCE]
+    AttentionMaskInterface.register(name, _flash_mask)
     _REGISTERED.add(name)
     _skip_flash_preload()
 
 
 _REGISTERED: set[str] = set()
+_flash_mask_source = None  # transformers' flash-attention mask function, read at the first register()
+
+
+def _flash_mask(*args, **kwargs):
+    """transformers' flash-attention mask function (``None`` without padding, else the 2D mask), except
+    while ``torch.compile`` traces: there it returns the 2D mask sliced to ``kv_length`` whatever it
+    holds, as deciding "no padding" reads the mask (``mask.all()``: a graph break in transformers); an
+    all-real mask then takes the padded path of :func:`pagedflash_attention_forward`, same result."""
+    mask, kv_length = kwargs.get("attention_mask"), kwargs.get("kv_length")
+    if torch.compiler.is_compiling() and not args and mask is not None and kv_length is not None:
+        return mask[:, -kv_length:]
+    return _flash_mask_source(*args, **kwargs)
 
 
 def _skip_flash_preload() -> None:
@@ -135,35 +162,113 @@ def pagedflash_attention_forward(
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
     opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
-    if attention_mask is not None and attention_mask.shape[1] == k.shape[1] and bool(attention_mask.all()):
-        attention_mask = None
     if attention_mask is not None:
-        return _varlen(q, k, v, attention_mask.bool(), opts), None
-    cu = _packed_cu_seqlens(q, k, kwargs)
-    if cu is not None:  # padding-free batch: several sequences packed in one row
-        cu_q, cu_k = cu
-        lens_q, lens_k = torch.stack([(c[1:] - c[:-1]).max() for c in cu]).tolist()  # one sync
-        return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, lens_q, lens_k, **opts)[None], None
+        if torch.compiler.is_compiling():  # nothing read on the host: static shapes, no graph break
+            return _padded(q, k, v, attention_mask.bool(), opts), None
+        if attention_mask.shape[1] != k.shape[1] or not bool(attention_mask.all()):
+            return _varlen(q, k, v, attention_mask.bool(), opts), None
+    packed = _packed_cu_seqlens(q, k, kwargs)
+    if packed is not None:  # padding-free batch: several sequences packed in one row
+        cu_q, cu_k, max_q, max_k = packed
+        return flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, **opts)[None], None
     return flash_attn_func(q, k, v, **opts), None  # strided views: only the last dim must be contiguous
 
 
-def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(cu_seqlens_q, cu_seqlens_k)`` of a packed row: from transformers' ``cu_seq_lens_q/k`` kwargs
-    (padding-free collators), or from ``position_ids`` restarting at 0 within a single row."""
+def _max_length(given, cu: torch.Tensor, bound: int):
+    """A packed row's longest sequence: transformers' ``max_length_q/k`` when it passed an int, else
+    ``bound`` (the row's length, an upper bound read from shapes) while compiling, else read from cu."""
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    if torch.compiler.is_compiling():
+        return bound
+    return int((cu[1:] - cu[:-1]).max())
+
+
+def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a packed row: from
+    transformers' ``cu_seq_lens_q/k`` kwargs (padding-free collators), or from ``position_ids``
+    restarting at 0 within a single row (a sequence starts at index 0 and wherever a position is 0)."""
     if q.shape[0] != 1:
         return None
     if kwargs.get("cu_seq_lens_q") is not None:
         cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
-        return cu_q, kwargs.get("cu_seq_lens_k", cu_q).to(torch.int32)
+        cu_k = cu_q if kwargs.get("cu_seq_lens_k") is None else kwargs["cu_seq_lens_k"].to(torch.int32)
+        max_q = _max_length(kwargs.get("max_length_q"), cu_q, q.shape[1])
+        max_k = _max_length(kwargs.get("max_length_k"), cu_k, k.shape[1])
+        return cu_q, cu_k, max_q, max_k
     pos = kwargs.get("position_ids")
-    if pos is None or q.shape[1] != k.shape[1] or q.shape[1] < 2:
+    n = q.shape[1]
+    if pos is None or n != k.shape[1] or n < 2:
         return None
-    starts = (pos.reshape(-1) == 0).nonzero().flatten()
+    pos = pos.reshape(-1).to(q.device)
+    if torch.compiler.is_compiling():
+        cu = _position_segments(pos)
+        return cu, cu, n, n
+    starts = pos == 0
+    starts[0] = True
+    starts = starts.nonzero().flatten()  # a sync: eager only
     if starts.numel() < 2:
-        return None
-    end = torch.tensor([q.shape[1]], device=starts.device)
-    cu = torch.cat([starts, end]).to(device=q.device, dtype=torch.int32)
-    return cu, cu
+        return None  # a single sequence: the dense kernel
+    cu = torch.cat([starts, starts.new_tensor([n])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, cu, max_len, max_len
+
+
+def _position_segments(pos: torch.Tensor) -> torch.Tensor:
+    """``cu_seqlens`` ``[S + 1]`` of a packed row from its positions, with no host read (compiled code):
+    segment j holds the whole sequence that ends at token j and is empty unless token j ends one, so
+    entry j < S is the start of the sequence holding token j (the last i <= j with ``pos[i] == 0``, or
+    0) and entry S is S. Same sequences as the eager path finds; the cost of the static form is S
+    segments, each one at least one (mostly empty, short-lived) program of the varlen grid."""
+    n = pos.shape[0]
+    idx = torch.arange(n, device=pos.device, dtype=torch.int32)
+    start = torch.where(pos == 0, idx, torch.zeros_like(idx)).cummax(0).values
+    return torch.cat([start, idx.new_full((1,), n)])
+
+
+def _padded_layout(mask: torch.Tensor, sq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each row's real tokens are, from a ``[B, Sk]`` bool padding mask, without a host read.
+
+    A row's real tokens are contiguous; its queries are its last ``sq`` positions (all of them real
+    when ``sq > Sk``, as in :func:`_varlen`). Returns int64 ``[B]`` tensors: ``lead_k`` pad keys
+    before the first real one (Sk if none), ``real_k`` real keys, and likewise ``lead_q`` and
+    ``real_q`` for the queries."""
+    sk = mask.shape[1]
+    tokens = mask.to(torch.int32)
+    lead_k = (tokens.cumsum(-1) == 0).sum(-1)
+    real_k = tokens.sum(-1, dtype=torch.int64)
+    if sq > sk:
+        return lead_k, real_k, torch.zeros_like(lead_k), torch.full_like(lead_k, sq)
+    lead_q = (lead_k - (sk - sq)).clamp(0, sq)
+    return lead_k, real_k, lead_q, (lead_k + real_k - (sk - sq)).clamp(0, sq) - lead_q
+
+
+def _padded(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
+    """A padded batch with static shapes and no host read (the compiled path), in one
+    :func:`pagedflash.flash_attn_with_kvcache` launch of B rows.
+
+    Each row's keys are gathered so that its real ones come first (``cache_seqlens`` = their count),
+    and its queries so that the real ones come last: bottom-right alignment then puts real query i of
+    r_q at key position ``r_k - r_q + i``, as in the unpadded launch (in a causal prefill the pad
+    queries then see no key). The output is gathered back and pad queries are zeroed. A batch of B rows, not a
+    varlen launch of padding segments, so the launch plan (tile, KV split count) is that of B rows.
+    Costs one copy of q (Sq > 1), k, v and the output; a row without real keys gets one (pad) key so
+    no launch row has an empty cache (its outputs are all pads)."""
+    b, sq = q.shape[:2]
+    sk = mask.shape[1]
+    lead_k, real_k, lead_q, real_q = _padded_layout(mask, sq)
+    rows = torch.arange(b, device=q.device)[:, None]
+    keys = (torch.arange(sk, device=q.device) + lead_k[:, None]) % sk  # real keys first
+    k, v = k[rows, keys], v[rows, keys]  # [B, Sk, Hkv, D]; a static cache may be longer than the mask
+    positions = torch.arange(sq, device=q.device)
+    shift = sq - lead_q - real_q  # trailing pad queries
+    if sq > 1:  # (one query: the shift is 0 or 1, the identity either way)
+        q = q[rows, (positions - shift[:, None]) % sq]  # real queries last
+    out = flash_attn_with_kvcache(q, k, v, cache_seqlens=real_k.clamp(min=1).to(torch.int32), **opts)
+    if sq > 1:
+        out = out[rows, (positions + shift[:, None]) % sq]
+    real = (positions >= lead_q[:, None]) & (positions < (lead_q + real_q)[:, None]) & (real_k > 0)[:, None]
+    return out.masked_fill(~real[:, :, None, None], 0)
 
 
 def _varlen(q, k, v, mask: torch.Tensor, opts: dict) -> torch.Tensor:
