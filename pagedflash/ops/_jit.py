@@ -62,6 +62,15 @@ def online_softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
+def add_sink(m_i, l_i, acc, sink):
+    """Fold one extra logit per row, ``sink`` ``[M]`` (log2 domain; ``-inf`` adds nothing), into the
+    running state: it joins the softmax denominator and carries no value (attention sinks). A row
+    that saw no key ends with ``m = sink``, ``l = 1``, ``acc = 0``: output 0, lse = sink."""
+    m_i, l_i, acc, _ = online_softmax_step(m_i, l_i, acc, sink[:, None])
+    return m_i, l_i, acc
+
+
+@triton.jit
 def finalize(m_i, l_i, acc):
     """Normalize the accumulator; return ``(out, lse)`` with lse in natural log.
 
