@@ -18,6 +18,9 @@ Attention sinks (``sinks``, fp32 ``[Hq]``, one logit per query head, as gpt-oss)
 softmax denominator and carries no value, ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink_h))``; the
 LSE is ``log(sum_k exp(s_k) + exp(sink_h))``, so a row that sees no key gets output 0 and LSE = sink.
 Softcap applies to the scores, not to the sink.
+
+FP8 caches: the real key is ``stored.float() * k_descale[head]`` (:func:`dequantize_ref`); writing
+stores ``saturate(k / k_scale)`` rounded to nearest (:func:`quantize_fp8_ref`).
 """
 
 from __future__ import annotations
@@ -144,8 +147,36 @@ def kvcache_attention_ref(
     return torch.stack(outs), torch.stack(lses)
 
 
-def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
-    """Write new tokens k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (in place)."""
+def _per_head(scale, x: torch.Tensor) -> torch.Tensor:
+    """A scale of one value (``[]``/``[1]``) or one per KV head (``[Hkv]``), shaped to broadcast over
+    x ``[..., Hkv, D]``; None means 1."""
+    if scale is None:
+        return torch.ones((), device=x.device)
+    scale = scale.float().to(x.device).reshape(-1)
+    return scale.reshape(()) if scale.numel() == 1 else scale[:, None]
+
+
+def dequantize_ref(cache, descale=None):
+    """The real values of a (possibly fp8) cache ``[..., Hkv, D]``: ``stored.float() * descale[head]``."""
+    return cache.float() * _per_head(descale, cache)
+
+
+def quantize_fp8_ref(x, scale, dtype):
+    """What a write stores in an fp8 cache of ``dtype``: ``x / scale[head]`` saturated at the format's
+    largest finite value (448 for e4m3fn, 57344 for e5m2) and rounded to nearest, ties to even."""
+    top = torch.finfo(dtype).max
+    return (x.float() / _per_head(scale, x)).clamp(-top, top).to(dtype)
+
+
+def _stored(x, cache, scale):
+    """x as the cache stores it: quantized for an fp8 cache, else as is."""
+    return quantize_fp8_ref(x, scale, cache.dtype) if cache.dtype.itemsize == 1 else x
+
+
+def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, k_scale=None, v_scale=None):
+    """Write new tokens k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (in place;
+    quantized with ``k_scale``/``v_scale`` into an fp8 cache)."""
+    k, v = _stored(k, k_cache, k_scale), _stored(v, v_cache, v_scale)
     for b in range(k.shape[0]):
         for t in range(k.shape[1]):
             pos = int(cache_seqlens[b]) + t
@@ -157,8 +188,10 @@ def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
                 k_cache[blk, pos % page], v_cache[blk, pos % page] = k[b, t], v[b, t]
 
 
-def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
-    """Scatter k/v ``[T, Hkv, D]`` into paged caches by ``slot_mapping`` (negative slots skipped)."""
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """Scatter k/v ``[T, Hkv, D]`` into paged caches by ``slot_mapping`` (negative slots skipped;
+    quantized with ``k_scale``/``v_scale`` into an fp8 cache)."""
+    k, v = _stored(k, k_cache, k_scale), _stored(v, v_cache, v_scale)
     page = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:

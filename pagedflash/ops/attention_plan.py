@@ -51,11 +51,14 @@ def _per_head(t) -> tuple | None:
 
 
 def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-             cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None) -> tuple:
+             cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
+             v_descale=None) -> tuple:
     """What a launch plan depends on, and every input of Triton's specialization of the launch
     beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
-    every pointer, the integers and flags of the call, and the launch table's switches. (Fresh
-    outputs and split partials are always aligned and contiguous.)"""
+    every pointer, the integers and flags of the call, the launch table's switches, and for each
+    per-head side input (``sinks``, ``k_descale``, ``v_descale``) whether it is given, its dtype,
+    head stride (per head or one value) and alignment. (Fresh outputs and split partials are always
+    aligned and contiguous.)"""
     return (q.shape, q.stride(), q.dtype, device, q.data_ptr() & 15,
             k.shape, k.stride(), k.dtype, k.data_ptr() & 15, v.stride(), v.dtype, v.data_ptr() & 15,
             out.stride(), out.dtype, out.data_ptr() & 15, None if lse is None else lse.stride(),
@@ -64,11 +67,13 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if seqused_k is None else (seqused_k.dtype, seqused_k.data_ptr() & 15),
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
             batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config, _per_head(sinks),
+            _per_head(k_descale), _per_head(v_descale),
             launch_table.TMA, launch_table.INTERPRET_TMA)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-              cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None) -> Plan:
+              cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
+              v_descale=None) -> Plan:
     """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them)."""
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
@@ -127,7 +132,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
         k.shape[0] * page_size, num_q_tiles, num_splits,
     )
-    plan.head_strides = (head_stride(sinks),)  # the kernel's stride_sink
+    plan.head_strides = (head_stride(sinks), head_stride(k_descale), head_stride(v_descale))
     plan.window = window
     plan.consts = dict(
         GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
@@ -136,8 +141,9 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0,
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+        HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
     )
-    plan.fallback_key = (q.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
+    plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()
     plan.combine = None  # made by the first launch, from its tensors
     return plan
