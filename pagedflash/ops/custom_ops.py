@@ -85,7 +85,8 @@ _SCHEMAS = {
                                "Tensor? cache_seqlens, Tensor? block_table, SymInt max_seqlen_k, Tensor(c!) out, "
                                f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse) -> Tensor",
     "merge_attn_states": "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
-    "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+    "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+                      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
 }
 for _name, _schema in _SCHEMAS.items():
     _lib.define(_name + _schema)
@@ -113,7 +114,7 @@ def _fake_merge(out_a, lse_a, out_b, lse_b):
     return out_a.new_empty(out_a.shape), lse_a.new_empty(out_a.shape[:-1])
 
 
-def _fake_write(k, v, k_cache, v_cache, slot_mapping):
+def _fake_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 
