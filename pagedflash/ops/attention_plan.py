@@ -68,7 +68,7 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
             batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config, _per_head(sinks),
             _per_head(k_descale), _per_head(v_descale),
-            launch_table.TMA, launch_table.INTERPRET_TMA)
+            launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
