@@ -30,6 +30,12 @@ rows take the table's last row). Two values differ from flash-attn's:
 a query row that sees no key has LSE ``-inf`` (flash-attn 2 writes ``+inf``; both are "empty" to
 :func:`pagedflash.merge_attn_states`), and ``S_dmask`` is None, as in flash-attn 2.6 (2.7 returns an
 empty tensor).
+
+Two extensions beyond flash-attn 2, keyword-only in effect (they come after every flash-attn 2
+parameter): attention sinks as ``learnable_sink`` (flash-attn 4's name; fp32 ``[Hq]``, see
+:func:`pagedflash.flash_attn_func`'s ``sinks``) on every function, and fp8 K/V caches with
+``k_descale``/``v_descale`` (flash-attn 3's names) on ``flash_attn_varlen_func`` and
+``flash_attn_with_kvcache``.
 """
 
 from __future__ import annotations
@@ -95,62 +101,69 @@ def _unpack(packed: torch.Tensor, name: str, parts: int, axis: int) -> tuple[tor
 
 @_runtime_errors
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, learnable_sink=None):
     """flash-attn's ``flash_attn_func``: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``."""
     _inference_only(dropout_p, alibi_slopes)
     return _returns(_dense(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, return_lse=return_attn_probs), return_attn_probs)
+                           softcap=softcap, return_lse=return_attn_probs, sinks=learnable_sink), return_attn_probs)
 
 
 @_runtime_errors
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                              learnable_sink=None):
     """flash-attn's ``flash_attn_qkvpacked_func``: qkv ``[B, S, 3, H, D]``."""
     q, k, v = _unpack(qkv, "qkv", 3, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 @_runtime_errors
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                             learnable_sink=None):
     """flash-attn's ``flash_attn_kvpacked_func``: q ``[B, Sq, Hq, D]``, kv ``[B, Sk, 2, Hkv, D]``."""
     k, v = _unpack(kv, "kv", 2, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 @_runtime_errors
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, learnable_sink=None,
+                           k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_varlen_func``: packed q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``
-    or, with ``block_table``, pages ``[num_blocks, page_size, Hkv, D]``."""
+    or, with ``block_table``, pages ``[num_blocks, page_size, Hkv, D]``; K/V may be fp8 with
+    ``k_descale``/``v_descale``."""
     _inference_only(dropout_p, alibi_slopes)
     return _returns(_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                            return_lse=return_attn_probs, block_table=block_table), return_attn_probs)
+                            return_lse=return_attn_probs, block_table=block_table, sinks=learnable_sink,
+                            k_descale=k_descale, v_descale=v_descale), return_attn_probs)
 
 
 @_runtime_errors
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, learnable_sink=None):
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, H, D]``."""
     q, k, v = _unpack(qkv, "qkv", 3, 1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  learnable_sink=learnable_sink)
 
 
 @_runtime_errors
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                    learnable_sink=None):
     """flash-attn's ``flash_attn_varlen_kvpacked_func``: q ``[total_q, Hq, D]``, kv ``[total_k, 2, Hkv, D]``."""
     k, v = _unpack(kv, "kv", 2, 1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, learnable_sink=learnable_sink)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -220,7 +233,8 @@ def _rotary_positions(q, k, cache_seqlens, rows: int, capacity: int, causal: boo
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
+                            learnable_sink=None, k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_with_kvcache``.
 
     Beyond :func:`pagedflash.flash_attn_with_kvcache`: ``rotary_cos``/``rotary_sin``
@@ -228,7 +242,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     ``cache_seqlens + t`` and q at ``cache_seqlens + i`` when causal or local, else every query at
     ``cache_seqlens`` (flash-attn's rule, module doc); ``cache_batch_idx`` int32 ``[B]`` picks the
     row of a contiguous ``k_cache`` ``[B_cache, S_max, Hkv, D]`` that query row b reads and appends
-    to (it runs through the paged path, one page of ``S_max`` rows per cache row)."""
+    to (it runs through the paged path, one page of ``S_max`` rows per cache row). ``k_cache``/``v_cache``
+    may be fp8 with ``k_descale``/``v_descale`` (flash-attn 3); ``learnable_sink`` as flash-attn 4."""
     _inference_only(0.0, alibi_slopes)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by pagedflash, expected None")
@@ -255,4 +270,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         block_table = cache_batch_idx.view(-1, 1)
     return _with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cache_seqlens, block_table=block_table,
                          softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                         num_splits=num_splits, return_lse=return_softmax_lse)
+                         num_splits=num_splits, return_lse=return_softmax_lse, k_descale=k_descale,
+                         v_descale=v_descale, sinks=learnable_sink)

@@ -13,6 +13,14 @@ and, with ``delta = Sk - Sq`` (bottom-right alignment),
   ``j <= i + delta + right`` if ``right >= 0``.
 
 A query row that sees no key gets output 0 and LSE ``-inf``.
+
+Attention sinks (``sinks``, fp32 ``[Hq]``, one logit per query head, as gpt-oss): the sink joins the
+softmax denominator and carries no value, ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink_h))``; the
+LSE is ``log(sum_k exp(s_k) + exp(sink_h))``, so a row that sees no key gets output 0 and LSE = sink.
+Softcap applies to the scores, not to the sink.
+
+FP8 caches: the real key is ``stored.float() * k_descale[head]`` (:func:`dequantize_ref`); writing
+stores ``saturate(k / k_scale)`` rounded to nearest (:func:`quantize_fp8_ref`).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ def _visible(sq: int, sk: int, causal: bool, window_size: tuple[int, int], devic
     return mask
 
 
-def _attend(q, k, v, scale, causal, window_size, softcap):
+def _attend(q, k, v, scale, causal, window_size, softcap, sinks=None):
     """One sequence. q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]`` -> out ``[Sq, Hq, D]``, lse ``[Hq, Sq]``."""
     sq, hq, _ = q.shape
     sk, hkv, _ = k.shape
@@ -52,6 +60,8 @@ def _attend(q, k, v, scale, causal, window_size, softcap):
     mask = _visible(sq, sk, causal, window_size, q.device)
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Sq]; -inf for rows that see nothing
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.float().to(lse.device)[:, None])
     p = torch.exp(s - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
     p = p.masked_fill(~mask, 0.0)
     out = torch.einsum("hqk,khd->qhd", p, vf)
@@ -62,18 +72,20 @@ def _scale(softmax_scale, d):
     return 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
 
 
-def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, sinks=None):
     """Dense attention. q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``.
 
     Returns out ``[B, Sq, Hq, D]`` fp32 and lse ``[B, Hq, Sq]`` fp32.
     """
     scale = _scale(softmax_scale, q.shape[-1])
-    outs, lses = zip(*(_attend(q[b], k[b], v[b], scale, causal, window_size, softcap) for b in range(q.shape[0])))
+    outs, lses = zip(*(_attend(q[b], k[b], v[b], scale, causal, window_size, softcap, sinks)
+                       for b in range(q.shape[0])))
     return torch.stack(outs), torch.stack(lses)
 
 
 def varlen_attention_ref(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    sinks=None,
 ):
     """Packed variable lengths. q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``, cu_seqlens ``[B+1]``.
 
@@ -84,7 +96,8 @@ def varlen_attention_ref(
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(len(cq) - 1):
-        o, l = _attend(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], scale, causal, window_size, softcap)
+        o, l = _attend(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], scale, causal, window_size,
+                       softcap, sinks)
         out[cq[b] : cq[b + 1]] = o
         lse[:, cq[b] : cq[b + 1]] = l
     return out, lse
@@ -100,7 +113,7 @@ def gather_paged(cache, block_table, seqlen: int, b: int):
 
 def paged_varlen_attention_ref(
     q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, block_table, *, softmax_scale=None, causal=False,
-    window_size=(-1, -1), softcap=0.0,
+    window_size=(-1, -1), softcap=0.0, sinks=None,
 ):
     """Varlen queries against a paged cache: sequence ``b``'s keys are its first
     ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` cached tokens, read through ``block_table[b]``."""
@@ -109,13 +122,13 @@ def paged_varlen_attention_ref(
     vs = [gather_paged(v_cache, block_table, ck[b + 1] - ck[b], b) for b in range(len(ck) - 1)]
     return varlen_attention_ref(
         q, torch.cat(ks), torch.cat(vs), cu_seqlens_q, cu_seqlens_k, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap,
+        causal=causal, window_size=window_size, softcap=softcap, sinks=sinks,
     )
 
 
 def kvcache_attention_ref(
     q, k_cache, v_cache, cache_seqlens, *, block_table=None, softmax_scale=None, causal=True,
-    window_size=(-1, -1), softcap=0.0,
+    window_size=(-1, -1), softcap=0.0, sinks=None,
 ):
     """Attention of q ``[B, Sq, Hq, D]`` over each row's first ``cache_seqlens[b]`` cached tokens
     (contiguous cache ``[B, S_max, Hkv, D]`` or paged with ``block_table``). New tokens must already
@@ -128,14 +141,42 @@ def kvcache_attention_ref(
             kb, vb = k_cache[b, :n], v_cache[b, :n]
         else:
             kb, vb = gather_paged(k_cache, block_table, n, b), gather_paged(v_cache, block_table, n, b)
-        o, l = _attend(q[b], kb, vb, scale, causal, window_size, softcap)
+        o, l = _attend(q[b], kb, vb, scale, causal, window_size, softcap, sinks)
         outs.append(o)
         lses.append(l)
     return torch.stack(outs), torch.stack(lses)
 
 
-def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
-    """Write new tokens k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (in place)."""
+def _per_head(scale, x: torch.Tensor) -> torch.Tensor:
+    """A scale of one value (``[]``/``[1]``) or one per KV head (``[Hkv]``), shaped to broadcast over
+    x ``[..., Hkv, D]``; None means 1."""
+    if scale is None:
+        return torch.ones((), device=x.device)
+    scale = scale.float().to(x.device).reshape(-1)
+    return scale.reshape(()) if scale.numel() == 1 else scale[:, None]
+
+
+def dequantize_ref(cache, descale=None):
+    """The real values of a (possibly fp8) cache ``[..., Hkv, D]``: ``stored.float() * descale[head]``."""
+    return cache.float() * _per_head(descale, cache)
+
+
+def quantize_fp8_ref(x, scale, dtype):
+    """What a write stores in an fp8 cache of ``dtype``: ``x / scale[head]`` saturated at the format's
+    largest finite value (448 for e4m3fn, 57344 for e5m2) and rounded to nearest, ties to even."""
+    top = torch.finfo(dtype).max
+    return (x.float() / _per_head(scale, x)).clamp(-top, top).to(dtype)
+
+
+def _stored(x, cache, scale):
+    """x as the cache stores it: quantized for an fp8 cache, else as is."""
+    return quantize_fp8_ref(x, scale, cache.dtype) if cache.dtype.itemsize == 1 else x
+
+
+def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, k_scale=None, v_scale=None):
+    """Write new tokens k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (in place;
+    quantized with ``k_scale``/``v_scale`` into an fp8 cache)."""
+    k, v = _stored(k, k_cache, k_scale), _stored(v, v_cache, v_scale)
     for b in range(k.shape[0]):
         for t in range(k.shape[1]):
             pos = int(cache_seqlens[b]) + t
@@ -147,8 +188,10 @@ def append_ref(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
                 k_cache[blk, pos % page], v_cache[blk, pos % page] = k[b, t], v[b, t]
 
 
-def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping):
-    """Scatter k/v ``[T, Hkv, D]`` into paged caches by ``slot_mapping`` (negative slots skipped)."""
+def write_kv_cache_ref(k, v, k_cache, v_cache, slot_mapping, *, k_scale=None, v_scale=None):
+    """Scatter k/v ``[T, Hkv, D]`` into paged caches by ``slot_mapping`` (negative slots skipped;
+    quantized with ``k_scale``/``v_scale`` into an fp8 cache)."""
+    k, v = _stored(k, k_cache, k_scale), _stored(v, v_cache, v_scale)
     page = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:

@@ -129,7 +129,10 @@ def to_paged(cache: torch.Tensor, page_size: int, block_table: torch.Tensor) -> 
                          f"{tuple(block_table.shape)}")
     chunks = cache.reshape(-1, page_size, *cache.shape[2:])
     pool = torch.empty_like(chunks)
-    pool[block_table.flatten().long()] = chunks
+    if cache.element_size() == 1:  # fp8: scatter the bytes (torch's index kernels need not cover float8)
+        pool.view(torch.uint8)[block_table.flatten().long()] = chunks.view(torch.uint8)
+    else:
+        pool[block_table.flatten().long()] = chunks
     return pool
 
 

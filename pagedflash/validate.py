@@ -21,6 +21,7 @@ import operator
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # K/V cache storage only; q and outputs stay 16/32-bit
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # window sides from this length up are unbounded (exact for sequences of up to 2**30 tokens; it keeps
 # position + window inside int32 in the kernels)
@@ -308,3 +309,54 @@ def check_paged_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"v_cache: expected shape {tuple(k_cache.shape)} (k_cache's), got {tuple(v_cache.shape)}")
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"v_cache: expected strides {k_cache.stride()} (k_cache's), got {v_cache.stride()}")
+
+
+# ---------------------------------------------------------------- fp8 K/V and attention sinks
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def check_kv_dtypes(q: torch.Tensor, k_name: str, k: torch.Tensor, v_name: str, v: torch.Tensor) -> None:
+    """K/V in q's dtype, or both in one fp8 dtype (stored scaled; q and the output keep their dtype)."""
+    allowed = (q.dtype, *FP8_DTYPES)
+    if k.dtype not in allowed:
+        raise TypeError(f"{k_name}: expected dtype {q.dtype} (the dtype of q) or an fp8 dtype "
+                        f"{[str(d) for d in FP8_DTYPES]}, got {k.dtype}")
+    if v.dtype != k.dtype:
+        raise TypeError(f"{v_name}: expected dtype {k.dtype} (the dtype of {k_name}), got {v.dtype}")
+
+
+def check_kv_scale(name: str, scale, *, cache: torch.Tensor, cache_name: str, device) -> torch.Tensor | None:
+    """A K/V (de)scale: None, or fp32 ``[]``/``[1]`` (one for all heads) or ``[Hkv]`` (one per KV head)
+    on q's device, only for an fp8 cache; with value checks on, every entry finite and > 0."""
+    if scale is None:
+        return None
+    if not is_fp8(cache.dtype):
+        raise ValueError(f"{name}: scales apply to fp8 caches only ({cache_name} is {cache.dtype}), expected None")
+    check_tensor(name, scale, dtypes=(torch.float32,), device=device)
+    hkv = cache.shape[-2]
+    if not (scale.numel() == 1 and scale.dim() <= 1) and tuple(scale.shape) != (hkv,):
+        raise ValueError(f"{name}: expected shape [] or [1] (per tensor) or [{hkv}] (per KV head), "
+                         f"got {list(scale.shape)}")
+    check_no_grad(**{name: scale})
+    if value_checks_enabled(scale):
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        if bool(bad.any()):
+            raise ValueError(f"{name}: expected finite values > 0, got {scale.tolist()}")
+    return scale
+
+
+def check_sinks(sinks, *, num_heads: int, device) -> torch.Tensor | None:
+    """Attention-sink logits: None, or fp32 ``[Hq]`` on q's device; with value checks on, no NaN and
+    no +inf (``-inf`` is a head without a sink)."""
+    if sinks is None:
+        return None
+    check_tensor("sinks", sinks, ndim=1, dtypes=(torch.float32,), device=device)
+    if sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks: expected shape [{num_heads}] (one logit per query head, Hq), got {list(sinks.shape)}")
+    check_no_grad(sinks=sinks)
+    if value_checks_enabled(sinks) and bool((torch.isnan(sinks) | torch.isposinf(sinks)).any()):
+        raise ValueError(f"sinks: expected finite logits (or -inf for none), got {sinks.tolist()}")
+    return sinks

@@ -12,7 +12,7 @@ import torch
 from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.testing import assert_close, random_paged_kv
 
-__all__ = ["DEVICE", "DTYPES", "ON_GPU", "assert_close", "cu_seqlens", "ids", "make_pool", "randn"]
+__all__ = ["DEVICE", "DTYPES", "ON_GPU", "assert_close", "cu_seqlens", "fp8_pool", "ids", "make_pool", "randn"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
@@ -34,6 +34,13 @@ def make_pool(seqlens, page, hkv, d, dtype, *, share_first=0, spare=3):
     larger than needed, block tables a random permutation of it; ``share_first`` > 0 makes every
     sequence alias the first sequence's first pages (prefix caching)."""
     return random_paged_kv(seqlens, page, hkv, d, dtype, device=DEVICE, spare=spare, share_first=share_first)
+
+
+def fp8_pool(seqlens, page, hkv, d, fp8=torch.float8_e4m3fn, **kwargs):
+    """:func:`make_pool` stored in fp8 (NaN in every unused slot); built in fp32 and converted, so no
+    fp8 scatter is needed on the device."""
+    k_cache, v_cache, table = make_pool(seqlens, page, hkv, d, torch.float32, **kwargs)
+    return k_cache.to(fp8), v_cache.to(fp8), table
 
 
 def ids(value) -> str:

@@ -56,6 +56,9 @@ def test_bench_decode_quick(tmp_path):
     for row in grid:
         assert _measured(row["us"]) and _measured(row["tbps"]) and {"cudnn_us", "flash_us", "vs_cudnn"} <= row.keys()
     assert {"geomean_pf_vs_cudnn", "geomean_auto_over_best", "failures"} <= doc["summary"].keys()
+    fp8 = doc["tables"]["fp8"]["rows"]
+    assert fp8 and all(_measured(r["fp8_us"]) and _measured(r["bf16_us"]) and r["err_unquant"] is not None
+                       for r in fp8)
     _png(tmp_path / "decode_splits.png")
     _png(tmp_path / "decode_grid.png")
 
@@ -67,6 +70,9 @@ def test_bench_paged_quick(tmp_path):
                           for r in decode)
     chunked = doc["tables"]["chunked_prefill"]["rows"]
     assert chunked and all(_measured(r["p16_tflops"]) and _measured(r["dense_tflops"]) for r in chunked)
+    assert all(_measured(r["p16_fp8_tflops"]) and r["p16_fp8_err_unquant"] is not None for r in chunked)
+    fp8 = doc["tables"]["fp8_paged"]["rows"]
+    assert fp8 and all(_measured(r["fp8_us"]) and r["page"] == 16 for r in fp8)
     off, on = doc["tables"]["prefix_caching"]["rows"]
     assert off["mode"] == "off" and on["mode"] == "on"
     assert on["computed"] < off["computed"] and _measured(on["speedup"]) and on["ideal"] > 1

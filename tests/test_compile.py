@@ -1,7 +1,8 @@
 """torch.compile over every public function, through the ``torch.ops.pagedflash`` operators.
 
 - ``torch._dynamo.explain`` finds no graph break in code calling each public function (and each
-  mode of it: paged, appending new k/v, ``out=``, split KV), and the one graph calls the operator;
+  mode of it: paged, appending new k/v, ``out=``, split KV, attention sinks, fp8 caches with their
+  scales), and the one graph calls the operator;
 - ``torch.compile(fullgraph=True)`` results, mutated caches included, are bit-identical to eager,
   with static and dynamic (SymInt) shapes: on the CPU with ``aot_eager`` (the kernels under the
   interpreter) and Inductor for two cases, on the GPU with Inductor for every case and
@@ -92,6 +93,19 @@ def _kvcache_args(dtype, big, paged):
             randn(b, s_new, hkv, d, dtype=dtype), lens, table)
 
 
+def _sinks(hq, seed):
+    return randn(hq, generator=torch.Generator(device=DEVICE).manual_seed(seed)) * 2
+
+
+def _fp8_kvcache_args(dtype, big):
+    """A paged fp8 pool with appends, per-KV-head key descales, a per-tensor value descale, sinks."""
+    q, kc, vc, k, v, lens, table = _kvcache_args(dtype, big, True)
+    hq, hkv = q.shape[2], kc.shape[2]
+    k_descale = torch.linspace(0.5, 2.0, hkv, device=DEVICE)
+    return (q, kc.float().to(torch.float8_e4m3fn), vc.float().to(torch.float8_e4m3fn), k, v, lens, table, k_descale,
+            torch.tensor(0.7, device=DEVICE), _sinks(hq, seed=9))
+
+
 def _merge_args(dtype, big):
     shape = (64, 32, 128) if big else (5, 3, 40)
     lse_a, lse_b = randn(*shape[:-1]), randn(*shape[:-1])
@@ -107,12 +121,22 @@ def _write_args(dtype, big):
     return randn(t, hkv, d, dtype=dtype), randn(t, hkv, d, dtype=dtype), kc, vc, slots
 
 
+def _fp8_write_args(dtype, big):
+    k, v, kc, vc, slots = _write_args(dtype, big)
+    return (k * 40, v, kc.float().to(torch.float8_e4m3fn), vc.float().to(torch.float8_e4m3fn), slots,
+            torch.linspace(0.5, 2.0, kc.shape[2], device=DEVICE), torch.tensor([0.25], device=DEVICE))
+
+
 def _dense(q, k, v):
     return flash_attn_func(q, k, v, causal=True, return_lse=True)
 
 
 def _dense_options(q, k, v):
     return (flash_attn_func(q, k, v, softmax_scale=0.3, window_size=(3, 1), softcap=5.0),)
+
+
+def _dense_sinks(q, k, v, sinks):
+    return flash_attn_func(q, k, v, causal=True, return_lse=True, sinks=sinks)
 
 
 def _dense_out(q, k, v):
@@ -154,8 +178,19 @@ def _kvcache_read_only(q, kc, vc, k, v, lens, table):
     return (flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, softcap=3.0),)
 
 
+def _kvcache_fp8(q, kc, vc, k, v, lens, table, k_descale, v_descale, sinks):
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, block_table=table, return_lse=True,
+                                       k_descale=k_descale, v_descale=v_descale, sinks=sinks)
+    return out, lse, kc, vc
+
+
 def _write(k, v, kc, vc, slots):
     write_kv_cache(k, v, kc, vc, slots)
+    return kc, vc
+
+
+def _write_fp8(k, v, kc, vc, slots, k_scale, v_scale):
+    write_kv_cache(k, v, kc, vc, slots, k_scale=k_scale, v_scale=v_scale)
     return kc, vc
 
 
@@ -186,6 +221,8 @@ CASES = {
     "dense": Case(_dense, "flash_attn_func", _dense_args),
     "dense_options": Case(_dense_options, "flash_attn_func", _dense_args),
     "dense_out": Case(_dense_out, "flash_attn_func", _dense_args),
+    "dense_sinks": Case(_dense_sinks, "flash_attn_func", lambda dt, big: (*_dense_args(dt, big), _sinks(32 if big else 4,
+                                                                                                      seed=8))),
     "varlen": Case(_varlen, "flash_attn_varlen_func", _varlen_args),
     "varlen_out": Case(_varlen_out, "flash_attn_varlen_func", _varlen_args),
     "varlen_paged": Case(_paged, "flash_attn_varlen_func", _paged_args),
@@ -198,9 +235,11 @@ CASES = {
                                 lambda dt, big: _kvcache_args(dt, big, False)),
     "kvcache_read_only": Case(_kvcache_read_only, "flash_attn_with_kvcache",
                               lambda dt, big: _kvcache_args(dt, big, True)),
+    "kvcache_paged_fp8_sinks": Case(_kvcache_fp8, "flash_attn_with_kvcache", _fp8_kvcache_args),
     "merge": Case(merge_attn_states, "merge_attn_states", _merge_args),
     "write_kv_cache": Case(_write, "write_kv_cache", _write_args),
     "decoder_ops": Case(_decoder, {"rms_norm", "rope_", "silu_mul", "gemv", "argmax"}, _decoder_args),
+    "write_kv_cache_fp8": Case(_write_fp8, "write_kv_cache", _fp8_write_args),
 }
 
 
@@ -262,8 +301,8 @@ def test_compiled_aot_eager_is_bit_identical(name):
     _assert_identical(_run(compiled, args), want, name)
 
 
-@pytest.mark.parametrize("name", ["dense_out", "varlen_paged", "kvcache_paged_append", "kvcache_int_seqlens",
-                                  "merge", "write_kv_cache", "decoder_ops"])
+@pytest.mark.parametrize("name", ["dense_out", "varlen_paged", "kvcache_paged_append", "kvcache_int_seqlens", "merge",
+                                  "write_kv_cache", "decoder_ops"] + (["kvcache_paged_fp8_sinks"] if ON_GPU else []))
 def test_dynamic_shapes_compile_once(name, monkeypatch):
     """``dynamic=True``: bit-identical to eager, and a second set of sizes reuses the graph (every
     check ran on SymInts). Duck sizing, off here, would specialize on sizes that happen to be equal
@@ -291,6 +330,9 @@ def _resized(name):
         lq, lk = [2, 5], [9, 5]
         return (randn(sum(lq), 4, 24), kc, vc, cu_seqlens(lq), cu_seqlens(lk), max(lq), max(lk),
                 _table(2, 3, kc.shape[0], seed=8))
+    if name == "kvcache_paged_fp8_sinks":
+        q, kc, vc, k, v, lens, table, k_descale, v_descale, sinks = _fp8_kvcache_args(torch.float32, False)
+        return q[:2], kc, vc, k[:2], v[:2], lens[:2], table[:2], k_descale, v_descale, sinks
     if name in ("kvcache_paged_append", "kvcache_int_seqlens"):
         q, kc, vc, k, v, lens, table = _kvcache_args(torch.float32, False, name == "kvcache_paged_append")
         if table is None:
@@ -334,11 +376,29 @@ def _kvcache_op_args():
     return q, kc, vc, k, v, lens, table, table.shape[1] * kc.shape[1], torch.empty_like(q), None, -1, 0, 0.0, 0, True
 
 
-# one direct call per operator, with the normalized arguments the public functions pass
+def _fp8_paged_op_args():
+    """The engine's launch: varlen queries over an fp8 pool, with descales and sinks."""
+    q, kc, vc, cu_q, cu_k, max_q, max_k, table = _fresh(CASES["varlen_paged"])
+    hkv = kc.shape[2]
+    return (q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), cu_q, cu_k, max_q, max_k, table,
+            torch.empty_like(q), None, -1, 0, 0.0, 2, True, _sinks(q.shape[1], seed=10),
+            torch.linspace(0.5, 2.0, hkv, device=DEVICE), torch.tensor([0.7], device=DEVICE))
+
+
+def _fp8_kvcache_op_args():
+    q, kc, vc, k, v, lens, table, k_descale, v_descale, sinks = _fresh(CASES["kvcache_paged_fp8_sinks"])
+    return (q, kc, vc, k, v, lens, table, table.shape[1] * kc.shape[1], torch.empty_like(q), None, -1, 0, 0.0, 0,
+            True, sinks, k_descale, v_descale)
+
+
+# one direct call per operator, with the normalized arguments the public functions pass (the side
+# inputs, sinks and fp8 scales, left to their schema defaults, then given)
 OP_CALLS = {
     "flash_attn_func": _dense_op_args,
     "flash_attn_varlen_func": _paged_op_args,
+    "flash_attn_varlen_func[fp8, sinks]": _fp8_paged_op_args,
     "flash_attn_with_kvcache": _kvcache_op_args,
+    "flash_attn_with_kvcache[fp8, sinks]": _fp8_kvcache_op_args,
     "merge_attn_states": lambda: _fresh(CASES["merge"]),
     "write_kv_cache": lambda: _fresh(CASES["write_kv_cache"]),
     "rms_norm": lambda: (*_fresh(CASES["decoder_ops"])[:3:2], 1e-5, _fresh(CASES["decoder_ops"])[1]),
@@ -346,6 +406,7 @@ OP_CALLS = {
     "silu_mul": lambda: (_fresh(CASES["decoder_ops"])[9],),
     "argmax": lambda: (_fresh(CASES["decoder_ops"])[12],),
     "gemv": lambda: _gemv_op_args(),
+    "write_kv_cache[fp8]": lambda: _fresh(CASES["write_kv_cache_fp8"]),
 }
 
 
@@ -359,8 +420,11 @@ def _gemv_op_args():
 def test_operators_pass_opcheck(name):
     """Declared mutations are the real ones, fake kernels match the real results' shapes, dtypes and
     strides, and AOT dispatch (functionalization) runs them, with dynamic shapes."""
-    torch.library.opcheck(getattr(torch.ops.pagedflash, name).default, OP_CALLS[name](),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    op = getattr(torch.ops.pagedflash, name.split("[")[0]).default
+    tests = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    if "fp8" in name:  # the schema check compares fp8 tensors with arithmetic torch's CPU lacks for them;
+        tests = tests[1:]  # the declared mutations are the ones the 16-bit calls of the operator check
+    torch.library.opcheck(op, OP_CALLS[name](), test_utils=tests)
 
 
 def test_operator_results_have_the_fake_shapes_without_return_lse():

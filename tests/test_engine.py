@@ -403,3 +403,83 @@ def test_gpu_cuda_graph_decode_equals_eager(llama):
     eager = LLM(path, cuda_graphs=False, **kw).generate(prompts, GREEDY)
     graph = LLM(path, cuda_graphs=True, **kw).generate(prompts, GREEDY)
     assert [o.token_ids for o in graph] == [o.token_ids for o in eager] == [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def _with_kv_scales(src, dst, tensors: dict) -> str:
+    """A copy of the checkpoint at ``src`` with extra (scale) tensors in a second safetensors file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    save_file({k: torch.tensor(v, dtype=torch.float32) for k, v in tensors.items()}, f"{dst}/kv_scales.safetensors")
+    return str(dst)
+
+
+def test_fp8_kv_cache(llama, tmp_path):
+    """kv_cache_dtype="fp8_e4m3": a quarter of the fp32 pool's bytes for the same pages, logits within
+    quantization noise of the unquantized cache's, scales from vLLM's checkpoint names (per tensor or
+    per KV head) or given."""
+    path, hf = llama
+    prompts = prompts_of([12, 5], seed=11)
+    full = fp32_llm(path, num_blocks=32)
+    exact = full.prompt_logits(prompts)
+    fp8 = fp32_llm(path, num_blocks=32, kv_cache_dtype="fp8_e4m3")
+    assert fp8.kv_cache.dtype == torch.float8_e4m3fn and fp8.kv_cache.nbytes * 4 == full.kv_cache.nbytes
+    assert fp8.kv_cache.k_scales.tolist() == [[1.0], [1.0]]
+    for want, got in zip(exact, fp8.prompt_logits(prompts)):
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+    outs = fp8.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # decode steps over the pool
+    assert all(len(o.token_ids) == 2 for o in outs)
+
+    # ModelOpt's names for layer 0, compressed-tensors' for layer 1, vLLM's old single kv_scale aside
+    names = {"model.layers.0.self_attn.k_proj.k_scale": 0.05, "model.layers.0.self_attn.v_proj.v_scale": 0.02,
+             "model.layers.1.self_attn.k_scale": 0.04, "model.layers.1.self_attn.v_scale": 0.03}
+    scaled = _with_kv_scales(path, tmp_path / "scaled", names)
+    llm = fp32_llm(scaled, num_blocks=32, kv_cache_dtype="fp8")
+    assert llm.kv_cache.k_scales.flatten().tolist() == pytest.approx([0.05, 0.04])
+    assert llm.kv_cache.v_scales.flatten().tolist() == pytest.approx([0.02, 0.03])
+    for want, got in zip(exact, llm.prompt_logits(prompts)):
+        assert (got - want).abs().max() < 0.05 * want.abs().max()
+    given = fp32_llm(scaled, num_blocks=32, kv_cache_dtype="fp8_e4m3", k_scale=[0.5, 0.25])
+    assert given.kv_cache.k_scales.flatten().tolist() == [0.5, 0.25]
+    assert given.kv_cache.v_scales.flatten().tolist() == pytest.approx([0.02, 0.03])
+    legacy = _with_kv_scales(path, tmp_path / "legacy", {f"model.layers.{i}.self_attn.kv_scale": 0.125 for i in (0, 1)})
+    llm = fp32_llm(legacy, num_blocks=32, kv_cache_dtype="fp8_e5m2")
+    assert llm.kv_cache.dtype == torch.float8_e5m2 and llm.kv_cache.v_scales.flatten().tolist() == [0.125, 0.125]
+
+    per_head = _with_kv_scales(path, tmp_path / "per_head",
+                               {f"model.layers.{i}.self_attn.k_scale": [0.03, 0.06] for i in (0, 1)})
+    llm = fp32_llm(per_head, num_blocks=32, kv_cache_dtype="fp8")
+    assert llm.kv_cache.k_scales.flatten().tolist() == pytest.approx([0.03, 0.06] * 2)
+    assert llm.kv_cache.scales(1)[0].shape == (2,) and llm.kv_cache.v_scales.tolist() == [[1.0], [1.0]]
+
+    partial = _with_kv_scales(path, tmp_path / "partial", {"model.layers.1.self_attn.k_scale": 0.5})
+    with pytest.raises(ValueError, match=r"k_scale given for some layers but not for layers \[0\]"):
+        fp32_llm(partial, num_blocks=32, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto' or one of"):
+        fp32_llm(path, num_blocks=32, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="k_scale, v_scale: apply to an fp8 KV cache only"):
+        fp32_llm(path, num_blocks=32, k_scale=0.5)
+    with pytest.raises(ValueError, match="v_scale must be a float or 2 entries"):
+        fp32_llm(path, num_blocks=32, kv_cache_dtype="fp8_e4m3", v_scale=[1.0, 2.0, 3.0])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fp8_kv_cache_graphs_and_pool_size(llama):
+    """fp8 KV in the compiled engine: CUDA-graph decode gives eager decode's tokens, and the pool
+    sized from free memory holds twice the pages of a bf16 one."""
+    path, _ = llama
+    prompts = prompts_of([5, 40, 17, 3, 60, 9, 21], seed=6)
+    kw = dict(dtype=torch.bfloat16, page_size=16, num_blocks=64, max_num_seqs=16, kv_cache_dtype="fp8_e4m3",
+              k_scale=0.02, v_scale=0.02)
+    eager = LLM(path, cuda_graphs=False, **kw).generate(prompts, GREEDY)
+    graph = LLM(path, cuda_graphs=True, **kw).generate(prompts, GREEDY)
+    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
+    from pagedflash.cache import KVCache
+
+    sizes = dict(num_layers=16, page_size=16, num_kv_heads=8, head_dim=128)
+    budget = 10 << 30
+    assert KVCache.num_blocks_for_memory(budget, **sizes, dtype=torch.float8_e4m3fn) == \
+        2 * KVCache.num_blocks_for_memory(budget, **sizes, dtype=torch.bfloat16)

@@ -187,6 +187,22 @@ def test_no_process_outlives_the_engine(tmp_path):
     assert not dist.is_initialized()  # the group is destroyed with the engine: a new one can start
 
 
+@two_ranks_here
+def test_fp8_pool_with_per_head_scales_equals_one_rank():
+    """kv_cache_dtype="fp8" over two ranks: each rank's pool holds its own KV head's scales, so logits
+    and tokens equal one rank's fp8 engine's. The heads' value scales differ widely (the second one
+    rounds values coarsely): a rank that took the other head's scale would give other logits."""
+    kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=[[0.02, 0.05]], v_scale=[[0.01, 4.0]])
+    prompts, params = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], SamplingParams(max_tokens=3, ignore_eos=True)
+    with LLM(TINY, **kw, **ENGINE) as one:
+        want = one.prompt_logits(prompts[:1])[0], [o.token_ids for o in one.generate(prompts, params)]
+    with LLM(TINY, tensor_parallel_size=2, **kw, **ENGINE) as two:
+        assert two.kv_cache.dtype == torch.float8_e4m3fn and torch.equal(two.kv_cache.k_scales.cpu(), torch.tensor([[0.02]]))
+        got = two.prompt_logits(prompts[:1])[0], [o.token_ids for o in two.generate(prompts, params)]
+    torch.testing.assert_close(got[0].cpu(), want[0].cpu(), rtol=1e-5, atol=1e-5)
+    assert got[1] == want[1] and not children()
+
+
 @pytest.mark.parametrize("size, match", [
     (0, "must be an int >= 1"), (-2, "must be an int >= 1"), (True, "must be an int >= 1"),
     (1.5, "must be an int >= 1"), (3, "must divide num_attention_heads=4"),

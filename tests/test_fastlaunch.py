@@ -359,6 +359,7 @@ def _shapes():
     yield "decode_spec", dict(q=randn(2, 4, 8, 64), k=randn(2, 90, 8, 64), seqlens=[90, 17], splits=3)
     yield "paged", dict(q=randn(2, 1, 4, 32), page=16, seqlens=[100, 31])
     yield "varlen", dict(lq=[5, 1, 17], lk=[9, 40, 17])
+    yield "paged_fp8_sinks", dict(q=randn(2, 1, 4, 32), page=16, seqlens=[100, 31], fp8=True)
 
 
 def _call(spec):
@@ -372,7 +373,12 @@ def _call(spec):
     if "page" in spec:
         k, v, table = make_pool(spec["seqlens"], spec["page"], 2, q.shape[-1], q.dtype)
         lens = torch.tensor(spec["seqlens"], dtype=torch.int32, device=DEVICE)
-        return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+        side = {}
+        if spec.get("fp8"):  # fp8 pages, per-KV-head key descales, a per-tensor value descale, sinks
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            side = dict(k_descale=torch.tensor([0.5, 2.0], device=DEVICE), v_descale=torch.tensor(0.7, device=DEVICE),
+                        sinks=randn(q.shape[2]))
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, **side)
     k = spec["k"]
     if "seqlens" in spec:
         lens = torch.tensor(spec["seqlens"], dtype=torch.int32, device=DEVICE)
@@ -406,8 +412,8 @@ def no_kernels(monkeypatch):
     attention.clear_plans()
 
 
-_PLAN_FIELDS = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "window", "consts", "fallback_key",
-                "tokens_per_batch")
+_PLAN_FIELDS = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "head_strides", "window", "consts",
+                "fallback_key", "tokens_per_batch")
 
 
 @pytest.mark.parametrize("name,spec", list(_shapes()), ids=[n for n, _ in _shapes()])
@@ -452,6 +458,17 @@ def _decode_key_variants():
     yield "window", lambda: call(q, k, window_size=(5, -1))
     yield "softcap", lambda: call(q, k, softcap=3.0)
     yield "same_as_base_aligned_offset", lambda: call(offset, k)
+    # the side inputs: given or not, their head stride (one value for all heads, or one per head)
+    k8, one, per_head = k.to(torch.float8_e4m3fn), torch.tensor([0.5], device=DEVICE), torch.tensor([0.5, 2.0],
+                                                                                                   device=DEVICE)
+    yield "sinks", lambda: call(q, k, sinks=randn(4))
+    yield "same_as_sinks_other_values", lambda: call(q, k, sinks=randn(4))
+    yield "sinks_strided", lambda: call(q, k, sinks=randn(8)[::2])
+    yield "fp8", lambda: call(q, k8)
+    yield "fp8_k_descale_per_tensor", lambda: call(q, k8, k_descale=one)
+    yield "same_as_fp8_k_descale_per_tensor_0d", lambda: call(q, k8, k_descale=torch.tensor(3.0, device=DEVICE))
+    yield "fp8_k_descale_per_head", lambda: call(q, k8, k_descale=per_head)
+    yield "fp8_v_descale_per_head", lambda: call(q, k8, v_descale=per_head)
 
 
 def test_a_changed_signature_misses_the_plan_cache(no_kernels, monkeypatch):
@@ -461,12 +478,14 @@ def test_a_changed_signature_misses_the_plan_cache(no_kernels, monkeypatch):
         call()
         new = set(attention._PLANS) - before
         keys[name] = new
-    assert all(len(new) == 1 for name, new in keys.items() if name != "same_as_base_aligned_offset"), keys
+    assert all(len(new) == 1 for name, new in keys.items() if not name.startswith("same_as_")), keys
     assert not keys["same_as_base_aligned_offset"]  # only the pointer moved, its alignment class did not
-    monkeypatch.setattr(launch, "TMA", not launch.TMA)  # the launch table's switches are part of the key
-    before = set(attention._PLANS)
-    dict(_decode_key_variants())["base"]()
-    assert len(set(attention._PLANS) - before) == 1
+    assert not keys["same_as_sinks_other_values"] and not keys["same_as_fp8_k_descale_per_tensor_0d"]
+    for switch in ("TMA", "TMA_FP8"):  # the launch table's switches are part of the key
+        monkeypatch.setattr(launch, switch, not getattr(launch, switch))
+        before = set(attention._PLANS)
+        dict(_decode_key_variants())["base"]()
+        assert len(set(attention._PLANS) - before) == 1
 
 
 def test_plan_cache_is_bounded(no_kernels, monkeypatch):
@@ -550,6 +569,10 @@ def _gpu_cases():
     skew = r(128 * 32 * 128 + 4).narrow(0, 4, 128 * 32 * 128).view(1, 128, 32, 128)  # 8-byte aligned q
     q80 = r(2, 1, 16, 80, dtype=torch.float16)
     k80, v80 = r(2, 333, 4, 80, dtype=torch.float16), r(2, 333, 4, 80, dtype=torch.float16)
+    e4m3 = torch.float8_e4m3fn
+    kp8, vp8 = kp.to(e4m3), vp.to(e4m3)  # fp8 pages, the side inputs: per-head, per-tensor, sinks
+    kd, vd, sinks = torch.rand(8, device="cuda") + 0.5, torch.tensor([0.7], device="cuda"), r(32, dtype=torch.float32)
+    kp64_8, vp64_8 = kp64.to(e4m3), vp64.to(e4m3)
     return {
         "decode_split": lambda: flash_attn_with_kvcache(q1, kc, vc, cache_seqlens=lens, return_lse=True),
         "decode_d80_fp16": lambda: flash_attn_with_kvcache(q80, k80, v80, cache_seqlens=333, num_splits=3),
@@ -560,6 +583,11 @@ def _gpu_cases():
         "prefill_misaligned_q": lambda: flash_attn_func(skew, pk, pv, causal=True),
         "varlen_window_softcap": lambda: flash_attn_varlen_func(vq, vk, vv, cq, ck, max(lq), max(lk), causal=True,
                                                                 window_size=(64, 0), softcap=30.0),
+        "paged16_fp8_sinks": lambda: flash_attn_with_kvcache(q1, kp8, vp8, cache_seqlens=plens, block_table=table,
+                                                             k_descale=kd, v_descale=vd, sinks=sinks),
+        "paged64_prefill_fp8": lambda: flash_attn_varlen_func(q64, kp64_8, vp64_8, cu64, cu64, 300, 300, causal=True,
+                                                              block_table=table64, k_descale=vd, v_descale=vd),
+        "prefill_sinks": lambda: flash_attn_func(pq, pk, pv, causal=True, sinks=sinks),
     }
 
 

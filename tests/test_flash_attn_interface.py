@@ -31,10 +31,16 @@ SIGNATURES = {
 }
 
 
+# pagedflash's extensions, after every flash-attn 2 parameter: attention sinks (flash-attn 4's name)
+# and fp8 K/V descales (flash-attn 3's names)
+EXTENSIONS = {name: ["learnable_sink"] for name in SIGNATURES} | {
+    name: ["learnable_sink", "k_descale", "v_descale"] for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache")}
+
+
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signatures_are_flash_attns(name):
     params = inspect.signature(getattr(fa, name)).parameters
-    assert list(params) == SIGNATURES[name]
+    assert list(params) == SIGNATURES[name] + EXTENSIONS[name]
     assert all(params[p].default is False for p in ("causal",) if p in params)  # flash-attn's default
 
 

@@ -1,6 +1,7 @@
 """``attn_implementation="pagedflash"`` in transformers: logits equal eager attention's and SDPA's
 (prefill, padded batches, decode through transformers' own cache, softcap, sliding windows both
-ways); keywords that would change the math and are not implemented raise errors that name them."""
+ways, gpt-oss's attention sinks); keywords that would change the math and are not implemented raise
+errors that name them."""
 
 import inspect
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import pagedflash.integrations.transformers as pf_hf
+from pagedflash.reference import attention_ref
 
 transformers = pytest.importorskip("transformers")
 ON_GPU = torch.cuda.is_available()
@@ -213,7 +215,8 @@ def _tiny_attention_call(**kwargs):
 
 
 @pytest.mark.parametrize("name,value", [
-    ("s_aux", torch.zeros(4)), ("sinks", torch.zeros(4)), ("alibi_slopes", torch.ones(4)), ("head_mask", torch.ones(4)),
+    ("sinks", torch.zeros(4)), ("learnable_sink", torch.zeros(4)), ("alibi_slopes", torch.ones(4)),
+    ("head_mask", torch.ones(4)),
     ("position_bias", torch.zeros(1, 4, 5, 5)), ("output_attentions", True), ("block_table", torch.zeros(1, 1)),
     ("k_cache", torch.zeros(1)), ("use_top_left_mask", True),
 ])
@@ -233,19 +236,46 @@ def test_unknown_keywords_and_dropout_raise_known_harmless_ones_pass():
     assert torch.equal(_tiny_attention_call(**harmless), want)
 
 
+def test_s_aux_reaches_the_kernel_as_sinks():
+    torch.manual_seed(1)
+    q, k = torch.randn(1, 4, 5, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE)
+    s_aux = torch.randn(4, device=DEVICE)
+    with torch.no_grad():
+        got = pf_hf.pagedflash_attention_forward(torch.nn.Module(), q, k, k, None, s_aux=s_aux)[0]
+    want = attention_ref(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), causal=True, sinks=s_aux)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
-def test_gpt_oss_sinks_are_refused():
-    """GPT-OSS passes its learned sinks as s_aux; running it through pagedflash must fail loudly.
-    (transformers sends GPT-OSS's flash requests to a hub kernel at load time, so the implementation
-    is switched on a model loaded with eager attention.)"""
+def test_gpt_oss_sinks_match_eager(tmp_path):
+    """gpt-oss passes its attention sinks as ``s_aux``: logits equal transformers' eager attention
+    (which puts the sinks in the softmax) in prefill, a left-padded batch and decode through the cache,
+    over its alternating sliding-window and full layers; and the model keeps pagedflash rather than
+    being switched to a hub kernel at load time (the second hook of the module doc)."""
     pf_hf.register()
-    cfg = transformers.GptOssConfig(**TINY, num_local_experts=2, num_experts_per_tok=1, sliding_window=6)
-    with torch.device(DEVICE):
-        model = transformers.GptOssForCausalLM(cfg).eval()
-    model.config._attn_implementation = "pagedflash"
-    with pytest.raises(NotImplementedError, match="^s_aux: pagedflash attention got s_aux=Parameter, but attention "
-                                                  "sinks"):
-        model(torch.randint(0, 128, (1, 6), device=DEVICE))
+    cfg = transformers.GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, sliding_window=6)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    for layer in model.model.layers:  # the init's std of 0.02 would leave the sinks near 0
+        layer.self_attn.sinks.normal_(0, 1.0)
+    model.save_pretrained(tmp_path)
+    load = lambda impl: transformers.GptOssForCausalLM.from_pretrained(  # noqa: E731
+        tmp_path, attn_implementation=impl, dtype=torch.float32).to(DEVICE).eval()
+    ours, ref_model = load("pagedflash"), load("eager")
+    assert ours.config._attn_implementation == "pagedflash"
+    ids = torch.randint(0, 128, (2, 19), device=DEVICE)
+    torch.testing.assert_close(ours(ids).logits, ref_model(ids).logits, rtol=1e-4, atol=1e-4)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    real = mask.bool()
+    out_a = ours(ids, attention_mask=mask, use_cache=True)
+    out_b = ref_model(ids, attention_mask=mask, use_cache=True)
+    torch.testing.assert_close(out_a.logits[real], out_b.logits[real], rtol=1e-4, atol=1e-4)
+    nxt = out_b.logits[:, -1:].argmax(-1)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    step_a = ours(nxt, attention_mask=mask, **{CACHE_ARG: out_a.past_key_values}, use_cache=True).logits
+    step_b = ref_model(nxt, attention_mask=mask, **{CACHE_ARG: out_b.past_key_values}, use_cache=True).logits
+    torch.testing.assert_close(step_a, step_b, rtol=1e-4, atol=1e-4)
 
 
 def test_flash_preload_hook_skips_only_registered_names(monkeypatch):

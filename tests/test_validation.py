@@ -11,6 +11,7 @@ from pagedflash import (
     flash_attn_with_kvcache,
     merge_attn_states,
     reference,
+    validate,
     write_kv_cache,
 )
 from pagedflash import flash_attn_interface as fa
@@ -161,6 +162,29 @@ def test_write_kv_cache_rejects():
         write_kv_cache(randn(3, 3, 32), randn(3, 3, 32), k_cache, v_cache, slots)
     with pytest.raises(TypeError, match="k: expected dtype"):
         write_kv_cache(k.half(), v.half(), k_cache, v_cache, slots)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter, on the unchecked NaN sink
+def test_scale_and_sink_values_are_checked_only_with_value_checks_on():
+    """The checks that read device values (a descale finite and > 0, no NaN or +inf sink) are gated
+    as the metadata checks are (off with set_value_checks(False), under CUDA-graph capture and while
+    compiling); the structural ones (dtype, shape, device) always run; flash_attn_interface raises
+    them as RuntimeErrors too."""
+    q, cache = randn(1, 1, 4, 32), randn(1, 8, 2, 32).to(torch.float8_e4m3fn)
+    zero, nan = torch.zeros(2, device=DEVICE), torch.full((4,), float("nan"), device=DEVICE)
+    call = lambda **kw: flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=8, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"k_descale: expected finite values > 0, got \[0.0, 0.0\]"):
+        call(k_descale=zero)
+    with pytest.raises(ValueError, match="sinks: expected finite logits"):
+        call(sinks=nan)
+    with pytest.raises(RuntimeError, match="v_descale: expected finite values > 0"):
+        fa.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=8, v_descale=zero)
+    with validate.value_checks(False):
+        call(k_descale=zero, sinks=nan)  # no value read: the kernel runs on what it is given
+        with pytest.raises(ValueError, match=r"k_descale: expected shape \[\] or \[1\] \(per tensor\) or \[2\]"):
+            call(k_descale=torch.ones(3, device=DEVICE))
+        with pytest.raises(TypeError, match="sinks: expected dtype"):
+            call(sinks=nan.half())
 
 
 def test_merge_rejects():

@@ -5,6 +5,11 @@
 2. The serving grid: B in {1, 4, 16, 64}, Hq/Hkv = 32/8, D=128, bf16, N in 1K..128K (cells whose
    K+V exceed 40 GB skipped): microseconds, TB/s of bytes read (K+V + Q + O), the fraction of the
    4.8 TB/s datasheet, and the speed ratio to SDPA cuDNN and flash from the same run.
+3. FP8 KV: the serving grid's cells (bf16 K+V up to ``max_kv_gb`` of the fp8 spec) with the same
+   caches quantized to ``float8_e4m3fn`` (per-KV-head scales from the data, amax / 448), contiguous:
+   fp8 and bf16 microseconds in the same run, the speedup, TB/s of the bytes the fp8 call moves (K+V
+   at one byte, Q and O at two), and the error against the reference over the dequantized cache
+   (checked, bf16's tolerance) and against the unquantized bf16 values (reported).
 
 Every call is ``flash_attn_with_kvcache(q [B,1,Hq,D], k_cache, v_cache, cache_seqlens=N,
 num_splits=s)`` over random caches (the serving grid also times ``cache_seqlens=None``, the whole
@@ -54,11 +59,15 @@ FULL = dict(
               splits=(1, 8, 16, 32, 64, 128)),
     grid=dict(batches=(1, 4, 16, 64), heads=(32, 8), dim=128, dtype=torch.bfloat16,
               lens=(1024, 4096, 16384, 65536, 131072), max_kv_gb=40),
+    fp8=dict(batches=(1, 4, 16, 64), heads=(32, 8), dim=128, dtype=torch.bfloat16,
+             lens=(1024, 4096, 16384, 65536, 131072), max_kv_gb=20),
 )
 QUICK = dict(
     seed=dict(batch=2, heads=(2, 2), dim=32, dtype=torch.float16, lens=(32, 64), splits=(1, 2)),
     grid=dict(batches=(1, 2), heads=(2, 1), dim=32, dtype=torch.float16, lens=(64,), max_kv_gb=40),
+    fp8=dict(batches=(1, 2), heads=(2, 1), dim=32, dtype=torch.float16, lens=(64,), max_kv_gb=40),
 )
+FP8 = torch.float8_e4m3fn
 AUTO = 0
 
 
@@ -66,9 +75,9 @@ def kv_bytes(b: int, n: int, hkv: int, d: int, dtype) -> int:
     return b * n * hkv * d * 2 * dtype.itemsize
 
 
-def decode_bytes(b: int, n: int, hq: int, hkv: int, d: int, dtype) -> int:
-    """Bytes one decode step must move: K+V read, plus Q read and O written."""
-    return kv_bytes(b, n, hkv, d, dtype) + 2 * b * hq * d * dtype.itemsize
+def decode_bytes(b: int, n: int, hq: int, hkv: int, d: int, dtype, kv_dtype=None) -> int:
+    """Bytes one decode step must move: K+V read (in ``kv_dtype``, default q's), plus Q read and O written."""
+    return kv_bytes(b, n, hkv, d, kv_dtype or dtype) + 2 * b * hq * d * dtype.itemsize
 
 
 class DecodeInputs:
@@ -108,6 +117,9 @@ class DecodeInputs:
         return lambda: pf.flash_attn_with_kvcache(self.q, k_pool, v_pool, cache_seqlens=self.seqlens,
                                                   block_table=table, num_splits=num_splits)
 
+    def fp8(self) -> Fp8Inputs:
+        return Fp8Inputs(self)
+
     def sdpa(self) -> dict[str, Measured]:
         """SDPA cuDNN and flash on transposed copies (made here; the [B,N,H,D] caches are kept)."""
         qt, kt, vt = bhsd(self.q), bhsd(self.k), bhsd(self.v)
@@ -116,6 +128,108 @@ class DecodeInputs:
         del qt, kt, vt
         free_memory()
         return out
+
+
+def kv_scale(x: torch.Tensor) -> torch.Tensor:
+    """Per-KV-head fp32 scales of x ``[..., Hkv, D]`` that map its largest magnitude to e4m3's 448."""
+    amax = x.abs().amax(dim=tuple(i for i in range(x.dim()) if i != x.dim() - 2)).float()
+    return (amax / torch.finfo(FP8).max).clamp_min(1e-12)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x ``[B, N, Hkv, D]`` stored as fp8 with ``scale`` (the reference's rounding), one row at a time
+    (the fp32 intermediate of a whole 128K-token cache would not fit next to it)."""
+    from pagedflash.reference import quantize_fp8_ref
+
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    for b in range(x.shape[0]):
+        out[b].copy_(quantize_fp8_ref(x[b], scale, FP8))
+    return out
+
+
+class Fp8Inputs:
+    """A :class:`DecodeInputs`' caches quantized to fp8, the reference over the dequantized first
+    and last rows, and the same calls with ``k_descale``/``v_descale``."""
+
+    def __init__(self, base: DecodeInputs):
+        from pagedflash.reference import dequantize_ref, kvcache_attention_ref
+
+        self.base, rows = base, base.rows
+        self.kd, self.vd = kv_scale(base.k), kv_scale(base.v)
+        self.k, self.v = quantize(base.k, self.kd), quantize(base.v, self.vd)
+        k_rows = torch.stack([dequantize_ref(self.k[r], self.kd) for r in rows])  # row by row: fp32 is 4x fp8
+        v_rows = torch.stack([dequantize_ref(self.v[r], self.vd) for r in rows])
+        self.ref, _ = kvcache_attention_ref(base.q[rows], k_rows, v_rows, base.seqlens[rows])
+
+    def check(self, out: torch.Tensor) -> tuple[float, bool]:
+        """Against the reference over the dequantized cache, with the tolerance of q's dtype."""
+        return check_close(out[self.base.rows], self.ref, self.base.dtype)
+
+    def unquantized_err(self, fn) -> float:
+        """Relative error of ``fn()``'s output against the reference over the original (unquantized) cache."""
+        return self.base.check(fn())[0]
+
+    def contiguous(self, num_splits: int = AUTO):
+        b = self.base
+        return lambda: pf.flash_attn_with_kvcache(b.q, self.k, self.v, cache_seqlens=b.seqlens, num_splits=num_splits,
+                                                  k_descale=self.kd, v_descale=self.vd)
+
+    def paged(self, page: int, num_splits: int = AUTO):
+        b = self.base
+        n = b.shape[1]
+        table = random_block_table([n // page] * b.shape[0], b.shape[0] * n // page, device=b.q.device)
+        k_pool, v_pool = (to_paged(x, page, table) for x in (self.k, self.v))
+        return lambda: pf.flash_attn_with_kvcache(b.q, k_pool, v_pool, cache_seqlens=b.seqlens, block_table=table,
+                                                  num_splits=num_splits, k_descale=self.kd, v_descale=self.vd)
+
+
+def fp8_row(inputs: DecodeInputs, fp8: Fp8Inputs, label: str, page: int = 0) -> tuple[dict, list[Measured]]:
+    """bf16 and fp8 decode of the same cells (contiguous, or paged at ``page``): times, speedup, fp8
+    TB/s, errors against the dequantized (checked) and unquantized (reported) references."""
+    b, n, hq, hkv, d = inputs.shape
+    call16 = inputs.paged(page) if page else inputs.contiguous()
+    call8 = fp8.paged(page) if page else fp8.contiguous()
+    bf16 = measure(call16, inputs.check, label=f"{label} bf16")
+    ours = measure(call8, fp8.check, label=f"{label} fp8")
+    nbytes = decode_bytes(b, n, hq, hkv, d, inputs.dtype, kv_dtype=FP8)
+    row = {"B": b, "N": human(n), "n": n, "page": page or "contig", "kv_gb": kv_bytes(b, n, hkv, d, inputs.dtype) / 1e9,
+           "bf16_us": bf16.show(lambda ms: ms * 1e3), "fp8_us": ours.show(lambda ms: ms * 1e3),
+           "speedup": ratio(ours, bf16), "fp8_tbps": ours.show(lambda ms: tbps(nbytes, ms)),
+           "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / HBM_TBPS), "err_dequant": ours.err,
+           "err_unquant": fp8.unquantized_err(call8) if ours.ok else None, "err_bf16": bf16.err}
+    return row, [bf16, ours]
+
+
+def fp8_columns(dtype) -> dict[str, str]:
+    """Columns of an fp8 table whose 16-bit side (q, out and the compared cache) is ``dtype``
+    (bf16 in the full run; JSON keys say bf16 either way)."""
+    dt = str(dtype).removeprefix("torch.")
+    return {"B": "B", "N": "N", "page": "page", "kv_gb": f"{dt} K+V GB", "bf16_us": f"{dt} µs", "fp8_us": "fp8 µs",
+            "speedup": "fp8 speedup", "fp8_tbps": "fp8 TB/s", "of_peak": f"of {HBM_TBPS} TB/s",
+            "err_dequant": "err vs dequantized", "err_unquant": "err vs unquantized", "err_bf16": f"{dt} err"}
+
+
+FP8_NOTE = ("fp8 = float8_e4m3fn K/V, per-KV-head scales amax/448 from the data, q/out 16-bit; same shapes, "
+            "same run. speedup = 16-bit cache time / fp8 time. fp8 TB/s counts K+V at one byte plus Q and O. "
+            "err = max |out - ref| / max |ref|: vs the reference over the dequantized cache (checked with "
+            "q's dtype's tolerance), vs the unquantized cache (quantization error, reported), and the 16-bit "
+            "cache's own for scale.")
+
+
+def fp8_grid(spec: dict) -> tuple[Table, int]:
+    (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
+    table = Table("fp8", f"FP8 KV decode vs {str(dtype)[6:]}, same shapes: Hq/Hkv={hq}/{hkv}, D={d}, "
+                  "contiguous cache, num_splits=auto", fp8_columns(dtype), note=FP8_NOTE)
+    bad = 0
+    for b, n in progress(grid_cells(spec), desc="decode fp8 vs bf16"):
+        inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
+        fp8 = inputs.fp8()
+        row, cases = fp8_row(inputs, fp8, f"decode B={b} N={n}")
+        table.rows.append(row)
+        bad += failures(cases)
+        del inputs, fp8
+        free_memory()
+    return table, bad
 
 
 def seed_sweep(spec: dict) -> tuple[Table, list[list], int]:
@@ -208,12 +322,16 @@ def main(cfg: Config) -> int:
     print_table(splits_table)
     grid, bad_grid = serving_grid(spec["grid"])
     print_table(grid)
+    fp8, bad_fp8 = fp8_grid(spec["fp8"])
+    print_table(fp8)
     summary = {
         "geomean_pf_vs_cudnn": geomean(r["vs_cudnn"] for r in grid.rows),
         "geomean_pf_vs_flash": geomean(r["vs_flash"] for r in grid.rows),
         "geomean_no_lengths_vs_cudnn": geomean(r["full_vs_cudnn"] for r in grid.rows),
         "geomean_auto_over_best": geomean(r.get("auto_over_best", NA) for r in splits_table.rows),
-        "failures": bad_seed + bad_grid,
+        "fp8_speedup_kv_ge_1gb": geomean(r["speedup"] for r in fp8.rows if r["kv_gb"] >= 1),
+        "fp8_speedup_kv_256mb_1gb": geomean(r["speedup"] for r in fp8.rows if 0.256 <= r["kv_gb"] < 1),
+        "failures": bad_seed + bad_grid + bad_fp8,
     }
     print_summary(summary)
 
@@ -229,6 +347,6 @@ def main(cfg: Config) -> int:
             "SDPA cuDNN": (xs, [r["cudnn_tbps"] for r in rows]),
             "SDPA flash": (xs, [r["flash_tbps"] for r in rows])}})
     plot(cfg.out / "decode_grid.png", panels)
-    path = write_results("decode", [splits_table, grid], cfg.out, quick=cfg.quick, summary=summary)
+    path = write_results("decode", [splits_table, grid, fp8], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path}, {cfg.out / 'decode_splits.png'} and {cfg.out / 'decode_grid.png'}")
     return 1 if summary["failures"] else 0

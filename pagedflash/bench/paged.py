@@ -8,12 +8,16 @@
    dense ``flash_attn_func`` of the same shape (q 512, k = prefix + 512, causal bottom-right).
    FLOPs are counted exactly: query row i of Sq new rows sees Sk - Sq + i + 1 keys, so
    FLOPs = 4*D*Hq * B * (Sq*(Sk - Sq) + Sq*(Sq + 1)/2) (both rows of a comparison use this count).
+   The same chunks over an fp8 (``float8_e4m3fn``) pool of the same page size: TFLOP/s, its speed
+   ratio to the bf16 pool (>= 1: no slower), its error against the unquantized values.
 3. Prefix caching: 64 requests sharing a 4K-token prefix, each with its own 128-token suffix
    (Hq/Hkv = 32/8, D=128, bf16, page 16, one layer's K/V; random values stand for the projections).
    :class:`pagedflash.cache.BlockManager` decides which tokens each request computes (the first
    request computes the prefix, the others hit its pages in the same step); one prefill step of the
    whole batch (``write_kv_cache`` of the computed tokens, then one varlen attention over the pool)
    is timed with and without prefix caching.
+4. FP8 KV paged decode: ``bench decode``'s fp8 cells over pools of 16- and 64-row pages, fp8 vs bf16
+   at the same page size (same columns as ``bench decode``'s fp8 table).
 """
 
 from __future__ import annotations
@@ -41,11 +45,21 @@ from pagedflash.bench.common import (
     rows_checker,
     tflops,
 )
+from pagedflash.bench.decode import (
+    FP8,
+    FP8_NOTE,
+    DecodeInputs,
+    fp8_columns,
+    fp8_row,
+    grid_cells,
+    kv_scale,
+    quantize,
+)
 from pagedflash.bench.decode import FULL as DECODE_FULL
 from pagedflash.bench.decode import QUICK as DECODE_QUICK
-from pagedflash.bench.decode import DecodeInputs, grid_cells
 from pagedflash.bench.report import Table, panels_by_batch, plot, print_summary, print_table, write_results
 from pagedflash.cache import BlockManager, block_table_tensor, cu_seqlens_tensor, slot_mapping_tensor
+from pagedflash.reference import dequantize_ref
 from pagedflash.testing import random_block_table, to_paged
 
 FULL = dict(
@@ -53,11 +67,13 @@ FULL = dict(
     chunked=dict(batches=(1, 4), prefixes=(4096, 16384, 65536), new=512, heads=(32, 8), dim=128,
                  dtype=torch.bfloat16, pages=(16, 64)),
     prefix=dict(requests=64, prefix=4096, suffix=128, heads=(32, 8), dim=128, dtype=torch.bfloat16, page=16),
+    fp8=DECODE_FULL["fp8"] | dict(lens=(1024, 4096, 16384, 65536)), fp8_pages=(16, 64),
 )
 QUICK = dict(
     grid=DECODE_QUICK["grid"] | dict(lens=(64,)), pages=(1, 16),
     chunked=dict(batches=(1,), prefixes=(32,), new=16, heads=(2, 1), dim=32, dtype=torch.float16, pages=(16,)),
     prefix=dict(requests=3, prefix=32, suffix=16, heads=(2, 1), dim=32, dtype=torch.float16, page=16),
+    fp8=DECODE_QUICK["fp8"], fp8_pages=(16,),
 )
 
 
@@ -94,6 +110,26 @@ def paged_vs_contiguous(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]
     return table, bad
 
 
+def fp8_paged(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]:
+    (hq, hkv), d = spec["heads"], spec["dim"]
+    table = Table("fp8_paged", f"FP8 KV paged decode vs {str(spec['dtype'])[6:]} at the same page size: "
+                  f"Hq/Hkv={hq}/{hkv}, D={d}, block tables = random permutation of the pool, num_splits=auto",
+                  fp8_columns(spec["dtype"]), note=FP8_NOTE)
+    bad = 0
+    cells = [(b, n) for b, n in grid_cells(spec) if all(n % p == 0 for p in pages)]
+    for b, n in progress(cells, desc="paged decode fp8 vs bf16"):
+        inputs = DecodeInputs(b, n, hq, hkv, d, spec["dtype"])
+        fp8 = inputs.fp8()
+        for p in pages:
+            row, cases = fp8_row(inputs, fp8, f"paged p={p} B={b} N={n}", page=p)
+            table.rows.append(row)
+            bad += failures(cases)
+            free_memory()
+        del inputs, fp8
+        free_memory()
+    return table, bad
+
+
 def causal_flops(sq: int, sk: int, hq: int, d: int) -> int:
     """Exact FLOPs of one sequence's causal (bottom-right) attention: row i sees sk - sq + i + 1 keys."""
     return 4 * d * hq * (sq * (sk - sq) + sq * (sq + 1) // 2)
@@ -103,14 +139,19 @@ def chunked_prefill(spec: dict) -> tuple[Table, int]:
     (hq, hkv), d, dtype, pages, new = spec["heads"], spec["dim"], spec["dtype"], spec["pages"], spec["new"]
     columns = {"B": "B", "prefix": "cached", "dense_tflops": "dense TFLOP/s", "dense_us": "dense µs"}
     for p in pages:
-        columns |= {f"p{p}_tflops": f"page {p} TFLOP/s", f"p{p}_us": f"page {p} µs", f"p{p}_vs_dense": f"page {p}÷dense"}
+        columns |= {f"p{p}_tflops": f"page {p} TFLOP/s", f"p{p}_us": f"page {p} µs", f"p{p}_vs_dense": f"page {p}÷dense",
+                    f"p{p}_fp8_tflops": f"page {p} fp8 TFLOP/s", f"p{p}_fp8_vs_bf16": f"page {p} fp8÷bf16",
+                    f"p{p}_fp8_err_unquant": f"page {p} fp8 err vs unquantized"}
     table = Table(
         "chunked_prefill", f"Chunked prefill over a cached prefix: {new} new tokens, Hq/Hkv={hq}/{hkv}, D={d}, "
         f"{str(dtype)[6:]}, paged varlen (block tables a random permutation of the pool) vs dense",
         columns,
         note="FLOPs exact for the bottom-right causal mask: 4*D*Hq*B*(Sq*(Sk-Sq) + Sq*(Sq+1)/2). "
              "page p÷dense: speed ratio, same run (>1: paged faster). On Hopper, pages of 64+ rows load "
-             "through TMA descriptors; smaller pages gather rows.",
+             "through TMA descriptors; smaller pages gather rows. fp8: the same pool in float8_e4m3fn "
+             "(per-KV-head scales amax/448; pointer loads at every page size), checked against the reference "
+             "over the dequantized cache; fp8÷bf16: speed ratio to the bf16 pool of the same page size "
+             "(>= 1: no slower); err vs unquantized: max |out - ref| / max |ref| against the bf16 values.",
     )
     bad = 0
     for b, prefix in progress(list(itertools.product(spec["batches"], spec["prefixes"])), desc="chunked prefill"):
@@ -135,6 +176,10 @@ def chunked_row(b: int, prefix: int, spec: dict) -> tuple[dict, list[Measured]]:
     cases = [dense]
     qp = q.view(b * new, hq, d)
     cu_q, cu_k = cu_seqlens_tensor([new] * b, device=device()), cu_seqlens_tensor([sk] * b, device=device())
+    kd, vd = kv_scale(k), kv_scale(v)
+    k8, v8 = quantize(k, kd), quantize(v, vd)
+    refs8 = {i: reference_rows(q[i], dequantize_ref(k8[i], kd), dequantize_ref(v8[i], vd), causal=True)
+             for i in sorted({0, b - 1})}
     for page in spec["pages"]:
         width = -(-sk // page)
         table_ids = random_block_table([width] * b, b * width, device=device())
@@ -149,6 +194,21 @@ def chunked_row(b: int, prefix: int, spec: dict) -> tuple[dict, list[Measured]]:
                 f"p{page}_vs_dense": ratio(paged, dense), f"p{page}_err": paged.err}
         cases.append(paged)
         k_pool = v_pool = None
+        k8_pool, v8_pool = (to_paged(torch.nn.functional.pad(x.view(torch.uint8), (0, 0, 0, 0, 0, pad)).view(FP8),
+                                     page, table_ids) for x in (k8, v8))  # padded as bytes: no fp8 kernels needed
+
+        def fp8_call():
+            return pf.flash_attn_varlen_func(qp, k8_pool, v8_pool, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=new,
+                                             max_seqlen_k=sk, causal=True, block_table=table_ids, k_descale=kd,
+                                             v_descale=vd)
+
+        seq = lambda o, i: o[i * new:(i + 1) * new]  # noqa: E731
+        fp8 = measure(fp8_call, rows_checker(refs8, dtype, seq), label=f"chunked paged fp8 p={page} B={b} P={prefix}")
+        err = rows_checker(refs, dtype, seq)(fp8_call())[0] if fp8.ok else None
+        row |= {f"p{page}_fp8_tflops": fp8.show(lambda ms: tflops(flops, ms)), f"p{page}_fp8_vs_bf16": ratio(fp8, paged),
+                f"p{page}_fp8_err": fp8.err, f"p{page}_fp8_err_unquant": err}
+        cases.append(fp8)
+        k8_pool = v8_pool = None
     return row, cases
 
 
@@ -256,17 +316,24 @@ def main(cfg: Config) -> int:
     print_table(chunked)
     prefix, bad_prefix = prefix_caching(spec["prefix"])
     print_table(prefix)
+    fp8, bad_fp8 = fp8_paged(spec["fp8"], spec["fp8_pages"])
+    print_table(fp8)
     summary = {f"geomean_page{p}_over_contig": geomean(r[f"p{p}_over"] for r in decode.rows) for p in spec["pages"]}
     summary |= {f"geomean_chunked_page{p}_vs_dense": geomean(r[f"p{p}_vs_dense"] for r in chunked.rows)
                 for p in spec["chunked"]["pages"]}
+    summary |= {f"geomean_chunked_page{p}_fp8_vs_bf16": geomean(r[f"p{p}_fp8_vs_bf16"] for r in chunked.rows)
+                for p in spec["chunked"]["pages"]}
+    summary |= {f"fp8_speedup_page{p}_kv_ge_1gb": geomean(r["speedup"] for r in fp8.rows
+                                                          if r["page"] == p and r["kv_gb"] >= 1)
+                for p in spec["fp8_pages"]}
     summary |= {"prefix_caching_speedup": prefix.rows[-1].get("speedup", NA),
-                "failures": bad_decode + bad_chunked + bad_prefix}
+                "failures": bad_decode + bad_chunked + bad_prefix + bad_fp8}
     print_summary(summary)
     panels = panels_by_batch(decode.rows, spec["grid"]["batches"], lambda b, rows, xs: {
         "title": f"paged/contiguous decode time, B={b}", "xlabel": "N", "ylabel": "time ratio",
         "series": {f"page {p}": (xs, [r[f"p{p}_over"] for r in rows]) for p in spec["pages"]}})
     plot(cfg.out / "paged_decode.png", panels)
-    path = write_results("paged", [decode, chunked, prefix], cfg.out, quick=cfg.quick, summary=summary)
+    path = write_results("paged", [decode, chunked, prefix, fp8], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path} and {cfg.out / 'paged_decode.png'}")
     return 1 if summary["failures"] else 0
 

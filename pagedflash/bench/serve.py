@@ -16,7 +16,10 @@ engine and transformers load the very same tensors. Sections (``--sections``, de
   whole batch decodes together; the median gap after every request has its first token is
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
   read, over 4.8 TB/s) divided by the measured gap. Target: batch 1 at 1K with graphs >= 50%.
-
+- ``longctx``: 32 requests of 16K-token prompts, 256 output tokens each, ignore_eos, with the KV
+  cache in the model's dtype and in fp8 (``kv_cache_dtype="fp8_e4m3"``, scales 1.0): output tokens/s,
+  the steady decode gap once every request decodes, the pool each gets from the same memory, and
+  the fp8/bf16 ratios.
 - ``tp`` (with ``--tensor-parallel-size N``, N >= 2; then the default section): Llama-3-8B-shaped
   random weights, one GPU against N: batch-1 inter-token latency at 1K context (target: N GPUs <=
   0.6x one GPU's) and output tokens/s of 64 requests, prompts and outputs uniform in 100..1024
@@ -26,6 +29,9 @@ engine and transformers load the very same tensors. Sections (``--sections``, de
   by tensor, keeping its slice (:func:`pagedflash.engine.weights.init_random_weights`): the model is
   never whole on one GPU.
   ``--tensor-parallel-size`` also runs the other sections' engine on N GPUs.
+
+``--kv-cache-dtype fp8_e4m3`` runs the other sections' engines with an fp8 KV cache too (the ``%
+of bound`` of ``itl`` and ``tp`` then counts one byte per cached K/V element).
 
 Figures are printed and written to ``<out>/serve.json`` (tables of sections not run this time are
 kept from an earlier file). ``--quick`` runs a tiny model with tiny workloads anywhere (CPU: Triton
@@ -52,13 +58,13 @@ from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
 
-SECTIONS = ("throughput", "prefix", "itl", "tp")
+SECTIONS = ("throughput", "prefix", "itl", "longctx", "tp")
 FULL = dict(num_requests=256, prompt=(100, 1024), output=(100, 1024), prefix_requests=64, system=4096, suffix=128,
             prefix_output=128, itl_batches=(1, 32), itl_contexts=(1024, 32768), itl_tokens=64, tp_requests=64,
-            tp_context=1024, tp_max_model_len=4096)
+            tp_context=1024, tp_max_model_len=4096, long_requests=32, long_context=16384, long_output=256)
 QUICK = dict(num_requests=6, prompt=(8, 24), output=(3, 8), prefix_requests=4, system=32, suffix=8,
              prefix_output=4, itl_batches=(1, 2), itl_contexts=(16, 48), itl_tokens=4, tp_requests=3, tp_context=16,
-             tp_max_model_len=256)
+             tp_max_model_len=256, long_requests=3, long_context=40, long_output=4)
 TARGETS = {"throughput": 3.0, "prefix_tps": 3.0, "prefix_ttft": 5.0, "itl_bound": 0.5, "tp_itl": 0.6, "tp_tps": 1.5}
 
 
@@ -79,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="GPUs per engine; >= 2 adds the 'tp' section (then the default) comparing 1 and N GPUs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   help="KV cache of the throughput/prefix/itl engines (longctx runs both auto and fp8_e4m3)")
     return p
 
 
@@ -102,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     w = dict(QUICK if args.quick else FULL)
     if args.num_requests:
         w["num_requests"] = args.num_requests
-    engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    engine_kw = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     kv_cache_dtype=args.kv_cache_dtype)
     if args.quick:
         engine_kw.update(num_blocks=512, max_num_batched_tokens=min(args.max_num_batched_tokens, 128))
     if sections == ["tp"]:  # its own models, random weights drawn on the GPUs: no checkpoint to write
@@ -132,6 +141,7 @@ def _run(args, sections, w, engine_kw, model_dir, config, on_gpu) -> int:
         "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
         "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
         "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu),
+        "longctx": lambda rng: bench_long_context(model_dir, config, w, rng, engine_kw, summary),
         "tp": lambda rng: bench_tp(w, rng, engine_kw, args, summary, on_gpu),
     }
     for name in SECTIONS:
@@ -226,9 +236,7 @@ def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
 
 
 def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
-    itemsize = 2 if on_gpu else 4
-    weight_bytes = config.num_parameters() * itemsize
-    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # per token
+    weight_bytes, kv_bytes = _bytes_read(config, engine_kw, on_gpu)
     rows = []
     for graphs in (True, False):
         llm = LLM(model_dir, cuda_graphs=graphs, **engine_kw)
@@ -263,6 +271,40 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
 
 
+def bench_long_context(model_dir, config, w, rng, engine_kw, summary) -> Table:
+    """The same long-context workload with the KV cache in the model's dtype, then in fp8."""
+    n, ctx, out = w["long_requests"], w["long_context"], w["long_output"]
+    prompts = [_tokens(rng, config, ctx) for _ in range(n)]
+    params = SamplingParams(max_tokens=out, ignore_eos=True)
+    rows = []
+    for kv in ("auto", "fp8_e4m3"):
+        llm = LLM(model_dir, **{**engine_kw, "kv_cache_dtype": kv, "max_model_len": ctx + out})
+        _warm(llm, config, rng)
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        s = llm.last_stats
+        gaps = _steady_gaps(outs)
+        rows.append(dict(kv_cache=str(llm.kv_cache.dtype).removeprefix("torch."), pool_pages=llm.num_blocks,
+                         pool_gb=llm.kv_cache.nbytes / 1e9, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
+                         ttft_mean_ms=1e3 * statistics.mean(o.ttft for o in outs),
+                         itl_ms=1e3 * statistics.median(gaps), preemptions=s["preemptions"]))
+        print(f"long context, KV {rows[-1]['kv_cache']}: {rows[-1]['tok_s']:.0f} output tok/s, "
+              f"decode gap {rows[-1]['itl_ms']:.2f} ms", flush=True)
+        _close(llm)
+    base, fp8 = rows
+    fp8["tps_ratio"] = fp8["tok_s"] / base["tok_s"]
+    fp8["itl_ratio"] = base["itl_ms"] / fp8["itl_ms"]
+    summary["longctx_fp8_throughput_ratio"] = fp8["tps_ratio"]
+    summary["longctx_fp8_decode_speedup"] = fp8["itl_ratio"]
+    return Table("longctx", f"Long context: {n} requests x {ctx}-token prompts, {out} output tokens, KV cache "
+                 "in the model's dtype vs fp8 (e4m3, scales 1.0)",
+                 {"kv_cache": "KV cache", "pool_pages": "pool pages", "pool_gb": "pool GB", "tok_s": "output tok/s",
+                  "seconds": "s", "ttft_mean_ms": "mean TTFT ms", "itl_ms": "decode gap ms",
+                  "preemptions": "preemptions", "tps_ratio": "throughput x", "itl_ratio": "decode gap x lower"},
+                 rows, note="decode gap: median token gap once every request decodes (the KV read dominates "
+                            "it at this context); pool: pages sized from the same free memory (fp8: twice the pages, up to the "
+                            "engine's cap of max_num_seqs sequences at full length)")
+
+
 def _graph_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
     """GPU time of one replay of the decode graph that served ``batch`` rows (its buffers still hold
     the last step, so a replay recomputes it and rewrites the same K/V values). None with several
@@ -286,9 +328,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
     rows = []
     for name, cfg, sizes in models:
         config = ModelConfig.from_dict(cfg)
-        itemsize = 2 if on_gpu else 4
-        weight_bytes = config.num_parameters() * itemsize
-        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # per token
+        weight_bytes, kv_bytes = _bytes_read(config, engine_kw, on_gpu)
         requests = [(_tokens(rng, config, rng.randint(lo, hi)), rng.randint(olo, ohi)) for _ in range(w["tp_requests"])]
         context = [_tokens(rng, config, w["tp_context"])]
         for size in sizes:
@@ -339,6 +379,14 @@ def _quiet_transformers() -> None:
         transformers.utils.logging.disable_progress_bar()
     except ImportError:
         pass
+
+
+def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
+    """(weight bytes, KV bytes per cached token) a decode step reads: the model in bf16 on the GPU
+    (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with ``--kv-cache-dtype``."""
+    itemsize = 2 if on_gpu else 4
+    kv_itemsize = itemsize if engine_kw.get("kv_cache_dtype", "auto") == "auto" else 1
+    return config.num_parameters() * itemsize, 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_itemsize
 
 
 def _tokens(rng: random.Random, config, n: int) -> list[int]:

@@ -8,6 +8,12 @@ Token ``i`` of a sequence with block table ``table`` lives in page ``table[i // 
 offset ``i % page_size``, i.e. at the flat *slot* ``table[i // page_size] * page_size + i % page_size``
 of the pool viewed as ``[num_blocks * page_size, Hkv, D]``.
 
+An fp8 pool (``dtype=torch.float8_e4m3fn`` or ``float8_e5m2``) holds twice the tokens of a 16-bit
+one in the same bytes; each layer has a key scale and a value scale (fp32, 1.0 unless given), one
+per tensor or one per KV head of the pool: writes store ``k / k_scale`` (``write_kv_cache(...,
+k_scale=)``), attention multiplies it back (``k_descale=``). :meth:`KVCache.scales` gives a layer's
+pair.
+
 Metadata produced here: block tables ``int32 [B, max_blocks]`` padded with :data:`PAD_BLOCK_ID`,
 slot mappings ``int64 [T]``, sequence lengths ``int32 [B]`` and ``cu_seqlens`` ``int32 [B + 1]``.
 Block tables come from :class:`pagedflash.cache.BlockManager`; this module never imports the kernels.
@@ -19,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedflash.validate import check_int
+from pagedflash.validate import FP8_DTYPES, check_int
 
 __all__ = [
     "PAD_BLOCK_ID",
@@ -43,11 +49,17 @@ class KVCache:
 
     Args (keyword-only):
         num_layers, num_blocks, page_size, num_kv_heads, head_dim: pool sizes (each >= 1).
-        dtype, device: of the pools.
+        dtype, device: of the pools (fp16, bf16, fp32, or fp8: ``float8_e4m3fn``/``float8_e5m2``).
         poison: fill the pools with NaN instead of zeros (tests: slots a kernel must not read).
+        k_scale, v_scale: fp8 pools only: the scale of each layer's keys / values (default 1.0):
+            one float for every layer, or ``num_layers`` entries (as calibrated checkpoints give
+            them), each a float (per tensor) or ``num_kv_heads`` floats (per KV head of this pool);
+            a tensor ``[num_layers]`` or ``[num_layers, num_kv_heads]`` as well.
 
     ``cache.k_cache(layer)`` / ``cache.v_cache(layer)`` are contiguous views
-    ``[num_blocks, page_size, Hkv, D]``; ``cache[layer]`` gives ``(k_cache, v_cache)``.
+    ``[num_blocks, page_size, Hkv, D]``; ``cache[layer]`` gives ``(k_cache, v_cache)`` and
+    ``cache.scales(layer)`` that layer's ``(k_scale, v_scale)`` (fp32 ``[1]`` or ``[Hkv]``; None, None
+    unless fp8).
     """
 
     def __init__(
@@ -61,6 +73,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         poison: bool = False,
+        k_scale=None,
+        v_scale=None,
     ):
         for name, value in [
             ("num_layers", num_layers),
@@ -80,6 +94,13 @@ class KVCache:
             self.kv = torch.full(shape, float("nan"), dtype=dtype, device=device)
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        # scales of an fp8 pool, fp32 [num_layers, 1] (per tensor) or [num_layers, Hkv] (None for other dtypes)
+        self.k_scales = self.v_scales = None
+        if dtype in FP8_DTYPES:
+            self.k_scales = layer_scales("k_scale", k_scale, num_layers, num_kv_heads, self.kv.device)
+            self.v_scales = layer_scales("v_scale", v_scale, num_layers, num_kv_heads, self.kv.device)
+        elif k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale, v_scale: scales apply to fp8 pools only (dtype is {dtype}), expected None")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,6 +129,15 @@ class KVCache:
     def v_cache(self, layer: int) -> torch.Tensor:
         """Value pool of ``layer``: ``[num_blocks, page_size, Hkv, D]``, a view of :attr:`kv`."""
         return self.kv[self._check_layer(layer), 1]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` of ``layer``, fp32 ``[1]`` or ``[Hkv]`` views (what ``write_kv_cache``
+        takes as ``k_scale``/``v_scale`` and attention as ``k_descale``/``v_descale``); None, None
+        unless fp8."""
+        layer = self._check_layer(layer)
+        if self.k_scales is None:
+            return None, None
+        return self.k_scales[layer], self.v_scales[layer]
 
     def _check_layer(self, layer: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -142,6 +172,33 @@ class KVCache:
             dtype=dtype,
         )
         return num_bytes // per_block
+
+
+def layer_scales(name: str, value, num_layers: int, num_kv_heads: int, device) -> torch.Tensor:
+    """K or V scales of a pool as fp32 ``[num_layers, 1]`` (one per tensor) or ``[num_layers, Hkv]``
+    (one per KV head, when any layer gives one per head; the others then repeat theirs), from one
+    float for every layer or ``num_layers`` entries, each a float or ``num_kv_heads`` floats (a
+    tensor ``[num_layers]``/``[num_layers, Hkv]`` too); each finite and > 0."""
+    expected = f"a float or {num_layers} entries (one per layer), each a float or {num_kv_heads} floats (per KV head)"
+    if value is None:
+        value = 1.0
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().cpu().tolist()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value] * num_layers
+    try:
+        rows = [[float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else [float(y) for y in x]
+                for x in value]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {expected}, got {value!r}") from None
+    if len(rows) != num_layers or any(len(r) not in (1, num_kv_heads) for r in rows):
+        raise ValueError(f"{name} must be {expected}, got {[len(r) for r in rows]} values per layer for "
+                         f"{len(rows)} layers")
+    width = max(len(r) for r in rows)
+    rows = [r * width if len(r) == 1 else r for r in rows]
+    if not all(0.0 < x < float("inf") for r in rows for x in r):
+        raise ValueError(f"{name} must be finite and > 0, got {rows}")
+    return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
 def block_table_tensor(

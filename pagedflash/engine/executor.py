@@ -46,6 +46,21 @@ class EngineSpec:
     gpu_memory_utilization: float
     tensor_parallel_size: int = 1
     all_reduce: str = "nccl"
+    kv_cache_dtype: torch.dtype | None = None  # the pool's; None: the model's dtype
+    # an fp8 pool's scales of the whole model: per layer, (x,) for every KV head or one per KV head
+    k_scale: tuple[tuple[float, ...], ...] | None = None
+    v_scale: tuple[tuple[float, ...], ...] | None = None
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
+
+    def pool(self, shard: ShardSizes, **sizes) -> KVCache:
+        """A KV pool of ``shard``'s KV heads in the spec's KV dtype, holding the scales of its heads."""
+        scales = {} if self.k_scale is None else dict(k_scale=shard.own_kv_heads(self.k_scale),
+                                                     v_scale=shard.own_kv_heads(self.v_scale))
+        return KVCache(num_layers=self.config.num_layers, page_size=self.page_size, num_kv_heads=shard.num_kv_heads,
+                       head_dim=self.config.head_dim, dtype=self.kv_dtype, **scales, **sizes)
 
     def device_of(self, rank: int) -> torch.device:
         """Rank ``rank``'s device: GPU ``device.index + rank`` (the LLM gives several ranks an
@@ -79,8 +94,7 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
         num_blocks = auto_num_blocks(model, spec, device)
         if comm is not None and comm.size > 1:
             num_blocks = comm.min_int(num_blocks)
-    kv_cache = KVCache(num_layers=config.num_layers, num_blocks=num_blocks, page_size=spec.page_size,
-                       num_kv_heads=shard.num_kv_heads, head_dim=config.head_dim, dtype=spec.dtype, device=device)
+    kv_cache = spec.pool(shard, num_blocks=num_blocks, device=device)
     runner = ModelRunner(model, kv_cache, max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
                          use_cuda_graphs=spec.cuda_graphs, generator=generator)
     return Rank(model, kv_cache, runner, num_blocks)
@@ -94,7 +108,7 @@ def auto_num_blocks(model: CausalLM, spec: EngineSpec, device: torch.device) -> 
     config = spec.config
     per_block = KVCache.bytes_per_block(num_layers=config.num_layers, page_size=spec.page_size,
                                         num_kv_heads=model.shard.num_kv_heads, head_dim=config.head_dim,
-                                        dtype=spec.dtype)
+                                        dtype=spec.kv_dtype)
     peak = _profile_activations(model, spec, device)
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * spec.gpu_memory_utilization) - (total - free) - peak
@@ -116,9 +130,7 @@ def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device
     num_seqs = min(spec.max_num_seqs, tokens)
     lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
     num_blocks = sum(-(-n // page_size) for n in lens)
-    scratch = KVCache(num_layers=spec.config.num_layers, num_blocks=num_blocks, page_size=page_size,
-                      num_kv_heads=model.shard.num_kv_heads, head_dim=spec.config.head_dim, dtype=spec.dtype,
-                      device=device)
+    scratch = spec.pool(model.shard, num_blocks=num_blocks, device=device)
     bm = BlockManager(num_blocks, page_size, enable_prefix_caching=False)
     seqs = [Sequence(i, [0] * n, SamplingParams(), 0.0, device) for i, n in enumerate(lens)]
     for seq in seqs:

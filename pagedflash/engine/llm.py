@@ -35,6 +35,7 @@ import torch
 
 from pagedflash._progress import progress
 from pagedflash.cache import BlockManager
+from pagedflash.cache.kv_cache import layer_scales
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.executor import EngineSpec, build_rank
 from pagedflash.engine.model import CausalLM
@@ -44,11 +45,14 @@ from pagedflash.engine.runner import ModelRunner
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
+from pagedflash.engine.weights import read_kv_scales
 from pagedflash.engine.workers import Workers
 from pagedflash.validate import check_int
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}  # the dtypes the kernels take
+# kv_cache_dtype names (vLLM's); "auto" stores K/V in the model's dtype
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class LLM:
@@ -72,6 +76,13 @@ class LLM:
             ``device.index .. + N - 1``; gloo processes on the CPU). It must divide the attention
             heads and the intermediate size, and divide or be a multiple of the KV heads.
             ``PAGEDFLASH_ALLREDUCE=symm_mem`` picks the one-shot all-reduce for small messages.
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"fp8_e4m3"`` (``"fp8"``; also
+            ``"fp8_e5m2"``): K/V pages in fp8, twice the tokens in the same memory.
+        k_scale, v_scale: fp8 caches: the scale of each layer's keys / values (``stored = k /
+            k_scale``): one float for every layer, or a list of one entry per layer, each a float
+            (per tensor) or a list of ``num_key_value_heads`` floats (per KV head; a tensor-parallel
+            rank keeps its heads'). None reads them from the checkpoint when it has them
+            (``model.layers.N.self_attn.k_scale``, ``...k_proj.k_scale`` etc., as vLLM), else 1.0.
 
     Not thread-safe: drive one engine from one thread.
     """
@@ -79,7 +90,8 @@ class LLM:
     def __init__(self, model, *, device=None, dtype=None, page_size: int = 16, num_blocks: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1):
+                 seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 k_scale=None, v_scale=None):
         check_int("page_size", page_size)
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -115,12 +127,14 @@ class LLM:
         self.eos_ids = set(self.config.eos_token_ids)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        kv_format = _kv_cache_format(kv_cache_dtype, k_scale, v_scale, path, self.config)
         spec = EngineSpec(config=self.config, path=path, seed=seed, dtype=self.dtype, device=self.device,
                           max_model_len=self.max_model_len, page_size=page_size, num_blocks=num_blocks,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           cuda_graphs=cuda_graphs, gpu_memory_utilization=gpu_memory_utilization,
                           tensor_parallel_size=self.tensor_parallel_size,
-                          all_reduce=allreduce_kind(self.device) if self.tensor_parallel_size > 1 else "nccl")
+                          all_reduce=allreduce_kind(self.device) if self.tensor_parallel_size > 1 else "nccl",
+                          **kv_format)
         self.workers: Workers | None = None  # ranks 1..N-1 (tensor_parallel_size > 1)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         if self.tensor_parallel_size == 1:
@@ -411,6 +425,26 @@ class _Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+
+def _kv_cache_format(kv_cache_dtype, k_scale, v_scale, path: str | None, config: ModelConfig) -> dict:
+    """The pool's dtype and, for fp8, its per-layer scales (given, else the checkpoint's, else 1.0),
+    as :class:`EngineSpec` fields."""
+    if kv_cache_dtype == "auto":
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale, v_scale: apply to an fp8 KV cache only (kv_cache_dtype='fp8_e4m3'), "
+                             "expected None with kv_cache_dtype='auto'")
+        return {}
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    n, hkv = config.num_layers, config.num_kv_heads
+    if path is not None and (k_scale is None or v_scale is None):
+        k_file, v_file = read_kv_scales(path, n, hkv)
+        k_scale = k_file if k_scale is None else k_scale
+        v_scale = v_file if v_scale is None else v_scale
+    return dict(kv_cache_dtype=KV_CACHE_DTYPES[kv_cache_dtype],
+                **{name: tuple(map(tuple, layer_scales(name, value, n, hkv, "cpu").tolist()))
+                   for name, value in (("k_scale", k_scale), ("v_scale", v_scale))})
 
 
 def _check_dtype(dtype) -> torch.dtype | None:

@@ -83,6 +83,7 @@ class Attention(nn.Module):
         self.window = (config.sliding_window - 1, -1) if config.is_sliding(layer) else (-1, -1)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.kv_scales = (None, None)  # (k_scale, v_scale) of an fp8 cache: CausalLM.bind_kv_scales
 
     def forward(self, qkv, positions, rope: RotaryEmbedding, meta: AttentionMetadata, kv_cache):
         """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
@@ -93,11 +94,12 @@ class Attention(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_scale, v_scale = self.kv_scales
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         o = flash_attn_varlen_func(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             softmax_scale=self.scale, causal=True, window_size=self.window, block_table=meta.block_tables,
-            num_splits=meta.num_splits,
+            num_splits=meta.num_splits, k_descale=k_scale, v_descale=v_scale,
         )
         return layers.linear(o.reshape(t, self.q_size), self.o_proj)
 
@@ -177,6 +179,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_scales(self, kv_cache) -> None:
+        """Use ``kv_cache``'s per-layer K/V scales (an fp8 cache's; None for others) in every layer's
+        cache writes and attention. Device tensors, read at run time: CUDA graphs see later updates."""
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_scales = kv_cache.scales(i)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         return self.model.norm(*self.forward_unnormed(input_ids, positions, meta, kv_caches))[0]

@@ -101,6 +101,12 @@ class ShardSizes:
                    kv_head_start=rank * heads // group, intermediate_size=config.intermediate_size // size,
                    vocab_per_rank=-(-config.vocab_size // size), vocab_size=config.vocab_size)
 
+    def own_kv_heads(self, per_layer):
+        """This rank's part of per-layer K/V-head values (an fp8 pool's scales): of each layer's entry,
+        ``[x]`` (one for every head) whole, ``[x_0 .. x_{Hkv-1}]`` (one per KV head) this rank's heads."""
+        end = self.kv_head_start + self.num_kv_heads
+        return tuple(tuple(row) if len(row) == 1 else tuple(row[self.kv_head_start : end]) for row in per_layer)
+
     @property
     def vocab_start(self) -> int:
         return self.rank * self.vocab_per_rank

@@ -86,6 +86,7 @@ class ModelRunner:
                  use_cuda_graphs: bool, generator: torch.Generator | None):
         self.model = model
         self.kv_caches = [kv_cache[i] for i in range(len(kv_cache))]
+        model.bind_kv_scales(kv_cache)
         self.page_size = kv_cache.page_size
         self.max_model_len = max_model_len
         self.device = kv_cache.device

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -194,3 +195,42 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
             for p in parts:
                 src = full.narrow(p.dim, p.fused_offset + p.start, p.length)
                 param.narrow(p.dim, p.offset, p.length).copy_(src * std)
+
+
+# K/V cache scales of fp8-calibrated checkpoints, under the names vLLM reads: compressed-tensors'
+# ``...self_attn.k_scale``, ModelOpt's ``...self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, vLLM's own
+# ``...self_attn.attn.k_scale``, and the older single ``...kv_scale`` (one value for keys and values)
+_KV_SCALE = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:(?:attn|k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale)$")
+
+
+def read_kv_scales(path: str, num_layers: int, num_kv_heads: int) -> tuple[list | None, list | None]:
+    """Per-layer fp8 K/V cache scales from a local checkpoint: ``(k_scales, v_scales)``, each a list of
+    ``num_layers`` entries (``stored = k / scale``), a float per tensor or a list of ``num_kv_heads``
+    floats per KV head, or None where the checkpoint has none. A checkpoint with scales for some
+    layers and not others raises."""
+    from safetensors import safe_open
+
+    found: dict[str, dict[int, float | list[float]]] = {"k_scale": {}, "v_scale": {}, "kv_scale": {}}
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                m = _KV_SCALE.search(name)
+                if m is None:
+                    continue
+                raw = f.get_tensor(name)
+                t = raw.float().reshape(-1)
+                if t.numel() not in (1, num_kv_heads):
+                    raise ValueError(f"{name!r} in {os.path.basename(file)}: expected one scale per tensor or "
+                                     f"{num_kv_heads} (per KV head), got shape {tuple(raw.shape)}")
+                found[m.group(2)][int(m.group(1))] = float(t) if t.numel() == 1 else t.tolist()
+    for layer, value in found["kv_scale"].items():  # the old format: one value for both
+        found["k_scale"].setdefault(layer, value)
+        found["v_scale"].setdefault(layer, value)
+    out = []
+    for kind in ("k_scale", "v_scale"):
+        layers = found[kind]
+        if layers and sorted(layers) != list(range(num_layers)):
+            missing = sorted(set(range(num_layers)) - set(layers))
+            raise ValueError(f"{path}: {kind} given for some layers but not for layers {missing[:8]}")
+        out.append([layers[i] for i in range(num_layers)] if layers else None)
+    return out[0], out[1]

@@ -25,20 +25,31 @@ the paths above and reads the lengths transformers did not pass; results agree t
 
 Nothing is dropped silently. Every keyword transformers passes to an attention function is either
 used (``scaling``, ``sliding_window`` as flash-attn's ``(w - 1, w - 1)`` window, ``softcap``,
-``is_causal``, a packed row's ``cu_seq_lens_q/k`` or ``position_ids``), known to leave attention's
-math alone (``use_cache``, ``output_hidden_states``, ...), or refused with an error that names it:
-``dropout > 0``, attention sinks (``s_aux``, ``sinks``), ALiBi slopes, a ``head_mask``, an additive
-``position_bias``, ``output_attentions=True`` (no weights are formed), transformers' paged
-continuous-batching cache (``block_table``, ``k_cache``, ...), and any keyword this module does not
-know (read from the call sites and the ``TransformersKwargs``/``FlashAttentionKwargs`` of
-transformers 5.17 and 5.24) whose value is not None or False.
+``is_causal``, gpt-oss's attention sinks ``s_aux`` (one learned logit per query head in the softmax
+denominator, passed to the kernels as ``sinks``), a packed row's ``cu_seq_lens_q/k`` or
+``position_ids``), known to leave attention's math alone (``use_cache``, ``output_hidden_states``,
+...), or refused with an error that names it: ``dropout > 0``, sinks under another name than
+``s_aux`` (``sinks``, ``learnable_sink``: no transformers model passes them, so their meaning is
+not known here), ALiBi slopes, a ``head_mask``, an additive ``position_bias``,
+``output_attentions=True`` (no weights are formed), transformers' paged continuous-batching cache
+(``block_table``, ``k_cache``, ...), and any keyword this module does not know (read from the call
+sites and the ``TransformersKwargs``/``FlashAttentionKwargs`` of transformers 5.17 and 5.24) whose
+value is not None or False.
 
-One private hook, as transformers has no public one for it: transformers decides "is this flash
-attention?" by a substring test on the name (``"flash" in attn_implementation``) and then, at model
-init, tries to import a flash-attn package or hub kernel of that name, which fails for
-``"pagedflash"``. :func:`register` therefore wraps ``transformers.modeling_utils.lazy_import_flash_attention``
-so that it skips the names registered here and defers to the original for every other name
-(tests/test_transformers_integration.py checks the wrapper against the installed transformers).
+Two private hooks, as transformers has no public ones for them
+(tests/test_transformers_integration.py checks both against the installed transformers):
+
+- transformers decides "is this flash attention?" by a substring test on the name (``"flash" in
+  attn_implementation``) and then, at model init, tries to import a flash-attn package or hub
+  kernel of that name, which fails for ``"pagedflash"``. :func:`register` therefore wraps
+  ``transformers.modeling_utils.lazy_import_flash_attention`` so that it skips the names registered
+  here and defers to the original for every other name.
+- models with attention sinks (gpt-oss and others that pass ``s_aux``) list the flash kernels that
+  run sinks in ``_compatible_flash_implementations``, and at load time transformers swaps any other
+  flash-named implementation for the first of them. pagedflash runs sinks, so :func:`register` wraps
+  ``PreTrainedModel._check_and_adjust_attn_implementation``: where a model instance's list names a
+  sink-capable kernel (:data:`_SINK_KERNELS`), it gains our names (other models are left alone).
+
 Routing through transformers' own flash-attention forward instead (its ``attention_wrapper`` hook)
 would not do: it drops keywords the kernel's signature lacks, ``s_aux`` among them, without a word.
 """
@@ -53,7 +64,7 @@ NAME = "pagedflash"
 _MASK_SOURCE = "flash_attention_2"  # transformers' mask function for unpadded kernels
 
 # Keywords pagedflash reads itself (beyond the named parameters of pagedflash_attention_forward).
-_USED = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"})
+_USED = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", "s_aux"})
 # Keywords that do not change attention's output: caching and output bookkeeping of the model around it.
 _NO_EFFECT = frozenset({
     "use_cache", "cache_position", "past_key_values", "past_key_value", "position_embeddings", "layer_idx",
@@ -62,9 +73,8 @@ _NO_EFFECT = frozenset({
 })
 # Keywords that change the math and are not implemented: refused by name, whatever their value but None/False.
 _UNSUPPORTED = {
-    "s_aux": "attention sinks (one learned logit per head) are not implemented",
-    "sinks": "attention sinks are not implemented",
-    "learnable_sink": "attention sinks are not implemented",
+    "sinks": "attention sinks are read only as s_aux (gpt-oss's keyword), whose meaning is known",
+    "learnable_sink": "attention sinks are read only as s_aux (gpt-oss's keyword), whose meaning is known",
     "alibi_slopes": "ALiBi is not implemented",
     "head_mask": "head masks are not implemented",
     "position_bias": "an additive position bias on the scores is not implemented",
@@ -101,9 +111,12 @@ def register(name: str = NAME) -> None:
     AttentionMaskInterface.register(name, _flash_mask)
     _REGISTERED.add(name)
     _skip_flash_preload()
+    _declare_sink_support()
 
 
 _REGISTERED: set[str] = set()
+# flash kernels that transformers' sink models list as compatible (they run s_aux); pagedflash does too
+_SINK_KERNELS = ("flash_attention_4", "kernels-community/vllm-flash-attn3")
 _flash_mask_source = None  # transformers' flash-attention mask function, read at the first register()
 
 
@@ -136,6 +149,26 @@ def _skip_flash_preload() -> None:
     mu.lazy_import_flash_attention = lazy_import_flash_attention
 
 
+def _declare_sink_support() -> None:
+    """Keep transformers from replacing our names by a hub kernel on models with sinks (module doc)."""
+    from transformers import PreTrainedModel
+
+    original = getattr(PreTrainedModel, "_check_and_adjust_attn_implementation", None)
+    if original is None or getattr(original, "_pagedflash_wrapped", False):
+        return
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, "_compatible_flash_implementations", None)
+        if (isinstance(attn_implementation, str) and attn_implementation in _REGISTERED and listed
+                and attn_implementation not in listed and any(k in listed for k in _SINK_KERNELS)):
+            self._compatible_flash_implementations = [*listed, attn_implementation]
+        return original(self, attn_implementation, *args, **kwargs)
+
+    _check_and_adjust_attn_implementation._pagedflash_wrapped = True
+    _check_and_adjust_attn_implementation.__wrapped__ = original
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+
+
 def pagedflash_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, Hq, Sq, D]
@@ -160,7 +193,9 @@ def pagedflash_attention_forward(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     # transformers' flash-attention convention: w - 1 keys each side (causal keeps the left side only)
     window = (sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1)
-    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap)
+    s_aux = kwargs.get("s_aux")  # gpt-oss's attention sinks, [Hq]
+    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap,
+                sinks=None if s_aux is None else s_aux.float())
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
     if attention_mask is not None:
         if torch.compiler.is_compiling():  # nothing read on the host: static shapes, no graph break

@@ -8,6 +8,8 @@ import triton.language as tl
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # ln(2):   log(x) == log2(x) * LN2
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+# 2^23: for 0 <= y < 2^22, (y + 2^23) - 2^23 is y rounded to an integer, ties to even (fp32 spacing is 1 there)
+ROUND_TO_INT: tl.constexpr = tl.constexpr(8388608.0)
 
 
 @triton.jit
@@ -62,6 +64,15 @@ def online_softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
+def add_sink(m_i, l_i, acc, sink):
+    """Fold one extra logit per row, ``sink`` ``[M]`` (log2 domain; ``-inf`` adds nothing), into the
+    running state: it joins the softmax denominator and carries no value (attention sinks). A row
+    that saw no key ends with ``m = sink``, ``l = 1``, ``acc = 0``: output 0, lse = sink."""
+    m_i, l_i, acc, _ = online_softmax_step(m_i, l_i, acc, sink[:, None])
+    return m_i, l_i, acc
+
+
+@triton.jit
 def finalize(m_i, l_i, acc):
     """Normalize the accumulator; return ``(out, lse)`` with lse in natural log.
 
@@ -70,6 +81,21 @@ def finalize(m_i, l_i, acc):
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, NEG_INF, (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     return out, lse
+
+
+@triton.jit
+def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
+    """fp32 ``x`` saturated at ``±MAX`` and rounded to the nearest value (ties to even) of an fp8
+    format with ``MANT`` mantissa bits and smallest normal exponent ``EMIN`` (e4m3fn: 3, -6, 448;
+    e5m2: 2, -14, 57344). The result is exactly representable in the format, so the conversion that
+    stores it is exact on every backend and rounding mode (the interpreter's own fp32->fp8 rounding
+    is not); finite input never gives NaN."""
+    a = tl.minimum(tl.abs(x), MAX)
+    e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # a's exponent, >= EMIN
+    step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MANT): the format's spacing at a
+    inv_step = ((127 - e + MANT) << 23).to(tl.float32, bitcast=True)
+    r = ((a * inv_step + ROUND_TO_INT) - ROUND_TO_INT) * step  # a / step < 2^(MANT + 1): exact steps
+    return tl.where(x < 0, -r, r)
 
 
 @triton.jit

@@ -12,7 +12,13 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
 - ``SPLIT_KV``: the KV range of a tile split over ``num_splits`` programs (flash-decoding); each
   split writes a partial (out, lse) and :mod:`pagedflash.ops.combine` merges them. The count is a
   runtime argument, so a serving engine whose split count varies step to step compiles once;
-- ``HAS_LEFT`` / ``HAS_RIGHT`` / ``HAS_SOFTCAP``: sliding window, causal (``right == 0``), softcap.
+- ``HAS_LEFT`` / ``HAS_RIGHT`` / ``HAS_SOFTCAP``: sliding window, causal (``right == 0``), softcap;
+- ``HAS_K_DESCALE`` / ``HAS_V_DESCALE``: K/V stored scaled (an fp8 cache): the real key is
+  ``stored * k_descale[kv head]``. The key descale is folded into the score scale of the program's
+  KV head and the value descale into its output, so the loop only converts the loaded K/V tiles to
+  q's dtype for the dots (a no-op for 16-bit caches);
+- ``HAS_SINKS``: one extra logit per query head in the softmax denominator (attention sinks), folded
+  in once per row at the end (under split-KV by split 0 only, so the combine counts it once).
 
 The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
 unmasked tiles in the middle (no mask arithmetic, no bounds on loads), masked tiles at the end (the
@@ -112,7 +118,7 @@ def _attend_range(
                 k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
                 k = tl.load(K + k_off[:, None] + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             s = _jit.soft_cap(s * sm_scale, softcap) * LOG2E
         else:
@@ -132,7 +138,7 @@ def _attend_range(
                 v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
                 v = tl.load(V + v_off[:, None] + offs_d[None, :])
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -166,11 +172,15 @@ def _attention_kernel(
     stride_lps, stride_lpt,
     batch, seqlen_q, seqlen_k, kv_rows, num_q_tiles, num_splits,
     sm_scale, softcap, window_left, window_right,
+    Sinks,  # [Hq] fp32 (HAS_SINKS)
+    KDescale, VDescale,  # [Hkv] fp32, or one value with stride 0 (HAS_K_DESCALE / HAS_V_DESCALE)
+    stride_sink, stride_kds, stride_vds,
     GROUP: tl.constexpr, G_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -240,6 +250,8 @@ def _attention_kernel(
         s_hi = hi
 
     # --- stream K/V
+    if HAS_K_DESCALE:  # scores of stored keys times this head's descale are the real scores
+        sm_scale = sm_scale * tl.load(KDescale + kvh * stride_kds)
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -280,7 +292,14 @@ def _attention_kernel(
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
     )
+    if HAS_SINKS:  # per row's query head (rows of a packed tile belong to different heads)
+        sink = tl.load(Sinks + row_head * stride_sink) * LOG2E
+        if SPLIT_KV:
+            sink = tl.where(split == 0, sink, NEG_INF)
+        m_i, l_i, acc = _jit.add_sink(m_i, l_i, acc, sink)
     out, lse = _jit.finalize(m_i, l_i, acc)
+    if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
+        out = out * tl.load(VDescale + kvh * stride_vds)
 
     # --- write the tile: final output, or this split's partial state
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -391,6 +410,9 @@ def attention_forward(
     return_lse: bool = False,
     config: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the attention kernel on validated inputs (public functions validate first).
 
@@ -398,7 +420,9 @@ def attention_forward(
     ``[B, Sk, Hkv, D]``, ``[total_k, Hkv, D]`` (with ``cu_seqlens_k``) or pages
     ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). Returns ``(out, lse)``; out has q's
     shape and dtype (written into ``out`` when given: checked by the public functions, not here),
-    lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``).
+    lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``). ``sinks``: fp32
+    ``[Hq]`` attention-sink logits, or None. ``k_descale``/``v_descale``: fp32 ``[Hkv]`` or one value
+    (``[]``/``[1]``) by which stored K/V are multiplied (fp8 caches), or None.
 
     The launch plan (tiles, split count, grid, the kernel's integer arguments) is computed once per
     signature (:mod:`pagedflash.ops.attention_plan`) and reused, as are the split partials
@@ -417,12 +441,13 @@ def attention_forward(
     window = (left, right)
     sm_scale, softcap = float(sm_scale), float(softcap)
     key = plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-                    cu_seqlens_k, seqused_k, block_table, num_splits, config)
+                   cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale)
     plan = _PLANS.get(key)
     if plan is None:
         plan = make_plan(q, k, v, out, lse, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                          window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                          seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config)
+                         window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config,
+                         sinks=sinks, k_descale=k_descale, v_descale=v_descale)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
@@ -436,7 +461,9 @@ def attention_forward(
     args = (q, k, v, out, dummy if lse is None else lse, out_part, lse_part,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
             dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
-            *plan.ints, sm_scale, softcap, left, right)
+            *plan.ints, sm_scale, softcap, left, right,
+            dummy if sinks is None else sinks, dummy if k_descale is None else k_descale,
+            dummy if v_descale is None else v_descale, *plan.head_strides)
     _launch(plan, args)
     if plan.part_shapes is not None:
         if plan.combine is None:

@@ -25,7 +25,7 @@ from pagedflash.ops.launch import (
     choose_num_splits,
     use_tma,
 )
-from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms
+from pagedflash.ops.utils import cdiv, head_stride, interpreted, next_pow2, num_sms
 
 
 def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
@@ -40,16 +40,25 @@ class Plan:
     integer arguments and constexprs, the combine launch (made by the first launch, from its
     tensors), and the fast-launch slot."""
 
-    __slots__ = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "window", "consts",
+    __slots__ = ("cfg", "tma_on", "num_splits", "grid", "part_shapes", "ints", "head_strides", "window", "consts",
                  "fallback_key", "slot", "combine", "tokens_per_batch")
 
 
+def _per_head(t) -> tuple | None:
+    """What Triton specializes a per-head side input (``[H]`` fp32, one value per head or one for
+    all) on: dtype, the stride between heads (0 for one value) and the pointer's alignment."""
+    return None if t is None else (t.dtype, head_stride(t), t.data_ptr() & 15)
+
+
 def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-             cu_seqlens_k, seqused_k, block_table, num_splits, config) -> tuple:
+             cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
+             v_descale=None) -> tuple:
     """What a launch plan depends on, and every input of Triton's specialization of the launch
     beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
-    every pointer, the integers and flags of the call, and the launch table's switches. (Fresh
-    outputs and split partials are always aligned and contiguous.)"""
+    every pointer, the integers and flags of the call, the launch table's switches, and for each
+    per-head side input (``sinks``, ``k_descale``, ``v_descale``) whether it is given, its dtype,
+    head stride (per head or one value) and alignment. (Fresh outputs and split partials are always
+    aligned and contiguous.)"""
     return (q.shape, q.stride(), q.dtype, device, q.data_ptr() & 15,
             k.shape, k.stride(), k.dtype, k.data_ptr() & 15, v.stride(), v.dtype, v.data_ptr() & 15,
             out.stride(), out.dtype, out.data_ptr() & 15, None if lse is None else lse.stride(),
@@ -57,12 +66,14 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if cu_seqlens_k is None else (cu_seqlens_k.dtype, cu_seqlens_k.data_ptr() & 15),
             None if seqused_k is None else (seqused_k.dtype, seqused_k.data_ptr() & 15),
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
-            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
-            launch_table.TMA, launch_table.INTERPRET_TMA)
+            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config, _per_head(sinks),
+            _per_head(k_descale), _per_head(v_descale),
+            launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-              cu_seqlens_k, seqused_k, block_table, num_splits, config) -> Plan:
+              cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
+              v_descale=None) -> Plan:
     """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them)."""
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
@@ -121,6 +132,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         batch, q.shape[1] if not varlen_q else 0, k.shape[1] if (k.dim() == 4 and not paged) else 0,
         k.shape[0] * page_size, num_q_tiles, num_splits,
     )
+    plan.head_strides = (head_stride(sinks), head_stride(k_descale), head_stride(v_descale))
     plan.window = window
     plan.consts = dict(
         GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
@@ -128,9 +140,10 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         SPLIT_KV=split, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
         HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0,
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+        HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
     )
-    plan.fallback_key = (q.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
+    plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()
     plan.combine = None  # made by the first launch, from its tensors
     return plan

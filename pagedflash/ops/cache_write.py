@@ -9,17 +9,23 @@ One kernel, two ways to name where each token goes:
   position is computed on the device, so appending needs no host sync and is graph-safe.
 
 A contiguous cache ``[B, S_max, Hkv, D]`` is addressed as ``B`` pages of ``S_max`` slots.
+
+An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``) stores ``saturate(k / k_scale[head])`` rounded to
+nearest, ties to even (:func:`pagedflash.ops._jit.round_to_fp8`): saturated at the format's largest
+finite value, never NaN from finite input. Readers multiply by the same value (``k_descale``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import custom_ops
-from pagedflash.ops.utils import cdiv, next_pow2
+from pagedflash.ops import _jit, custom_ops
+from pagedflash.ops.utils import cdiv, head_stride, next_pow2
 
 
 @triton.jit(do_not_specialize=["stride_tb", "new_per_row"])  # vary per call: no recompiles
@@ -32,8 +38,12 @@ def _write_kv_kernel(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_cp, stride_cs, stride_ch,
     stride_tb, new_per_row, num_heads,
+    KScale, VScale,  # [Hkv] fp32, or one value with stride 0 (HAS_K_SCALE / HAS_V_SCALE)
+    stride_ks, stride_vs,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BY_SLOT: tl.constexpr, PAGED: tl.constexpr,
+    QUANTIZE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MAX: tl.constexpr,
+    HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
 ):
     i = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -61,11 +71,30 @@ def _write_kv_kernel(
     dst = page * stride_cp + offset * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(K + src_row + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + src_row_v + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if QUANTIZE:  # fp8 cache: k / k_scale[head], saturated and rounded to the format
+        h_ok = heads < num_heads
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        if HAS_K_SCALE:
+            k = k / tl.load(KScale + heads * stride_ks, mask=h_ok, other=1.0)[:, None]
+        if HAS_V_SCALE:
+            v = v / tl.load(VScale + heads * stride_vs, mask=h_ok, other=1.0)[:, None]
+        k = _jit.round_to_fp8(k, FP8_MANT, FP8_EMIN, FP8_MAX).to(KCache.dtype.element_ty)
+        v = _jit.round_to_fp8(v, FP8_MANT, FP8_EMIN, FP8_MAX).to(VCache.dtype.element_ty)
     tl.store(KCache + dst, k, mask=mask)
     tl.store(VCache + dst, v, mask=mask)
 
 
-def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, block_table=None, new_per_row=1):
+def fp8_format(dtype: torch.dtype) -> dict:
+    """The constants :func:`pagedflash.ops._jit.round_to_fp8` needs for an fp8 ``dtype``: mantissa bits,
+    smallest normal exponent and largest finite value (e4m3fn: 3, -6, 448; e5m2: 2, -14, 57344)."""
+    info = torch.finfo(dtype)
+    return dict(FP8_MANT=round(-math.log2(info.eps)), FP8_EMIN=round(math.log2(info.smallest_normal)),
+                FP8_MAX=float(info.max))
+
+
+def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, block_table=None, new_per_row=1,
+            k_scale=None, v_scale=None):
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     block_h = min(16, next_pow2(hkv))
     ks = (0, *k.stride()[:2]) if k.dim() == 3 else k.stride()[:3]
@@ -73,6 +102,8 @@ def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, b
     if tokens == 0:
         return
     dummy = k_cache
+    quantize = validate.is_fp8(k_cache.dtype)
+    fmt = fp8_format(k_cache.dtype) if quantize else dict(FP8_MANT=0, FP8_EMIN=0, FP8_MAX=0.0)
     _write_kv_kernel[(tokens, cdiv(hkv, block_h))](
         k, v, k_cache, v_cache,
         slots if slots is not None else dummy,
@@ -80,38 +111,49 @@ def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, b
         block_table if block_table is not None else dummy,
         *ks, *vs, *k_cache.stride()[:3],
         block_table.stride(0) if block_table is not None else 0, new_per_row, hkv,
+        k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
+        head_stride(k_scale), head_stride(v_scale),
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_H=block_h,
-        BY_SLOT=slots is not None, PAGED=block_table is not None, num_warps=4,
+        BY_SLOT=slots is not None, PAGED=block_table is not None, QUANTIZE=quantize, **fmt,
+        HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4,
     )
 
 
-def append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table=None) -> None:
-    """Write k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (validated by the caller)."""
+def append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table=None, *, k_scale=None, v_scale=None) -> None:
+    """Write k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (validated by the caller;
+    quantized by ``k_scale``/``v_scale`` into an fp8 cache)."""
     _launch(k, v, k_cache, v_cache, tokens=k.shape[0] * k.shape[1], cache_seqlens=cache_seqlens,
-            block_table=block_table, new_per_row=k.shape[1])
+            block_table=block_table, new_per_row=k.shape[1], k_scale=k_scale, v_scale=v_scale)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter new keys/values into a paged cache, in place.
 
     Args:
-        k, v: ``[T, Hkv, D]``, the cache's dtype.
-        k_cache, v_cache: ``[num_blocks, page_size, Hkv, D]``, equal shapes and strides.
+        k, v: ``[T, Hkv, D]``, the cache's dtype; fp16/bf16/fp32 for an fp8 cache.
+        k_cache, v_cache: ``[num_blocks, page_size, Hkv, D]``, equal shapes and strides; fp16, bf16,
+            fp32, or fp8 (``float8_e4m3fn``/``float8_e5m2``), which stores
+            ``saturate(k / k_scale[head])`` rounded to nearest.
         slot_mapping: int64 ``[T]``; ``slot = block_id * page_size + offset``; a negative slot skips
             its token (padding).
+        k_scale, v_scale: fp8 caches only: fp32 ``[]``/``[1]`` (per tensor) or ``[Hkv]`` (per KV head),
+            the values attention later takes as ``k_descale``/``v_descale``; None means 1.
     """
-    validate.check_tensor("k_cache", k_cache, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
+    validate.check_tensor("k_cache", k_cache, ndim=4, dtypes=validate.SUPPORTED_DTYPES + validate.FP8_DTYPES)
     device = k_cache.device
     validate.check_tensor("v_cache", v_cache, ndim=4, dtypes=(k_cache.dtype,), device=device)
     validate.check_paged_caches(k_cache, v_cache)
+    new_dtypes = validate.SUPPORTED_DTYPES if validate.is_fp8(k_cache.dtype) else (k_cache.dtype,)
     for name, t in (("k", k), ("v", v)):
-        validate.check_tensor(name, t, ndim=3, dtypes=(k_cache.dtype,), device=device)
+        validate.check_tensor(name, t, ndim=3, dtypes=new_dtypes, device=device)
         if tuple(t.shape[1:]) != tuple(k_cache.shape[2:]):
             raise ValueError(f"{name}: expected shape [T, {k_cache.shape[2]}, {k_cache.shape[3]}] (the cache's "
                              f"heads and head dim), got {tuple(t.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v: expected shape {tuple(k.shape)} (k's), got {tuple(v.shape)}")
     validate.check_last_dim_contiguous(k=k, v=v, k_cache=k_cache)
+    k_scale = validate.check_kv_scale("k_scale", k_scale, cache=k_cache, cache_name="k_cache", device=device)
+    v_scale = validate.check_kv_scale("v_scale", v_scale, cache=v_cache, cache_name="v_cache", device=device)
     validate.check_tensor("slot_mapping", slot_mapping, ndim=1, device=device)
     if slot_mapping.dtype != torch.int64:
         raise TypeError(f"slot_mapping: expected dtype torch.int64, got {slot_mapping.dtype}")
@@ -124,11 +166,11 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         top = int(slot_mapping.max())
         if top >= capacity:
             raise ValueError(f"slot_mapping: slots must be < num_blocks * page_size = {capacity}, got {top}")
-    _write_op(k, v, k_cache, v_cache, slot_mapping)
+    _write_op(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def _launch_write(k, v, k_cache, v_cache, slot_mapping) -> None:
-    _launch(k, v, k_cache, v_cache, tokens=k.shape[0], slots=slot_mapping)
+def _launch_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    _launch(k, v, k_cache, v_cache, tokens=k.shape[0], slots=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 _write_op = custom_ops.implement("write_kv_cache", _launch_write)

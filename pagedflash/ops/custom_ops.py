@@ -83,17 +83,20 @@ from pagedflash.ops import scratch
 _lib = torch.library.Library("pagedflash", "DEF")
 
 _ATTENTION_OPTIONS = "float? softmax_scale, int window_left, int window_right, float softcap"
+# attention sinks (fp32 [Hq]) and the descales of fp8 K/V (fp32 [Hkv] or one value), all optional
+_SIDE_INPUTS = "Tensor? sinks=None, Tensor? k_descale=None, Tensor? v_descale=None"
 _SCHEMAS = {
-    "flash_attn_func": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ATTENTION_OPTIONS}, bool return_lse) "
-                       "-> Tensor",
+    "flash_attn_func": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ATTENTION_OPTIONS}, bool return_lse, "
+                       "Tensor? sinks=None) -> Tensor",
     "flash_attn_varlen_func": "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                               "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? block_table, Tensor(a!) out, "
-                              f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse) -> Tensor",
+                              f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}) -> Tensor",
     "flash_attn_with_kvcache": "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
                                "Tensor? cache_seqlens, Tensor? block_table, SymInt max_seqlen_k, Tensor(c!) out, "
-                               f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse) -> Tensor",
+                               f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}) -> Tensor",
     "merge_attn_states": "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
-    "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
+    "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+                      "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     "rms_norm": "(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)",
     "rope_": "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()",
     "silu_mul": "(Tensor gate_up) -> Tensor",
@@ -110,17 +113,19 @@ def _lse(q: torch.Tensor, return_lse: bool, shape) -> torch.Tensor:
     return q.new_empty(shape if return_lse else (0,), dtype=torch.float32)
 
 
-def _fake_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse):
+def _fake_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
     return _lse(q, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
-                 softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
+                 softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
+                 k_descale=None, v_descale=None):
     return _lse(q, return_lse, (q.shape[1], q.shape[0]))
 
 
 def _fake_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
-                  softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
+                  softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
+                  k_descale=None, v_descale=None):
     return _lse(q, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 
@@ -128,7 +133,7 @@ def _fake_merge(out_a, lse_a, out_b, lse_b):
     return out_a.new_empty(out_a.shape), lse_a.new_empty(out_a.shape[:-1])
 
 
-def _fake_write(k, v, k_cache, v_cache, slot_mapping):
+def _fake_write(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     return None
 
 

@@ -32,9 +32,10 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | No
 
 
 def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
-            softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
-    if k is not None and k.numel():
-        append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table)
+            softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None, k_descale=None,
+            v_descale=None):
+    if k is not None and k.numel():  # appended in q's dtype, or quantized by the descales into an fp8 cache
+        append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table, k_scale=k_descale, v_scale=v_descale)
         cache_seqlens = cache_seqlens + k.shape[1]
     if q.numel() == 0:  # a batch of 0: nothing to attend
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
@@ -42,7 +43,7 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
         q, k_cache, v_cache, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
-        return_lse=return_lse, out=out,
+        return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
     )[1]
 
 
@@ -64,6 +65,9 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention of new queries over a KV cache, flash-attn's ``flash_attn_with_kvcache``.
 
@@ -71,9 +75,11 @@ def flash_attn_with_kvcache(
         q: ``[B, Sq, Hq, D]``; Sq = 1 is decode, small Sq (speculative verification) attends causally,
             bottom-right aligned.
         k_cache, v_cache: contiguous ``[B, S_max, Hkv, D]``, or with ``block_table`` paged
-            ``[num_blocks, page_size, Hkv, D]`` (any page size).
-        k, v: optional new tokens ``[B, S_new, Hkv, D]``, written in place at positions
-            ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` before attention, which covers them.
+            ``[num_blocks, page_size, Hkv, D]`` (any page size); q's dtype or fp8
+            (``float8_e4m3fn``/``float8_e5m2``, with ``k_descale``/``v_descale``).
+        k, v: optional new tokens ``[B, S_new, Hkv, D]`` in q's dtype, written in place at positions
+            ``cache_seqlens[b] .. cache_seqlens[b] + S_new - 1`` before attention, which covers them
+            (into an fp8 cache as ``saturate(k / k_descale[head])``, rounded to nearest).
         cache_seqlens: int32 ``[B]`` (or an int) valid cached tokens per row before the new ones;
             None means all ``S_max`` (contiguous cache only).
         block_table: int32 ``[B, max_blocks_per_seq]``.
@@ -81,7 +87,9 @@ def flash_attn_with_kvcache(
             >= 1 forces a split count (use a fixed one for CUDA-graph capture).
         out: optional preallocated ``[B, Sq, Hq, D]`` output (q's dtype and device, last dim
             contiguous, sharing no memory with q or the caches). Written and returned.
-        Other arguments as :func:`pagedflash.flash_attn_func`.
+        k_descale, v_descale: fp8 caches only: fp32 ``[]``/``[1]`` (per tensor) or ``[Hkv]`` (per KV
+            head); the real key is ``stored.float() * k_descale[head]``; None means 1.
+        Other arguments as :func:`pagedflash.flash_attn_func` (``sinks`` included).
 
     Returns:
         out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32. A batch of 0 gives
@@ -91,7 +99,7 @@ def flash_attn_with_kvcache(
     device = q.device
     validate.check_tensor("k_cache", k_cache, ndim=4, device=device)
     validate.check_tensor("v_cache", v_cache, ndim=4, device=device)
-    validate.check_same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    validate.check_kv_dtypes(q, "k_cache", k_cache, "v_cache", v_cache)
     validate.check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
     validate.check_no_grad(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     validate.check_head_dims(q, k_cache, v_cache)
@@ -145,12 +153,16 @@ def flash_attn_with_kvcache(
         softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
     left, right = validate.check_window(window_size, causal)
     softcap = validate.check_softcap(softcap)
+    k_descale = validate.check_kv_scale("k_descale", k_descale, cache=k_cache, cache_name="k_cache", device=device)
+    v_descale = validate.check_kv_scale("v_descale", v_descale, cache=v_cache, cache_name="v_cache", device=device)
+    sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=device)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     else:
         validate.check_out(out, shape=q.shape, dtype=q.dtype, device=device,
                            inputs=dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
-                                       block_table=block_table))
+                                       block_table=block_table, sinks=sinks, k_descale=k_descale,
+                                       v_descale=v_descale))
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
-              num_splits, return_lse)
+              num_splits, return_lse, sinks, k_descale, v_descale)
     return (out, lse) if return_lse else out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms, nvidia_capability
+from pagedflash.validate import FP8_DTYPES
 
 # Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
 # whose pages hold whole 64-key tiles (prefill, and short decode in wide grids); other decode
@@ -20,6 +21,9 @@ from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms, nvidia_c
 # gather rows.
 # PAGEDFLASH_TMA=0 turns it off; the pointer path is the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
+# fp8 K/V (float8_e4m3fn/e5m2) through descriptors: correct under the interpreter, not yet compiled
+# and timed on an H200, so fp8 caches load through pointer tiles unless PAGEDFLASH_TMA_FP8=1.
+TMA_FP8 = os.environ.get("PAGEDFLASH_TMA_FP8", "0") == "1"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
 INTERPRET_TMA = False
@@ -160,11 +164,11 @@ def tma_device(device: torch.device) -> bool:
 
 
 def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
-    """Whether K/V may load through tensor descriptors: a :func:`tma_device`, fp16/bf16, 16-byte
-    aligned bases and row strides; for a page pool also rows that follow each other across pages (one
-    descriptor over ``[num_blocks * page_size, D]``, rows addressable by int32). The tile must then
-    fit a page, which the caller checks against its block size."""
-    if not TMA or k.dtype not in (torch.float16, torch.bfloat16):
+    """Whether K/V may load through tensor descriptors: a :func:`tma_device`, fp16/bf16 (fp8 with
+    ``TMA_FP8``), 16-byte aligned bases and row strides; for a page pool also rows that follow each
+    other across pages (one descriptor over ``[num_blocks * page_size, D]``, rows addressable by
+    int32). The tile must then fit a page, which the caller checks against its block size."""
+    if not TMA or k.dtype not in (torch.float16, torch.bfloat16, *(FP8_DTYPES if TMA_FP8 else ())):
         return False
     if not (INTERPRET_TMA if interpreted() else tma_device(k.device)):
         return False

@@ -16,11 +16,14 @@ from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
 
 
-def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int):
+def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int, fp8_kv: bool = False):
     validate.check_tensor("q", q, ndim=q_ndim, dtypes=validate.SUPPORTED_DTYPES)
     validate.check_tensor("k", k, ndim=kv_ndim, device=q.device)
     validate.check_tensor("v", v, ndim=kv_ndim, device=q.device)
-    validate.check_same_dtype("q", q, k=k, v=v)
+    if fp8_kv:  # K/V may also be stored in fp8
+        validate.check_kv_dtypes(q, "k", k, "v", v)
+    else:
+        validate.check_same_dtype("q", q, k=k, v=v)
     validate.check_last_dim_contiguous(q=q, k=k, v=v)
     validate.check_no_grad(q=q, k=k, v=v)
     return validate.check_head_dims(q, k, v)
@@ -34,25 +37,27 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
     return out
 
 
-def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse):
+def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     return attention_forward(
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
-        softcap=softcap, return_lse=return_lse, out=out,
+        softcap=softcap, return_lse=return_lse, out=out, sinks=sinks,
     )[1]
 
 
 def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
-                   softmax_scale, window_left, window_right, softcap, num_splits, return_lse):
+                   softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
+                   k_descale=None, v_descale=None):
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     return attention_forward(
         q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
-        num_splits=num_splits, return_lse=return_lse, out=out,
+        num_splits=num_splits, return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale,
+        v_descale=v_descale,
     )[1]
 
 
@@ -70,6 +75,7 @@ def flash_attn_func(
     softcap: float = 0.0,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over a dense batch, flash-attn's ``flash_attn_func``.
 
@@ -83,10 +89,14 @@ def flash_attn_func(
         return_lse: also return the natural-log LSE.
         out: optional preallocated output (q's shape, dtype and device; last dim contiguous, other
             strides honoured; sharing no memory with q, k, v). Written and returned.
+        sinks: attention sinks (gpt-oss), fp32 ``[Hq]``: one logit per query head that joins the
+            softmax denominator and carries no value, ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))``;
+            the LSE then includes it. Softcap does not apply to it.
 
     Returns:
         out ``[B, Sq, Hq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)``, lse ``[B, Hq, Sq]``
-        fp32. A row that sees no key gets 0 and lse ``-inf``. A batch of 0 gives empty tensors.
+        fp32. A row that sees no key gets 0 and lse ``-inf`` (with sinks: 0 and lse = its sink). A
+        batch of 0 gives empty tensors.
     """
     _check_common(q, k, v, q_ndim=4, kv_ndim=4)
     if k.shape[0] != q.shape[0]:
@@ -97,8 +107,9 @@ def flash_attn_func(
         softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
     left, right = validate.check_window(window_size, causal)
     softcap = validate.check_softcap(softcap)
-    out = _output(out, q, k=k, v=v)
-    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse)
+    sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
+    out = _output(out, q, k=k, v=v, sinks=sinks)
+    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -118,6 +129,9 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     num_splits: int = 0,
     out: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """Attention over packed variable-length sequences, flash-attn's ``flash_attn_varlen_func``.
 
@@ -132,13 +146,17 @@ def flash_attn_varlen_func(
         block_table: int32 ``[B, max_blocks_per_seq]`` page ids (paged mode).
         num_splits: KV splits; 0 chooses from the sizes and the GPU, >= 1 forces (graph capture).
         out: optional preallocated ``[total_q, Hq, D]`` output, checked as in :func:`flash_attn_func`.
-        Other arguments as :func:`flash_attn_func`; causal is bottom-right aligned per sequence.
+        k_descale, v_descale: for K/V stored in fp8 (``float8_e4m3fn``/``float8_e5m2``, dense or
+            paged): fp32 ``[]``/``[1]`` (per tensor) or ``[Hkv]`` (per KV head); the real key is
+            ``stored.float() * k_descale[head]``; None means 1.
+        Other arguments as :func:`flash_attn_func` (``sinks`` included); causal is bottom-right
+        aligned per sequence.
 
     Returns:
         out ``[total_q, Hq, D]``; with ``return_lse`` also lse ``[Hq, total_q]`` fp32.
     """
     paged = block_table is not None
-    _check_common(q, k, v, q_ndim=3, kv_ndim=4 if paged else 3)
+    _check_common(q, k, v, q_ndim=3, kv_ndim=4 if paged else 3, fp8_kv=True)
     if paged:
         validate.check_paged_caches(k, v)
     elif v.shape != k.shape:
@@ -168,7 +186,11 @@ def flash_attn_varlen_func(
         softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
     left, right = validate.check_window(window_size, causal)
     softcap = validate.check_softcap(softcap)
-    out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    k_descale = validate.check_kv_scale("k_descale", k_descale, cache=k, cache_name="k", device=q.device)
+    v_descale = validate.check_kv_scale("v_descale", v_descale, cache=v, cache_name="v", device=q.device)
+    sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
+    out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                  sinks=sinks, k_descale=k_descale, v_descale=v_descale)
     lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
-                     softmax_scale, left, right, softcap, num_splits, return_lse)
+                     softmax_scale, left, right, softcap, num_splits, return_lse, sinks, k_descale, v_descale)
     return (out, lse) if return_lse else out

@@ -1,7 +1,7 @@
-"""Host-side helpers shared by every op launcher: integer arithmetic for grids and tiles, the
-device's SM count and NVIDIA compute capability, whether kernels run under the interpreter, the
-input checks of the engine's ops (on :mod:`pagedflash.validate`'s), and the per-signature launch
-cache those ops share (:class:`PlanCache`, :class:`Launch`).
+"""Host-side helpers shared by every op launcher: integer arithmetic for grids and tiles, the head
+stride of a per-head side input, the device's SM count and NVIDIA compute capability, whether kernels
+run under the interpreter, the input checks of the engine's ops (on :mod:`pagedflash.validate`'s),
+and the per-signature launch cache those ops share (:class:`PlanCache`, :class:`Launch`).
 
 Whether to interpret is decided once, by :mod:`pagedflash._env`, before any kernel is defined.
 """
@@ -25,6 +25,12 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Host-side ``triton.next_power_of_2`` (same reason)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def head_stride(t: torch.Tensor | None) -> int:
+    """Stride between heads of a per-head side input (attention sinks, K/V scales): 0 for one value
+    shared by all heads (``[]``/``[1]``), or when there is none."""
+    return t.stride(0) if t is not None and t.numel() > 1 else 0
 
 
 @functools.cache
