@@ -252,6 +252,15 @@ def _attention_kernel(
     # --- stream K/V
     if HAS_K_DESCALE:  # scores of stored keys times this head's descale are the real scores
         sm_scale = sm_scale * tl.load(KDescale + kvh * stride_kds)
+    if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16:
+        # fp8 K/V under bf16 queries: both dots run in fp16, to which GPUs convert fp8 pairs in one
+        # instruction (to bf16: three, and decode is then bound by the conversions; docs/performance.md
+        # v19). q is scaled by a power of two into fp16's range (exact), the scale folded into the score
+        # scale; fp16 holds every fp8 value and p in [0, 1] exactly or finer than bf16 would.
+        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        shift = tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, 0.0)
+        q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
+        sm_scale = sm_scale * tl.exp2(shift)
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
