@@ -322,8 +322,8 @@ class ModelRunner:
         """Replay the graph of size ``bs``, or run the same body eagerly for the ``n`` rows."""
         if bs in self.graphs:
             self.graphs[bs].replay()
-        else:  # an upper bound is all attention needs: rounded up, steps share one launch plan per 128
-            max_seqlen_k = min(self.max_model_len, -(-max_seqlen_k // 128) * 128)
+        else:  # an upper bound is all attention needs: rounded up, 16 steps share one launch plan
+            max_seqlen_k = min(self.max_model_len, -(-max_seqlen_k // 16) * 16)
             self._decode_step(n, self._decode_meta(n, max_seqlen_k=max_seqlen_k, num_splits=0))
 
     def _pinned(self, rows: list[list[int]]) -> torch.Tensor:
