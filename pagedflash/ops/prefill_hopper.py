@@ -1,0 +1,428 @@
+"""Dense prefill on Hopper (sm90): a warp-specialized FlashAttention forward written in Gluon.
+
+:func:`pagedflash.flash_attn_func` launches this kernel instead of the portable one
+(:mod:`pagedflash.ops.attention`) where :func:`refusal` finds nothing against it: an NVIDIA GPU of
+compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf16, a head dim and
+sizes where it measured faster (:data:`MIN_SEQLEN`), no window or softcap, 16-byte aligned operands.
+Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes the portable kernel, which stays
+the tested fallback.
+
+The kernel (FlashAttention-3's design as Gluon spells it: TMA, mbarriers, async wgmma, warp
+specialization):
+
+- A program computes 128 query rows of one head. A 1-warp load partition copies the program's Q
+  once and streams the K/V tiles (128 keys) through TMA into a ring of ``STAGES`` shared-memory
+  slots, each slot with a "ready" mbarrier per tensor (the copy's bytes landed) and an "empty" one
+  (both consumers are done with it).
+- Two 4-warp consumer partitions take 64 rows each and read the same ring. Each keeps the wgmma of
+  ``S_j = Q K_j^T`` and of ``O += P_{j-1} V_{j-1}`` in flight together and runs tile j's softmax while
+  the second finishes; the two consumers' softmax and wgmma interleave on the SM (ping-pong
+  without explicit ordering).
+- Softmax in the log2 domain with log2(e) folded into the scale; only the causal diagonal and the
+  ragged last key tile are masked. Causal is bottom-right aligned; the heaviest causal programs
+  start first.
+- Q, K and V load through rank-4 descriptors over ``[B, S, H, D]`` with boxes ``[1, rows, 1, D]``:
+  rows past a sequence's end are zero-filled by the copy engine, never read from the next
+  sequence, so a ragged last tile needs no batch-size rule (a NaN or inf in another sequence's V
+  cannot reach this one's ``P V``, where its probability 0 would not cancel it). Query rows past
+  ``Sq`` are zeros too; their results are never stored. Any strides with a contiguous last dim
+  and 16-byte multiples elsewhere work.
+- The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
+  with a contiguous last dim.
+
+Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
+in the same run): docs/performance.md, v19. Written against Triton 3.6's Gluon API, which is
+experimental and changes between releases (3.9 renamed the TMA copies); on any other Triton, under
+the interpreter and off NVIDIA the module imports, defines no kernel, and :data:`UNAVAILABLE` says
+why.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import triton
+
+from pagedflash.ops._jit import LOG2E
+from pagedflash.ops.utils import cdiv, interpreted, num_sms, nvidia_capability
+
+# PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
+ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
+
+# Where the Gluon kernel measured faster than the portable kernel (docs/performance.md, v19: bf16,
+# B·S = 16K tokens with Sq = Sk = S in 1K / 4K / 16K, Hq·D = 2048, at least 2048 programs a launch),
+# by (head dim, causal): the shortest Sq and Sk routed. D=128 was faster in every cell (1K: 485 vs
+# 386 TFLOP/s, causal 332 vs 296); D=64 causal too (1K: 222 vs 198). D=64 non-causal lost at 1K
+# (328 vs 338) and is even from 4K (414 vs 410; 16K 438 vs 441 across runs): routed from 4K until
+# the library's own H200 run says otherwise. Lengths under the shortest cell, and D=64 non-causal
+# at 2K, were not measured and stay portable; fp16 follows bf16's rule (the same kernel).
+MIN_SEQLEN = {(128, False): 1024, (128, True): 1024, (64, False): 4096, (64, True): 1024}
+# The Gluon kernel never splits the key range; the portable one does when its grid has fewer
+# programs than SMs. Launches that would leave SMs idle were not measured: portable.
+MIN_PROGRAMS_PER_SM = 1
+
+BLOCK_M = 128  # query rows per program: two consumers of 64
+BLOCK_N = 128  # keys per K/V tile
+STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles)
+NUM_WARPS = 4  # the default partition (consumer 0); consumer 1 and the loader are worker warps
+MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
+CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
+
+UNAVAILABLE: str | None = None  # why the kernel is not defined here; None when it is
+launches = 0  # Gluon launches so far (tests read it to see which path ran)
+
+
+def _unavailable() -> str | None:
+    if interpreted():
+        return "the Triton interpreter runs no Gluon kernels"
+    if torch.version.hip is not None:
+        return "a ROCm build of torch (the kernel is NVIDIA Hopper code)"
+    if tuple(triton.__version__.split(".")[:2]) != ("3", "6"):
+        return f"triton {triton.__version__}: the kernel is written against Triton 3.6's experimental Gluon API"
+    return None
+
+
+UNAVAILABLE = _unavailable()
+if UNAVAILABLE is None:
+    try:
+        from triton.compiler.errors import CompilationError
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            mbarrier,
+            tma,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError as e:
+        UNAVAILABLE = f"triton {triton.__version__} without the Gluon Hopper API ({e})"
+    else:
+        _COMPILE_ERRORS = (CompilationError, *(getattr(triton.runtime.errors, name) for name in
+                                               ("PTXASError", "OutOfResources") if hasattr(triton.runtime.errors, name)))
+
+if UNAVAILABLE is None:
+    LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _key_tiles(m0, Sq, Sk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tiles of the program whose rows start at ``m0``: ``[0, n_full)`` are visible to all its
+        rows (no mask), ``[n_full, n_tiles)`` are the causal diagonal and the ragged last tile."""
+        causal_off = Sk - Sq
+        if CAUSAL:
+            hi = gl.minimum(m0 + BM + causal_off, Sk)
+            n_full = gl.minimum((m0 + causal_off + 1) // BN, Sk // BN)
+        else:
+            hi = Sk + 0
+            n_full = Sk // BN
+        n_tiles = (hi + BN - 1) // BN
+        return n_full, n_tiles, causal_off
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.constexpr, s_layout: gl.constexpr,
+                      MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """Fold raw scores ``s`` (fp32 ``[rows, BN]``, keys from ``n0``) into the running max ``m_i``
+        (scaled, log2 domain) and sum ``l_i``; returns ``p``, the new state and O's rescale factor."""
+        if MASK:
+            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            valid = cols[None, :] < Sk
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+            s = gl.where(valid, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        if MASK:
+            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # no key yet: keep exp2 off (-inf) - (-inf)
+        else:
+            m_use = m_new
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, m_new, l_new, alpha
+
+    @gluon.jit
+    def _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS: gl.constexpr,
+               HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Normalize and store rows ``row0 ..`` of head ``h`` (rows past ``Sq`` are not stored); LSE in
+        natural log to ``[B, Hq, Sq]``. A row that saw no key gets 0 (and -inf)."""
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        l_o = gl.convert_layout(l_i, row_o)
+        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
+        out = o * (1.0 / l_safe)[:, None]
+        rows = row0 + gl.arange(0, ROWS, layout=row_o)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        row_ok = rows < Sq
+        offs = (b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                + rows.to(gl.int64)[:, None] * stride_os + cols[None, :])
+        gl.store(O + offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
+        if WRITE_LSE:
+            m_o = gl.convert_layout(m_i, row_o)
+            lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
+            gl.store(LSE + (b * Hq + h).to(gl.int64) * Sq + rows, lse, mask=row_ok)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h,
+                m0, kv_head, n_tiles, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr):
+        """The load partition: both consumers' Q, then K_j and V_j into slot ``j % STAGES`` once both
+        consumers have freed it (a fresh barrier passes the parity-1 wait at once)."""
+        mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+        for c in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [b, m0 + c * ROWS, h, 0], q_bar.index(0),
+                                            q_smem.index(c).reshape([1, ROWS, 1, HEAD_DIM]))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, j * BN, kv_head, 0], k_ready.index(slot),
+                                            k_smem.index(slot).reshape([1, BN, 1, HEAD_DIM]))
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, j * BN, kv_head, 0], v_ready.index(slot),
+                                            v_smem.index(slot).reshape([1, BN, 1, HEAD_DIM]))
+
+    @gluon.jit
+    def _qk(j, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+            s_layout: gl.constexpr):
+        """Issue ``S_j = Q K_j^T`` (async) once K_j has landed."""
+        slot = j % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
+              causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """Key tile j: ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` in flight together; the softmax of
+        ``S_j`` runs while the PV wgmma finishes."""
+        s = _qk(j, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+        prev = (j - 1) % STAGES
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T (issued first) is done, PV may still run
+        mbarrier.arrive(k_empty.index(j % STAGES))
+        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, j * BN, Sk, causal_off, BN, s_layout,
+                                               MASK, CAUSAL)
+        # Left alone, ptxas hoists the PV wait above the softmax (into the first shuffle's latency),
+        # which serializes them; a branch on a runtime value (never false: the scale is > 0) pins it.
+        if qk_scale > 0.0:
+            o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
+        else:
+            gl.thread_barrier()
+            o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
+        mbarrier.arrive(v_empty.index(prev))
+        o = o_done * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        return o, p16, m_new, l_new
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk, Hq, b,
+                  h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, C: gl.constexpr,
+                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Consumer ``C``: rows ``m0 + C * ROWS ..`` over every key tile of the program, then the store."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row0 = m0 + C * ROWS
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        q = q_smem.index(C)
+        mbarrier.wait(q_bar.index(0), 0)
+        # tile 0 alone, always masked (right for any tile), then the overlapped steady state
+        s = _qk(0, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
+                                           CAUSAL)
+        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        for j in range(1, n_full):
+            o, p16, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i,
+                                     qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout,
+                                     False, CAUSAL)
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            o, p16, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i,
+                                     qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout,
+                                     True, CAUSAL)
+        last = n_tiles - 1
+        slot = last % STAGES
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
+        o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
+        mbarrier.arrive(v_empty.index(slot))
+        _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM, o_layout,
+               WRITE_LSE)
+
+    @gluon.jit
+    def _prefill_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, Sq, Sk, Hq, GROUP, stride_ob, stride_os,
+                        stride_oh, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr):
+        """Grid ``(cdiv(Sq, BM), Hq, B)``; descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]``
+        boxes (Q: ``BM // 2`` rows, K/V: ``BN``). ``qk_scale`` = softmax scale x log2(e)."""
+        ROWS: gl.constexpr = BM // 2
+        gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
+        dtype: gl.constexpr = q_desc.dtype
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest causal programs first
+        h = gl.program_id(1)
+        b = gl.program_id(2)
+        m0 = pid_m * BM
+        n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # a slot is free once both consumers arrived
+            mbarrier.init(v_empty.index(i), count=2)
+
+        # The argument tuples are written out inline: Triton 3.6's code generator turns the constexpr
+        # elements of a tuple held in a variable (or concatenated) into int32 tensors.
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk,
+                         Hq, b, h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, 0, ROWS,
+                         HEAD_DIM, BN, STAGES, CAUSAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk,
+                         Hq, b, h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, 1, ROWS,
+                         HEAD_DIM, BN, STAGES, CAUSAL, WRITE_LSE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b,
+                       h, m0, h // GROUP, n_tiles, ROWS, HEAD_DIM, BN, STAGES)),
+        ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype) -> tuple:
+    """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
+    k/v layout)``. Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
+    consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
+                  WRITE_LSE=write_lse, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS)
+    options = dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+    q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, BLOCK_N, 1, head_dim]
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, gl_dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, gl_dtype)
+    return consts, options, q_block, kv_block, q_layout, kv_layout
+
+
+_GRID_YZ_MAX = 65535  # CUDA's limit on grid dims y (heads) and z (batch)
+
+
+def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
+            softcap: float) -> str | None:
+    """Why a validated dense call (:func:`pagedflash.flash_attn_func`'s operator arguments) does not
+    take the Gluon kernel, or None when it does."""
+    if not ENABLED:
+        return "PAGEDFLASH_GLUON=0"
+    if UNAVAILABLE is not None:
+        return UNAVAILABLE
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (fp16 and bf16 only)"
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    causal = window_right == 0
+    min_len = MIN_SEQLEN.get((d, causal))
+    if min_len is None:
+        return f"head dim {d} (routed: {sorted({dim for dim, _ in MIN_SEQLEN})})"
+    if window_left != -1 or window_right not in (-1, 0):
+        return f"window ({window_left}, {window_right})"
+    if softcap:
+        return "softcap"
+    if nvidia_capability(q.device) != (9, 0):
+        return f"device {q.device} is not an NVIDIA sm90 GPU"
+    if hkv == 0 or hq % hkv:
+        return f"Hq={hq} not a multiple of Hkv={hkv}"
+    if sk == 0:
+        return "no keys"
+    if causal and sq > sk:
+        return "causal with Sq > Sk (rows that see no key)"
+    if min(sq, sk) < min_len:
+        return f"Sq={sq}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
+    if hq > _GRID_YZ_MAX or batch > _GRID_YZ_MAX:
+        return f"grid: Hq={hq} or B={batch} past {_GRID_YZ_MAX}"
+    if cdiv(sq, BLOCK_M) * hq * batch < MIN_PROGRAMS_PER_SM * num_sms(q.device):
+        return "fewer programs than SMs (the portable kernel splits the keys)"
+    for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
+        *outer, last = t.stride()
+        if last != 1 or t.data_ptr() % 16 or any(s <= 0 or s % 8 for s in outer):
+            return f"{name}: strides {t.stride()} / address not 16-byte multiples"
+    return None
+
+
+class _Plan:
+    """A launch for one call signature: what does not depend on the tensors' addresses."""
+
+    __slots__ = ("grid", "consts", "options", "ints", "descs", "failed")
+
+
+_PLANS: dict[tuple, _Plan] = {}
+MAX_PLANS = 1024
+
+
+def _make_plan(q, k, v, out, causal: bool, return_lse: bool) -> _Plan:
+    batch, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    consts, options, q_block, kv_block, q_layout, kv_layout = kernel_config(d, causal, return_lse, q.dtype)
+    plan = _Plan()
+    plan.grid = (cdiv(sq, BLOCK_M), hq, batch)
+    plan.consts, plan.options = consts, options
+    plan.ints = (sq, sk, hq, hq // hkv, out.stride(0), out.stride(1), out.stride(2))
+    plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
+                       for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
+                                                (v, kv_block, kv_layout)))
+    plan.failed = False
+    return plan
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
+            return_lse: bool) -> torch.Tensor | None:
+    """Attention of a call :func:`refusal` accepted, written into ``out``; returns the LSE
+    ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. Should the kernel fail to
+    compile for a signature, that signature warns once and takes the portable kernel."""
+    global launches
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device, causal,
+           return_lse)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(q, k, v, out, causal, return_lse)
+    if plan.failed:
+        return _portable(q, k, v, out, sm_scale, causal, return_lse)
+    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) \
+        if return_lse else None
+    descs = [TensorDescriptor(t, shape, strides, block, layout)
+             for t, (shape, strides, block, layout) in zip((q, k, v), plan.descs)]
+    try:
+        _prefill_kernel[plan.grid](*descs, out, out if lse is None else lse, sm_scale * LOG2E.value, *plan.ints,
+                                   **plan.consts, **plan.options)
+    except _COMPILE_ERRORS as e:
+        warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
+                      f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)
+        plan.failed = True
+        return _portable(q, k, v, out, sm_scale, causal, return_lse)
+    launches += 1
+    return lse
+
+
+def _portable(q, k, v, out, sm_scale, causal, return_lse):
+    from pagedflash.ops.attention import attention_forward
+
+    return attention_forward(q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+                             sm_scale=sm_scale, window=(-1, 0 if causal else -1), softcap=0.0,
+                             return_lse=return_lse, out=out)[1]

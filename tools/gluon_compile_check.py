@@ -1,0 +1,88 @@
+"""Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper.py) for sm_90 without a GPU.
+
+Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE) goes through
+Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
+memory, registers, spills and whether the softmax sits between the two wgmma waits of the
+steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
+overlaps the PV wgmma). Needs the Triton the kernel is written for (3.6), not a GPU:
+
+    /path/to/triton-3.6-venv/bin/python tools/gluon_compile_check.py
+
+Exit status 1 if any variant failed to compile.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: the kernels must be defined for the compiler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from pagedflash.ops import prefill_hopper  # noqa: E402
+
+
+def sass_summary(cubin: bytes) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
+    usage = [w for w in res.split() if w.startswith(("REG:", "LOCAL:"))]
+    counts, n = [], None
+    for line in sass:
+        if "DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+        elif "DEPBAR.LE gsb0, 0x0" in line and n is not None:
+            counts, n = counts + [n], None
+        elif "MUFU.EX2" in line and n is not None:
+            n += 1
+    return f"{' '.join(usage)} ex2_between_waits={counts}"
+
+
+def main() -> int:
+    print(f"triton {triton.__version__} ({Path(triton.__file__).parent})")
+    if prefill_hopper.UNAVAILABLE is not None:
+        print(f"the Gluon kernel is unavailable here: {prefill_hopper.UNAVAILABLE}")
+        return 1
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = prefill_hopper._prefill_kernel
+    failed = 0
+    for dtype, short in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+        for d in sorted({d for d, _ in prefill_hopper.MIN_SEQLEN}):
+            for causal in (False, True):
+                for write_lse in (False, True):
+                    tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)}"
+                    consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper.kernel_config(
+                        d, causal, write_lse, dtype)
+                    types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>",
+                                 k_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
+                                 v_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
+                                 O=f"*{short}", LSE="*fp32" if write_lse else f"*{short}", qk_scale="fp32")
+                    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
+                    t0 = time.time()
+                    try:
+                        ck = triton.compile(GluonASTSource(kernel, sig, constexprs=consts),
+                                            target=GPUTarget("cuda", 90, 32), options=options)
+                    except Exception as e:  # noqa: BLE001 - report every variant
+                        failed += 1
+                        print(f"{tag}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                        continue
+                    nreg = sorted({line.split()[-1].rstrip(";") for line in ck.asm["ptx"].splitlines()
+                                   if "setmaxnreg" in line})
+                    print(f"{tag}: compiled in {time.time() - t0:.1f} s, smem {ck.metadata.shared} B, "
+                          f"warps {ck.metadata.num_warps}, setmaxnreg {nreg}, {sass_summary(ck.asm['cubin'])}",
+                          flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
