@@ -1,7 +1,8 @@
 """Fused prefill attention (FlashAttention-2 style): ``flash_attn_func`` and ``flash_attn_varlen_func``.
 
 Both validate on the host, then launch :mod:`pagedflash.ops.attention` (through their
-``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`).
+``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`);
+dense calls on Hopper launch :mod:`pagedflash.ops.prefill_hopper` instead where it is faster.
 Memory is O(N·D): the scores are never materialized. With ``block_table`` the varlen form reads
 keys/values from a paged cache, which makes it chunked prefill over a cached prefix and the mixed
 prefill+decode launch of a serving step.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedflash import validate
-from pagedflash.ops import custom_ops
+from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward
 
 
@@ -40,6 +41,9 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
 def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
+    if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap) is None:  # sm90: the Gluon kernel
+        return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
+                                      window_right == 0, return_lse)
     return attention_forward(
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),

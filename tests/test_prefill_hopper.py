@@ -1,0 +1,319 @@
+"""The Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper.py) and its routing.
+
+Everywhere: which calls the routing sends to the portable kernel, with every refusal reason checked
+on CPU tensors (the device's capability and the module's availability stubbed), that the dense
+entry point follows the routing, that a compile failure warns and falls back, and that on this
+machine (no sm90, the interpreter, or another Triton) the portable kernel runs. On an sm90 GPU
+(``@pytest.mark.gpu``): the Gluon path itself against the fp32 reference (fp16/bf16, D 64/128,
+causal or not, GQA, Sq < Sk, odd lengths, ragged last tiles in several sequences, NaN past each
+sequence, strided inputs, ``out=``, LSE, a CUDA graph), with the launch counter proving the Gluon
+kernel ran; the shapes are small, so the measured-size rule is lifted for them.
+"""
+
+import pytest
+import torch
+from helpers import ON_GPU, assert_close, ids, randn
+
+from pagedflash import flash_attn_func
+from pagedflash import reference as ref
+from pagedflash.ops import prefill, prefill_hopper
+from pagedflash.ops.utils import nvidia_capability
+
+ON_SM90 = ON_GPU and nvidia_capability(torch.device("cuda")) == (9, 0)
+sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on NVIDIA sm90 only")
+
+
+# ------------------------------------------------------------------------------------------ routing
+@pytest.fixture
+def hopper_here(monkeypatch):
+    """The routing as on an sm90 GPU with Triton 3.6, over CPU tensors (no launch happens)."""
+    monkeypatch.setattr(prefill_hopper, "ENABLED", True)
+    monkeypatch.setattr(prefill_hopper, "UNAVAILABLE", None)
+    monkeypatch.setattr(prefill_hopper, "nvidia_capability", lambda device: (9, 0))
+    monkeypatch.setattr(prefill_hopper, "num_sms", lambda device: 16)
+
+
+def _qkv(b=1, sq=1024, sk=1024, hq=2, hkv=2, d=128, dtype=torch.bfloat16):
+    """Uninitialized operands of a call the routing accepts as they are (16 programs, 16 SMs)."""
+    return (torch.empty(b, sq, hq, d, dtype=dtype), torch.empty(b, sk, hkv, d, dtype=dtype),
+            torch.empty(b, sk, hkv, d, dtype=dtype))
+
+
+def test_the_measured_cells_are_routed(hopper_here):
+    assert prefill_hopper.refusal(*_qkv(), -1, -1, 0.0) is None
+    assert prefill_hopper.refusal(*_qkv(), -1, 0, 0.0) is None  # causal
+    assert prefill_hopper.refusal(*_qkv(sq=4096, sk=4096, hq=4, hkv=1, d=64, dtype=torch.float16), -1, -1, 0.0) is None
+    assert prefill_hopper.refusal(*_qkv(sq=1024, sk=4096), -1, 0, 0.0) is None  # causal, Sq < Sk
+
+
+def _strided(t, pad):
+    """``t``'s values in a buffer whose rows are ``pad`` elements longer (same shape, other strides)."""
+    return torch.empty(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype)[..., :t.shape[-1]]
+
+
+REFUSALS = {  # reason: (what the refused call changes, a word of the reason)
+    "switched off": (dict(enabled=False), "PAGEDFLASH_GLUON=0"),
+    "unavailable": (dict(unavailable="triton 9.9: something"), "triton 9.9"),
+    "fp32": (dict(dtype=torch.float32), "dtype"),
+    "head dim 96": (dict(d=96), "head dim 96"),
+    "left window": (dict(window=(16, -1)), "window"),
+    "right window": (dict(window=(-1, 3)), "window"),
+    "softcap": (dict(softcap=30.0), "softcap"),
+    "not sm90": (dict(capability=(8, 0)), "sm90"),
+    "sm100": (dict(capability=(10, 0)), "sm90"),
+    "not NVIDIA": (dict(capability=None), "sm90"),
+    "causal Sq > Sk": (dict(sq=2048, window=(-1, 0)), "Sq > Sk"),
+    "no keys": (dict(sk=0), "no keys"),
+    "short": (dict(sq=512, sk=512), "measured"),
+    "short keys": (dict(sk=512), "measured"),
+    "D=64 non-causal at 1K": (dict(d=64), "measured"),
+    "few programs": (dict(hq=1, hkv=1), "programs"),
+    "misaligned": (dict(offset=1), "16-byte"),
+    "row stride": (dict(pad=4), "16-byte"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS, ids=str)
+def test_each_refusal_keeps_the_portable_kernel(hopper_here, monkeypatch, case):
+    change, word = REFUSALS[case]
+    if "enabled" in change:
+        monkeypatch.setattr(prefill_hopper, "ENABLED", change["enabled"])
+    if "unavailable" in change:
+        monkeypatch.setattr(prefill_hopper, "UNAVAILABLE", change["unavailable"])
+    if "capability" in change:
+        monkeypatch.setattr(prefill_hopper, "nvidia_capability", lambda device: change["capability"])
+    shape = {key: change[key] for key in ("sq", "sk", "hq", "hkv", "d", "dtype") if key in change}
+    q, k, v = _qkv(**shape)
+    if "offset" in change:
+        q = torch.empty(q.numel() + 8, dtype=q.dtype)[change["offset"]:q.numel() + change["offset"]].view(q.shape)
+    if "pad" in change:
+        k = _strided(k, change["pad"])
+    left, right = change.get("window", (-1, -1))
+    reason = prefill_hopper.refusal(q, k, v, left, right, change.get("softcap", 0.0))
+    assert reason is not None and word in reason
+
+
+def test_the_size_rule_is_the_measured_table():
+    # D=128 and D=64 causal from 1K; D=64 non-causal from 4K (lost at 1K, 2K not measured)
+    assert prefill_hopper.MIN_SEQLEN == {(128, False): 1024, (128, True): 1024, (64, False): 4096,
+                                         (64, True): 1024}
+
+
+@pytest.mark.parametrize("routed", [True, False], ids=["gluon", "portable"])
+def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
+    calls = []
+
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+        calls.append((sm_scale, causal, return_lse))
+        out.zero_()
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
+
+    monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None if routed else "a reason")
+    monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
+    q, k, v = randn(1, 9, 2, 16), randn(1, 11, 1, 16), randn(1, 11, 1, 16)
+    out, lse = flash_attn_func(q, k, v, causal=True, softmax_scale=0.5, return_lse=True)
+    if routed:
+        assert calls == [(0.5, True, True)] and torch.equal(out, torch.zeros_like(out))
+    else:
+        assert calls == []
+        assert_close(out, ref.attention_ref(q, k, v, causal=True, softmax_scale=0.5)[0], torch.float32)
+
+
+@pytest.mark.skipif(ON_SM90, reason="checks the machines without the Gluon path")
+def test_the_portable_kernel_runs_here():
+    # this machine (no sm90 GPU, or the interpreter, or a Triton other than 3.6) never routes
+    q, k, v = randn(1, 33, 2, 64, dtype=torch.float16), randn(1, 40, 2, 64, dtype=torch.float16), \
+        randn(1, 40, 2, 64, dtype=torch.float16)
+    assert prefill_hopper.refusal(q, k, v, -1, 0, 0.0) is not None
+    before = prefill_hopper.launches
+    out = flash_attn_func(q, k, v, causal=True)
+    assert prefill_hopper.launches == before
+    assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.float16)
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the interpreter")
+def test_unavailable_under_the_interpreter():
+    assert prefill_hopper.UNAVAILABLE and "interpreter" in prefill_hopper.UNAVAILABLE
+
+
+class _FakeCompileError(RuntimeError):
+    pass
+
+
+def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch):
+    tried = []
+
+    class Failing:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                tried.append(grid)
+                raise _FakeCompileError("ptxas died")
+            return run
+
+    monkeypatch.setattr(prefill_hopper, "_prefill_kernel", Failing(), raising=False)
+    monkeypatch.setattr(prefill_hopper, "TensorDescriptor", lambda *args: None, raising=False)
+    monkeypatch.setattr(prefill_hopper, "kernel_config", lambda *args: ({}, {}, None, None, None, None))
+    monkeypatch.setattr(prefill_hopper, "_COMPILE_ERRORS", (_FakeCompileError,), raising=False)
+    monkeypatch.setattr(prefill_hopper, "_PLANS", {})
+    q, k, v = randn(1, 20, 2, 32), randn(1, 20, 2, 32), randn(1, 20, 2, 32)
+    want = ref.attention_ref(q, k, v, causal=True)
+    out = torch.empty_like(q)
+    with pytest.warns(UserWarning, match="Gluon prefill kernel failed to compile .*_FakeCompileError"):
+        lse = prefill_hopper.forward(q, k, v, out, 32**-0.5, True, True)
+    assert_close(out, want[0], torch.float32)
+    assert_close(lse, want[1], torch.float32, name="lse")
+    prefill_hopper.forward(q, k, v, out, 32**-0.5, True, True)  # remembered: not tried again
+    assert len(tried) == 1
+
+
+# ------------------------------------------------------------------------------------------ sm90
+@pytest.fixture
+def gluon(monkeypatch):
+    """Route the small test shapes to the Gluon kernel (the size rule is about speed, not results)."""
+    monkeypatch.setattr(prefill_hopper, "ENABLED", True)
+    monkeypatch.setattr(prefill_hopper, "MIN_SEQLEN", dict.fromkeys(prefill_hopper.MIN_SEQLEN, 1))
+    monkeypatch.setattr(prefill_hopper, "MIN_PROGRAMS_PER_SM", 0)
+
+
+def _check_gluon(q, k, v, dtype, out=None, **opts):
+    """One call that must take the Gluon kernel, against the fp32 reference (out and LSE)."""
+    reason = prefill_hopper.refusal(q, k, v, -1, 0 if opts.get("causal") else -1, 0.0)
+    assert reason is None, reason
+    before = prefill_hopper.launches
+    got, lse = flash_attn_func(q, k, v, return_lse=True, out=out, **opts)
+    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    want, want_lse = ref.attention_ref(q, k, v, **opts)
+    assert got.dtype == dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert_close(got, want, dtype)
+    assert_close(lse, want_lse, torch.float16, name="lse")
+    return got
+
+
+SHAPES = [  # (B, Sq, Sk, Hq, Hkv): one tile, ragged tails in several sequences, GQA/MQA, Sq < Sk, odd sizes
+    (2, 256, 256, 4, 4), (2, 1000, 1000, 4, 2), (1, 4097, 4097, 2, 1), (3, 77, 77, 2, 1), (2, 300, 1000, 4, 1),
+    (2, 130, 130, 8, 2), (1, 1, 129, 2, 2),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gluon_against_reference(gluon, dtype, d, causal, shape):
+    b, sq, sk, hq, hkv = shape
+    q, k, v = randn(b, sq, hq, d, dtype=dtype), randn(b, sk, hkv, d, dtype=dtype), randn(b, sk, hkv, d, dtype=dtype)
+    _check_gluon(q, k, v, dtype, causal=causal)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_queries_longer_than_keys(gluon, causal):
+    q, k, v = randn(2, 200, 4, 64, dtype=torch.bfloat16), randn(2, 130, 2, 64, dtype=torch.bfloat16), \
+        randn(2, 130, 2, 64, dtype=torch.bfloat16)
+    if causal:  # rows that see no key: the portable kernel's case
+        assert "Sq > Sk" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0)
+    else:
+        _check_gluon(q, k, v, torch.bfloat16, causal=False)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_never_reads_past_a_sequence(gluon, d, causal):
+    # K/V rows after each sequence's end (in the same buffer) and the whole next sequence hold NaN and
+    # inf: ragged last tiles (Sk = 130 and 1000) must read zeros, not those rows
+    dtype = torch.bfloat16
+    for sk in (130, 1000):
+        buf_k = torch.full((3, sk + 64, 2, d), float("nan"), dtype=dtype, device="cuda")
+        buf_v = torch.full((3, sk + 64, 2, d), float("inf"), dtype=dtype, device="cuda")
+        buf_k[:2, :sk], buf_v[:2, :sk] = randn(2, sk, 2, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype)
+        k, v = buf_k[:2, :sk], buf_v[:2, :sk]
+        q = randn(2, sk, 4, d, dtype=dtype)
+        _check_gluon(q, k, v, dtype, causal=causal)
+        # sequence 1 of 2, NaN everywhere after it: the last sequence's tail reads past the tensor
+        k1, v1 = buf_k[1:2, :sk], buf_v[1:2, :sk]
+        buf_k[2:], buf_v[2:] = float("nan"), float("nan")
+        _check_gluon(q[1:], k1, v1, dtype, causal=causal)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gluon_strided_inputs_and_out(gluon):
+    # q/k/v as views of one fused qkv buffer; out a strided view whose padding must stay untouched
+    dtype = torch.float16
+    qkv = randn(2, 333, 3, 4, 128, dtype=dtype)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    buf = torch.full((2, 333, 4, 136), float("nan"), dtype=dtype, device="cuda")
+    out = buf[..., :128]
+    got = _check_gluon(q, k, v, dtype, out=out, causal=True)
+    assert got is out and buf[..., 128:].isnan().all()
+    out_t = torch.empty(2, 4, 333, 128, dtype=dtype, device="cuda").transpose(1, 2)  # [B, Sq, Hq, D] view of BHSD
+    assert _check_gluon(q, k, v, dtype, out=out_t, causal=False) is out_t
+
+
+@pytest.mark.gpu
+@sm90
+def test_gluon_in_a_cuda_graph(gluon):
+    dtype = torch.bfloat16
+    q, k, v = randn(2, 700, 8, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_func(q, k, v, causal=True)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    before = prefill_hopper.launches
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=True)
+    assert prefill_hopper.launches == before + 1
+    for _ in range(2):
+        q.copy_(randn(2, 700, 8, 128, dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], dtype)
+
+
+@pytest.mark.gpu
+@sm90
+def test_the_measured_cells_take_the_gluon_kernel_on_sm90():
+    # the H200 image's Triton is 3.6: the Gluon path must be there, and the bench's cells must take it
+    assert prefill_hopper.UNAVAILABLE is None
+    if not prefill_hopper.ENABLED:
+        pytest.skip("PAGEDFLASH_GLUON=0")
+    for d, causal, n in ((128, False, 1024), (128, True, 16384), (64, True, 1024), (64, False, 4096)):
+        b, h = 16384 // n, 2048 // d
+        q, k, v = (randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(3))
+        before = prefill_hopper.launches
+        out = flash_attn_func(q, k, v, causal=causal)
+        assert prefill_hopper.launches == before + 1, (d, causal, n)
+        # the last 128 rows of the last sequence (bottom-right causal: they see what they see in the call)
+        want = ref.attention_ref(q[-1:, -128:], k[-1:], v[-1:], causal=causal)[0]
+        assert_close(out[-1:, -128:], want, torch.bfloat16)
+        del q, k, v, out
+    q, k, v = (randn(16, 1024, 32, 64, dtype=torch.bfloat16) for _ in range(3))  # D=64 non-causal 1K: portable
+    before = prefill_hopper.launches
+    flash_attn_func(q, k, v)
+    assert prefill_hopper.launches == before
+
+
+@pytest.mark.gpu
+@sm90
+def test_switched_off_takes_the_portable_kernel(gluon, monkeypatch):
+    monkeypatch.setattr(prefill_hopper, "ENABLED", False)
+    q, k, v = randn(1, 300, 4, 128, dtype=torch.bfloat16), randn(1, 300, 4, 128, dtype=torch.bfloat16), \
+        randn(1, 300, 4, 128, dtype=torch.bfloat16)
+    before = prefill_hopper.launches
+    out = flash_attn_func(q, k, v, causal=True)
+    assert prefill_hopper.launches == before
+    assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.bfloat16)
+
+
+def test_dense_dispatch_is_in_the_operator_body():
+    # torch.compile and eager both run _launch_dense: the routing must live there
+    import inspect
+
+    assert "prefill_hopper.refusal" in inspect.getsource(prefill._launch_dense)
