@@ -6,8 +6,8 @@ entry point follows the routing, that a compile failure warns and falls back, an
 machine (no sm90, the interpreter, or another Triton) the portable kernel runs. On an sm90 GPU
 (``@pytest.mark.gpu``): the Gluon path itself against the fp32 reference (fp16/bf16, D 64/128,
 causal or not, GQA, Sq < Sk, odd lengths, ragged last tiles in several sequences, NaN past each
-sequence, strided inputs, ``out=``, LSE, a CUDA graph), with the launch counter proving the Gluon
-kernel ran; the shapes are small, so the measured-size rule is lifted for them.
+sequence, strided inputs, ``out=``, LSE, a CUDA graph, torch.compile), with the launch counter
+proving the Gluon kernel ran; the shapes are small, so the measured-size rule is lifted for them.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from helpers import ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_func
 from pagedflash import reference as ref
-from pagedflash.ops import prefill, prefill_hopper
+from pagedflash.ops import prefill_hopper
 from pagedflash.ops.utils import nvidia_capability
 
 ON_SM90 = ON_GPU and nvidia_capability(torch.device("cuda")) == (9, 0)
@@ -279,6 +279,23 @@ def test_gluon_in_a_cuda_graph(gluon):
 
 @pytest.mark.gpu
 @sm90
+def test_gluon_under_torch_compile_is_bit_identical(gluon):
+    # the routing lives in the operator body: a compiled call takes the Gluon kernel too
+    dtype = torch.bfloat16
+    q, k, v = randn(2, 500, 8, 64, dtype=dtype), randn(2, 600, 2, 64, dtype=dtype), randn(2, 600, 2, 64, dtype=dtype)
+
+    def fn(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    eager = fn(q, k, v)
+    before = prefill_hopper.launches
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert prefill_hopper.launches > before
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+@pytest.mark.gpu
+@sm90
 def test_the_measured_cells_take_the_gluon_kernel_on_sm90():
     # the H200 image's Triton is 3.6: the Gluon path must be there, and the bench's cells must take it
     assert prefill_hopper.UNAVAILABLE is None
@@ -312,8 +329,17 @@ def test_switched_off_takes_the_portable_kernel(gluon, monkeypatch):
     assert_close(out, ref.attention_ref(q, k, v, causal=True)[0], torch.bfloat16)
 
 
-def test_dense_dispatch_is_in_the_operator_body():
-    # torch.compile and eager both run _launch_dense: the routing must live there
-    import inspect
+def test_a_compiled_call_follows_the_routing_too(monkeypatch):
+    # the routing lives in the operator body, which torch.compile's graph calls
+    calls = []
 
-    assert "prefill_hopper.refusal" in inspect.getsource(prefill._launch_dense)
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+        calls.append(causal)
+        out.fill_(1.0)
+
+    monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None)
+    monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
+    q, k, v = randn(1, 5, 2, 16), randn(1, 7, 1, 16), randn(1, 7, 1, 16)
+    out = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True,
+                        backend="aot_eager")(q, k, v)
+    assert calls == [True] and torch.equal(out, torch.ones_like(out))
