@@ -54,11 +54,12 @@ def _strided(t, pad):
 REFUSALS = {  # reason: (what the refused call changes, a word of the reason)
     "switched off": (dict(enabled=False), "PAGEDFLASH_GLUON=0"),
     "unavailable": (dict(unavailable="triton 9.9: something"), "triton 9.9"),
-    "fp32": (dict(dtype=torch.float32), "dtype"),
+    "fp32": (dict(dtype=torch.float32), "dtypes"),
     "head dim 96": (dict(d=96), "head dim 96"),
     "left window": (dict(window=(16, -1)), "window"),
     "right window": (dict(window=(-1, 3)), "window"),
     "softcap": (dict(softcap=30.0), "softcap"),
+    "sinks": (dict(sinks=True), "sinks"),
     "not sm90": (dict(capability=(8, 0)), "sm90"),
     "sm100": (dict(capability=(10, 0)), "sm90"),
     "not NVIDIA": (dict(capability=None), "sm90"),
@@ -89,7 +90,8 @@ def test_each_refusal_keeps_the_portable_kernel(hopper_here, monkeypatch, case):
     if "pad" in change:
         k = _strided(k, change["pad"])
     left, right = change.get("window", (-1, -1))
-    reason = prefill_hopper.refusal(q, k, v, left, right, change.get("softcap", 0.0))
+    sinks = torch.zeros(q.shape[2]) if change.get("sinks") else None
+    reason = prefill_hopper.refusal(q, k, v, left, right, change.get("softcap", 0.0), sinks)
     assert reason is not None and word in reason
 
 

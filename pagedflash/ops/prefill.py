@@ -41,7 +41,7 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
 def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
-    if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap) is None:  # sm90: the Gluon kernel
+    if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:  # sm90: Gluon
         return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
                                       window_right == 0, return_lse)
     return attention_forward(

@@ -3,9 +3,9 @@
 :func:`pagedflash.flash_attn_func` launches this kernel instead of the portable one
 (:mod:`pagedflash.ops.attention`) where :func:`refusal` finds nothing against it: an NVIDIA GPU of
 compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf16, a head dim and
-sizes where it measured faster (:data:`MIN_SEQLEN`), no window or softcap, 16-byte aligned operands.
-Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes the portable kernel, which stays
-the tested fallback.
+sizes where it measured faster (:data:`MIN_SEQLEN`), no window, softcap or sinks, 16-byte aligned
+operands. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes the portable kernel,
+which stays the tested fallback.
 
 The kernel (FlashAttention-3's design as Gluon spells it: TMA, mbarriers, async wgmma, warp
 specialization):
@@ -31,7 +31,7 @@ specialization):
   with a contiguous last dim.
 
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
-in the same run): docs/performance.md, v19. Written against Triton 3.6's Gluon API, which is
+in the same run): docs/performance.md, v20. Written against Triton 3.6's Gluon API, which is
 experimental and changes between releases (3.9 renamed the TMA copies); on any other Triton, under
 the interpreter and off NVIDIA the module imports, defines no kernel, and :data:`UNAVAILABLE` says
 why.
@@ -51,7 +51,7 @@ from pagedflash.ops.utils import cdiv, interpreted, num_sms, nvidia_capability
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 
-# Where the Gluon kernel measured faster than the portable kernel (docs/performance.md, v19: bf16,
+# Where the Gluon kernel measured faster than the portable kernel (docs/performance.md, v20: bf16,
 # B·S = 16K tokens with Sq = Sk = S in 1K / 4K / 16K, Hq·D = 2048, at least 2048 programs a launch),
 # by (head dim, causal): the shortest Sq and Sk routed. D=128 was faster in every cell (1K: 485 vs
 # 386 TFLOP/s, causal 332 vs 296); D=64 causal too (1K: 222 vs 198). D=64 non-causal lost at 1K
@@ -324,15 +324,15 @@ _GRID_YZ_MAX = 65535  # CUDA's limit on grid dims y (heads) and z (batch)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
-            softcap: float) -> str | None:
+            softcap: float, sinks: torch.Tensor | None = None) -> str | None:
     """Why a validated dense call (:func:`pagedflash.flash_attn_func`'s operator arguments) does not
     take the Gluon kernel, or None when it does."""
     if not ENABLED:
         return "PAGEDFLASH_GLUON=0"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (fp16 and bf16 only)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16 throughout only)"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     causal = window_right == 0
@@ -343,6 +343,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return f"window ({window_left}, {window_right})"
     if softcap:
         return "softcap"
+    if sinks is not None:
+        return "attention sinks"
     if nvidia_capability(q.device) != (9, 0):
         return f"device {q.device} is not an NVIDIA sm90 GPU"
     if hkv == 0 or hq % hkv:
