@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import DTYPES, ON_GPU, assert_close, ids, randn
+from helpers import DTYPES, ON_GPU, assert_close, capture, ids, randn
 
 from pagedflash import flash_attn_with_kvcache, merge_attn_states
 from pagedflash import reference as ref
@@ -172,14 +172,7 @@ def test_cuda_graph_replay_with_changing_lengths(paged):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
                                        block_table=block_table, num_splits=8)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for lengths in ([1, 2, 3, 4], [1023, 0, 511, 64], [200, 300, 400, 1000]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(randn(b, 1, hq, d, dtype=dtype))

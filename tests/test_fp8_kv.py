@@ -19,7 +19,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, randn
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, capture, cu_seqlens, fp8_pool, ids, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 from pagedflash import reference as ref
@@ -414,14 +414,7 @@ def test_cuda_graph_replay_with_appends(page):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
                                        block_table=table, num_splits=8, k_descale=kd, v_descale=vd)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for lengths in ([1, 2, 3, 4], [1023, 0, 511, 64], [200, 300, 400, 1000]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(randn(b, 1, hq, d, dtype=dtype))

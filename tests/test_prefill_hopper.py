@@ -12,7 +12,7 @@ proving the Gluon kernel ran; the shapes are small, so the measured-size rule is
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_close, ids, randn
+from helpers import ON_GPU, assert_close, capture, ids, randn
 
 from pagedflash import flash_attn_func
 from pagedflash import reference as ref
@@ -262,16 +262,9 @@ def test_gluon_strided_inputs_and_out(gluon):
 def test_gluon_in_a_cuda_graph(gluon):
     dtype = torch.bfloat16
     q, k, v = randn(2, 700, 8, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flash_attn_func(q, k, v, causal=True)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
     before = prefill_hopper.launches
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flash_attn_func(q, k, v, causal=True)
-    assert prefill_hopper.launches == before + 1
+    graph, out = capture(lambda: flash_attn_func(q, k, v, causal=True))
+    assert prefill_hopper.launches == before + 2  # the warm-up call and the captured one
     for _ in range(2):
         q.copy_(randn(2, 700, 8, 128, dtype=dtype))
         graph.replay()
