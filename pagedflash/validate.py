@@ -270,7 +270,7 @@ def check_out(out, *, shape, dtype, device, inputs: dict) -> None:
     if torch.compiler.is_compiling():
         return
     for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and _shares_memory(out, t):
+        if isinstance(t, torch.Tensor) and shares_memory(out, t):
             raise ValueError(f"out: shares memory with {name}, which the kernel reads while writing out; "
                              f"pass a separate buffer")
 
@@ -289,7 +289,7 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the byte ranges spanned by two tensors intersect (conservative for interleaved views)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False

@@ -94,6 +94,24 @@ def test_write_quantizes_like_pytorch(fp8, src, scale):
     assert not written.isnan().any() and written.abs().max() <= torch.finfo(fp8).max
 
 
+@pytest.mark.parametrize("fp8", FP8, ids=ids)
+def test_write_keeps_nan(fp8):
+    """A NaN key or value is stored as NaN, as PyTorch's cast stores it (never as a finite ±max that
+    would then dominate the softmax)."""
+    if fp8 == E4M3 and not ON_GPU:
+        pytest.skip("the interpreter's own fp32 -> e4m3 conversion turns NaN into 384 (GPUs keep NaN)")
+    k = torch.tensor([float("nan"), 1.0, -2.0, 1e30], device=DEVICE).view(4, 1, 1).expand(4, 1, 16).contiguous()
+    k_cache = torch.zeros(2, 2, 1, 16, device=DEVICE).to(fp8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    slots = torch.arange(4, device=DEVICE)
+    write_kv_cache(k, k, k_cache, v_cache, slots)
+    ref.write_kv_cache_ref(k, k, k_ref, v_ref, slots)
+    got, want = k_cache.float().view(4, 16), k_ref.float().view(4, 16)
+    assert got[0].isnan().all() and want[0].isnan().all()
+    assert torch.equal(got[1:], want[1:]) and got[3, 0] == torch.finfo(fp8).max
+
+
 @pytest.mark.parametrize("dtype,fp8,scale,num_splits,heads", matrix(
     DTYPES, FP8, SCALES, [1, 3, 0], [(8, 2), (5, 1), (4, 4)],
     cpu=[(torch.float32, E4M3, "head", 3, (8, 2)), (torch.float16, E4M3, "tensor", 1, (5, 1)),

@@ -280,3 +280,32 @@ def test_a_signature_checked_once_still_refuses_other_inputs():
     gemv.gemv(row, weight)
     with pytest.raises(ValueError, match="weight: the last dimension must be contiguous"):
         gemv.gemv(row, randn(8, 4).t())
+
+
+def test_cached_plans_keep_refusing_what_the_checks_refuse(monkeypatch):
+    """Plan keys carry the types of the call's ints (``True == 1`` would share a plan), ``out`` may not
+    share memory with an input (addresses: checked every call), a module constant a plan depends on
+    is part of its key, and the operator route checks the RoPE positions' range too."""
+    from pagedflash import validate
+    from pagedflash.ops import custom_ops
+
+    qkv, pos, table = randn(2, 40), torch.tensor([0, 5], device=DEVICE), randn(16, 20)
+    with validate.value_checks(False):
+        rope.rope_(qkv, pos, table, table, num_heads=2, head_dim=20)
+        with pytest.raises(ValueError, match="num_heads must be an int"):
+            rope.rope_(qkv, pos, table, table, num_heads=2.0, head_dim=20)
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        with pytest.raises(ValueError, match=r"positions: expected values in \[0, 16\)"):
+            rope.rope_(qkv, torch.tensor([0, 16], device=DEVICE), table, table, num_heads=2, head_dim=20)
+    finally:
+        custom_ops.dispatch_eager(previous)
+    row, weight = randn(1, 8), randn(8, 8)
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        gemv.gemv(row, weight, out=row)
+    logits = randn(3, 337)
+    want = logits.argmax(-1)
+    monkeypatch.setattr(sampling, "ARGMAX_CHUNK", 64)
+    assert torch.equal(sampling.argmax(logits), want)
+    monkeypatch.setattr(sampling, "ARGMAX_CHUNK", 4096)
+    assert torch.equal(sampling.argmax(logits), want)

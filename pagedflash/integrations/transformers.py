@@ -233,7 +233,7 @@ def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor, int, i
         return cu_q, cu_k, max_q, max_k
     pos = kwargs.get("position_ids")
     n = q.shape[1]
-    if pos is None or n != k.shape[1] or n < 2:
+    if pos is None or n != k.shape[1] or n < 2 or pos.numel() != n:  # one position per token only
         return None
     pos = pos.reshape(-1).to(q.device)
     if torch.compiler.is_compiling():

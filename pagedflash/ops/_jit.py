@@ -89,13 +89,13 @@ def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
     format with ``MANT`` mantissa bits and smallest normal exponent ``EMIN`` (e4m3fn: 3, -6, 448;
     e5m2: 2, -14, 57344). The result is exactly representable in the format, so the conversion that
     stores it is exact on every backend and rounding mode (the interpreter's own fp32->fp8 rounding
-    is not); finite input never gives NaN."""
+    is not); finite input never gives NaN, and NaN stays NaN (as in PyTorch's cast)."""
     a = tl.minimum(tl.abs(x), MAX)
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # a's exponent, >= EMIN
     step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MANT): the format's spacing at a
     inv_step = ((127 - e + MANT) << 23).to(tl.float32, bitcast=True)
     r = ((a * inv_step + ROUND_TO_INT) - ROUND_TO_INT) * step  # a / step < 2^(MANT + 1): exact steps
-    return tl.where(x < 0, -r, r)
+    return tl.where(x != x, x, tl.where(x < 0, -r, r))
 
 
 @triton.jit

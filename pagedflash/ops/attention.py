@@ -255,10 +255,12 @@ def _attention_kernel(
     if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16:
         # fp8 K/V under bf16 queries: both dots run in fp16, to which GPUs convert fp8 pairs in one
         # instruction (to bf16: three, and decode is then bound by the conversions; docs/performance.md
-        # v19). q is scaled by a power of two into fp16's range (exact), the scale folded into the score
-        # scale; fp16 holds every fp8 value and p in [0, 1] exactly or finer than bf16 would.
+        # v19). The tile's q is scaled by a power of two (exact) that brings its largest element to
+        # 2^14, up or down, the scale folded into the score scale; a tile with a non-finite element
+        # is not scaled (its rows give what they would in bf16). fp16 holds every fp8 value exactly.
         q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
-        shift = tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, 0.0)
+        shift = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, -100.0), 100.0)
+        shift = tl.where((q_max > 0.0) & (q_max < float("inf")), shift, 0.0)
         q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
         sm_scale = sm_scale * tl.exp2(shift)
     qk_scale = sm_scale * LOG2E

@@ -87,13 +87,12 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
     x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
     each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
-    second half repeats its first, which is all that is read). ``D = head_dim``, even. The checks
-    of shapes, dtypes and devices run on a call signature's first call, and at trace time under
-    ``torch.compile``; the positions' range is read from the device when value checks are on."""
-    if custom_ops.via_operator():
-        _check(x, positions, cos, sin, num_heads, head_dim)
-    elif validate.value_checks_enabled():  # the range check reads the device, after the checks
-        _check(x, positions, cos, sin, num_heads, head_dim)
+    second half repeats its first, which is all that is read). ``D = head_dim``, even. With value
+    checks on (the default) every call checks its inputs and reads the positions' range from the
+    device; with them off (engines), the checks of shapes, dtypes and devices run on a call
+    signature's first call, and at trace time under ``torch.compile``."""
+    if custom_ops.via_operator() or validate.value_checks_enabled():
+        _check(x, positions, cos, sin, num_heads, head_dim)  # (the range check below reads valid tensors)
         if positions.numel() and validate.value_checks_enabled(positions):
             lo, hi = int(positions.min()), int(positions.max())
             if lo < 0 or hi >= cos.shape[0]:

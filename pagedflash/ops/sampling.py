@@ -59,11 +59,12 @@ def _check(logits) -> None:
     validate.check_no_grad(logits=logits)
 
 
-def _plan(logits) -> tuple[Launch, Launch]:
-    """Check the operand (all the checks read is in the plan's key) and work out the two launches."""
+def _plan(logits) -> tuple[int, Launch, Launch]:
+    """Check the operand (all the checks read is in the plan's key) and work out the chunk count and
+    the two launches."""
     _check(logits)
     r, chunks = logits.shape[0], cdiv(logits.shape[1], ARGMAX_CHUNK)
-    return (Launch(_argmax_chunks_kernel, (r, chunks) if r else None, dict(BLOCK=ARGMAX_CHUNK), num_warps=8),
+    return (chunks, Launch(_argmax_chunks_kernel, (r, chunks) if r else None, dict(BLOCK=ARGMAX_CHUNK), num_warps=8),
             Launch(_argmax_merge_kernel, (r,) if r else None, dict(BLOCK=next_pow2(chunks))))
 
 
@@ -71,10 +72,9 @@ _PLANS = PlanCache()
 
 
 def _launch(logits):
-    key = _PLANS.key(logits)
-    chunks_launch, merge_launch = _PLANS.get(key) or _PLANS.add(key, _plan(logits))
+    key = _PLANS.key(logits, extra=(ARGMAX_CHUNK,))
+    chunks, chunks_launch, merge_launch = _PLANS.get(key) or _PLANS.add(key, _plan(logits))
     r, v = logits.shape
-    chunks = cdiv(v, ARGMAX_CHUNK)
     val = torch.empty((r, chunks), dtype=torch.float32, device=logits.device)
     idx = torch.empty((r, chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(r, dtype=torch.int64, device=logits.device)

@@ -125,11 +125,12 @@ class PlanCache(dict):
     def key(*tensors, extra: tuple = ()) -> tuple | None:
         """What Triton specializes a launch over ``tensors`` (None entries allowed) on, and what the
         checks read: shape, strides, dtype, device, the pointer's 16-byte alignment, and whether
-        autograd tracks the tensor; plus ``extra`` (the call's other launch-shaping values). None
+        autograd tracks the tensor; plus ``extra`` (the call's other launch-shaping values, each with
+        its type, as ``True == 1 == 1.0`` would share a plan and skip a type check). None
         when an argument is not a tensor (its check then says so)."""
         grad = torch.is_grad_enabled()
         try:
-            return extra + tuple(
+            return tuple((type(e), e) for e in extra) + tuple(
                 None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, grad and t.requires_grad)
                 for t in tensors)
         except (AttributeError, TypeError):
