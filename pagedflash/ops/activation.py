@@ -11,7 +11,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
-from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_gate_up_width, check_operand, next_pow2
 
 MAX_BLOCK = 1024  # columns per program
 
@@ -34,9 +34,7 @@ def _silu_mul_kernel(
 
 def _check(gate_up) -> None:
     check_operand("gate_up", gate_up, (None, None))
-    if gate_up.shape[1] < 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
-                         f"got shape {tuple(gate_up.shape)}")
+    check_gate_up_width("gate_up", gate_up)
     validate.check_no_grad(gate_up=gate_up)
 
 

@@ -27,7 +27,15 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
-from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_eps, check_operand, next_pow2
+from pagedflash.ops.utils import (
+    Launch,
+    PlanCache,
+    cdiv,
+    check_eps,
+    check_gate_up_width,
+    check_operand,
+    next_pow2,
+)
 
 PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2  # the prologue that forms the input row
 
@@ -97,11 +105,7 @@ def _check(x, weight, bias, residual, norm_weight, prologue: int, out) -> None:
     """The operands of every form: ``x`` the ``[1, k]`` row (``[1, 2k]`` gate and up)."""
     name = "gate_up" if prologue == SILU_MUL else "x"
     check_operand(name, x, (1, None))
-    width = x.shape[1]
-    if prologue == SILU_MUL and (width < 2 or width % 2):
-        raise ValueError(f"gate_up: expected an even, nonzero number of columns (gate then up), "
-                         f"got shape {tuple(x.shape)}")
-    k = width // 2 if prologue == SILU_MUL else width
+    k = check_gate_up_width(name, x) if prologue == SILU_MUL else x.shape[1]
     if prologue == RMS_NORM:
         check_operand("norm_weight", norm_weight, (k,), like=("x", x))
     if residual is not None:

@@ -51,13 +51,12 @@ from pagedflash.ops.utils import cdiv, interpreted, num_sms, nvidia_capability
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 
-# Where the Gluon kernel measured faster than the portable kernel (docs/performance.md, v20: bf16,
-# B·S = 16K tokens with Sq = Sk = S in 1K / 4K / 16K, Hq·D = 2048, at least 2048 programs a launch),
-# by (head dim, causal): the shortest Sq and Sk routed. D=128 was faster in every cell (1K: 485 vs
-# 386 TFLOP/s, causal 332 vs 296); D=64 causal too (1K: 222 vs 198). D=64 non-causal lost at 1K
-# (328 vs 338) and is even from 4K (414 vs 410; 16K 438 vs 441 across runs): routed from 4K until
-# the library's own H200 run says otherwise. Lengths under the shortest cell, and D=64 non-causal
-# at 2K, were not measured and stay portable; fp16 follows bf16's rule (the same kernel).
+# Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v20:
+# bf16, B·S = 16K tokens with Sq = Sk = S in 1K / 4K / 16K, Hq·D = 2048, at least 2048 programs a
+# launch), by (head dim, causal): the shortest Sq and Sk routed. D=128 is faster in every cell (1K:
+# 485 vs 386 TFLOP/s, causal 332 vs 296), D=64 causal too (1K: 222 vs 198); D=64 non-causal is
+# slower at 1K (328 vs 338) and even from 4K (414 vs 410, 438 vs 441 at 16K). Lengths under the
+# shortest measured cell (and D=64 non-causal at 2K) stay portable; fp16 follows bf16's rule.
 MIN_SEQLEN = {(128, False): 1024, (128, True): 1024, (64, False): 4096, (64, True): 1024}
 # The Gluon kernel never splits the key range; the portable one does when its grid has fewer
 # programs than SMs. Launches that would leave SMs idle were not measured: portable.

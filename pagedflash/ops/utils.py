@@ -88,6 +88,15 @@ def check_operand(name: str, t, shape: tuple[int | None, ...], *, like: tuple[st
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
 
 
+def check_gate_up_width(name: str, t: torch.Tensor) -> int:
+    """``t [..., 2n]``: gate then up, n >= 1; returns n."""
+    width = t.shape[-1]
+    if width < 2 or width % 2:
+        raise ValueError(f"{name}: expected an even, nonzero number of columns (gate then up), "
+                         f"got shape {tuple(t.shape)}")
+    return width // 2
+
+
 def check_eps(eps) -> float:
     """A normalization epsilon: a finite number >= 0."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
