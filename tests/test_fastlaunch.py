@@ -489,7 +489,7 @@ def test_a_changed_signature_misses_the_plan_cache(no_kernels, monkeypatch):
 
 
 def test_plan_cache_is_bounded(no_kernels, monkeypatch):
-    monkeypatch.setattr(attention, "MAX_PLANS", 2)
+    monkeypatch.setattr(attention._PLANS, "maxsize", 2)
     for n in (16, 17, 18):
         flash_attn_func(randn(1, n, 2, 16), randn(1, n, 2, 16), randn(1, n, 2, 16))
     assert len(attention._PLANS) == 1  # started over at the third signature

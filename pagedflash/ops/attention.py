@@ -38,7 +38,7 @@ from pagedflash.ops import _jit, combine, fastlaunch, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
 from pagedflash.ops.launch import LaunchConfig
-from pagedflash.ops.utils import interpreted
+from pagedflash.ops.utils import PlanCache, interpreted
 
 
 @triton.jit
@@ -393,8 +393,7 @@ def _launch(plan: Plan, args: tuple) -> None:
     _launch_with_fallback(plan, args)
 
 
-MAX_PLANS = 4096  # signatures kept; past this the cache starts over (a serving loop repeats a few)
-_PLANS: dict[tuple, Plan] = {}
+_PLANS = PlanCache(maxsize=4096)  # plans by signature (plan_key); a serving loop repeats a few
 
 
 def clear_plans() -> None:
@@ -459,9 +458,7 @@ def attention_forward(
                          window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                          seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config,
                          sinks=sinks, k_descale=k_descale, v_descale=v_descale)
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        _PLANS.add(key, plan)
     if plan.grid is None:  # no query rows
         return out, lse
     if plan.part_shapes is not None:

@@ -46,7 +46,7 @@ import torch
 import triton
 
 from pagedflash.ops._jit import LOG2E
-from pagedflash.ops.utils import cdiv, interpreted, num_sms, nvidia_capability
+from pagedflash.ops.utils import PlanCache, cdiv, interpreted, num_sms, nvidia_capability
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
@@ -371,8 +371,7 @@ class _Plan:
     __slots__ = ("grid", "consts", "options", "ints", "descs", "failed")
 
 
-_PLANS: dict[tuple, _Plan] = {}
-MAX_PLANS = 1024
+_PLANS = PlanCache()
 
 
 def _make_plan(q, k, v, out, causal: bool, return_lse: bool) -> _Plan:
@@ -398,11 +397,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     global launches
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device, causal,
            return_lse)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _make_plan(q, k, v, out, causal, return_lse)
+    plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse))
     if plan.failed:
         return _portable(q, k, v, out, sm_scale, causal, return_lse)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) \
