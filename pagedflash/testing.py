@@ -155,3 +155,17 @@ def random_paged_kv(seqlens: Sequence[int], page_size: int, num_kv_heads: int, h
         for cache in (k_cache, v_cache):
             cache[blk, off] = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
     return k_cache, v_cache, table
+
+
+def capture_graph(fn):
+    """``fn()`` once on a side stream (kernels compile outside the capture), then captured in a CUDA
+    graph: ``(graph, what the captured call returned)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result

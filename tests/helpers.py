@@ -48,16 +48,3 @@ def ids(value) -> str:
         return str(value).replace("torch.", "")
     return str(value)
 
-
-def capture(fn):
-    """``fn()`` once on a side stream (kernels compile outside the capture), then captured in a CUDA
-    graph: ``(graph, what the captured call returned)``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn()
-    return graph, result

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import DTYPES, ON_GPU, assert_close, capture, ids, randn
+from helpers import DTYPES, ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_with_kvcache, merge_attn_states
 from pagedflash import reference as ref
+from pagedflash.testing import capture_graph
 
 SPLITS = [1, 3, 8, 40, 0]  # 40: more splits than KV tiles (empty splits) and a multi-chunk combine
 HEADS = [(8, 8), (8, 2), (5, 1), (32, 4)] if ON_GPU else [(4, 4), (8, 2), (5, 1)]
@@ -172,7 +173,7 @@ def test_cuda_graph_replay_with_changing_lengths(paged):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
                                        block_table=block_table, num_splits=8)
 
-    graph, out = capture(step)
+    graph, out = capture_graph(step)
     for lengths in ([1, 2, 3, 4], [1023, 0, 511, 64], [200, 300, 400, 1000]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(randn(b, 1, hq, d, dtype=dtype))

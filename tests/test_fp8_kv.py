@@ -19,12 +19,13 @@ import itertools
 
 import pytest
 import torch
-from helpers import DEVICE, DTYPES, ON_GPU, assert_close, capture, cu_seqlens, fp8_pool, ids, randn
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, write_kv_cache
 from pagedflash import reference as ref
 from pagedflash.cache import KVCache
 from pagedflash.ops import launch
+from pagedflash.testing import capture_graph
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = [E4M3, E5M2]
@@ -432,7 +433,7 @@ def test_cuda_graph_replay_with_appends(page):
         return flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens,
                                        block_table=table, num_splits=8, k_descale=kd, v_descale=vd)
 
-    graph, out = capture(step)
+    graph, out = capture_graph(step)
     for lengths in ([1, 2, 3, 4], [1023, 0, 511, 64], [200, 300, 400, 1000]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(randn(b, 1, hq, d, dtype=dtype))

@@ -12,12 +12,13 @@ proving the Gluon kernel ran; the shapes are small, so the measured-size rule is
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_close, capture, ids, randn
+from helpers import ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_func
 from pagedflash import reference as ref
 from pagedflash.ops import prefill_hopper
 from pagedflash.ops.utils import nvidia_capability
+from pagedflash.testing import capture_graph
 
 ON_SM90 = ON_GPU and nvidia_capability(torch.device("cuda")) == (9, 0)
 sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on NVIDIA sm90 only")
@@ -263,7 +264,7 @@ def test_gluon_in_a_cuda_graph(gluon):
     dtype = torch.bfloat16
     q, k, v = randn(2, 700, 8, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype), randn(2, 700, 2, 128, dtype=dtype)
     before = prefill_hopper.launches
-    graph, out = capture(lambda: flash_attn_func(q, k, v, causal=True))
+    graph, out = capture_graph(lambda: flash_attn_func(q, k, v, causal=True))
     assert prefill_hopper.launches == before + 2  # the warm-up call and the captured one
     for _ in range(2):
         q.copy_(randn(2, 700, 8, 128, dtype=dtype))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.testing import check_close
+from pagedflash.testing import capture_graph, check_close
 
 HBM_TBPS = 4.8  # H200 HBM3e datasheet bandwidth, TB/s
 OOM, NA, FAIL, ERROR = "OOM", "n/a", "FAIL", "error"
@@ -96,14 +96,7 @@ def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
     """``fn`` captured in a CUDA graph (its replay), or None when it cannot be captured. The graph
     stays alive until the end of the :func:`time_ms` call that made it."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
         _GRAPHS.append(graph)  # keep its memory pool alive while timing
         return graph.replay
     except Exception:  # noqa: BLE001  (a baseline that cannot be captured is timed eagerly)
