@@ -6,24 +6,28 @@
 # steps (--cells, --tiles, ...), TESTS picks test files.
 # Each kind of step has its own time limit (T_<kind>, seconds) so
 # that the archive is written inside the call's limit; logs land beside the results.
+# Two instances may run side by side (one per GPU of a 2-GPU machine): give each its own R (results
+# folder, also the archive's name) and CUDA_VISIBLE_DEVICES. SERVE_ARGS adds options to serve steps.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-R=bench_results; mkdir -p $R
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+R=${R:-bench_results}; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt
 for step in ${STEPS:-tests}; do
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
     tests) log=$R/test_gpu.log
-           timeout ${T_tests:-300} python3 -m pytest -v -n ${NPROC:-8} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
+           timeout ${T_tests:-300} python3 -m pytest -v -n ${NPROC:-8} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
     bench) log=$R/bench_$arg.log
            timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
     tune)  log=$R/tune_$arg.log
            timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
-           timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} > $log 2>&1 ;;
+           timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
   grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL" $log | tail -${TAIL:-12}
   echo "== $step rc=$rc $((SECONDS - t0)) s"
 done
-tar czf $OUT/results.tgz $R
+[ "$R" = bench_results ] && a=results || a=$R
+tar czf $OUT/$a.tgz $R

@@ -49,7 +49,7 @@ START_TIMEOUT_S = 300.0  # a worker must import torch and reach the group's rend
 GROUP_TIMEOUT_S = 900.0  # the process group's timeout for one collective (a backstop: dead peers are polled)
 POLL_S = 0.01  # how often rank 0 checks the workers while it waits for the device
 JOIN_S = 10.0  # how long close() waits for a worker to exit before terminating it
-_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class WorkerError(RuntimeError):
@@ -81,7 +81,7 @@ class Workers:
         self.stats = {"messages": 0, "bytes": 0, "send_s": 0.0, "send_cpu_s": 0.0}
         self._owns_group = False
         if spec.device.type == "cuda":
-            for key, value in _NO_MULTICAST.items():  # inherited by the workers, read by NCCL and symm_mem
+            for key, value in _NO_MULTICAST.items():  # inherited by the workers, read by NCCL, symm_mem and NVSHMEM
                 os.environ.setdefault(key, value)
         store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
