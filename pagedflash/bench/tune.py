@@ -20,6 +20,7 @@ import torch
 import triton
 
 from pagedflash.bench.common import time_ms
+from pagedflash.bench.decode import FP8, kv_scale, quantize
 from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.launch import LaunchConfig
@@ -89,15 +90,20 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
 
     splits = splits or DECODE_SPLITS
     for b, n, hq, hkv, d, dtype in cells or DECODE_CELLS:
-        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
-        kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        fp8 = dtype == FP8  # bf16 q over an e4m3 cache with per-KV-head scales (cuDNN timed on the bf16 cache)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16 if fp8 else dtype)
+        kc, vc = (torch.randn(b, n, hkv, d, device="cuda", dtype=q.dtype) for _ in range(2))
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             cudnn = sweep_us(functools.partial(F.scaled_dot_product_attention, q.transpose(1, 2), kc.transpose(1, 2),
                                                vc.transpose(1, 2), enable_gqa=True))
+        scales = {}
+        if fp8:
+            scales = {"k_descale": kv_scale(kc), "v_descale": kv_scale(vc)}
+            kc, vc = quantize(kc, scales["k_descale"]), quantize(vc, scales["v_descale"])
         shape = [b, n, hq, hkv, d, str(dtype)]
         want = attention_forward(q, kc, vc, batch=b, max_seqlen_q=1, max_seqlen_k=n, sm_scale=d**-0.5,
-                                 window=(-1, 0), softcap=0.0, seqused_k=lens)[0].float()
+                                 window=(-1, 0), softcap=0.0, seqused_k=lens, **scales)[0].float()
         print(f"decode B={b} N={n} {hq}/{hkv} D={d} {dtype}: cuDNN {cudnn:.1f} us; splits {splits} then auto "
               "(err: max |out - contiguous auto|)", flush=True)
         for page in pages or [0]:
@@ -113,7 +119,7 @@ def tune_decode(rows: list, *, cells: list | None = None, splits: list[int] | No
                 for s in [*splits, 0]:
                     call = functools.partial(attention_forward, q, k, v, batch=b, max_seqlen_q=1, max_seqlen_k=n,
                                              sm_scale=d**-0.5, window=(-1, 0), softcap=0.0, seqused_k=lens,
-                                             block_table=table, num_splits=s, config=cfg)
+                                             block_table=table, num_splits=s, config=cfg, **scales)
                     us = err = float("nan")
                     if s <= 1 or n // s >= bn:
                         try:
@@ -254,7 +260,7 @@ def probe_overhead(rows: list) -> None:
         print(f"overhead B={b} {hq}/{hkv} D={d} N={n}: " + ", ".join(f"{k}={v:.1f}" for k, v in res.items()))
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": FP8}
 
 
 def _parse_cell(text: str) -> tuple:
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedflash bench tune", description=__doc__)
     parser.add_argument("--out", default="bench_results")
     parser.add_argument("--only", choices=["prefill", "decode", "overhead", "paged"], default=None)
-    parser.add_argument("--cells", help="decode: BxN[@Hq/Hkv/D/dtype][,...], dtype bf16, fp16 or fp32, by default the "
+    parser.add_argument("--cells", help="decode: BxN[@Hq/Hkv/D/dtype][,...], dtype bf16, fp16, fp32 or fp8 (bf16 q, e4m3 cache), by default the "
                                         "serving grid's shape (32/8/128/bf16); default: its split cells and the "
                                         "seed's sweep")
     parser.add_argument("--splits", help="decode: split counts to time, comma-separated (default: 1,2,4,...,64)")
