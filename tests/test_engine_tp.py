@@ -31,6 +31,10 @@ from pagedflash.engine.parallel import (
 )
 from pagedflash.engine.workers import WorkerError
 
+# a hang (a collective waiting for a dead peer) fails with every thread's stack where pytest-timeout is
+# installed (the GPU image has it), rather than stalling the matrix
+pytestmark = pytest.mark.timeout(300, method="thread")
+
 ON_GPU = torch.cuda.is_available()
 TWO_GPUS = ON_GPU and torch.cuda.device_count() >= 2
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -177,13 +181,18 @@ def test_no_process_outlives_the_engine(tmp_path):
     assert all(gone(p) for p in pids) and not children()
     llm.close()  # again: nothing to do
 
+    import torch.distributed as dist
+
     llm = LLM(TINY, tensor_parallel_size=2, **ENGINE)
     pids = llm.workers.pids
+    # CUDA graphs that captured collectives hold NCCL references a destroy waits for: they go first
+    assert llm.workers.before_group_end == [llm.runner.graphs.clear]
+    seen = []
+    llm.workers.before_group_end.append(lambda: seen.append(dist.is_initialized()))
     del llm  # no close(): the finalizer stops the worker
     gc.collect()
     assert all(gone(p) for p in pids) and not children()
-    import torch.distributed as dist
-
+    assert seen == [True]  # released while the group still stood
     assert not dist.is_initialized()  # the group is destroyed with the engine: a new one can start
 
 

@@ -147,6 +147,8 @@ class LLM:
         self.kv_cache = rank0.kv_cache
         self.runner: ModelRunner = rank0.runner
         self.runner.workers = self.workers
+        if self.workers is not None:
+            self.workers.before_group_end.append(self.runner.graphs.clear)  # the dict, not the LLM
         self.num_blocks = num_blocks = rank0.num_blocks
         self.block_manager = BlockManager(num_blocks, page_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,

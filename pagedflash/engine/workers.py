@@ -16,7 +16,10 @@ Failures never hang:
 
 - before each step rank 0 checks that every worker lives; it waits on the device by polling, and
   checks again while it waits. A worker that raised sends its traceback before it exits; gloo
-  raises at once when a peer's connection closes. Either way ``step``/``generate`` raise
+  raises at once when a peer's connection closes. On GPUs a watchdog thread ends the NCCL group the
+  moment a worker exits (CUDA graphs released first, then an abort): a collective that lost its peer
+  never ends on the device, and once the device stalls rank 0's host can block inside a CUDA call,
+  where polling cannot reach it; the abort ends the stalled kernels. Either way ``step``/``generate`` raise
   :class:`WorkerError` naming the rank and why, and the engine is closed (its group cannot be
   trusted); later calls raise the same error.
 - Ctrl-C while rank 0 runs a step's device work is held until that work is launched, so the ranks
@@ -26,11 +29,15 @@ Failures never hang:
   gone) and run a watchdog thread that exits when their parent disappears, even in the middle of a
   collective. ``LLM.close()``, ``with
   LLM(...)`` and a finalizer when the LLM is garbage-collected stop them and destroy the group.
+- NCCL's destroy and abort both wait for every CUDA graph that captured one of the group's
+  collectives to be gone; such graphs are released first (:attr:`Workers.before_group_end`), also
+  when the LLM is garbage-collected with its graphs still alive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -49,6 +56,8 @@ START_TIMEOUT_S = 300.0  # a worker must import torch and reach the group's rend
 GROUP_TIMEOUT_S = 900.0  # the process group's timeout for one collective (a backstop: dead peers are polled)
 POLL_S = 0.01  # how often rank 0 checks the workers while it waits for the device
 JOIN_S = 10.0  # how long close() waits for a worker to exit before terminating it
+# NVLink multicast off in NCCL, symm_mem and NVSHMEM (unless the user set these): set before the group
+# starts, inherited by the workers
 _NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -80,8 +89,12 @@ class Workers:
         # step messages: count, bytes, and rank 0's wall and CPU seconds pickling and writing them
         self.stats = {"messages": 0, "bytes": 0, "send_s": 0.0, "send_cpu_s": 0.0}
         self._owns_group = False
+        self._group_lock = threading.Lock()  # the watchdog and close() both may end the group
+        self._watchdog: tuple[threading.Thread, threading.Event] | None = None
+        # run before the group ends (the owner's CUDA graphs' release: they hold NCCL references)
+        self.before_group_end: list = []
         if spec.device.type == "cuda":
-            for key, value in _NO_MULTICAST.items():  # inherited by the workers, read by NCCL, symm_mem and NVSHMEM
+            for key, value in _NO_MULTICAST.items():
                 os.environ.setdefault(key, value)
         store = dist.TCPStore("127.0.0.1", 0, self.size, True, timeout=timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
@@ -101,6 +114,7 @@ class Workers:
             dist.init_process_group(_backend(spec), store=store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **kw)
             self._owns_group = True
+            self._start_watchdog()
             self.comm = make_collectives(self.size, kind=spec.all_reduce, dtype=spec.dtype, device=self.device)
         except BaseException as e:
             self.fail(e)
@@ -198,40 +212,48 @@ class Workers:
         """Build rank 0's shard (in step with the workers building theirs), then wait until every
         worker is ready. A failure on any rank closes everything and raises."""
         try:
-            with self._watching():
-                rank0 = build_rank(spec, comm=self.comm, generator=generator)
+            rank0 = build_rank(spec, comm=self.comm, generator=generator)
             self._await("ready", GROUP_TIMEOUT_S)
         except BaseException as e:
             self.fail(e)
         return rank0
 
-    @contextlib.contextmanager
-    def _watching(self):
-        """While rank 0 runs collectives and device syncs it cannot poll (building, warming up,
-        capturing): on GPUs a thread that aborts the group as soon as a worker dies, so that rank 0's
-        blocked NCCL calls fail at once instead of waiting out the timeout. Gloo raises by itself."""
+    def _start_watchdog(self) -> None:
+        """On GPUs: a thread that ends the group (an abort) as soon as a worker exits (see the module
+        docstring), until :meth:`close` stops it. Gloo raises by itself."""
         if self.device.type != "cuda":
-            yield
             return
         stop = threading.Event()
+        sentinels = [p.sentinel for p in self.procs]
 
         def watch():
-            while not stop.wait(0.1):
-                if any(not p.is_alive() for p in self.procs):
-                    import torch.distributed as dist
-
-                    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                    if abort is not None:
-                        abort()
+            while not stop.is_set():
+                if multiprocessing.connection.wait(sentinels, timeout=0.1) and not stop.is_set():
+                    self._end_group(abort=True)
                     return
 
-        thread = threading.Thread(target=watch, name="pagedflash-tp-watch", daemon=True)
+        thread = threading.Thread(target=watch, name="pagedflash-tp-watchdog", daemon=True)
         thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+        self._watchdog = (thread, stop)
+
+    def _end_group(self, *, abort: bool) -> None:
+        """Release what holds the group (:attr:`before_group_end`), then abort it (a broken group:
+        stalled kernels end) or destroy it; once, from any thread."""
+        import torch.distributed as dist
+
+        with self._group_lock:
+            if not self._owns_group:
+                return
+            self._owns_group = False
+            for release in self.before_group_end:
+                release()
+            if not dist.is_initialized():
+                return
+            aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort and aborter is not None:
+                aborter()
+            else:
+                dist.destroy_process_group()
 
     # ------------------------------------------------------------------ shutdown
     def close(self, reason: str = "closed by LLM.close()", *, failed: bool = False) -> None:
@@ -239,6 +261,12 @@ class Workers:
         Idempotent."""
         if self.closed is not None:
             return
+        if self._watchdog is not None:  # workers exit below: that is no failure
+            thread, stop = self._watchdog
+            stop.set()
+            if thread is not threading.current_thread():
+                thread.join()
+            self._watchdog = None
         if not failed and self._owns_group and self.device.type == "cuda":
             with contextlib.suppress(WorkerError):  # a worker found dead here closes as failed
                 self.wait_device()  # the steps in flight end before the communicator does
@@ -260,16 +288,7 @@ class Workers:
                 proc.join()
         for conn in self.conns:
             conn.close()
-        if self._owns_group:
-            import torch.distributed as dist
-
-            self._owns_group = False
-            if dist.is_initialized():
-                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-                if failed and self.device.type == "cuda" and abort is not None:
-                    abort()  # NCCL kernels of a broken step would block a destroy
-                else:
-                    dist.destroy_process_group()
+        self._end_group(abort=failed and self.device.type == "cuda")  # a broken step's kernels would block a destroy
 
     @property
     def pids(self) -> list[int]:
