@@ -21,7 +21,7 @@ HEAD_DIMS = [16, 40, 64, 80, 96, 128, 160, 256]
 GROUPS = [1, 2, 4, 8]
 Q_LENS = [1, 2, 5, 16, 33, 300, 8192]
 PAGES = [0, 1, 5, 16, 32, 64, 80, 128, 256]
-ITEMSIZES = [0, 2, 4]  # 0: unknown
+ITEMSIZES = [0, 1, 2, 4]  # 0: unknown; 1: fp8
 
 
 def _all(interpreted):

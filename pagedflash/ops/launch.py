@@ -97,8 +97,9 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
         # stages of 128-key K and V tiles (padded to block_d) that fit shared memory
         stages_fit = DECODE_SMEM_BUDGET // (2 * 128 * block_d * kv_itemsize) if kv_itemsize else 0
         if wide:  # the grid fills the GPU unsplit
-            if long_kv and stages_fit >= 2:  # long programs: 128-key tiles two deep (performance.md, v14)
-                return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
+            if long_kv and stages_fit >= 2:  # long programs: 128-key tiles two deep, one-byte K/V three (v14, v21)
+                deep = 3 if kv_itemsize == 1 and stages_fit >= 3 else 2
+                return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=deep)
             if tma and page_size:  # pages of 64+ rows: 64-key tiles through one descriptor over the pool (v6)
                 return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=2,
                                     tma=True)
