@@ -141,7 +141,7 @@ def _run(args, sections, w, engine_kw, model_dir, config, on_gpu) -> int:
         "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
         "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
         "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu),
-        "longctx": lambda rng: bench_long_context(model_dir, config, w, rng, engine_kw, summary),
+        "longctx": lambda rng: bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu),
         "tp": lambda rng: bench_tp(w, rng, engine_kw, args, summary, on_gpu),
     }
     for name in SECTIONS:
@@ -271,8 +271,9 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
 
 
-def bench_long_context(model_dir, config, w, rng, engine_kw, summary) -> Table:
-    """The same long-context workload with the KV cache in the model's dtype, then in fp8."""
+def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
+    """The same long-context workload with the KV cache in the model's dtype, then in fp8; each
+    decode gap beside its bandwidth bound and the GPU time of one replay of the step's graph."""
     n, ctx, out = w["long_requests"], w["long_context"], w["long_output"]
     prompts = [_tokens(rng, config, ctx) for _ in range(n)]
     params = SamplingParams(max_tokens=out, ignore_eos=True)
@@ -283,10 +284,14 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary) -> Table:
         outs = llm.generate(prompts, params, use_tqdm=True)
         s = llm.last_stats
         gaps = _steady_gaps(outs)
+        weight_bytes, kv_bytes = _bytes_read(config, {**engine_kw, "kv_cache_dtype": kv}, on_gpu)
+        bound_ms = 1e3 * (weight_bytes + n * (ctx + out / 2) * kv_bytes) / (HBM_TBPS * 1e12)
+        itl_ms = 1e3 * statistics.median(gaps)
         rows.append(dict(kv_cache=str(llm.kv_cache.dtype).removeprefix("torch."), pool_pages=llm.num_blocks,
                          pool_gb=llm.kv_cache.nbytes / 1e9, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
-                         ttft_mean_ms=1e3 * statistics.mean(o.ttft for o in outs),
-                         itl_ms=1e3 * statistics.median(gaps), preemptions=s["preemptions"]))
+                         ttft_mean_ms=1e3 * statistics.mean(o.ttft for o in outs), itl_ms=itl_ms,
+                         bound_ms=bound_ms, pct_bound=100 * bound_ms / itl_ms, fwd_ms=_graph_ms(llm, n),
+                         preemptions=s["preemptions"]))
         print(f"long context, KV {rows[-1]['kv_cache']}: {rows[-1]['tok_s']:.0f} output tok/s, "
               f"decode gap {rows[-1]['itl_ms']:.2f} ms", flush=True)
         _close(llm)
@@ -299,10 +304,12 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary) -> Table:
                  "in the model's dtype vs fp8 (e4m3, scales 1.0)",
                  {"kv_cache": "KV cache", "pool_pages": "pool pages", "pool_gb": "pool GB", "tok_s": "output tok/s",
                   "seconds": "s", "ttft_mean_ms": "mean TTFT ms", "itl_ms": "decode gap ms",
+                  "bound_ms": "bound ms", "pct_bound": "% of bound", "fwd_ms": "graph ms",
                   "preemptions": "preemptions", "tps_ratio": "throughput x", "itl_ratio": "decode gap x lower"},
-                 rows, note="decode gap: median token gap once every request decodes (the KV read dominates "
-                            "it at this context); pool: pages sized from the same free memory (fp8: twice the pages, up to the "
-                            "engine's cap of max_num_seqs sequences at full length)")
+                 rows, note="decode gap: median token gap once every request decodes; bound = (weights + the "
+                            f"mean KV read) / {HBM_TBPS} TB/s; graph ms: GPU time of one replay of the last "
+                            "decode step's graph; pool: pages sized from the same free memory (fp8: twice the "
+                            "pages, up to the engine's cap of max_num_seqs sequences at full length)")
 
 
 def _graph_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
