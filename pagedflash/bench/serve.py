@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from pagedflash._progress import progress
 from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
+from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_transformers, static_batches
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _quiet_transformers()
+    quiet_transformers()
     tp = args.tensor_parallel_size
     if args.sections is None:
         args.sections = "tp" if tp > 1 else ",".join(s for s in SECTIONS if s != "tp")
@@ -183,9 +183,9 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
     _close(llm)
     best = None
     if not args.no_hf:
-        hf = _load_hf(model_dir)
-        for name, fn in (("transformers continuous batching (paged)", _hf_continuous_batching),
-                         (f"transformers generate, static batch {args.hf_batch_size}, SDPA", _hf_static)):
+        hf = load_hf(model_dir)
+        for name, fn in (("transformers continuous batching (paged)", continuous_batching),
+                         (f"transformers generate, static batch {args.hf_batch_size}, SDPA", static_batches)):
             try:
                 done, secs, note = fn(hf, prompts, out_lens, args.hf_batch_size, args.hf_timeout)
                 print(f"{name}: {done / secs:.0f} output tok/s, {secs:.1f} s ({note})", flush=True)
@@ -378,16 +378,6 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _quiet_transformers() -> None:
-    try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except ImportError:
-        pass
-
-
 def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
     """(weight bytes, KV bytes per cached token) a decode step reads: the model in bf16 on the GPU
     (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with ``--kv-cache-dtype``."""
@@ -439,112 +429,6 @@ def _write_random_model(cfg: dict, path: str, on_gpu: bool, seed: int) -> str:
     del model
     free_memory()
     return path
-
-
-def _load_hf(model_dir):
-    import transformers
-
-    on_gpu = torch.cuda.is_available()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16 if on_gpu else torch.float32, attn_implementation="sdpa")
-    return model.to("cuda" if on_gpu else "cpu").eval()
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def _hf_static(model, prompts, out_lens, batch_size, timeout: float) -> tuple[int, float, str]:
-    """Padded static batches (left padding), each generating its longest requested output.
-    Returns (requested tokens produced, seconds, note); batches stop starting after ``timeout`` s."""
-    dev = model.device
-    order = sorted(range(len(prompts)), key=lambda i: -out_lens[i])
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-    def run(idx, warm=False):
-        width = max(len(prompts[i]) for i in idx)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]) :] = 1
-        m = 4 if warm else max(out_lens[i] for i in idx)
-        model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=m, min_new_tokens=m,
-                       do_sample=False, pad_token_id=0)
-
-    run(batches[0][:2], warm=True)
-    _sync()
-    t0 = time.perf_counter()
-    done = []
-    for idx in progress(batches, desc="transformers static"):
-        if done and time.perf_counter() - t0 > timeout:
-            break
-        run(idx)
-        _sync()
-        done.append(idx)
-    secs = time.perf_counter() - t0
-    generated = sum(max(out_lens[i] for i in idx) * len(idx) for idx in done)
-    useful = sum(out_lens[i] for idx in done for i in idx)
-    part = "" if len(done) == len(batches) else f"; rate over the first {len(done)} of {len(batches)} batches"
-    return useful, secs, f"{generated} generated incl. padding waste{part}"
-
-
-@torch.inference_mode()
-def _hf_continuous_batching(model, prompts, out_lens, _batch_size, timeout: float) -> tuple[int, float, str]:
-    """transformers' continuous-batching manager with per-request lengths, no EOS. Returns (tokens,
-    seconds, note); unfinished after ``timeout`` s, it reports all requested tokens over the timeout:
-    an upper bound of its rate (so a ratio against it is a lower bound)."""
-    import transformers
-
-    gen = transformers.GenerationConfig(max_new_tokens=max(out_lens), do_sample=False, pad_token_id=0)
-    kw = {}
-    if not torch.cuda.is_available():  # off the GPU it cannot size its cache from free memory
-        kw["continuous_batching_config"] = transformers.ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
-    manager = model.init_continuous_batching(generation_config=gen, **kw)
-    manager.start()
-    try:
-        manager.add_request([1, 2, 3, 4], request_id="warmup", max_new_tokens=4, eos_token_id=-1)
-        _collect(manager, {"warmup"}, timeout=600)
-        ids = {f"r{i}" for i in range(len(prompts))}
-        t0 = time.perf_counter()
-        for i, (p, m) in enumerate(zip(prompts, out_lens)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1)
-        try:
-            results = _collect(manager, ids, timeout=timeout)
-        except TimeoutError as e:
-            return sum(out_lens), time.perf_counter() - t0, f"{e}: tok/s is an upper bound"
-        secs = time.perf_counter() - t0
-    finally:
-        manager.stop(block=True, timeout=60)
-    got = sum(len(r.generated_tokens) for r in results.values())
-    if got != sum(out_lens):
-        raise RuntimeError(f"produced {got} tokens, expected {sum(out_lens)}")
-    attn = getattr(model.config, "_attn_implementation", "?")
-    return got, secs, f"attn {attn}"
-
-
-def _collect(manager, ids: set[str], timeout: float) -> dict:
-    results, deadline = {}, time.perf_counter() + timeout
-    bar = progress(desc="transformers CB", total=len(ids))
-    while len(results) < len(ids):
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"{len(ids) - len(results)} requests unfinished after {timeout:.0f}s")
-        r = manager.get_result(timeout=1.0)
-        if r is None:
-            if not manager.is_running():
-                raise RuntimeError("the continuous-batching thread stopped")
-            continue
-        if r.request_id in ids and r.is_finished():
-            if getattr(r, "error", None):
-                raise RuntimeError(f"request {r.request_id}: {r.error}")
-            results[r.request_id] = r
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
-    return results
 
 
 def _previous(out: Path, have: set[str], *, quick: bool) -> tuple[list[Table], dict]:
