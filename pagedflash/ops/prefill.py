@@ -42,8 +42,11 @@ def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softca
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:  # sm90: Gluon
-        return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
-                                      window_right == 0, return_lse)
+        try:
+            return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
+                                          window_right == 0, return_lse)
+        except prefill_hopper.Fallback:
+            pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),

@@ -389,17 +389,22 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool) -> _Plan:
     return plan
 
 
+class Fallback(Exception):
+    """The Gluon kernel failed to compile for this call's signature (warned once): the caller takes
+    the portable kernel, for this call and every later one of the signature."""
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
             return_lse: bool) -> torch.Tensor | None:
     """Attention of a call :func:`refusal` accepted, written into ``out``; returns the LSE
-    ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. Should the kernel fail to
-    compile for a signature, that signature warns once and takes the portable kernel."""
+    ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. Raises :class:`Fallback`
+    where the kernel does not compile for the signature (the first time with a warning)."""
     global launches
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device, causal,
            return_lse)
     plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse))
     if plan.failed:
-        return _portable(q, k, v, out, sm_scale, causal, return_lse)
+        raise Fallback
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) \
         if return_lse else None
     descs = [TensorDescriptor(t, shape, strides, block, layout)
@@ -411,14 +416,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)
         plan.failed = True
-        return _portable(q, k, v, out, sm_scale, causal, return_lse)
+        raise Fallback from e
     launches += 1
     return lse
-
-
-def _portable(q, k, v, out, sm_scale, causal, return_lse):
-    from pagedflash.ops.attention import attention_forward
-
-    return attention_forward(q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
-                             sm_scale=sm_scale, window=(-1, 0 if causal else -1), softcap=0.0,
-                             return_lse=return_lse, out=out)[1]
