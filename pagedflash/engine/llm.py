@@ -26,6 +26,7 @@ engine. ``close()`` (or ``with LLM(...) as llm``) stops the processes; so does g
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -47,6 +48,7 @@ from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
 from pagedflash.engine.weights import read_kv_scales
 from pagedflash.engine.workers import Workers
+from pagedflash.ops.utils import on_device
 from pagedflash.validate import check_int
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -55,13 +57,26 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+
+def _on_engine_device(method):
+    """Run an engine method with the engine's GPU current: its kernels, CUDA graphs, events and pinned
+    copies go to that GPU whichever one the caller has current."""
+
+    @functools.wraps(method)
+    def on_its_device(self, *args, **kwargs):
+        with on_device(self.device):
+            return method(self, *args, **kwargs)
+
+    return on_its_device
+
 class LLM:
     """A serving engine on pagedflash's kernels and paged cache.
 
     Args:
         model: a local Hugging Face directory (config.json + *.safetensors), a ``transformers`` config,
             a :class:`ModelConfig` or an HF-style dict (the last three: seeded random weights).
-        device: default ``cuda`` when available, else ``cpu``. dtype: ``torch.float32``,
+        device: default ``cuda`` (the current GPU) when available, else ``cpu``; the engine's work
+            runs with its GPU current and leaves the caller's current GPU as it was. dtype: ``torch.float32``,
             ``torch.float16`` or ``torch.bfloat16`` (or their names; bf16 not on the CPU, where the
             kernels run under the interpreter); default bf16 on GPU, fp32 on CPU.
         page_size: tokens per KV page. num_blocks: pages in the pool; None sizes it from free GPU
@@ -120,8 +135,12 @@ class LLM:
         if max_model_len is not None:
             check_int("max_model_len", max_model_len)
             self.max_model_len = min(self.max_model_len, max_model_len)
-        if tensor_parallel_size != 1 and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # rank r: the r-th GPU after it
+        if self.device.type == "cuda":
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if not visible or (self.device.index is not None and self.device.index >= visible):
+                raise ValueError(f"device: expected a visible GPU ({visible} here), got {self.device}")
+            if self.device.index is None:  # the current GPU (tensor-parallel rank r: the r-th after it)
+                self.device = torch.device("cuda", torch.cuda.current_device())
         self.tensor_parallel_size = check_tensor_parallel_size(self.config, tensor_parallel_size, self.device)
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
@@ -137,12 +156,13 @@ class LLM:
                           **kv_format)
         self.workers: Workers | None = None  # ranks 1..N-1 (tensor_parallel_size > 1)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        if self.tensor_parallel_size == 1:
-            rank0 = build_rank(spec, generator=generator)
-        else:
-            self.workers = Workers(spec)
-            weakref.finalize(self, self.workers.close, "the LLM was garbage-collected")
-            rank0 = self.workers.build_rank0(spec, generator)
+        with on_device(self.device):
+            if self.tensor_parallel_size == 1:
+                rank0 = build_rank(spec, generator=generator)
+            else:
+                self.workers = Workers(spec)
+                weakref.finalize(self, self.workers.close, "the LLM was garbage-collected")
+                rank0 = self.workers.build_rank0(spec, generator)
         self.model: CausalLM = rank0.model
         self.kv_cache = rank0.kv_cache
         self.runner: ModelRunner = rank0.runner
@@ -177,6 +197,7 @@ class LLM:
         """Whether a request is waiting or running (:meth:`step` has work)."""
         return self.scheduler.has_unfinished()
 
+    @_on_engine_device
     def step(self) -> list[RequestOutput]:
         """Run one step of continuous batching.
 
@@ -356,6 +377,7 @@ class LLM:
         return ids, None
 
     # ------------------------------------------------------------------ helpers
+    @_on_engine_device
     @torch.inference_mode()
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits ``[len(p), vocab]`` at every position of each prompt, from one packed prefill
@@ -385,6 +407,7 @@ class LLM:
                     self.block_manager.free(seq.seq_id)
         return list(logits.split([len(s) for s in seqs]))
 
+    @_on_engine_device
     def close(self) -> None:
         """Release the KV pool, CUDA graphs and weights (GPU memory comes back on the next empty_cache)
         and stop the tensor-parallel workers. Calling it again does nothing."""

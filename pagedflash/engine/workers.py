@@ -51,6 +51,7 @@ import torch
 from pagedflash import validate
 from pagedflash.engine.executor import EngineSpec, Rank, build_rank
 from pagedflash.engine.parallel import make_collectives
+from pagedflash.ops.utils import on_device
 
 START_TIMEOUT_S = 300.0  # a worker must import torch and reach the group's rendezvous within this
 GROUP_TIMEOUT_S = 900.0  # the process group's timeout for one collective (a backstop: dead peers are polled)
@@ -150,8 +151,9 @@ class Workers:
     def wait_device(self) -> None:
         """Wait for the work enqueued so far on this rank's GPU (nothing to wait for on the CPU)."""
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+            with on_device(self.device):  # close() may run from a finalizer, under another current GPU
+                event = torch.cuda.Event()
+                event.record()
             self.wait_event(event)
 
     # ------------------------------------------------------------------ health

@@ -36,7 +36,9 @@ Each kernel module binds its launcher to its operator with :func:`implement`, wh
 function the public entry point calls: the operator while Dynamo traces, the launcher itself in
 eager mode. Both run the same launcher on the same arguments, so results are bit-identical; the
 test suite passes either way (``PAGEDFLASH_EAGER_OPS=1`` or :func:`dispatch_eager` routes eager
-calls through the dispatcher too).
+calls through the dispatcher too). Either way the launcher runs on the GPU of its first tensor
+argument (Triton launches on the current device; flash-attn guards the device the same way), so a
+call with tensors on ``cuda:1`` works while ``cuda:0`` is current.
 
 Why this design, measured on the development machine (CPU, torch 2.13, ``timeit`` over 10^4 calls
 of an operator with a trivial body and the decode operator's 15 arguments, best of 5, under
@@ -79,6 +81,7 @@ from collections.abc import Callable
 import torch
 
 from pagedflash.ops import scratch
+from pagedflash.ops.utils import on_device
 
 _lib = torch.library.Library("pagedflash", "DEF")
 
@@ -195,7 +198,7 @@ def implement(name: str, launch: Callable) -> Callable:
 
     def kernel(*args):
         with scratch.no_reuse():  # compiled graphs own every buffer a call leaves (scratch's doc)
-            result = launch(*args)
+            result = on_device_of(args[0], launch, args)
         if returns == "Tensor" and result is None:
             return args[0].new_empty((0,), dtype=empty_dtype or args[0].dtype)
         if isinstance(result, tuple):
@@ -208,7 +211,15 @@ def implement(name: str, launch: Callable) -> Callable:
     def call(*args):
         if via_operator():
             return op(*args)
-        return launch(*args)
+        return on_device_of(args[0], launch, args)
 
     call.__name__ = call.__qualname__ = name
     return call
+
+
+def on_device_of(first: torch.Tensor, launch: Callable, args: tuple):
+    """``launch(*args)`` with ``first``'s GPU current."""
+    if first.is_cuda:
+        with on_device(first.device):
+            return launch(*args)
+    return launch(*args)

@@ -8,6 +8,7 @@ Whether to interpret is decided once, by :mod:`pagedflash._env`, before any kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -55,6 +56,14 @@ def _cuda_sm_count(index: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def on_device(device: torch.device):
+    """A context in which ``device`` is the current GPU (Triton launches on the current device, as do
+    CUDA graphs, events and pinned copies); a no-op where it already is, or for the CPU."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of an NVIDIA CUDA device; None for anything else. ROCm builds of torch also
     call their GPUs ``cuda`` and report a gfx version as the capability (9.4 on an MI300), so the
