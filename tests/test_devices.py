@@ -22,6 +22,38 @@ def test_the_cpu_needs_no_device_switch():
     assert on_device_of(torch.zeros(1), lambda a, b: a + b, (1, 2)) == 3
 
 
+def test_the_switch_is_decided_at_each_call_and_restores_the_callers_gpu(monkeypatch):
+    current = [0]
+
+    class FakeDevice:  # torch.cuda.device: switch on enter, restore on exit
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    with on_device(torch.device("cuda", 1)):
+        assert current == [1]
+        with on_device(1):  # nested, already current: nothing to do
+            assert current == [1]
+        assert current == [1]
+    assert current == [0]
+    current[0] = 1
+    with on_device(torch.device("cuda", 1)):  # the same device from another current GPU: no switch now
+        assert current == [1]
+    current[0] = 0
+    with on_device(torch.device("cuda", 1)):  # ... and a switch again from cuda:0
+        assert current == [1]
+    assert current == [0]
+    with on_device(torch.device("cuda")):  # no index: the current GPU
+        assert current == [0]
+
+
 @pytest.fixture
 def on_gpu0():
     previous = torch.cuda.current_device()

@@ -196,6 +196,37 @@ def test_no_process_outlives_the_engine(tmp_path):
     assert not dist.is_initialized()  # the group is destroyed with the engine: a new one can start
 
 
+@pytest.mark.skipif(ON_GPU, reason="the GPU engine runs its own watchdog (the dead-worker test above)")
+def test_the_watchdog_releases_the_graphs_then_aborts_when_a_worker_exits(monkeypatch):
+    """The watchdog (started on GPUs only; here over gloo with a stand-in abort) ends the group the
+    moment a worker exits: the runner's graphs released first, the group aborted, and the next step
+    raises WorkerError naming the rank."""
+    import torch.distributed as dist
+
+    order = []
+
+    def abort():
+        order.append("abort")
+        dist.destroy_process_group()
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
+    llm = LLM(TINY, tensor_parallel_size=2, **ENGINE)
+    llm.workers.before_group_end.append(lambda: order.append("graphs released"))
+    llm.workers._start_watchdog()
+    (pid,) = llm.workers.pids
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.perf_counter() + 30
+    while not order and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert order == ["graphs released", "abort"] and not dist.is_initialized()
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(WorkerError, match="rank 1 .* died"):
+        llm.step()
+    llm.close()
+    assert gone(pid) and not children() and order == ["graphs released", "abort"]
+
+
 @two_ranks_here
 def test_fp8_pool_with_per_head_scales_equals_one_rank():
     """kv_cache_dtype="fp8" over two ranks: each rank's pool holds its own KV head's scales, so logits

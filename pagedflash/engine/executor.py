@@ -79,9 +79,10 @@ class Rank:
 
 
 def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = None,
-               generator: torch.Generator | None = None) -> Rank:
+               generator: torch.Generator | None = None, release_hooks: list | None = None) -> Rank:
     """Build rank ``rank``'s model, pool and runner (``comm``: the tensor-parallel group; None with
-    one rank). ``generator``: the runner's default sampling generator (rank 0's)."""
+    one rank). ``generator``: the runner's default sampling generator (rank 0's). ``release_hooks``:
+    the runner adds the release of its CUDA graphs there before it captures any."""
     config, device = spec.config, spec.device_of(rank)
     shard = ShardSizes.of(config, rank, spec.tensor_parallel_size)
     model = build_model(config, max_len=spec.max_model_len, dtype=spec.dtype, device=device, shard=shard, comm=comm)
@@ -96,7 +97,7 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
             num_blocks = comm.min_int(num_blocks)
     kv_cache = spec.pool(shard, num_blocks=num_blocks, device=device)
     runner = ModelRunner(model, kv_cache, max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
-                         use_cuda_graphs=spec.cuda_graphs, generator=generator)
+                         use_cuda_graphs=spec.cuda_graphs, generator=generator, release_hooks=release_hooks)
     return Rank(model, kv_cache, runner, num_blocks)
 
 

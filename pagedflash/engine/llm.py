@@ -57,7 +57,6 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-
 def _on_engine_device(method):
     """Run an engine method with the engine's GPU current: its kernels, CUDA graphs, events and pinned
     copies go to that GPU whichever one the caller has current."""
@@ -68,6 +67,7 @@ def _on_engine_device(method):
             return method(self, *args, **kwargs)
 
     return on_its_device
+
 
 class LLM:
     """A serving engine on pagedflash's kernels and paged cache.
@@ -167,8 +167,6 @@ class LLM:
         self.kv_cache = rank0.kv_cache
         self.runner: ModelRunner = rank0.runner
         self.runner.workers = self.workers
-        if self.workers is not None:
-            self.workers.before_group_end.append(self.runner.graphs.clear)  # the dict, not the LLM
         self.num_blocks = num_blocks = rank0.num_blocks
         self.block_manager = BlockManager(num_blocks, page_size, enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,

@@ -83,7 +83,7 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_model_len: int, max_num_seqs: int,
-                 use_cuda_graphs: bool, generator: torch.Generator | None):
+                 use_cuda_graphs: bool, generator: torch.Generator | None, release_hooks: list | None = None):
         self.model = model
         self.kv_caches = [kv_cache[i] for i in range(len(kv_cache))]
         model.bind_kv_scales(kv_cache)
@@ -93,6 +93,8 @@ class ModelRunner:
         self.generator = generator
         self.pin = self.device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if release_hooks is not None:  # graphs that capture collectives must go before their group does
+            release_hooks.append(self.graphs.clear)
         self.workers = None  # rank 0 of a tensor-parallel engine: the Workers that follow each step
         self._alloc_decode_buffers(min(max_num_seqs, GRAPH_BATCH_SIZES[-1]))
         if self.device.type == "cuda":
@@ -320,8 +322,9 @@ class ModelRunner:
 
     def _run_decode(self, n: int, bs: int, *, max_seqlen_k: int) -> None:
         """Replay the graph of size ``bs``, or run the same body eagerly for the ``n`` rows."""
-        if bs in self.graphs:
-            self.graphs[bs].replay()
+        graph = self.graphs.get(bs)  # read once: a tensor-parallel watchdog may clear the graphs
+        if graph is not None:
+            graph.replay()
         else:  # an upper bound is all attention needs: rounded up, 16 steps share one launch plan
             max_seqlen_k = min(self.max_model_len, -(-max_seqlen_k // 16) * 16)
             self._decode_step(n, self._decode_meta(n, max_seqlen_k=max_seqlen_k, num_splits=0))

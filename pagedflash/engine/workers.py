@@ -29,9 +29,13 @@ Failures never hang:
   gone) and run a watchdog thread that exits when their parent disappears, even in the middle of a
   collective. ``LLM.close()``, ``with
   LLM(...)`` and a finalizer when the LLM is garbage-collected stop them and destroy the group.
-- NCCL's destroy and abort both wait for every CUDA graph that captured one of the group's
-  collectives to be gone; such graphs are released first (:attr:`Workers.before_group_end`), also
-  when the LLM is garbage-collected with its graphs still alive.
+- On two H200s, NCCL's destroy and abort appeared to wait for every CUDA graph that captured one of
+  the group's collectives (``LLM.close()``, which drops its graphs first, never hung; the finalizer
+  and the dead-worker path, with the graphs alive, did). The runner's graphs are therefore released
+  first (:attr:`Workers.before_group_end`, registered before any capture). A graph whose replay is
+  blocked in a host CUDA call is still referenced by that call and can still stall an abort; then
+  :meth:`close` stops waiting for the watchdog after ``JOIN_S`` and leaves the group as it is.
+  (This ordering has run on the CPU only so far, not yet on two GPUs.)
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 from datetime import timedelta
 
 import torch
@@ -115,7 +120,8 @@ class Workers:
             dist.init_process_group(_backend(spec), store=store, rank=0, world_size=self.size,
                                     timeout=timedelta(seconds=GROUP_TIMEOUT_S), **kw)
             self._owns_group = True
-            self._start_watchdog()
+            if spec.device.type == "cuda":  # gloo raises by itself
+                self._start_watchdog()
             self.comm = make_collectives(self.size, kind=spec.all_reduce, dtype=spec.dtype, device=self.device)
         except BaseException as e:
             self.fail(e)
@@ -214,17 +220,15 @@ class Workers:
         """Build rank 0's shard (in step with the workers building theirs), then wait until every
         worker is ready. A failure on any rank closes everything and raises."""
         try:
-            rank0 = build_rank(spec, comm=self.comm, generator=generator)
+            rank0 = build_rank(spec, comm=self.comm, generator=generator, release_hooks=self.before_group_end)
             self._await("ready", GROUP_TIMEOUT_S)
         except BaseException as e:
             self.fail(e)
         return rank0
 
     def _start_watchdog(self) -> None:
-        """On GPUs: a thread that ends the group (an abort) as soon as a worker exits (see the module
-        docstring), until :meth:`close` stops it. Gloo raises by itself."""
-        if self.device.type != "cuda":
-            return
+        """A thread that ends the group (an abort) as soon as a worker exits (see the module
+        docstring), until :meth:`close` stops it."""
         stop = threading.Event()
         sentinels = [p.sentinel for p in self.procs]
 
@@ -247,15 +251,16 @@ class Workers:
             if not self._owns_group:
                 return
             self._owns_group = False
-            for release in self.before_group_end:
-                release()
-            if not dist.is_initialized():
-                return
-            aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort and aborter is not None:
-                aborter()
-            else:
-                dist.destroy_process_group()
+            try:
+                for release in self.before_group_end:
+                    release()
+            finally:  # a release that raised must not leave the group standing
+                if dist.is_initialized():
+                    aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                    if abort and aborter is not None:
+                        aborter()
+                    else:
+                        dist.destroy_process_group()
 
     # ------------------------------------------------------------------ shutdown
     def close(self, reason: str = "closed by LLM.close()", *, failed: bool = False) -> None:
@@ -263,12 +268,18 @@ class Workers:
         Idempotent."""
         if self.closed is not None:
             return
+        stuck = False
         if self._watchdog is not None:  # workers exit below: that is no failure
             thread, stop = self._watchdog
             stop.set()
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(timeout=JOIN_S)
+                stuck = thread.is_alive()  # inside an abort that does not return
             self._watchdog = None
+        if stuck:
+            failed = True
+            warnings.warn("pagedflash: the tensor-parallel group's abort did not return; the engine is closed "
+                          "and its group left as it is (this process cannot start another group)", stacklevel=2)
         if not failed and self._owns_group and self.device.type == "cuda":
             with contextlib.suppress(WorkerError):  # a worker found dead here closes as failed
                 self.wait_device()  # the steps in flight end before the communicator does
@@ -290,7 +301,8 @@ class Workers:
                 proc.join()
         for conn in self.conns:
             conn.close()
-        self._end_group(abort=failed and self.device.type == "cuda")  # a broken step's kernels would block a destroy
+        if not stuck:
+            self._end_group(abort=failed and self.device.type == "cuda")  # a broken step's kernels would block a destroy
 
     @property
     def pids(self) -> list[int]:

@@ -49,7 +49,7 @@ of an operator with a trivial body and the decode operator's 15 arguments, best 
 per-call cost of reaching a trivial body                               µs
 ====================================================================== ==========
 direct Python call                                                     0.1–0.2
-``torch.compiler.is_compiling()`` (the eager route's only extra cost)  0.14–0.24
+``torch.compiler.is_compiling()`` (the eager route's operator check)   0.14–0.24
 ``torch.library.Library.define`` + ``impl`` (used here)                5.4–9.6
 ``torch.library.custom_op`` with ``mutates_args``                      33–57
 ``torch.library.custom_op``, functional (returns a new tensor)         20–22
@@ -70,7 +70,8 @@ direct Python call                                                     0.1–0.2
   cost, which compiled graphs outside CUDA graphs pay on every call.
 - **Eager calls skip the dispatcher**: even its 6–9 µs is a third of SDPA's whole eager call (about
   20 µs on the H200), against issue 14's target of 2.5× SDPA for ours; ``is_compiling()`` costs
-  0.2 µs.
+  0.2 µs, and the device check (:func:`on_device_of`: the tensor's GPU index against the current
+  one, a no-op context when they agree) about as much again.
 """
 
 from __future__ import annotations
@@ -220,6 +221,6 @@ def implement(name: str, launch: Callable) -> Callable:
 def on_device_of(first: torch.Tensor, launch: Callable, args: tuple):
     """``launch(*args)`` with ``first``'s GPU current."""
     if first.is_cuda:
-        with on_device(first.device):
+        with on_device(first.get_device()):
             return launch(*args)
     return launch(*args)

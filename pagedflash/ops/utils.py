@@ -55,15 +55,18 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@functools.lru_cache(maxsize=16)
-def on_device(device: torch.device):
-    """A context in which ``device`` is the current GPU (Triton launches on the current device, as do
-    CUDA graphs, events and pinned copies); a no-op where it already is, or for the CPU."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
+def on_device(device: torch.device | int):
+    """A context in which ``device`` (a torch device, or a GPU index) is the current GPU: Triton
+    launches on the current device, as do CUDA graphs, events and pinned copies. A no-op where it
+    already is, for the CPU or for ``cuda`` without an index. Decided at each call (never cached:
+    the current device may differ between calls)."""
+    index = device if isinstance(device, int) else device.index if device.type == "cuda" else None
+    if index is not None and index != torch.cuda.current_device():
+        return torch.cuda.device(index)
     return contextlib.nullcontext()
 
 
+@functools.lru_cache(maxsize=16)
 def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of an NVIDIA CUDA device; None for anything else. ROCm builds of torch also
     call their GPUs ``cuda`` and report a gfx version as the capability (9.4 on an MI300), so the
