@@ -7,7 +7,8 @@
 # Each kind of step has its own time limit (T_<kind>, seconds) so
 # that the archive is written inside the call's limit; logs land beside the results.
 # Two instances may run side by side (one per GPU of a 2-GPU machine): give each its own R (results
-# folder, also the archive's name) and CUDA_VISIBLE_DEVICES. SERVE_ARGS adds options to serve steps.
+# folder, also the archive's name) and CUDA_VISIBLE_DEVICES. SERVE_ARGS adds options to serve steps
+# (--tensor-parallel-size 2), PYTEST_EXTRA to the tests step (--timeout=300 --timeout-method=thread).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
