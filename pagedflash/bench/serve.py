@@ -23,7 +23,8 @@ engine and transformers load the very same tensors. Sections (``--sections``, de
 - ``tp`` (with ``--tensor-parallel-size N``, N >= 2; then the default section): Llama-3-8B-shaped
   random weights, one GPU against N: batch-1 inter-token latency at 1K context (target: N GPUs <=
   0.6x one GPU's) and output tokens/s of 64 requests, prompts and outputs uniform in 100..1024
-  (target >= 1.5x); then a Llama-3-70B-shaped model (too large for one H200 with its KV pool) on N
+  (target >= 1.5x), the N-GPU engine once per all-reduce on GPUs (``PAGEDFLASH_ALLREDUCE``: the
+  environment's, default ``nccl``, then ``symm_mem``); then a Llama-3-70B-shaped model (too large for one H200 with its KV pool) on N
   GPUs alone: tokens/s, ITL and ``% of bound``, the bound of a decode step with the weights and KV
   spread over N GPUs (each reads its shard at 4.8 TB/s). Random weights are made on each rank, tensor
   by tensor, keeping its slice (:func:`pagedflash.engine.weights.init_random_weights`): the model is
@@ -41,7 +42,9 @@ interpreter): a smoke test of the plumbing, not figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -57,6 +60,7 @@ from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_tr
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
+from pagedflash.engine.parallel import ALLREDUCE_ENV, ALLREDUCE_KINDS
 
 SECTIONS = ("throughput", "prefix", "itl", "longctx", "tp")
 FULL = dict(num_requests=256, prompt=(100, 1024), output=(100, 1024), prefix_requests=64, system=4096, suffix=128,
@@ -325,11 +329,16 @@ def _graph_ms(llm: LLM, batch: int, reps: int = 20) -> float | None:
 
 def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
     """One GPU against ``--tensor-parallel-size`` N on a Llama-3-8B shape (batch-1 ITL at 1K context,
-    throughput of the 64-request workload), then a Llama-3-70B shape on N GPUs alone."""
+    throughput of the 64-request workload), on GPUs with each all-reduce (``PAGEDFLASH_ALLREDUCE``),
+    then a Llama-3-70B shape on N GPUs alone (the default all-reduce). A run that fails is reported
+    in its row."""
     n = args.tensor_parallel_size
-    models = [("Llama-3-8B", LLAMA_3_8B, (1, n)), ("Llama-3-70B", LLAMA_3_70B, (n,))]
+    default = os.environ.get(ALLREDUCE_ENV, "nccl")
+    kinds = [default] + [k for k in ALLREDUCE_KINDS if k != default and on_gpu]
+    models = [("Llama-3-8B", LLAMA_3_8B, [(1, default)] + [(n, k) for k in kinds]),
+              ("Llama-3-70B", LLAMA_3_70B, [(n, default)])]
     if args.quick:
-        models = [("tiny", TINY_LLAMA, (1, n))]
+        models = [("tiny", TINY_LLAMA, [(1, default), (n, default)])]
     lo, hi = w["prompt"]
     olo, ohi = w["output"]
     rows = []
@@ -338,46 +347,74 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
         weight_bytes, kv_bytes = _bytes_read(config, engine_kw, on_gpu)
         requests = [(_tokens(rng, config, rng.randint(lo, hi)), rng.randint(olo, ohi)) for _ in range(w["tp_requests"])]
         context = [_tokens(rng, config, w["tp_context"])]
-        for size in sizes:
+        for size, kind in sizes:
             kw = {**engine_kw, "tensor_parallel_size": size, "max_model_len": w["tp_max_model_len"], "seed": args.seed}
-            t0 = time.perf_counter()
-            llm = LLM(cfg, **kw)
-            print(f"{name} on {size} GPU(s): built in {time.perf_counter() - t0:.0f} s", flush=True)
-            _warm(llm, config, rng)
-            llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
-            outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
-            itl = statistics.median(_steady_gaps(outs))
-            bound_s = (weight_bytes + (w["tp_context"] + w["itl_tokens"] / 2) * kv_bytes) / (size * HBM_TBPS * 1e12)
-            llm.generate([p for p, _ in requests], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests],
-                         use_tqdm=True)
-            s = llm.last_stats
-            sent = llm.workers.stats if llm.workers is not None else None
-            rows.append(dict(model=name, gpus=size, itl_ms=1e3 * itl, bound_ms=1e3 * bound_s,
-                             pct_bound=100 * bound_s / itl, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
-                             steps=s["steps"], msg_us=1e6 * sent["send_s"] / sent["messages"] if sent else None))
-            _close(llm)
-    by = {(r["model"], r["gpus"]): r for r in rows}
+            row = dict(model=name, gpus=size, all_reduce=kind if size > 1 else "-")
+            rows.append(row)
+            llm = None
+            try:
+                with _environ(ALLREDUCE_ENV, kind):  # read when the engine starts (and by its workers)
+                    t0 = time.perf_counter()
+                    llm = LLM(cfg, **kw)
+                print(f"{name} on {size} GPU(s), {row['all_reduce']}: built in {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+                _warm(llm, config, rng)
+                llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
+                outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
+                itl = statistics.median(_steady_gaps(outs))
+                bound_s = (weight_bytes + (w["tp_context"] + w["itl_tokens"] / 2) * kv_bytes) / (size * HBM_TBPS * 1e12)
+                llm.generate([p for p, _ in requests],
+                             [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests], use_tqdm=True)
+                s = llm.last_stats
+                sent = llm.workers.stats if llm.workers is not None else None
+                row.update(itl_ms=1e3 * itl, bound_ms=1e3 * bound_s, pct_bound=100 * bound_s / itl,
+                           tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"], steps=s["steps"],
+                           msg_us=1e6 * sent["send_s"] / sent["messages"] if sent else None)
+            except Exception as e:  # noqa: BLE001  (an all-reduce that does not run here: reported, not fatal)
+                row["note"] = f"failed: {type(e).__name__}: {e}"[:160]
+                print(f"{name} on {size} GPU(s), {row['all_reduce']}: {row['note']}", flush=True)
+            finally:
+                if llm is not None:
+                    _close(llm)
+    by = {(r["model"], r["gpus"], r["all_reduce"]): r for r in rows if "itl_ms" in r}
     base = models[0][0]
-    if (base, 1) in by and (base, n) in by:
-        one, many = by[(base, 1)], by[(base, n)]
-        many["itl_x"], many["tps_x"] = many["itl_ms"] / one["itl_ms"], many["tok_s"] / one["tok_s"]
-        summary[f"tp{n}_itl_vs_1gpu"], summary[f"tp{n}_throughput_vs_1gpu"] = many["itl_x"], many["tps_x"]
-    if ("Llama-3-70B", n) in by:
-        big = by[("Llama-3-70B", n)]
+    one = by.get((base, 1, "-"))
+    for kind in kinds:
+        many = by.get((base, n, kind))
+        if one and many:
+            many["itl_x"], many["tps_x"] = many["itl_ms"] / one["itl_ms"], many["tok_s"] / one["tok_s"]
+            tag = "" if kind == default else f"_{kind}"
+            summary[f"tp{n}{tag}_itl_vs_1gpu"], summary[f"tp{n}{tag}_throughput_vs_1gpu"] = many["itl_x"], many["tps_x"]
+    if ("Llama-3-70B", n, default) in by:
+        big = by[("Llama-3-70B", n, default)]
         summary[f"tp{n}_70b_tok_s"], summary[f"tp{n}_70b_itl_ms"] = big["tok_s"], big["itl_ms"]
         summary[f"tp{n}_70b_pct_of_bound"] = big["pct_bound"]
     return Table("tp", f"Tensor parallelism: batch-1 ITL at {w['tp_context']} context (median gap over "
                  f"{w['itl_tokens']} tokens), throughput of {w['tp_requests']} requests (prompts {lo}-{hi}, "
                  f"outputs {olo}-{ohi}, ignore_eos)",
-                 {"model": "model", "gpus": "GPUs", "itl_ms": "ITL ms", "bound_ms": "bound ms", "pct_bound": "% of bound",
-                  "itl_x": "ITL x 1 GPU", "tok_s": "output tok/s", "tps_x": "tok/s x 1 GPU", "steps": "steps",
-                  "msg_us": "step message us"},
+                 {"model": "model", "gpus": "GPUs", "all_reduce": "all-reduce", "itl_ms": "ITL ms",
+                  "bound_ms": "bound ms", "pct_bound": "% of bound", "itl_x": "ITL x 1 GPU", "tok_s": "output tok/s",
+                  "tps_x": "tok/s x 1 GPU", "steps": "steps", "msg_us": "step message us", "note": "note"},
                  rows, note=f"bound = (weights + KV read) / (GPUs x {HBM_TBPS} TB/s); step message us: rank 0's host "
                             f"time to send one step to the other ranks; targets: {n} GPUs ITL <= "
                             f"{TARGETS['tp_itl']}x and throughput >= {TARGETS['tp_tps']}x one GPU's (8B)")
 
 
 # ------------------------------------------------------------------------------------ helpers
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``os.environ[name] = value`` for the block, then as it was."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
     """(weight bytes, KV bytes per cached token) a decode step reads: the model in bf16 on the GPU
     (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with ``--kv-cache-dtype``."""
