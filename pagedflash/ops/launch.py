@@ -22,7 +22,7 @@ from pagedflash.validate import FP8_DTYPES
 # PAGEDFLASH_TMA=0 turns it off; the pointer path is the portable one and runs everywhere else.
 TMA = os.environ.get("PAGEDFLASH_TMA", "1") != "0"
 # fp8 K/V (float8_e4m3fn/e5m2) load through pointer tiles; PAGEDFLASH_TMA_FP8=1 loads them through
-# descriptors (checked under the interpreter; untimed on the GPU: docs/performance.md, v19).
+# descriptors (correct under the interpreter and on the H200; untimed: docs/performance.md, v19, v21).
 TMA_FP8 = os.environ.get("PAGEDFLASH_TMA_FP8", "0") == "1"
 # The interpreter runs tensor descriptors too (zero fill included): tests turn this on to check the
 # descriptor paths on the CPU. Off by default there, since the pointer path is the portable one.
