@@ -1,5 +1,6 @@
 """What test files share (fixtures stay in conftest.py): the device and dtypes of the matrix, the
-tolerance rule, random inputs, cu_seqlens and page pools on the test device, parametrize ids.
+tolerance rule, random inputs, cu_seqlens and page pools on the test device, parametrize ids, and
+the block manager's invariants and snapshot (its unit and stateful tests).
 
 ``ON_GPU`` selects the matrix: small and fp32/fp16 under the interpreter, full with bf16 and long
 sequences when compiled on a GPU. The comparison rule and the pool builder are the package's
@@ -7,12 +8,17 @@ sequences when compiled on a GPU. The comparison rule and the pool builder are t
 """
 
 import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
+import math
+
 import torch
 
+from pagedflash.cache import block_manager as bm_module
 from pagedflash.cache import cu_seqlens_tensor
+from pagedflash.cache.block_manager import BlockManager
 from pagedflash.testing import assert_close, random_paged_kv
 
-__all__ = ["DEVICE", "DTYPES", "ON_GPU", "assert_close", "cu_seqlens", "fp8_pool", "ids", "make_pool", "randn"]
+__all__ = ["DEVICE", "DTYPES", "ON_GPU", "assert_close", "check_invariants", "cu_seqlens", "fp8_pool", "ids",
+           "make_pool", "randn", "snapshot"]
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
@@ -48,3 +54,63 @@ def ids(value) -> str:
         return str(value).replace("torch.", "")
     return str(value)
 
+
+# ------------------------------------------------------------------ block manager
+def check_invariants(bm: BlockManager) -> None:
+    """Every structural invariant of the manager (reads its private state)."""
+    blocks, uncached, evictable = bm._blocks, list(bm._free_uncached), list(bm._evictable)
+    free = uncached + evictable
+    assert len(free) == len(set(free)), "a block is free twice"
+    assert not set(uncached) & set(evictable)
+    assert set(free) == {b.block_id for b in blocks if b.ref_count == 0}
+    used = [b for b in blocks if b.ref_count > 0]
+    assert bm.num_free_blocks == len(free) and len(free) + len(used) == bm.num_blocks
+    assert all(blocks[b].hash is None for b in uncached)
+    assert all(blocks[b].hash is not None for b in evictable)
+    # Reference counts are exactly the number of live tables holding a block.
+    owners: dict[int, list] = {}
+    for seq_id, seq in bm._seqs.items():
+        assert len(seq.block_table) == math.ceil(len(seq.token_ids) / bm.page_size)
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        for b in seq.block_table:
+            owners.setdefault(b, []).append(seq_id)
+    for b in blocks:
+        assert b.ref_count == len(owners.get(b.block_id, [])) >= 0
+    # Hash chain of every committed block; partial and uncommitted blocks unhashed and unshared.
+    p = bm.page_size
+    for seq in bm._seqs.values():
+        assert 0 <= seq.num_committed <= len(seq.token_ids) // p
+        assert seq.num_committed == 0 or bm.enable_prefix_caching
+        parent_hash = None
+        for i, b in enumerate(seq.block_table):
+            block, tokens = blocks[b], seq.token_ids[i * p : (i + 1) * p]
+            if i < seq.num_committed:
+                assert block.token_ids == tuple(tokens)
+                assert block.hash == bm_module.chain_hash(parent_hash, tokens)  # the patched one, if any
+                parent_hash = block.hash
+            else:
+                assert block.hash is None and block.ref_count == 1
+    # A shared block holds the same token prefix in every sequence holding it.
+    for b, seq_ids in owners.items():
+        prefixes = set()
+        for s in seq_ids:
+            seq = bm._seqs[s]
+            i = seq.block_table.index(b)
+            prefixes.add(tuple(seq.token_ids[: (i + 1) * p]))
+        assert len(prefixes) == 1, f"block {b} shared by sequences with different prefixes"
+    for h, b in bm._hash_to_block.items():
+        assert blocks[b].hash == h
+    if not bm.enable_prefix_caching:
+        assert not bm._hash_to_block and not evictable
+
+
+def snapshot(bm: BlockManager):
+    """Everything an all-or-nothing failure must leave unchanged."""
+    return (
+        [(b.ref_count, b.hash, b.token_ids, b.parent, b.reuses) for b in bm._blocks],
+        list(bm._free_uncached),
+        list(bm._evictable),
+        dict(bm._hash_to_block),
+        {s: (list(q.token_ids), list(q.block_table), q.num_committed) for s, q in bm._seqs.items()},
+        (bm.stats.queried_tokens, bm.stats.hit_tokens),
+    )
