@@ -227,6 +227,42 @@ def test_the_watchdog_releases_the_graphs_then_aborts_when_a_worker_exits(monkey
     assert gone(pid) and not children() and order == ["graphs released", "abort"]
 
 
+@pytest.mark.skipif(ON_GPU, reason="a stand-in abort over gloo")
+def test_an_abort_that_does_not_return_leaves_the_engine_closed_not_hung(monkeypatch):
+    """Should the group's abort never return (the watchdog stuck inside it), the failing step still
+    raises WorkerError after JOIN_S, with a warning, and leaves the group alone (the stuck thread
+    holds it)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from pagedflash.engine import workers
+
+    release = threading.Event()
+
+    def abort():  # blocks like an NCCL abort that waits for a kernel that never ends
+        release.wait(60)
+        dist.destroy_process_group()
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
+    monkeypatch.setattr(workers, "JOIN_S", 0.5)
+    llm = LLM(TINY, tensor_parallel_size=2, **ENGINE)
+    llm.workers._start_watchdog()
+    (pid,) = llm.workers.pids
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)  # the watchdog is inside the abort now
+    llm.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match="abort did not return"), pytest.raises(WorkerError, match="rank 1"):
+        llm.step()
+    assert time.perf_counter() - t0 < 10 and dist.is_initialized()
+    release.set()  # the abort returns: the group goes, and a new engine could start
+    deadline = time.perf_counter() + 10
+    while dist.is_initialized() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    assert not dist.is_initialized() and not children()
+
+
 @two_ranks_here
 def test_fp8_pool_with_per_head_scales_equals_one_rank():
     """kv_cache_dtype="fp8" over two ranks: each rank's pool holds its own KV head's scales, so logits
