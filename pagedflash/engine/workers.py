@@ -264,8 +264,8 @@ class Workers:
 
     # ------------------------------------------------------------------ shutdown
     def close(self, reason: str = "closed by LLM.close()", *, failed: bool = False) -> None:
-        """Stop the workers (asked first, then terminated, then killed) and destroy the group.
-        Idempotent."""
+        """Stop the workers (asked first, then terminated, then killed) and end the group: destroyed,
+        or aborted after a failure; left alone when the watchdog is stuck in an abort. Idempotent."""
         if self.closed is not None:
             return
         stuck = False
