@@ -267,10 +267,17 @@ def check_out(out, *, shape, dtype, device, inputs: dict) -> None:
     if _self_overlapping(out):
         raise ValueError(f"out: expected every element at its own address, got strides {out.stride()} for shape "
                          f"{tuple(out.shape)} (an expanded tensor?)")
+    check_out_separate(out, inputs)
+
+
+def check_out_separate(out: torch.Tensor, inputs: dict) -> None:
+    """``out`` shares no memory with the tensors among ``inputs`` (name -> value), which the kernel
+    reads while it writes ``out``. Reads addresses, which tensors traced by ``torch.compile`` do
+    not have: skipped while compiling."""
     if torch.compiler.is_compiling():
         return
     for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and shares_memory(out, t):
+        if isinstance(t, torch.Tensor) and _shares_memory(out, t):
             raise ValueError(f"out: shares memory with {name}, which the kernel reads while writing out; "
                              f"pass a separate buffer")
 
@@ -289,7 +296,7 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the byte ranges spanned by two tensors intersect (conservative for interleaved views)."""
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False

@@ -155,12 +155,9 @@ def _run(x, weight, bias, residual, norm_weight, eps: float, prologue: int, out)
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             _check(x, weight, bias, residual, norm_weight, prologue, out)  # says what is wrong
         out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
-    elif not torch.compiler.is_compiling():  # programs write out while others still read the inputs
-        for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual),
-                        ("norm_weight", norm_weight)):
-            if isinstance(t, torch.Tensor) and isinstance(out, torch.Tensor) and validate.shares_memory(out, t):
-                raise ValueError(f"out: shares memory with {name}, which the kernel reads while writing out; "
-                                 f"pass a separate buffer")
+    elif isinstance(out, torch.Tensor):  # programs write out while others still read the inputs
+        validate.check_out_separate(out, dict(x=x, weight=weight, bias=bias, residual=residual,
+                                              norm_weight=norm_weight))
     return out, _op(x, weight, bias, residual, norm_weight, eps, prologue, out)
 
 
