@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedflash.ops.utils import cdiv, interpreted, next_pow2, num_sms, nvidia_capability
+from pagedflash.ops.utils import cdiv, descriptor_aligned, interpreted, next_pow2, num_sms, nvidia_capability
 from pagedflash.validate import FP8_DTYPES
 
 # Hopper tensor-memory-accelerator loads: contiguous K/V of prefill (dense, varlen) and page pools
@@ -173,8 +173,7 @@ def use_tma(k: torch.Tensor, v: torch.Tensor, paged: bool) -> bool:
         return False
     if not (INTERPRET_TMA if interpreted() else tma_device(k.device)):
         return False
-    align = 16 // k.element_size()  # descriptor bases and row strides must be 16-byte multiples
-    if not all(t.data_ptr() % 16 == 0 and all(st % align == 0 for st in t.stride()[:-1]) for t in (k, v)):
+    if not (descriptor_aligned(k) and descriptor_aligned(v)):
         return False
     if paged:
         return all(t.stride(0) == t.shape[1] * t.stride(1) for t in (k, v)) and k.shape[0] * k.shape[1] < 2**31

@@ -46,7 +46,7 @@ import torch
 import triton
 
 from pagedflash.ops._jit import LOG2E
-from pagedflash.ops.utils import PlanCache, cdiv, interpreted, num_sms, nvidia_capability
+from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, interpreted, num_sms, nvidia_capability
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
@@ -359,8 +359,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
     if cdiv(sq, BLOCK_M) * hq * batch < MIN_PROGRAMS_PER_SM * num_sms(q.device):
         return "fewer programs than SMs (the portable kernel splits the keys)"
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
-        *outer, last = t.stride()
-        if last != 1 or t.data_ptr() % 16 or any(s <= 0 or s % 8 for s in outer):
+        if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"
     return None
 

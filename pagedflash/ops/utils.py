@@ -66,6 +66,12 @@ def on_device(device: torch.device | int):
     return contextlib.nullcontext()
 
 
+def descriptor_aligned(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor may cover ``t``: base address and outer strides 16-byte multiples."""
+    align = 16 // t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s % align == 0 for s in t.stride()[:-1])
+
+
 @functools.lru_cache(maxsize=16)
 def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of an NVIDIA CUDA device; None for anything else. ROCm builds of torch also
