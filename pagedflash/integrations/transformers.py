@@ -245,7 +245,7 @@ def _packed_cu_seqlens(q, k, kwargs) -> tuple[torch.Tensor, torch.Tensor, int, i
     if starts.numel() < 2:
         return None  # a single sequence: the dense kernel
     cu = torch.cat([starts, starts.new_tensor([n])]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max())
+    max_len = _max_length(None, cu, n)
     return cu, cu, max_len, max_len
 
 
