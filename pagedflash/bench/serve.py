@@ -42,7 +42,6 @@ interpreter): a smoke test of the plumbing, not figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -52,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -254,7 +254,7 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                 outs = llm.generate(prompts, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 gaps = _steady_gaps(outs)
                 itl = statistics.median(gaps)
-                bound_s = (weight_bytes + batch * (ctx + w["itl_tokens"] / 2) * kv_bytes) / (HBM_TBPS * 1e12)
+                bound_s = _bound_s(weight_bytes, kv_bytes, batch * (ctx + w["itl_tokens"] / 2))
                 fwd_ms = _graph_ms(llm, batch) if graphs else None
                 rows.append(dict(graphs="on" if graphs else "off", batch=batch, context=ctx, itl_ms=1e3 * itl,
                                  itl_mean_ms=1e3 * statistics.mean(gaps), tok_s=batch / itl, bound_ms=1e3 * bound_s,
@@ -289,7 +289,7 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) ->
         s = llm.last_stats
         gaps = _steady_gaps(outs)
         weight_bytes, kv_bytes = _bytes_read(config, {**engine_kw, "kv_cache_dtype": kv}, on_gpu)
-        bound_ms = 1e3 * (weight_bytes + n * (ctx + out / 2) * kv_bytes) / (HBM_TBPS * 1e12)
+        bound_ms = 1e3 * _bound_s(weight_bytes, kv_bytes, n * (ctx + out / 2))
         itl_ms = 1e3 * statistics.median(gaps)
         rows.append(dict(kv_cache=str(llm.kv_cache.dtype).removeprefix("torch."), pool_pages=llm.num_blocks,
                          pool_gb=llm.kv_cache.nbytes / 1e9, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
@@ -353,7 +353,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
             rows.append(row)
             llm = None
             try:
-                with _environ(ALLREDUCE_ENV, kind):  # read when the engine starts (and by its workers)
+                with mock.patch.dict(os.environ, {ALLREDUCE_ENV: kind}):  # read as the engine (and its workers) start
                     t0 = time.perf_counter()
                     llm = LLM(cfg, **kw)
                 print(f"{name} on {size} GPU(s), {row['all_reduce']}: built in {time.perf_counter() - t0:.0f} s",
@@ -362,7 +362,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
                 llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
                 outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 itl = statistics.median(_steady_gaps(outs))
-                bound_s = (weight_bytes + (w["tp_context"] + w["itl_tokens"] / 2) * kv_bytes) / (size * HBM_TBPS * 1e12)
+                bound_s = _bound_s(weight_bytes, kv_bytes, w["tp_context"] + w["itl_tokens"] / 2, gpus=size)
                 llm.generate([p for p, _ in requests],
                              [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests], use_tqdm=True)
                 s = llm.last_stats
@@ -401,18 +401,10 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
 
 
 # ------------------------------------------------------------------------------------ helpers
-@contextlib.contextmanager
-def _environ(name: str, value: str):
-    """``os.environ[name] = value`` for the block, then as it was."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
+def _bound_s(weight_bytes: int, kv_bytes: int, kv_tokens: float, gpus: int = 1) -> float:
+    """A decode step's bandwidth bound: the weights and ``kv_tokens`` cached tokens' K/V read once,
+    spread over ``gpus`` GPUs at ``HBM_TBPS`` each."""
+    return (weight_bytes + kv_tokens * kv_bytes) / (gpus * HBM_TBPS * 1e12)
 
 
 def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
