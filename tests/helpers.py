@@ -10,6 +10,7 @@ sequences when compiled on a GPU. The comparison rule and the pool builder are t
 import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
 import math
 
+import pytest
 import torch
 
 from pagedflash.cache import block_manager as bm_module
@@ -17,10 +18,12 @@ from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.cache.block_manager import BlockManager
 from pagedflash.testing import assert_close, random_paged_kv
 
-__all__ = ["DEVICE", "DTYPES", "ON_GPU", "assert_close", "check_invariants", "cu_seqlens", "fp8_pool", "ids",
-           "make_pool", "randn", "snapshot"]
+__all__ = ["DEVICE", "DTYPES", "ON_GPU", "TWO_GPUS", "assert_close", "check_invariants", "cu_seqlens", "fp8_pool", "ids",
+           "make_pool", "needs_two_gpus", "randn", "snapshot"]
 
 ON_GPU = torch.cuda.is_available()
+TWO_GPUS = ON_GPU and torch.cuda.device_count() >= 2
+needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
 

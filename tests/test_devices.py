@@ -4,6 +4,7 @@
 
 import pytest
 import torch
+from helpers import needs_two_gpus
 
 import pagedflash as pf
 from pagedflash import reference as ref
@@ -11,9 +12,6 @@ from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.ops.custom_ops import on_device_of
 from pagedflash.ops.utils import on_device
-
-TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-gpu2 = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 
 
 def test_the_cpu_needs_no_device_switch():
@@ -63,7 +61,7 @@ def on_gpu0():
 
 
 @pytest.mark.gpu
-@gpu2
+@needs_two_gpus
 def test_kernels_launch_on_their_tensors_gpu(on_gpu0):
     dev = torch.device("cuda", 1)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -84,7 +82,7 @@ def test_kernels_launch_on_their_tensors_gpu(on_gpu0):
 
 
 @pytest.mark.gpu
-@gpu2
+@needs_two_gpus
 def test_an_engine_on_the_second_gpu_gives_the_first_gpus_tokens(on_gpu0):
     prompts, params = [[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=8, ignore_eos=True)
     kw = dict(dtype=torch.float32, num_blocks=64, cuda_graphs=True, max_num_seqs=4)

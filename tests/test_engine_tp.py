@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from helpers import ON_GPU, TWO_GPUS, needs_two_gpus
 
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import TINY_LLAMA, ModelConfig
@@ -35,11 +36,8 @@ from pagedflash.engine.workers import WorkerError
 # installed (the GPU image has it), rather than stalling the matrix
 pytestmark = pytest.mark.timeout(300, method="thread")
 
-ON_GPU = torch.cuda.is_available()
-TWO_GPUS = ON_GPU and torch.cuda.device_count() >= 2
 DEVICE = "cuda" if ON_GPU else "cpu"
 two_ranks_here = pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-gpu2 = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 
 TINY = {**TINY_LLAMA, "num_hidden_layers": 1}  # 4 heads, 2 KV heads: each rank one KV head
 # small pages and pool: the workload below preempts, chunks its prefills and hits the prefix cache
@@ -365,7 +363,7 @@ def save_checkpoint(path, config: dict, seed=0, sharpness=1.0):
 
 
 @pytest.mark.gpu
-@gpu2
+@needs_two_gpus
 @pytest.mark.parametrize("all_reduce", ["nccl", "symm_mem"])
 def test_gpu_bf16_greedy_tokens_equal_one_gpu_with_cuda_graphs(tmp_path, monkeypatch, all_reduce):
     config = {**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4,
