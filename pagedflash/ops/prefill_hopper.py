@@ -10,17 +10,21 @@ which stays the tested fallback.
 The kernel (FlashAttention-3's design as Gluon spells it: TMA, mbarriers, async wgmma, warp
 specialization):
 
-- A program computes 128 query rows of one head. A 1-warp load partition copies the program's Q
-  once and streams the K/V tiles (128 keys) through TMA into a ring of ``STAGES`` shared-memory
-  slots, each slot with a "ready" mbarrier per tensor (the copy's bytes landed) and an "empty" one
-  (both consumers are done with it).
+- Persistent: about one program per SM loops over work items of 128 query rows of one head, a
+  head's row blocks next to each other (they run together and share its K/V in L2), the last
+  first. Items go out in rounds, alternately left to right and right to left, which evens out the
+  key tiles per program under causal masking (:func:`programs`).
+- A 1-warp load partition streams each item's Q and K/V tiles (128 keys) through TMA: K/V into a
+  ring of ``STAGES`` shared-memory slots whose index runs on across items, Q into one slot per
+  consumer; each slot has a "ready" mbarrier (the copy's bytes landed) and an "empty" one (its
+  consumers are done with it). The next item's Q and first K/V tiles land while the consumers
+  finish the last item's ``P V`` and store.
 - Two 4-warp consumer partitions take 64 rows each and read the same ring. Each keeps the wgmma of
   ``S_j = Q K_j^T`` and of ``O += P_{j-1} V_{j-1}`` in flight together and runs tile j's softmax while
   the second finishes; the two consumers' softmax and wgmma interleave on the SM (ping-pong
   without explicit ordering).
 - Softmax in the log2 domain with log2(e) folded into the scale; only the causal diagonal and the
-  ragged last key tile are masked. Causal is bottom-right aligned; the heaviest causal programs
-  start first.
+  ragged last key tile are masked. Causal is bottom-right aligned.
 - Q, K and V load through rank-4 descriptors over ``[B, S, H, D]`` with boxes ``[1, rows, 1, D]``:
   rows past a sequence's end are zero-filled by the copy engine, never read from the next
   sequence, so a ragged last tile needs no batch-size rule (a NaN or inf in another sequence's V
@@ -51,13 +55,12 @@ from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, interprete
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 
-# Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v20:
-# bf16, B·S = 16K tokens with Sq = Sk = S in 1K / 4K / 16K, Hq·D = 2048, at least 2048 programs a
-# launch), by (head dim, causal): the shortest Sq and Sk routed. D=128 is faster in every cell (1K:
-# 485 vs 386 TFLOP/s, causal 332 vs 296), D=64 causal too (1K: 222 vs 198); D=64 non-causal is
-# slower at 1K (328 vs 338) and even from 4K (414 vs 410, 438 vs 441 at 16K). Lengths under the
-# shortest measured cell (and D=64 non-causal at 2K) stay portable; fp16 follows bf16's rule.
-MIN_SEQLEN = {(128, False): 1024, (128, True): 1024, (64, False): 4096, (64, True): 1024}
+# Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
+# bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
+# launch), by (head dim, causal): the shortest Sq and Sk routed. Since the kernel is persistent it
+# is faster in every measured cell, by 1.08x (D=64 non-causal 2K) to 1.57x (D=128 non-causal 256).
+# Shorter lengths were not measured and stay portable; fp16 follows bf16's rule.
+MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)], 256)
 # The Gluon kernel never splits the key range; the portable one does when its grid has fewer
 # programs than SMs. Launches that would leave SMs idle were not measured: portable.
 MIN_PROGRAMS_PER_SM = 1
@@ -161,48 +164,86 @@ if UNAVAILABLE is None:
             gl.store(LSE + (b * Hq + h).to(gl.int64) * Sq + rows, lse, mask=row_ok)
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b, h,
-                m0, kv_head, n_tiles, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr,
-                STAGES: gl.constexpr):
-        """The load partition: both consumers' Q, then K_j and V_j into slot ``j % STAGES`` once both
-        consumers have freed it (a fresh barrier passes the parity-1 wait at once)."""
-        mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
-        for c in gl.static_range(2):
-            tma.async_copy_global_to_shared(q_desc, [b, m0 + c * ROWS, h, 0], q_bar.index(0),
-                                            q_smem.index(c).reshape([1, ROWS, 1, HEAD_DIM]))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_empty.index(slot), phase ^ 1)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, j * BN, kv_head, 0], k_ready.index(slot),
-                                            k_smem.index(slot).reshape([1, BN, 1, HEAD_DIM]))
-            mbarrier.wait(v_empty.index(slot), phase ^ 1)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, j * BN, kv_head, 0], v_ready.index(slot),
-                                            v_smem.index(slot).reshape([1, BN, 1, HEAD_DIM]))
+    def _schedule(Sq, Hq, B, BM: gl.constexpr):
+        """This program's share of the launch's work items (one per 128-row block of one head of one
+        sequence): ``(row blocks per head, items in all, items of this program)``. Rounds of
+        ``num_programs`` items, taken left to right in even rounds and right to left in odd ones."""
+        n_m = (Sq + BM - 1) // BM
+        total = n_m * Hq * B
+        nprog = gl.num_programs(0)
+        last = (total - 1) // nprog
+        pid = gl.program_id(0)
+        pos = pid + (last % 2) * (nprog - 1 - 2 * pid)  # this program's place in the last round
+        count = last + (pos < total - last * nprog).to(gl.int32)
+        return n_m, count
 
     @gluon.jit
-    def _qk(j, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+    def _item(i, n_m, Hq, BM: gl.constexpr):
+        """Work item ``i`` of this program: ``(b, h, m0)``. A head's row blocks are next to each other,
+        the last (longest under causal masking) first: those running together read its K/V from L2."""
+        nprog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        t = i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
+        bh = t // n_m
+        return bh // Hq, bh % Hq, (n_m - 1 - t % n_m) * BM
+
+    @gluon.jit
+    def _load(desc, smem, ready, empty, slot, phase, b, row, head, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """Copy rows ``row ..`` of ``(b, head)`` into ``smem[slot]`` once its consumers freed it (a fresh
+        barrier passes the parity-1 wait at once)."""
+        mbarrier.wait(empty.index(slot), phase ^ 1)
+        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [b, row, head, 0], ready.index(slot),
+                                        smem.index(slot).reshape([1, ROWS, 1, HEAD_DIM]))
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                Sq, Sk, Hq, B, GROUP, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """The load partition: for each work item, K_0, both consumers' Q (once each has finished the
+        last item's), V_0, then K_j and V_j; the K/V ring's index runs on across items, so the next
+        item's first tiles land while the consumers finish the last one."""
+        n_m, count = _schedule(Sq, Hq, B, BM)
+        it = 0
+        for i in range(count):
+            b, h, m0 = _item(i, n_m, Hq, BM)
+            n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+            kv_head = h // GROUP
+            _load(k_desc, k_smem, k_ready, k_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM)
+            for c in gl.static_range(2):
+                _load(q_desc, q_smem, q_ready, q_empty, c, i & 1, b, m0 + c * ROWS, h, ROWS, HEAD_DIM)
+            _load(v_desc, v_smem, v_ready, v_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM)
+            for j in range(1, n_tiles):
+                idx = it + j
+                _load(k_desc, k_smem, k_ready, k_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
+                      HEAD_DIM)
+                _load(v_desc, v_smem, v_ready, v_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
+                      HEAD_DIM)
+            it += n_tiles
+
+    @gluon.jit
+    def _qk(idx, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
             s_layout: gl.constexpr):
-        """Issue ``S_j = Q K_j^T`` (async) once K_j has landed."""
-        slot = j % STAGES
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        """Issue ``S = Q K^T`` (async) for the K tile of ring index ``idx`` once it has landed."""
+        slot = idx % STAGES
+        mbarrier.wait(k_ready.index(slot), (idx // STAGES) & 1)
         return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
                              use_acc=False, is_async=True)
 
     @gluon.jit
-    def _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
+    def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
               causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
               o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tile j: ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` in flight together; the softmax of
-        ``S_j`` runs while the PV wgmma finishes."""
-        s = _qk(j, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-        prev = (j - 1) % STAGES
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        """Key tile j of the item whose tile 0 has ring index ``base``: ``S_j = Q K_j^T`` and
+        ``O += P_{j-1} V_{j-1}`` in flight together; the softmax of ``S_j`` runs while the PV wgmma
+        finishes."""
+        idx = base + j
+        s = _qk(idx, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+        prev = (idx - 1) % STAGES
+        mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
         o = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T (issued first) is done, PV may still run
-        mbarrier.arrive(k_empty.index(j % STAGES))
+        mbarrier.arrive(k_empty.index(idx % STAGES))
         p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, j * BN, Sk, causal_off, BN, s_layout,
                                                MASK, CAUSAL)
         # Left alone, ptxas hoists the PV wait above the softmax (into the first shuffle's latency),
@@ -218,74 +259,82 @@ if UNAVAILABLE is None:
         return o, p16, m_new, l_new
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk, Hq, b,
-                  h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, C: gl.constexpr,
-                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq,
+                  Sk, Hq, B, stride_ob, stride_os, stride_oh, C: gl.constexpr, ROWS: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Consumer ``C``: rows ``m0 + C * ROWS ..`` over every key tile of the program, then the store."""
+        """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` over the item's key tiles, then
+        the store. Its Q slot is handed back after the item's last ``Q K^T``, so the loader fills it
+        for the next item while this one's last ``P V`` and store run."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
                                                            instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        row0 = m0 + C * ROWS
-        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
-        o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         q = q_smem.index(C)
-        mbarrier.wait(q_bar.index(0), 0)
-        # tile 0 alone, always masked (right for any tile), then the overlapped steady state
-        s = _qk(0, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        mbarrier.arrive(k_empty.index(0))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
-                                           CAUSAL)
-        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        for j in range(1, n_full):
-            o, p16, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i,
-                                     qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout,
-                                     False, CAUSAL)
-        for j in range(gl.maximum(n_full, 1), n_tiles):
-            o, p16, m_i, l_i = _step(j, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i,
-                                     qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout,
-                                     True, CAUSAL)
-        last = n_tiles - 1
-        slot = last % STAGES
-        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-        o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
-        o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
-        mbarrier.arrive(v_empty.index(slot))
-        _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM, o_layout,
-               WRITE_LSE)
+        n_m, count = _schedule(Sq, Hq, B, BM)
+        base = 0
+        for i in range(count):
+            b, h, m0 = _item(i, n_m, Hq, BM)
+            n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+            row0 = m0 + C * ROWS
+            rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
+            o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+            mbarrier.wait(q_ready.index(C), i & 1)
+            # tile 0 alone, always masked (right for any tile), then the overlapped steady state
+            s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(base % STAGES))
+            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
+                                               CAUSAL)
+            p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+            for j in range(1, n_full):
+                o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
+                                         l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
+                                         p_layout, False, CAUSAL)
+            for j in range(gl.maximum(n_full, 1), n_tiles):
+                o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
+                                         l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
+                                         p_layout, True, CAUSAL)
+            mbarrier.arrive(q_empty.index(C))  # every Q K^T of the item has completed
+            last = base + n_tiles - 1
+            slot = last % STAGES
+            mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+            o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
+            o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
+            mbarrier.arrive(v_empty.index(slot))
+            _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
+                   o_layout, WRITE_LSE)
+            base += n_tiles
 
     @gluon.jit
-    def _prefill_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, Sq, Sk, Hq, GROUP, stride_ob, stride_os,
+    def _prefill_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                         stride_oh, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                         CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         LOADER_REGS: gl.constexpr):
-        """Grid ``(cdiv(Sq, BM), Hq, B)``; descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]``
-        boxes (Q: ``BM // 2`` rows, K/V: ``BN``). ``qk_scale`` = softmax scale x log2(e)."""
+        """Persistent: a grid of at most one program per SM, each looping over its work items
+        (:func:`_schedule`). Descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes (Q:
+        ``BM // 2`` rows, K/V: ``BN``). ``qk_scale`` = softmax scale x log2(e)."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
         dtype: gl.constexpr = q_desc.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # heaviest causal programs first
-        h = gl.program_id(1)
-        b = gl.program_id(2)
-        m0 = pid_m * BM
-        n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar.index(0), count=1)
+        for c in gl.static_range(2):  # consumer c's Q slot
+            mbarrier.init(q_ready.index(c), count=1)
+            mbarrier.init(q_empty.index(c), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -295,14 +344,14 @@ if UNAVAILABLE is None:
         # The argument tuples are written out inline: Triton 3.6's code generator turns the constexpr
         # elements of a tuple held in a variable (or concatenated) into int32 tensors.
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk,
-                         Hq, b, h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, 0, ROWS,
-                         HEAD_DIM, BN, STAGES, CAUSAL, WRITE_LSE)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq, Sk,
-                         Hq, b, h, m0, n_full, n_tiles, causal_off, stride_ob, stride_os, stride_oh, 1, ROWS,
-                         HEAD_DIM, BN, STAGES, CAUSAL, WRITE_LSE)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, b,
-                       h, m0, h // GROUP, n_tiles, ROWS, HEAD_DIM, BN, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                         qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
+                         CAUSAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                         qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
+                         CAUSAL, WRITE_LSE)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                       v_empty, Sq, Sk, Hq, B, GROUP, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
         ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -317,9 +366,6 @@ def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dty
     q_layout = gl.NVMMASharedLayout.get_default_for(q_block, gl_dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, gl_dtype)
     return consts, options, q_block, kv_block, q_layout, kv_layout
-
-
-_GRID_YZ_MAX = 65535  # CUDA's limit on grid dims y (heads) and z (batch)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
@@ -354,14 +400,38 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return "causal with Sq > Sk (rows that see no key)"
     if min(sq, sk) < min_len:
         return f"Sq={sq}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
-    if hq > _GRID_YZ_MAX or batch > _GRID_YZ_MAX:
-        return f"grid: Hq={hq} or B={batch} past {_GRID_YZ_MAX}"
+    if cdiv(sq, BLOCK_M) * hq * batch * cdiv(sk, BLOCK_N) >= 2**31:
+        return "more key tiles than int32 counts"
     if cdiv(sq, BLOCK_M) * hq * batch < MIN_PROGRAMS_PER_SM * num_sms(q.device):
         return "fewer programs than SMs (the portable kernel splits the keys)"
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
         if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"
     return None
+
+
+def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -> int:
+    """Programs of a launch over ``n_items`` work items, ``n_m`` row blocks per head. Non-causal
+    items cost the same: one program per SM. A causal item costs its row block's key tiles, and the
+    rounds' alternating direction pairs item ``t`` with one whose cost complements it exactly when
+    ``n_m`` divides twice the program count (at Sq = Sk every program's pair then sums to
+    ``n_m + 1`` tiles); elsewhere the sums drift (16K rows, 16 heads on 132 programs: the busiest
+    program has 1.5x the mean). So a causal launch takes, of ``sms`` and the largest such count
+    down to 85 % of it, the one whose busiest program ends first."""
+    if n_items <= sms:
+        return n_items
+    if not causal:
+        return sms
+    balanced = [p for p in range(sms - 1, max(int(0.85 * sms), 1) - 1, -1) if 2 * p % n_m == 0][:1]
+    tiles = torch.clamp((torch.arange(1, n_m + 1) * BLOCK_M + sk - sq + BLOCK_N - 1) // BLOCK_N,
+                        max=cdiv(sk, BLOCK_N)).double()  # key tiles of row block m
+
+    def busiest(p: int) -> float:
+        t = torch.arange(n_items)
+        pid = torch.where(t // p % 2 == 0, t % p, p - 1 - t % p)
+        return torch.bincount(pid, weights=tiles[n_m - 1 - t % n_m], minlength=p).max().item()
+
+    return min([sms] + balanced, key=busiest)
 
 
 class _Plan:
@@ -378,9 +448,10 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool) -> _Plan:
     sk, hkv = k.shape[1], k.shape[2]
     consts, options, q_block, kv_block, q_layout, kv_layout = kernel_config(d, causal, return_lse, q.dtype)
     plan = _Plan()
-    plan.grid = (cdiv(sq, BLOCK_M), hq, batch)
+    n_m = cdiv(sq, BLOCK_M)
+    plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk),)
     plan.consts, plan.options = consts, options
-    plan.ints = (sq, sk, hq, hq // hkv, out.stride(0), out.stride(1), out.stride(2))
+    plan.ints = (sq, sk, hq, batch, hq // hkv, out.stride(0), out.stride(1), out.stride(2))
     plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
                        for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
                                                 (v, kv_block, kv_layout)))
