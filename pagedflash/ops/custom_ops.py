@@ -219,8 +219,8 @@ def implement(name: str, launch: Callable) -> Callable:
 
 
 def on_device_of(first: torch.Tensor, launch: Callable, args: tuple):
-    """``launch(*args)`` with ``first``'s GPU current."""
-    if first.is_cuda:
+    """``launch(*args)`` with ``first``'s GPU current (with one GPU visible it always is)."""
+    if first.is_cuda and torch.cuda.device_count() > 1:
         with on_device(first.get_device()):
             return launch(*args)
     return launch(*args)
