@@ -376,14 +376,18 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return "PAGEDFLASH_GLUON=0"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16 throughout only)"
     batch, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     causal = window_right == 0
     min_len = MIN_SEQLEN.get((d, causal))
     if min_len is None:
         return f"head dim {d} (routed: {sorted({dim for dim, _ in MIN_SEQLEN})})"
+    if sk == 0:
+        return "no keys"
+    if min(sq, sk) < min_len:  # first among the rest: the common refusal (short prefill chunks) costs least
+        return f"Sq={sq}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16 throughout only)"
     if window_left != -1 or window_right not in (-1, 0):
         return f"window ({window_left}, {window_right})"
     if softcap:
@@ -394,12 +398,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return f"device {q.device} is not an NVIDIA sm90 GPU"
     if hkv == 0 or hq % hkv:
         return f"Hq={hq} not a multiple of Hkv={hkv}"
-    if sk == 0:
-        return "no keys"
     if causal and sq > sk:
         return "causal with Sq > Sk (rows that see no key)"
-    if min(sq, sk) < min_len:
-        return f"Sq={sq}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
     if cdiv(sq, BLOCK_M) * hq * batch * cdiv(sk, BLOCK_N) >= 2**31:
         return "more key tiles than int32 counts"
     if cdiv(sq, BLOCK_M) * hq * batch < MIN_PROGRAMS_PER_SM * num_sms(q.device):
