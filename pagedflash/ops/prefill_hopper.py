@@ -35,7 +35,7 @@ specialization):
   with a contiguous last dim.
 
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
-in the same run): docs/performance.md, v20. Written against Triton 3.6's Gluon API, which is
+in the same run): docs/performance.md, v20 and v22 (persistent). Written against Triton 3.6's Gluon API, which is
 experimental and changes between releases (3.9 renamed the TMA copies); on any other Triton, under
 the interpreter and off NVIDIA the module imports, defines no kernel, and :data:`UNAVAILABLE` says
 why.
@@ -62,7 +62,7 @@ ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 # Shorter lengths were not measured and stay portable; fp16 follows bf16's rule.
 MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)], 256)
 # The Gluon kernel never splits the key range; the portable one does when its grid has fewer
-# programs than SMs. Launches that would leave SMs idle were not measured: portable.
+# programs than SMs. Launches of fewer work items than SMs (SMs left idle) were not measured: portable.
 MIN_PROGRAMS_PER_SM = 1
 
 BLOCK_M = 128  # query rows per program: two consumers of 64
@@ -166,8 +166,8 @@ if UNAVAILABLE is None:
     @gluon.jit
     def _schedule(Sq, Hq, B, BM: gl.constexpr):
         """This program's share of the launch's work items (one per 128-row block of one head of one
-        sequence): ``(row blocks per head, items in all, items of this program)``. Rounds of
-        ``num_programs`` items, taken left to right in even rounds and right to left in odd ones."""
+        sequence): ``(row blocks per head, items of this program)``. Items go out in rounds of
+        ``num_programs``, left to right in even rounds and right to left in odd ones."""
         n_m = (Sq + BM - 1) // BM
         total = n_m * Hq * B
         nprog = gl.num_programs(0)
@@ -207,7 +207,7 @@ if UNAVAILABLE is None:
         it = 0
         for i in range(count):
             b, h, m0 = _item(i, n_m, Hq, BM)
-            n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+            _, n_tiles, _ = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
             kv_head = h // GROUP
             _load(k_desc, k_smem, k_ready, k_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM)
             for c in gl.static_range(2):
@@ -400,10 +400,11 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return f"Hq={hq} not a multiple of Hkv={hkv}"
     if causal and sq > sk:
         return "causal with Sq > Sk (rows that see no key)"
-    if cdiv(sq, BLOCK_M) * hq * batch * cdiv(sk, BLOCK_N) >= 2**31:
-        return "more key tiles than int32 counts"
-    if cdiv(sq, BLOCK_M) * hq * batch < MIN_PROGRAMS_PER_SM * num_sms(q.device):
-        return "fewer programs than SMs (the portable kernel splits the keys)"
+    n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
+    if n_items < MIN_PROGRAMS_PER_SM * sms:
+        return "fewer work items than SMs (the portable kernel splits the keys)"
+    if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, BLOCK_N) >= 2**31:
+        return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms)
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
         if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"
@@ -412,26 +413,33 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
 
 def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -> int:
     """Programs of a launch over ``n_items`` work items, ``n_m`` row blocks per head. Non-causal
-    items cost the same: one program per SM. A causal item costs its row block's key tiles, and the
-    rounds' alternating direction pairs item ``t`` with one whose cost complements it exactly when
-    ``n_m`` divides twice the program count (at Sq = Sk every program's pair then sums to
-    ``n_m + 1`` tiles); elsewhere the sums drift (16K rows, 16 heads on 132 programs: the busiest
-    program has 1.5x the mean). So a causal launch takes, of ``sms`` and the largest such count
-    down to 85 % of it, the one whose busiest program ends first."""
+    items cost the same: one program per SM. A causal item costs its row block's key tiles, and how
+    evenly the alternating rounds share them depends on the program count: at Sq = Sk every
+    program's items pair up to ``n_m + 1`` tiles when ``n_m`` divides twice the count, and 16K rows
+    of 16 heads leave the busiest of 132 programs 1.5x the mean, of 128 the mean. So a causal launch
+    takes, of the counts from ``sms`` down to 85 % of it, the one whose busiest program ends first
+    (the largest on a tie), stopping where even a perfect share of a smaller count could not."""
     if n_items <= sms:
         return n_items
     if not causal:
         return sms
-    balanced = [p for p in range(sms - 1, max(int(0.85 * sms), 1) - 1, -1) if 2 * p % n_m == 0][:1]
-    tiles = torch.clamp((torch.arange(1, n_m + 1) * BLOCK_M + sk - sq + BLOCK_N - 1) // BLOCK_N,
+    tiles = torch.clamp((torch.arange(1, n_m + 1, device="cpu") * BLOCK_M + sk - sq + BLOCK_N - 1) // BLOCK_N,
                         max=cdiv(sk, BLOCK_N)).double()  # key tiles of row block m
+    t = torch.arange(n_items, device="cpu")
+    cost = tiles[n_m - 1 - t % n_m]  # item t's key tiles (the kernel's _item order)
+    total = cost.sum().item()
 
     def busiest(p: int) -> float:
-        t = torch.arange(n_items)
-        pid = torch.where(t // p % 2 == 0, t % p, p - 1 - t % p)
-        return torch.bincount(pid, weights=tiles[n_m - 1 - t % n_m], minlength=p).max().item()
+        pid = torch.where(t // p % 2 == 0, t % p, p - 1 - t % p)  # the kernel's deal (_schedule)
+        return torch.bincount(pid, weights=cost, minlength=p).max().item()
 
-    return min([sms] + balanced, key=busiest)
+    best_p, best = sms, busiest(sms)
+    for p in range(sms - 1, max(int(0.85 * sms), 1) - 1, -1):
+        if best <= total / p:
+            break
+        if (load := busiest(p)) < best:
+            best_p, best = p, load
+    return best_p
 
 
 class _Plan:
