@@ -293,7 +293,8 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) ->
         itl_ms = 1e3 * statistics.median(gaps)
         # The run's last steps decode only the requests that started last (chunked prefill staggers
         # them), so its graph state is not a full step. Two more tokens of the same prompts, found in
-        # the prefix cache, start every request in one step: the graph then holds all n rows.
+        # the prefix cache, start every request in one step (each recomputes at most a page: n pages
+        # of tokens fit the default step budget): the graph then holds all n rows.
         llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
         rows.append(dict(kv_cache=str(llm.kv_cache.dtype).removeprefix("torch."), pool_pages=llm.num_blocks,
                          pool_gb=llm.kv_cache.nbytes / 1e9, tok_s=s["output_tokens_per_s"], seconds=s["elapsed_s"],
