@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import ON_GPU, assert_close, ids, randn
 
-from pagedflash import flash_attn_func
+from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
 from pagedflash.ops import prefill_hopper
 from pagedflash.ops.utils import nvidia_capability
@@ -172,6 +172,27 @@ def test_lengths_and_sizes_at_the_rules_edges(hopper_here):
     assert "int32" in prefill_hopper.refusal(q, kv, kv, -1, 0, 0.0)
 
 
+def _packed(lens_q, lens_k, hq=4, hkv=2, d=128, dtype=torch.bfloat16):
+    """Uninitialized packed q/k/v and their cu_seqlens (CPU)."""
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    return (torch.empty(int(cu_q[-1]), hq, d, dtype=dtype), torch.empty(int(cu_k[-1]), hkv, d, dtype=dtype),
+            torch.empty(int(cu_k[-1]), hkv, d, dtype=dtype), cu_q, cu_k)
+
+
+def test_varlen_routing(hopper_here, monkeypatch):
+    q, k, v, cu_q, cu_k = _packed([1024, 300, 700], [1024, 300, 900])
+    args = (q, k, v, 3, 1024, 1024)
+    assert "PAGEDFLASH_GLUON_VARLEN" in prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0)  # opt-in
+    monkeypatch.setattr(prefill_hopper, "VARLEN_ENABLED", True)
+    assert prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0) is None
+    assert prefill_hopper.refusal_varlen(*args, None, -1, -1, 0.0) is None
+    assert "paged" in prefill_hopper.refusal_varlen(*args, torch.zeros(3, 4, dtype=torch.int32), -1, 0, 0.0)
+    assert "measured" in prefill_hopper.refusal_varlen(q, k, v, 3, 200, 1024, None, -1, 0, 0.0)
+    assert "window" in prefill_hopper.refusal_varlen(*args, None, 64, 0, 0.0)
+    assert "dtypes" in prefill_hopper.refusal_varlen(q, k.to(torch.float8_e4m3fn), v, 3, 1024, 1024, None, -1, 0, 0.0)
+
+
 class _FakeCompileError(RuntimeError):
     pass
 
@@ -260,6 +281,61 @@ def test_persistent_programs_take_many_items(gluon, monkeypatch, programs, causa
     for b, sq, sk, hq, hkv in ((3, 700, 700, 4, 2), (2, 300, 1000, 2, 1), (1, 700, 700, 3, 1), (4, 100, 100, 4, 2)):
         q, k, v = randn(b, sq, hq, d, dtype=dtype), randn(b, sk, hkv, d, dtype=dtype), randn(b, sk, hkv, d, dtype=dtype)
         _check_gluon(q, k, v, dtype, causal=causal)
+
+
+def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False):
+    """A varlen call that must take the Gluon kernel, against the fp32 reference (out and LSE);
+    with ``poison_last_v`` the last sequence's V is inf and only the others are compared."""
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = randn(int(cu_q[-1]), hq, d, dtype=dtype), randn(int(cu_k[-1]), hkv, d, dtype=dtype), \
+        randn(int(cu_k[-1]), hkv, d, dtype=dtype)
+    if poison_last_v:
+        v[int(cu_k[-2]):] = float("inf")
+    args = (q, k, v, len(lens_q), max(lens_q), max(lens_k), None, -1, 0 if causal else -1, 0.0)
+    assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
+    before = prefill_hopper.launches
+    got, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, return_lse=True)
+    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    want, want_lse = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal)
+    rows = int(cu_q[-2]) if poison_last_v else q.shape[0]
+    assert_close(got[:rows], want[:rows], dtype)
+    assert_close(lse[:, :rows], want_lse[:, :rows], torch.float16, name="lse")
+
+
+@pytest.fixture
+def gluon_varlen(gluon, monkeypatch):
+    monkeypatch.setattr(prefill_hopper, "VARLEN_ENABLED", True)
+
+
+VARLEN_CASES = [  # (lengths of q, lengths of k): ragged tails, an empty sequence, Sq < Sk, Sq > Sk (causal: rows
+    # that see no key), one sequence
+    ([300, 1000, 77], [300, 1000, 77]), ([128, 0, 513], [128, 0, 513]), ([200, 300], [700, 900]),
+    ([500, 130], [200, 0]), ([1000], [1000]),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", VARLEN_CASES, ids=str)
+def test_gluon_varlen_against_reference(gluon_varlen, dtype, d, causal, lens):
+    _check_varlen(*lens, 4, 2, d, dtype, causal)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon_varlen, monkeypatch, programs, causal):
+    # many items a program (the descriptors are rewritten item after item) and inf in the last
+    # sequence's V, which no other sequence may see
+    monkeypatch.setattr(prefill_hopper, "num_sms", lambda device: programs)
+    monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
+    _check_varlen([300, 1000, 77, 129], [300, 1000, 77, 129], 4, 1, 128, torch.bfloat16, causal, poison_last_v=True)
+    _check_varlen([100, 0, 130, 40], [300, 5, 130, 0], 2, 2, 64, torch.bfloat16, causal)
 
 
 @pytest.mark.gpu

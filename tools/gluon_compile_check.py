@@ -1,6 +1,6 @@
 """Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper.py) for sm_90 without a GPU.
 
-Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE) goes through
+Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense/varlen) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills and whether the softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
@@ -60,27 +60,33 @@ def main() -> int:
         for d in sorted({d for d, _ in prefill_hopper.MIN_SEQLEN}):
             for causal in (False, True):
                 for write_lse in (False, True):
-                    tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)}"
-                    consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper.kernel_config(
-                        d, causal, write_lse, dtype)
-                    types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>",
-                                 k_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
-                                 v_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
-                                 O=f"*{short}", LSE="*fp32" if write_lse else f"*{short}", qk_scale="fp32")
-                    sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
-                    t0 = time.time()
-                    try:
-                        ck = triton.compile(GluonASTSource(kernel, sig, constexprs=consts),
-                                            target=GPUTarget("cuda", 90, 32), options=options)
-                    except Exception as e:  # noqa: BLE001 - report every variant
-                        failed += 1
-                        print(f"{tag}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-                        continue
-                    nreg = sorted({line.split()[-1].rstrip(";") for line in ck.asm["ptx"].splitlines()
-                                   if "setmaxnreg" in line})
-                    print(f"{tag}: compiled in {time.time() - t0:.1f} s, smem {ck.metadata.shared} B, "
-                          f"warps {ck.metadata.num_warps}, setmaxnreg {nreg}, {sass_summary(ck.asm['cubin'])}",
-                          flush=True)
+                    for varlen in (False, True):
+                        tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} varlen={int(varlen)}"
+                        consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper.kernel_config(
+                            d, causal, write_lse, dtype, varlen)
+                        if varlen:  # the packed tensors themselves and the cu_seqlens
+                            types = dict(q_desc=f"*{short}", k_desc=f"*{short}", v_desc=f"*{short}", CuQ="*i32",
+                                         CuK="*i32")
+                        else:  # host descriptors; no cu_seqlens
+                            types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>",
+                                         k_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
+                                         v_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>")
+                            consts = {**consts, "CuQ": None, "CuK": None}
+                        types.update(O=f"*{short}", LSE="*fp32" if write_lse else f"*{short}", qk_scale="fp32")
+                        sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
+                        t0 = time.time()
+                        try:
+                            ck = triton.compile(GluonASTSource(kernel, sig, constexprs=consts),
+                                                target=GPUTarget("cuda", 90, 32), options=options)
+                        except Exception as e:  # noqa: BLE001 - report every variant
+                            failed += 1
+                            print(f"{tag}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                            continue
+                        nreg = sorted({line.split()[-1].rstrip(";") for line in ck.asm["ptx"].splitlines()
+                                       if "setmaxnreg" in line})
+                        print(f"{tag}: compiled in {time.time() - t0:.1f} s, smem {ck.metadata.shared} B, "
+                              f"scratch {ck.metadata.global_scratch_size} B, warps {ck.metadata.num_warps}, "
+                              f"setmaxnreg {nreg}, {sass_summary(ck.asm['cubin'])}", flush=True)
     return 1 if failed else 0
 
 

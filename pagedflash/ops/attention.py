@@ -334,7 +334,7 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return scratch.buffers((((size,), torch.int8),), torch.device("cuda", torch.cuda.current_device()))[0]
 
 
-def _ensure_allocator() -> None:
+def ensure_tma_allocator() -> None:
     """Device-side descriptors need a Triton allocator; install ours only where none is set, so a
     user's own allocator (used by their kernels) is left in place and serves ours too."""
     try:
@@ -364,7 +364,7 @@ def _launch_with_fallback(plan: Plan, args: tuple) -> None:
     cfg, tma_on = _FALLBACK.get(key, (plan.cfg, plan.tma_on))
     for attempt in range(2):
         if tma_on:
-            _ensure_allocator()
+            ensure_tma_allocator()
         kernel = _attention_kernel
         try:
             compiled = kernel[plan.grid](*args, **plan.consts, BLOCK_N=cfg.block_n, USE_TMA=tma_on,
@@ -387,7 +387,7 @@ def _launch(plan: Plan, args: tuple) -> None:
     one and no compile fallback applies, else :func:`_launch_with_fallback`."""
     if not (_FALLBACK and plan.fallback_key in _FALLBACK):
         if plan.tma_on:
-            _ensure_allocator()
+            ensure_tma_allocator()
         if fastlaunch.run(plan.slot, _attention_kernel, plan.grid, args):
             return
     _launch_with_fallback(plan, args)

@@ -2,7 +2,8 @@
 
 Both validate on the host, then launch :mod:`pagedflash.ops.attention` (through their
 ``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`);
-dense calls on Hopper launch :mod:`pagedflash.ops.prefill_hopper` instead where it is faster.
+dense calls on Hopper launch :mod:`pagedflash.ops.prefill_hopper` instead where it is faster (varlen
+calls over packed K/V too, once opted in: ``PAGEDFLASH_GLUON_VARLEN=1``).
 Memory is O(N·D): the scores are never materialized. With ``block_table`` the varlen form reads
 keys/values from a paged cache, which makes it chunked prefill over a cached prefix and the mixed
 prefill+decode launch of a serving step.
@@ -59,8 +60,17 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    k_descale=None, v_descale=None):
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
+    batch = cu_seqlens_q.shape[0] - 1
+    if k_descale is None and v_descale is None and prefill_hopper.refusal_varlen(
+            q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left, window_right, softcap, sinks) is None:
+        try:
+            return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
+                                          window_right == 0, return_lse,
+                                          varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        except prefill_hopper.Fallback:
+            pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
-        q, k, v, batch=cu_seqlens_q.shape[0] - 1, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        q, k, v, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
         num_splits=num_splits, return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale,

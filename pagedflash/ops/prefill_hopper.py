@@ -33,6 +33,12 @@ specialization):
   and 16-byte multiples elsewhere work.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
+- Varlen (packed ``[total, H, D]`` with ``cu_seqlens``, :func:`refusal_varlen`; an opt-in,
+  ``PAGEDFLASH_GLUON_VARLEN=1``, until it has run on a GPU): the same kernel with ``VARLEN``. The
+  loader makes each item's Q/K/V descriptors on the device over its sequence's rows of its heads
+  (zero fill past the sequence, as dense has), after the copies through the last item's have
+  landed; items past a sequence's rows are skipped and items whose rows see no key store 0 / -inf,
+  by every partition alike.
 
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
 in the same run): docs/performance.md, v20 and v22 (persistent). Written against Triton 3.6's Gluon API, which is
@@ -50,10 +56,14 @@ import torch
 import triton
 
 from pagedflash.ops._jit import LOG2E
+from pagedflash.ops.attention import ensure_tma_allocator
 from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, interpreted, num_sms, nvidia_capability
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
+# Varlen calls (dense packed K/V) take the kernel only with PAGEDFLASH_GLUON_VARLEN=1: that path (its
+# descriptors made on the device, per work item) has compiled for sm90 but not yet run on a GPU.
+VARLEN_ENABLED = os.environ.get("PAGEDFLASH_GLUON_VARLEN", "0") == "1"
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
@@ -144,24 +154,40 @@ if UNAVAILABLE is None:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS: gl.constexpr,
-               HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Normalize and store rows ``row0 ..`` of head ``h`` (rows past ``Sq`` are not stored); LSE in
-        natural log to ``[B, Hq, Sq]``. A row that saw no key gets 0 (and -inf)."""
+    def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h,
+               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Normalize and store rows ``row0 ..`` of head ``h`` of sequence ``b`` (its rows start at
+        token ``tok0``; rows from ``n_rows`` on are not stored); LSE in natural log at
+        ``b * lse_b + h * lse_h + tok0 + row``. A row that saw no key gets 0 (and -inf)."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         l_o = gl.convert_layout(l_i, row_o)
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
         out = o * (1.0 / l_safe)[:, None]
         rows = row0 + gl.arange(0, ROWS, layout=row_o)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        row_ok = rows < Sq
-        offs = (b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-                + rows.to(gl.int64)[:, None] * stride_os + cols[None, :])
+        row_ok = rows < n_rows
+        toks = (tok0 + rows).to(gl.int64)
+        offs = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + toks[:, None] * stride_os + cols[None, :]
         gl.store(O + offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
         if WRITE_LSE:
             m_o = gl.convert_layout(m_i, row_o)
             lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
-            gl.store(LSE + (b * Hq + h).to(gl.int64) * Sq + rows, lse, mask=row_ok)
+            gl.store(LSE + b.to(gl.int64) * lse_b + h.to(gl.int64) * lse_h + toks, lse, mask=row_ok)
+
+    @gluon.jit
+    def _sequence(b, Sq, Sk, CuQ, CuK, VARLEN: gl.constexpr):
+        """``(first query token, queries, first key token, keys)`` of sequence ``b``: from the
+        ``cu_seqlens`` with ``VARLEN``, else ``(0, Sq, 0, Sk)``."""
+        q_start = 0
+        k_start = 0
+        sq = Sq
+        sk = Sk
+        if VARLEN:
+            q_start = gl.load(CuQ + b)
+            sq = gl.load(CuQ + b + 1) - q_start
+            k_start = gl.load(CuK + b)
+            sk = gl.load(CuK + b + 1) - k_start
+        return q_start, sq, k_start, sk
 
     @gluon.jit
     def _schedule(Sq, Hq, B, BM: gl.constexpr):
@@ -188,38 +214,76 @@ if UNAVAILABLE is None:
         return bh // Hq, bh % Hq, (n_m - 1 - t % n_m) * BM
 
     @gluon.jit
-    def _load(desc, smem, ready, empty, slot, phase, b, row, head, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    def _load(desc, smem, ready, empty, slot, phase, b, row, head, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              VARLEN: gl.constexpr):
         """Copy rows ``row ..`` of ``(b, head)`` into ``smem[slot]`` once its consumers freed it (a fresh
-        barrier passes the parity-1 wait at once)."""
+        barrier passes the parity-1 wait at once). ``VARLEN``: ``desc`` covers one sequence's rows of
+        one head (``[rows, D]``)."""
         mbarrier.wait(empty.index(slot), phase ^ 1)
         mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [b, row, head, 0], ready.index(slot),
-                                        smem.index(slot).reshape([1, ROWS, 1, HEAD_DIM]))
+        if VARLEN:
+            tma.async_copy_global_to_shared(desc, [row, 0], ready.index(slot), smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(desc, [b, row, head, 0], ready.index(slot),
+                                            smem.index(slot).reshape([1, ROWS, 1, HEAD_DIM]))
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                Sq, Sk, Hq, B, GROUP, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
         """The load partition: for each work item, K_0, both consumers' Q (once each has finished the
         last item's), V_0, then K_j and V_j; the K/V ring's index runs on across items, so the next
-        item's first tiles land while the consumers finish the last one."""
+        item's first tiles land while the consumers finish the last one. ``VARLEN``: the descriptors
+        are made here, per item, over its sequence's rows of its heads (zero fill past the sequence),
+        each once the copies through the last item's have landed (a descriptor is rewritten in place)."""
         n_m, count = _schedule(Sq, Hq, B, BM)
         it = 0
+        nq = 0  # items loaded so far (the Q slots' phase)
+        prev = 0  # ring index of the last loaded item's first tile
         for i in range(count):
             b, h, m0 = _item(i, n_m, Hq, BM)
-            _, n_tiles, _ = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+            q_start, sq, k_start, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
+            _, n_tiles, _ = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
             kv_head = h // GROUP
-            _load(k_desc, k_smem, k_ready, k_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM)
-            for c in gl.static_range(2):
-                _load(q_desc, q_smem, q_ready, q_empty, c, i & 1, b, m0 + c * ROWS, h, ROWS, HEAD_DIM)
-            _load(v_desc, v_smem, v_ready, v_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM)
-            for j in range(1, n_tiles):
-                idx = it + j
-                _load(k_desc, k_smem, k_ready, k_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
-                      HEAD_DIM)
-                _load(v_desc, v_smem, v_ready, v_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
-                      HEAD_DIM)
-            it += n_tiles
+            if (m0 < sq) & (n_tiles > 0):  # always, but for varlen's rows past a sequence or unseen keys
+                if VARLEN:
+                    if nq > 0:
+                        for c in gl.static_range(2):
+                            mbarrier.wait(q_ready.index(c), (nq - 1) & 1)
+                        for idx in range(gl.maximum(it - STAGES, prev), it):
+                            mbarrier.wait(k_ready.index(idx % STAGES), (idx // STAGES) & 1)
+                            mbarrier.wait(v_ready.index(idx % STAGES), (idx // STAGES) & 1)
+                    qd = tma.make_tensor_descriptor(
+                        q_desc + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh, shape=[sq, HEAD_DIM],
+                        strides=[stride_qt, 1], block_shape=[ROWS, HEAD_DIM], layout=q_smem.layout)
+                    kd = tma.make_tensor_descriptor(
+                        k_desc + k_start.to(gl.int64) * stride_kt + kv_head.to(gl.int64) * stride_kh,
+                        shape=[sk, HEAD_DIM], strides=[stride_kt, 1], block_shape=[BN, HEAD_DIM],
+                        layout=k_smem.layout)
+                    vd = tma.make_tensor_descriptor(
+                        v_desc + k_start.to(gl.int64) * stride_vt + kv_head.to(gl.int64) * stride_vh,
+                        shape=[sk, HEAD_DIM], strides=[stride_vt, 1], block_shape=[BN, HEAD_DIM],
+                        layout=v_smem.layout)
+                else:
+                    qd = q_desc
+                    kd = k_desc
+                    vd = v_desc
+                _load(kd, k_smem, k_ready, k_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM,
+                      VARLEN)
+                for c in gl.static_range(2):
+                    _load(qd, q_smem, q_ready, q_empty, c, nq & 1, b, m0 + c * ROWS, h, ROWS, HEAD_DIM, VARLEN)
+                _load(vd, v_smem, v_ready, v_empty, it % STAGES, (it // STAGES) & 1, b, 0, kv_head, BN, HEAD_DIM,
+                      VARLEN)
+                for j in range(1, n_tiles):
+                    idx = it + j
+                    _load(kd, k_smem, k_ready, k_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
+                          HEAD_DIM, VARLEN)
+                    _load(vd, v_smem, v_ready, v_empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, kv_head, BN,
+                          HEAD_DIM, VARLEN)
+                prev = it
+                it += n_tiles
+                nq += 1
 
     @gluon.jit
     def _qk(idx, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
@@ -259,13 +323,46 @@ if UNAVAILABLE is None:
         return o, p16, m_new, l_new
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, qk_scale, Sq,
-                  Sk, Hq, B, stride_ob, stride_os, stride_oh, C: gl.constexpr, ROWS: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` over the item's key tiles, then
-        the store. Its Q slot is handed back after the item's last ``Q K^T``, so the loader fills it
-        for the next item while this one's last ``P V`` and store run."""
+    def _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o, m_i, l_i, qk_scale, rows,
+                base, nq, n_full, n_tiles, Sk, causal_off, C: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                CAUSAL: gl.constexpr):
+        """Consumer ``C``'s rows of one work item over its ``n_tiles`` key tiles (ring indices from
+        ``base``; its Q is the ``nq``-th loaded). The Q slot is handed back after the item's last
+        ``Q K^T``, so the loader fills it for the next item while this one's last ``P V`` runs."""
+        mbarrier.wait(q_ready.index(C), nq & 1)
+        # tile 0 alone, always masked (right for any tile), then the overlapped steady state
+        s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(base % STAGES))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
+                                           CAUSAL)
+        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        for j in range(1, n_full):
+            o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
+                                     l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
+                                     p_layout, False, CAUSAL)
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
+                                     l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
+                                     p_layout, True, CAUSAL)
+        mbarrier.arrive(q_empty.index(C))  # every Q K^T of the item has completed
+        last = base + n_tiles - 1
+        slot = last % STAGES
+        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+        o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
+        o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
+        mbarrier.arrive(v_empty.index(slot))
+        return o, m_i, l_i
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ, CuK,
+                  qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, C: gl.constexpr,
+                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
+        """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` (:func:`_attend`), then the
+        store. ``VARLEN``: an item past its sequence's rows is skipped, and one whose rows see no key
+        stores 0 (LSE -inf) without waiting on the loader, which skips both alike."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
@@ -274,52 +371,53 @@ if UNAVAILABLE is None:
         q = q_smem.index(C)
         n_m, count = _schedule(Sq, Hq, B, BM)
         base = 0
+        nq = 0
         for i in range(count):
             b, h, m0 = _item(i, n_m, Hq, BM)
-            n_full, n_tiles, causal_off = _key_tiles(m0, Sq, Sk, BM, BN, CAUSAL)
+            q_start, sq, k_start, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
+            n_full, n_tiles, causal_off = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
             row0 = m0 + C * ROWS
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
             o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            mbarrier.wait(q_ready.index(C), i & 1)
-            # tile 0 alone, always masked (right for any tile), then the overlapped steady state
-            s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(base % STAGES))
-            p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
-                                               CAUSAL)
-            p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-            for j in range(1, n_full):
-                o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
-                                         l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
-                                         p_layout, False, CAUSAL)
-            for j in range(gl.maximum(n_full, 1), n_tiles):
-                o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
-                                         l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
-                                         p_layout, True, CAUSAL)
-            mbarrier.arrive(q_empty.index(C))  # every Q K^T of the item has completed
-            last = base + n_tiles - 1
-            slot = last % STAGES
-            mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-            o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
-            o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
-            mbarrier.arrive(v_empty.index(slot))
-            _store(o, m_i, l_i, O, LSE, b, h, Hq, row0, Sq, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
-                   o_layout, WRITE_LSE)
-            base += n_tiles
+            if VARLEN:
+                if m0 < sq:
+                    if n_tiles > 0:
+                        o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                              v_empty, o, m_i, l_i, qk_scale, rows, base, nq, n_full, n_tiles, sk,
+                                              causal_off, C, ROWS, BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
+                        base += n_tiles
+                        nq += 1
+                    _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b,
+                           lse_h, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
+            else:
+                o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o,
+                                      m_i, l_i, qk_scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
+                                      BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
+                base += n_tiles
+                nq += 1
+                _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
+                       ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
     @gluon.jit
-    def _prefill_kernel(q_desc, k_desc, v_desc, O, LSE, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
-                        stride_oh, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        LOADER_REGS: gl.constexpr):
+    def _prefill_kernel(q_desc, k_desc, v_desc, O, LSE, CuQ, CuK, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
+                        stride_oh, lse_b, lse_h, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+                        CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Persistent: a grid of at most one program per SM, each looping over its work items
-        (:func:`_schedule`). Descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes (Q:
-        ``BM // 2`` rows, K/V: ``BN``). ``qk_scale`` = softmax scale x log2(e)."""
+        (:func:`_schedule`). Dense: descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes
+        (Q: ``BM // 2`` rows, K/V: ``BN``), ``CuQ``/``CuK`` None and the token strides unused.
+        ``VARLEN``: q/k/v are the packed ``[total, H, D]`` tensors themselves with their token and head
+        strides, ``Sq``/``Sk`` the longest lengths, and ``cu_seqlens`` say where each sequence is.
+        ``qk_scale`` = softmax scale x log2(e)."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
-        dtype: gl.constexpr = q_desc.dtype
+        if VARLEN:
+            dtype: gl.constexpr = q_desc.dtype.element_ty
+        else:
+            dtype: gl.constexpr = q_desc.dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
 
@@ -344,22 +442,24 @@ if UNAVAILABLE is None:
         # The argument tuples are written out inline: Triton 3.6's code generator turns the constexpr
         # elements of a tuple held in a variable (or concatenated) into int32 tensors.
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                         qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
-                         CAUSAL, WRITE_LSE)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                         qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
-                         CAUSAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ,
+                         CuK, qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, 0, ROWS,
+                         HEAD_DIM, BM, BN, STAGES, CAUSAL, WRITE_LSE, VARLEN)),
+            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ,
+                         CuK, qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, 1, ROWS,
+                         HEAD_DIM, BM, BN, STAGES, CAUSAL, WRITE_LSE, VARLEN)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                       v_empty, Sq, Sk, Hq, B, GROUP, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL)),
+                       v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                       stride_vh, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN)),
         ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype) -> tuple:
+def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False) -> tuple:
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
-    k/v layout)``. Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
+    k/v layout)`` (the blocks and layouts of the dense launch's host descriptors). Shared by the
+    launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
     consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
-                  WRITE_LSE=write_lse, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS)
+                  WRITE_LSE=write_lse, VARLEN=varlen, CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS)
     options = dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
     q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, BLOCK_N, 1, head_dim]
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -377,7 +477,30 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
     if UNAVAILABLE is not None:
         return UNAVAILABLE
     batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    if window_right == 0 and sq > k.shape[1]:
+        return "causal with Sq > Sk (rows that see no key)"
+    return _refusal(q, k, v, batch, sq, k.shape[1], hq, k.shape[2], d, window_left, window_right, softcap, sinks)
+
+
+def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
+                   max_seqlen_k: int, block_table: torch.Tensor | None, window_left: int, window_right: int,
+                   softcap: float, sinks: torch.Tensor | None = None) -> str | None:
+    """:func:`refusal` for a validated :func:`pagedflash.flash_attn_varlen_func` call; the longest
+    lengths stand for the sequences' in the size rules."""
+    if not ENABLED:
+        return "PAGEDFLASH_GLUON=0"
+    if not VARLEN_ENABLED:
+        return "varlen: opt-in until it has run on an sm90 GPU (PAGEDFLASH_GLUON_VARLEN=1)"
+    if UNAVAILABLE is not None:
+        return UNAVAILABLE
+    if block_table is not None:
+        return "paged K/V"
+    return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2], window_left,
+                    window_right, softcap, sinks)
+
+
+def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, window_left: int, window_right: int,
+             softcap: float, sinks) -> str | None:
     causal = window_right == 0
     min_len = MIN_SEQLEN.get((d, causal))
     if min_len is None:
@@ -398,8 +521,6 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return f"device {q.device} is not an NVIDIA sm90 GPU"
     if hkv == 0 or hq % hkv:
         return f"Hq={hq} not a multiple of Hkv={hkv}"
-    if causal and sq > sk:
-        return "causal with Sq > Sk (rows that see no key)"
     n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
     if n_items < MIN_PROGRAMS_PER_SM * sms:
         return "fewer work items than SMs (the portable kernel splits the keys)"
@@ -451,18 +572,27 @@ class _Plan:
 _PLANS = PlanCache()
 
 
-def _make_plan(q, k, v, out, causal: bool, return_lse: bool) -> _Plan:
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    consts, options, q_block, kv_block, q_layout, kv_layout = kernel_config(d, causal, return_lse, q.dtype)
+def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | None) -> _Plan:
+    consts, options, q_block, kv_block, q_layout, kv_layout = kernel_config(q.shape[-1], causal, return_lse, q.dtype,
+                                                                            varlen is not None)
     plan = _Plan()
+    if varlen is None:  # [B, S, H, D]: host descriptors; out and LSE by sequence
+        batch, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        plan.ints = (sq, sk, hq, batch, hq // hkv, out.stride(0), out.stride(1), out.stride(2), hq * sq, sq,
+                     0, 0, 0, 0, 0, 0)
+        plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
+                           for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
+                                                    (v, kv_block, kv_layout)))
+    else:  # packed [total, H, D]: the kernel makes its descriptors; out and LSE [Hq, total_q] by token
+        batch, sq, sk = varlen
+        hq, hkv = q.shape[1], k.shape[1]
+        plan.ints = (sq, sk, hq, batch, hq // hkv, 0, out.stride(0), out.stride(1), 0, q.shape[0],
+                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+        plan.descs = None
     n_m = cdiv(sq, BLOCK_M)
     plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk),)
     plan.consts, plan.options = consts, options
-    plan.ints = (sq, sk, hq, batch, hq // hkv, out.stride(0), out.stride(1), out.stride(2))
-    plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
-                       for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
-                                                (v, kv_block, kv_layout)))
     plan.failed = False
     return plan
 
@@ -473,23 +603,31 @@ class Fallback(Exception):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
-            return_lse: bool) -> torch.Tensor | None:
+            return_lse: bool, varlen: tuple | None = None) -> torch.Tensor | None:
     """Attention of a call :func:`refusal` accepted, written into ``out``; returns the LSE
-    ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. Raises :class:`Fallback`
-    where the kernel does not compile for the signature (the first time with a warning)."""
+    ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. ``varlen``: ``(cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a call :func:`refusal_varlen` accepted (q/k/v
+    ``[total, H, D]``, LSE ``[Hq, total_q]``). Raises :class:`Fallback` where the kernel does not
+    compile for the signature (the first time with a warning)."""
     global launches
+    sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device, causal,
-           return_lse)
-    plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse))
+           return_lse, sizes)
+    plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes))
     if plan.failed:
         raise Fallback
-    lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device) \
-        if return_lse else None
-    descs = [TensorDescriptor(t, shape, strides, block, layout)
-             for t, (shape, strides, block, layout) in zip((q, k, v), plan.descs)]
+    lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
+    if varlen is None:
+        tensors = [TensorDescriptor(t, shape, strides, block, layout)
+                   for t, (shape, strides, block, layout) in zip((q, k, v), plan.descs)] + [None, None]
+    else:
+        ensure_tma_allocator()  # the kernel's descriptors live in Triton's global scratch
+        tensors = [q, k, v, varlen[0], varlen[1]]
+    q_t, k_t, v_t, cu_q, cu_k = tensors
     try:
-        _prefill_kernel[plan.grid](*descs, out, out if lse is None else lse, sm_scale * LOG2E.value, *plan.ints,
-                                   **plan.consts, **plan.options)
+        _prefill_kernel[plan.grid](q_t, k_t, v_t, out, out if lse is None else lse, cu_q, cu_k,
+                                   sm_scale * LOG2E.value, *plan.ints, **plan.consts, **plan.options)
     except _COMPILE_ERRORS as e:
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)
