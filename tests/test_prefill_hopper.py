@@ -122,6 +122,28 @@ def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
         assert_close(out, ref.attention_ref(q, k, v, causal=True, softmax_scale=0.5)[0], torch.float32)
 
 
+@pytest.mark.parametrize("routed", [True, False])
+def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
+    calls = []
+
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen):
+        calls.append((sm_scale, causal, return_lse, varlen[2:]))
+        out.zero_()
+        return torch.zeros(q.shape[1], q.shape[0]) if return_lse else None
+
+    monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: None if routed else "a reason")
+    monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
+    cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    q, k, v = randn(20, 2, 16), randn(20, 1, 16), randn(20, 1, 16)
+    out, lse = flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True, softmax_scale=0.5, return_lse=True)
+    if routed:
+        assert calls == [(0.5, True, True, (11, 11))] and torch.equal(out, torch.zeros_like(out))
+    else:
+        assert calls == []
+        assert_close(out, ref.varlen_attention_ref(q, k, v, cu, cu, causal=True, softmax_scale=0.5)[0],
+                     torch.float32)
+
+
 @pytest.mark.skipif(ON_SM90, reason="checks the machines without the Gluon path")
 def test_the_portable_kernel_runs_here():
     # this machine (no sm90 GPU, or the interpreter, or a Triton other than 3.6) never routes
@@ -283,24 +305,36 @@ def test_persistent_programs_take_many_items(gluon, monkeypatch, programs, causa
         _check_gluon(q, k, v, dtype, causal=causal)
 
 
-def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False):
+def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False, return_lse=True, fused=False):
     """A varlen call that must take the Gluon kernel, against the fp32 reference (out and LSE);
-    with ``poison_last_v`` the last sequence's V is inf and only the others are compared."""
+    with ``poison_last_v`` the last sequence's V is inf and only the others are compared; ``fused``:
+    q/k/v views of one packed qkv buffer (token strides past one tensor's heads) and a strided out."""
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    q, k, v = randn(int(cu_q[-1]), hq, d, dtype=dtype), randn(int(cu_k[-1]), hkv, d, dtype=dtype), \
-        randn(int(cu_k[-1]), hkv, d, dtype=dtype)
+    out = None
+    if fused:  # self-attention shapes: one buffer [T, Hq + 2 Hkv, D]
+        assert lens_q == lens_k
+        qkv = randn(int(cu_q[-1]), hq + 2 * hkv, d, dtype=dtype)
+        q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+        out = torch.full((int(cu_q[-1]), hq, d + 8), float("nan"), dtype=dtype, device="cuda")[..., :d]
+    else:
+        q, k, v = randn(int(cu_q[-1]), hq, d, dtype=dtype), randn(int(cu_k[-1]), hkv, d, dtype=dtype), \
+            randn(int(cu_k[-1]), hkv, d, dtype=dtype)
     if poison_last_v:
         v[int(cu_k[-2]):] = float("inf")
     args = (q, k, v, len(lens_q), max(lens_q), max(lens_k), None, -1, 0 if causal else -1, 0.0)
     assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
     before = prefill_hopper.launches
-    got, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, return_lse=True)
+    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 return_lse=return_lse, out=out)
+    got, lse = got if return_lse else (got, None)
     assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    assert out is None or got is out
     want, want_lse = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     rows = int(cu_q[-2]) if poison_last_v else q.shape[0]
     assert_close(got[:rows], want[:rows], dtype)
-    assert_close(lse[:, :rows], want_lse[:, :rows], torch.float16, name="lse")
+    if return_lse:
+        assert_close(lse[:, :rows], want_lse[:, :rows], torch.float16, name="lse")
 
 
 @pytest.fixture
@@ -323,6 +357,31 @@ VARLEN_CASES = [  # (lengths of q, lengths of k): ragged tails, an empty sequenc
 @pytest.mark.parametrize("lens", VARLEN_CASES, ids=str)
 def test_gluon_varlen_against_reference(gluon_varlen, dtype, d, causal, lens):
     _check_varlen(*lens, 4, 2, d, dtype, causal)
+    _check_varlen(*lens, 4, 2, d, dtype, causal, return_lse=False)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_varlen_fused_qkv_and_strided_out(gluon_varlen, causal):
+    _check_varlen([300, 1000, 77], [300, 1000, 77], 4, 2, 128, torch.float16, causal, fused=True)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gluon_varlen_in_a_cuda_graph_with_new_lengths(gluon_varlen):
+    # the descriptors are made in the kernel, so a replay follows the cu_seqlens it finds
+    dtype, total = torch.bfloat16, 1400
+    q, k, v = randn(total, 4, 128, dtype=dtype), randn(total, 2, 128, dtype=dtype), randn(total, 2, 128, dtype=dtype)
+    cu = torch.tensor([0, 300, 1300, total], dtype=torch.int32, device="cuda")
+    before = prefill_hopper.launches
+    graph, out = capture_graph(lambda: flash_attn_varlen_func(q, k, v, cu, cu, 1000, 1000, causal=True))
+    assert prefill_hopper.launches == before + 2  # the warm-up call and the captured one
+    for lengths in ([0, 1000, 1077, total], [0, 1, 700, total]):
+        cu.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, ref.varlen_attention_ref(q, k, v, cu, cu, causal=True)[0], dtype)
 
 
 @pytest.mark.gpu

@@ -61,8 +61,8 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     batch = cu_seqlens_q.shape[0] - 1
-    if k_descale is None and v_descale is None and prefill_hopper.refusal_varlen(
-            q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left, window_right, softcap, sinks) is None:
+    if prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left,
+                                     window_right, softcap, sinks) is None:  # descales come with fp8 K/V: refused
         try:
             return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
                                           window_right == 0, return_lse,

@@ -1,11 +1,13 @@
-"""Dense prefill on Hopper (sm90): a warp-specialized FlashAttention forward written in Gluon.
+"""Prefill on Hopper (sm90): a persistent, warp-specialized FlashAttention forward written in Gluon.
 
 :func:`pagedflash.flash_attn_func` launches this kernel instead of the portable one
 (:mod:`pagedflash.ops.attention`) where :func:`refusal` finds nothing against it: an NVIDIA GPU of
 compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf16, a head dim and
 sizes where it measured faster (:data:`MIN_SEQLEN`), no window, softcap or sinks, 16-byte aligned
-operands. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes the portable kernel,
-which stays the tested fallback.
+operands. :func:`pagedflash.flash_attn_varlen_func` over packed (not paged) K/V does too where
+:func:`refusal_varlen` finds nothing, once opted in (``PAGEDFLASH_GLUON_VARLEN=1``); it ignores
+``num_splits``, which never changes a result. Everything else, and every call with
+``PAGEDFLASH_GLUON=0``, takes the portable kernel, which stays the tested fallback.
 
 The kernel (FlashAttention-3's design as Gluon spells it: TMA, mbarriers, async wgmma, warp
 specialization):
@@ -246,7 +248,10 @@ if UNAVAILABLE is None:
             q_start, sq, k_start, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
             _, n_tiles, _ = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
             kv_head = h // GROUP
-            if (m0 < sq) & (n_tiles > 0):  # always, but for varlen's rows past a sequence or unseen keys
+            busy = True  # dense: every item (refusal() leaves none without a key)
+            if VARLEN:  # not for rows past the sequence or rows that see no key, as the consumers decide
+                busy = (m0 < sq) & (n_tiles > 0)
+            if busy:
                 if VARLEN:
                     if nq > 0:
                         for c in gl.static_range(2):
@@ -545,7 +550,7 @@ def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -
     if not causal:
         return sms
     tiles = torch.clamp((torch.arange(1, n_m + 1, device="cpu") * BLOCK_M + sk - sq + BLOCK_N - 1) // BLOCK_N,
-                        max=cdiv(sk, BLOCK_N)).double()  # key tiles of row block m
+                        min=0, max=cdiv(sk, BLOCK_N)).double()  # key tiles of row block m
     t = torch.arange(n_items, device="cpu")
     cost = tiles[n_m - 1 - t % n_m]  # item t's key tiles (the kernel's _item order)
     total = cost.sum().item()
