@@ -16,6 +16,7 @@ from helpers import ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
+from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.ops import prefill_hopper
 from pagedflash.ops.utils import nvidia_capability
 from pagedflash.testing import capture_graph
@@ -196,8 +197,7 @@ def test_lengths_and_sizes_at_the_rules_edges(hopper_here):
 
 def _packed(lens_q, lens_k, hq=4, hkv=2, d=128, dtype=torch.bfloat16):
     """Uninitialized packed q/k/v and their cu_seqlens (CPU)."""
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens_tensor(lens_q, device="cpu"), cu_seqlens_tensor(lens_k, device="cpu")
     return (torch.empty(int(cu_q[-1]), hq, d, dtype=dtype), torch.empty(int(cu_k[-1]), hkv, d, dtype=dtype),
             torch.empty(int(cu_k[-1]), hkv, d, dtype=dtype), cu_q, cu_k)
 
@@ -309,8 +309,7 @@ def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False
     """A varlen call that must take the Gluon kernel, against the fp32 reference (out and LSE);
     with ``poison_last_v`` the last sequence's V is inf and only the others are compared; ``fused``:
     q/k/v views of one packed qkv buffer (token strides past one tensor's heads) and a strided out."""
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu_seqlens_tensor(lens_q, device="cuda"), cu_seqlens_tensor(lens_k, device="cuda")
     out = None
     if fused:  # self-attention shapes: one buffer [T, Hq + 2 Hkv, D]
         assert lens_q == lens_k
