@@ -386,22 +386,18 @@ if UNAVAILABLE is None:
             m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
             o = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-            if VARLEN:
-                if m0 < sq:
-                    if n_tiles > 0:
-                        o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                              v_empty, o, m_i, l_i, qk_scale, rows, base, nq, n_full, n_tiles, sk,
-                                              causal_off, C, ROWS, BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
-                        base += n_tiles
-                        nq += 1
-                    _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b,
-                           lse_h, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
-            else:
+            rows_here = True  # dense: every item has rows and keys (refusal())
+            busy = True
+            if VARLEN:  # items past the sequence's rows are skipped; rows that see no key store 0 / -inf
+                rows_here = m0 < sq
+                busy = rows_here & (n_tiles > 0)
+            if busy:
                 o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o,
                                       m_i, l_i, qk_scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
                                       BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
                 base += n_tiles
                 nq += 1
+            if rows_here:
                 _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
                        ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
