@@ -70,8 +70,8 @@ direct Python call                                                     0.1–0.2
   cost, which compiled graphs outside CUDA graphs pay on every call.
 - **Eager calls skip the dispatcher**: even its 6–9 µs is a third of SDPA's whole eager call (about
   20 µs on the H200), against issue 14's target of 2.5× SDPA for ours; ``is_compiling()`` costs
-  0.2 µs, and the device check (:func:`on_device_of`: the tensor's GPU index against the current
-  one, a no-op context when they agree) about as much again.
+  0.2 µs, and with several GPUs visible the device check (:func:`on_device_of`: the tensor's GPU
+  index against the current one, a no-op context when they agree) about as much again.
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ VARLEN_ENABLED = os.environ.get("PAGEDFLASH_GLUON_VARLEN", "0") == "1"
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
-# launch), by (head dim, causal): the shortest Sq and Sk routed. Since the kernel is persistent it
-# is faster in every measured cell, by 1.08x (D=64 non-causal 2K) to 1.57x (D=128 non-causal 256).
+# launch), by (head dim, causal): the shortest Sq and Sk routed. The kernel is faster in every
+# measured cell, by 1.08x (D=64 non-causal 2K) to 1.57x (D=128 non-causal 256).
 # Shorter lengths were not measured and stay portable; fp16 follows bf16's rule.
 MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)], 256)
 # The Gluon kernel never splits the key range; the portable one does when its grid has fewer
