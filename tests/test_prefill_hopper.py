@@ -12,7 +12,7 @@ proving the Gluon kernel ran; the shapes are small, so the measured-size rule is
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_close, ids, randn
+from helpers import DEVICE, ON_GPU, assert_close, ids, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
@@ -110,7 +110,7 @@ def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
     def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
         calls.append((sm_scale, causal, return_lse))
         out.zero_()
-        return torch.zeros(q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device) if return_lse else None
 
     monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None if routed else "a reason")
     monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
@@ -130,11 +130,11 @@ def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
     def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen):
         calls.append((sm_scale, causal, return_lse, varlen[2:]))
         out.zero_()
-        return torch.zeros(q.shape[1], q.shape[0]) if return_lse else None
+        return torch.zeros(q.shape[1], q.shape[0], device=q.device) if return_lse else None
 
     monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: None if routed else "a reason")
     monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
-    cu = torch.tensor([0, 9, 20], dtype=torch.int32)
+    cu = cu_seqlens_tensor([9, 11], device=DEVICE)
     q, k, v = randn(20, 2, 16), randn(20, 1, 16), randn(20, 1, 16)
     out, lse = flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True, softmax_scale=0.5, return_lse=True)
     if routed:
@@ -202,11 +202,9 @@ def _packed(lens_q, lens_k, hq=4, hkv=2, d=128, dtype=torch.bfloat16):
             torch.empty(int(cu_k[-1]), hkv, d, dtype=dtype), cu_q, cu_k)
 
 
-def test_varlen_routing(hopper_here, monkeypatch):
+def test_varlen_routing(hopper_here):
     q, k, v, cu_q, cu_k = _packed([1024, 300, 700], [1024, 300, 900])
     args = (q, k, v, 3, 1024, 1024)
-    assert "PAGEDFLASH_GLUON_VARLEN" in prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0)  # opt-in
-    monkeypatch.setattr(prefill_hopper, "VARLEN_ENABLED", True)
     assert prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0) is None
     assert prefill_hopper.refusal_varlen(*args, None, -1, -1, 0.0) is None
     assert "paged" in prefill_hopper.refusal_varlen(*args, torch.zeros(3, 4, dtype=torch.int32), -1, 0, 0.0)
@@ -336,11 +334,6 @@ def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False
         assert_close(lse[:, :rows], want_lse[:, :rows], torch.float16, name="lse")
 
 
-@pytest.fixture
-def gluon_varlen(gluon, monkeypatch):
-    monkeypatch.setattr(prefill_hopper, "VARLEN_ENABLED", True)
-
-
 VARLEN_CASES = [  # (lengths of q, lengths of k): ragged tails, an empty sequence, Sq < Sk, Sq > Sk (causal: rows
     # that see no key), one sequence
     ([300, 1000, 77], [300, 1000, 77]), ([128, 0, 513], [128, 0, 513]), ([200, 300], [700, 900]),
@@ -354,7 +347,7 @@ VARLEN_CASES = [  # (lengths of q, lengths of k): ragged tails, an empty sequenc
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", VARLEN_CASES, ids=str)
-def test_gluon_varlen_against_reference(gluon_varlen, dtype, d, causal, lens):
+def test_gluon_varlen_against_reference(gluon, dtype, d, causal, lens):
     _check_varlen(*lens, 4, 2, d, dtype, causal)
     _check_varlen(*lens, 4, 2, d, dtype, causal, return_lse=False)
 
@@ -362,13 +355,13 @@ def test_gluon_varlen_against_reference(gluon_varlen, dtype, d, causal, lens):
 @pytest.mark.gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_varlen_fused_qkv_and_strided_out(gluon_varlen, causal):
+def test_gluon_varlen_fused_qkv_and_strided_out(gluon, causal):
     _check_varlen([300, 1000, 77], [300, 1000, 77], 4, 2, 128, torch.float16, causal, fused=True)
 
 
 @pytest.mark.gpu
 @sm90
-def test_gluon_varlen_in_a_cuda_graph_with_new_lengths(gluon_varlen):
+def test_gluon_varlen_in_a_cuda_graph_with_new_lengths(gluon):
     # the descriptors are made in the kernel, so a replay follows the cu_seqlens it finds
     dtype, total = torch.bfloat16, 1400
     q, k, v = randn(total, 4, 128, dtype=dtype), randn(total, 2, 128, dtype=dtype), randn(total, 2, 128, dtype=dtype)
@@ -387,7 +380,7 @@ def test_gluon_varlen_in_a_cuda_graph_with_new_lengths(gluon_varlen):
 @sm90
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon_varlen, monkeypatch, programs, causal):
+def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon, monkeypatch, programs, causal):
     # many items a program (the descriptors are rewritten item after item) and inf in the last
     # sequence's V, which no other sequence may see
     monkeypatch.setattr(prefill_hopper, "num_sms", lambda device: programs)

@@ -2,8 +2,8 @@
 
 Both validate on the host, then launch :mod:`pagedflash.ops.attention` (through their
 ``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`);
-dense calls on Hopper launch :mod:`pagedflash.ops.prefill_hopper` instead where it is faster (varlen
-calls over packed K/V too, once opted in: ``PAGEDFLASH_GLUON_VARLEN=1``).
+dense calls and varlen calls over packed K/V on Hopper launch :mod:`pagedflash.ops.prefill_hopper`
+instead where it is faster.
 Memory is O(N·D): the scores are never materialized. With ``block_table`` the varlen form reads
 keys/values from a paged cache, which makes it chunked prefill over a cached prefix and the mixed
 prefill+decode launch of a serving step.

@@ -5,7 +5,7 @@
 compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf16, a head dim and
 sizes where it measured faster (:data:`MIN_SEQLEN`), no window, softcap or sinks, 16-byte aligned
 operands. :func:`pagedflash.flash_attn_varlen_func` over packed (not paged) K/V does too where
-:func:`refusal_varlen` finds nothing, once opted in (``PAGEDFLASH_GLUON_VARLEN=1``); it ignores
+:func:`refusal_varlen` finds nothing; it ignores
 ``num_splits``, which never changes a result. Everything else, and every call with
 ``PAGEDFLASH_GLUON=0``, takes the portable kernel, which stays the tested fallback.
 
@@ -35,8 +35,8 @@ specialization):
   and 16-byte multiples elsewhere work.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
-- Varlen (packed ``[total, H, D]`` with ``cu_seqlens``, :func:`refusal_varlen`; an opt-in,
-  ``PAGEDFLASH_GLUON_VARLEN=1``, until it has run on a GPU): the same kernel with ``VARLEN``. The
+- Varlen (packed ``[total, H, D]`` with ``cu_seqlens``, :func:`refusal_varlen`): the same kernel
+  with ``VARLEN``. The
   loader makes each item's Q/K/V descriptors on the device over its sequence's rows of its heads
   (zero fill past the sequence, as dense has), after the copies through the last item's have
   landed; items past a sequence's rows are skipped and items whose rows see no key store 0 / -inf,
@@ -63,9 +63,6 @@ from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, interprete
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
-# Varlen calls (dense packed K/V) take the kernel only with PAGEDFLASH_GLUON_VARLEN=1: that path (its
-# descriptors made on the device, per work item) has compiled for sm90 but not yet run on a GPU.
-VARLEN_ENABLED = os.environ.get("PAGEDFLASH_GLUON_VARLEN", "0") == "1"
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
@@ -490,8 +487,6 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
     lengths stand for the sequences' in the size rules."""
     if not ENABLED:
         return "PAGEDFLASH_GLUON=0"
-    if not VARLEN_ENABLED:
-        return "varlen: opt-in until it has run on an sm90 GPU (PAGEDFLASH_GLUON_VARLEN=1)"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
     if block_table is not None:
