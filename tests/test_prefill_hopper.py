@@ -12,7 +12,7 @@ proving the Gluon kernel ran; the shapes are small, so the measured-size rule is
 
 import pytest
 import torch
-from helpers import DEVICE, ON_GPU, assert_close, ids, randn
+from helpers import DEVICE, ON_GPU, assert_close, cu_seqlens, ids, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
@@ -127,7 +127,7 @@ def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
 def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen, block_table):
         calls.append((sm_scale, causal, return_lse, varlen[2:]))
         out.zero_()
         return torch.zeros(q.shape[1], q.shape[0], device=q.device) if return_lse else None
@@ -207,10 +207,31 @@ def test_varlen_routing(hopper_here):
     args = (q, k, v, 3, 1024, 1024)
     assert prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0) is None
     assert prefill_hopper.refusal_varlen(*args, None, -1, -1, 0.0) is None
-    assert "paged" in prefill_hopper.refusal_varlen(*args, torch.zeros(3, 4, dtype=torch.int32), -1, 0, 0.0)
-    assert "measured" in prefill_hopper.refusal_varlen(q, k, v, 3, 200, 1024, None, -1, 0, 0.0)
+    # the mean query length, not the longest, meets the size rule: a serving step's decode rows stay portable
+    assert "measured" in prefill_hopper.refusal_varlen(q[:700], k, v, 3, 698, 1024, None, -1, 0, 0.0)
+    assert "measured" in prefill_hopper.refusal_varlen(q, k, v, 3, 1024, 200, None, -1, 0, 0.0)
     assert "window" in prefill_hopper.refusal_varlen(*args, None, 64, 0, 0.0)
     assert "dtypes" in prefill_hopper.refusal_varlen(q, k.to(torch.float8_e4m3fn), v, 3, 1024, 1024, None, -1, 0, 0.0)
+
+
+def test_paged_routing(hopper_here):
+    q = torch.empty(2048, 4, 128, dtype=torch.bfloat16)
+    for page in (16, 32, 64, 128, 256, 384):
+        cache = torch.empty(64, page, 2, 128, dtype=torch.bfloat16)
+        table = torch.zeros(2, 4096 // page, dtype=torch.int32)
+        assert prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, -1, 0, 0.0) is None, page
+    for page, why in ((1, "page size 1"), (8, "page size 8"), (48, "page size 48"), (200, "page size 200")):
+        cache = torch.empty(64, page, 2, 128, dtype=torch.bfloat16)
+        table = torch.zeros(2, 4096 // page + 1, dtype=torch.int32)
+        assert why in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, -1, 0, 0.0)
+    cache = torch.empty(64, 64, 2, 128, dtype=torch.bfloat16)
+    table = torch.zeros(64, 2, dtype=torch.int32)[::2]
+    assert "block_table" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 2048, table.t(), -1, 0, 0.0)
+    strided = torch.empty(64, 64, 2, 136, dtype=torch.bfloat16)[..., :128]  # rows of 272 B: TMA takes them
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    assert prefill_hopper.refusal_varlen(q, strided, strided, 2, 1024, 4096, table, -1, 0, 0.0) is None
+    odd = torch.empty(64, 64, 2, 132, dtype=torch.bfloat16)[..., :128]  # rows of 264 B: not 16-byte multiples
+    assert "strides" in prefill_hopper.refusal_varlen(q, odd, odd, 2, 1024, 4096, table, -1, 0, 0.0)
 
 
 class _FakeCompileError(RuntimeError):
@@ -227,10 +248,10 @@ def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch)
                 raise _FakeCompileError("ptxas died")
             return run
 
-    monkeypatch.setattr(prefill_hopper, "_prefill_kernel", Failing(), raising=False)
-    monkeypatch.setattr(prefill_hopper, "TensorDescriptor", lambda *args: None, raising=False)
-    monkeypatch.setattr(prefill_hopper, "kernel_config", lambda *args: ({}, {}, None, None, None, None))
-    monkeypatch.setattr(prefill_hopper, "_COMPILE_ERRORS", (_FakeCompileError,), raising=False)
+    monkeypatch.setattr(prefill_hopper.kernel, "prefill_kernel", Failing(), raising=False)
+    monkeypatch.setattr(prefill_hopper.kernel, "TensorDescriptor", lambda *args: None, raising=False)
+    monkeypatch.setattr(prefill_hopper.kernel, "kernel_config", lambda *args: ({}, {}, None, None, None, None))
+    monkeypatch.setattr(prefill_hopper.kernel, "COMPILE_ERRORS", (_FakeCompileError,), raising=False)
     monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
     monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None)  # routed here, whatever the machine
     q, k, v = randn(1, 20, 2, 32), randn(1, 20, 2, 32), randn(1, 20, 2, 32)
@@ -387,6 +408,76 @@ def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon, monkeypatch, 
     monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
     _check_varlen([300, 1000, 77, 129], [300, 1000, 77, 129], 4, 1, 128, torch.bfloat16, causal, poison_last_v=True)
     _check_varlen([100, 0, 130, 40], [300, 5, 130, 0], 2, 2, 64, torch.bfloat16, causal)
+
+
+def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0):
+    """A varlen call over a NaN-poisoned paged pool (:func:`helpers.make_pool`: pages in random order,
+    every slot past a sequence's keys NaN) that must take the Gluon kernel, against the reference."""
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = make_pool(lens_k, page, hkv, d, dtype, share_first=share_first)
+    q = randn(int(cu_q[-1]), hq, d, dtype=dtype)
+    args = (q, k_cache, v_cache, len(lens_q), max(lens_q), max(lens_k), table, -1, 0 if causal else -1, 0.0)
+    assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
+    before = prefill_hopper.launches
+    got, lse = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                      block_table=table, return_lse=True)
+    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    want, want_lse = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cu_q, cu_k, table, causal=causal)
+    assert_close(got, want, dtype)
+    assert_close(lse, want_lse, torch.float16, name="lse")
+
+
+PAGED_CASES = [  # (lengths of q, lengths of k): chunks over a cached prefix (Sq < Sk) ending mid-page, on a
+    # page's end, on a key tile's end and one row into a tile; a whole prompt; an empty chunk; no keys
+    ([300, 100, 1], [1300, 320, 129]), ([256, 64], [512, 4096]), ([513], [513]), ([0, 200], [50, 700]),
+    ([130, 40], [130, 0]),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("lens", PAGED_CASES, ids=str)
+def test_gluon_paged_against_reference(gluon, dtype, d, causal, page, lens):
+    _check_paged(*lens, page, 4, 2, d, dtype, causal)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("page", [32, 128])
+def test_gluon_paged_few_programs_and_a_shared_prefix(gluon, monkeypatch, programs, page):
+    # many items a program, each rewriting its last page's descriptors; every sequence's first pages
+    # are the first sequence's (prefix caching)
+    monkeypatch.setattr(prefill_hopper, "num_sms", lambda device: programs)
+    monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
+    _check_paged([200, 300, 77, 129], [1000, 700, 400, 129], page, 4, 1, 128, torch.bfloat16, True, share_first=1)
+    _check_paged([200, 300, 77, 129], [1000, 700, 400, 129], page, 2, 2, 64, torch.bfloat16, False)
+
+
+@pytest.mark.gpu
+@sm90
+def test_gluon_paged_in_a_cuda_graph_with_new_pages(gluon):
+    # the last page's descriptors are made in the kernel and the others read the table it finds
+    dtype, page = torch.bfloat16, 64
+    k_cache, v_cache, table = make_pool([1000, 700], page, 2, 128, dtype)
+    q = randn(600, 4, 128, dtype=dtype)
+    cu_q, cu_k = cu_seqlens([300, 300]), cu_seqlens([1000, 700])
+    before = prefill_hopper.launches
+    graph, out = capture_graph(lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 300, 1000,
+                                                              causal=True, block_table=table))
+    assert prefill_hopper.launches == before + 2  # the warm-up call and the captured one
+    for lengths, swap in (([700, 1000], True), ([650, 1000], False)):  # the sequences' pages swapped, then shorter
+        if swap:
+            table.copy_(table.flip(0))
+        cu_k.copy_(cu_seqlens(lengths))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cu_q, cu_k, table, causal=True)[0]
+        assert_close(out, want, dtype)
 
 
 @pytest.mark.gpu

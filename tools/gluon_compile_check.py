@@ -1,6 +1,7 @@
-"""Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper.py) for sm_90 without a GPU.
+"""Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper_kernel.py) for sm_90 without a GPU.
 
-Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense/varlen) goes through
+Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense, varlen over packed
+K/V or over pages of 16, 64 or 256 rows; ``KV`` picks some: ``KV=dense,page64``) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills and whether the softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
@@ -24,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from pagedflash.ops import prefill_hopper  # noqa: E402
+from pagedflash.ops import prefill_hopper, prefill_hopper_kernel  # noqa: E402
+
+KV_LAYOUTS = os.environ.get("KV", "dense,varlen,page16,page64,page256").split(",")
 
 
 def sass_summary(cubin: bytes) -> str:
@@ -54,24 +57,29 @@ def main() -> int:
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = prefill_hopper._prefill_kernel
+    kernel = prefill_hopper_kernel.prefill_kernel
     failed = 0
     for dtype, short in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for d in sorted({d for d, _ in prefill_hopper.MIN_SEQLEN}):
             for causal in (False, True):
                 for write_lse in (False, True):
-                    for varlen in (False, True):
-                        tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} varlen={int(varlen)}"
-                        consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper.kernel_config(
-                            d, causal, write_lse, dtype, varlen)
-                        if varlen:  # the packed tensors themselves and the cu_seqlens
+                    for kv in KV_LAYOUTS:
+                        varlen, page = kv != "dense", int(kv[4:]) if kv.startswith("page") else 0
+                        tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} {kv}"
+                        consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper_kernel.kernel_config(
+                            d, causal, write_lse, dtype, varlen, page)
+                        kv_desc = f"tensordesc<{short}{kv_block},{kv_layout!r}>"
+                        if page:  # packed q, host descriptors over the caches, the caches, the block table
+                            types = dict(q_desc=f"*{short}", k_desc=kv_desc, v_desc=kv_desc, Kc=f"*{short}",
+                                         Vc=f"*{short}", BlockTable="*i32", CuQ="*i32", CuK="*i32")
+                        elif varlen:  # the packed tensors themselves and the cu_seqlens
                             types = dict(q_desc=f"*{short}", k_desc=f"*{short}", v_desc=f"*{short}", CuQ="*i32",
                                          CuK="*i32")
+                            consts = {**consts, "Kc": None, "Vc": None, "BlockTable": None}
                         else:  # host descriptors; no cu_seqlens
-                            types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>",
-                                         k_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>",
-                                         v_desc=f"tensordesc<{short}{kv_block},{kv_layout!r}>")
-                            consts = {**consts, "CuQ": None, "CuK": None}
+                            types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>", k_desc=kv_desc,
+                                         v_desc=kv_desc)
+                            consts = {**consts, "CuQ": None, "CuK": None, "Kc": None, "Vc": None, "BlockTable": None}
                         types.update(O=f"*{short}", LSE="*fp32" if write_lse else f"*{short}", qk_scale="fp32")
                         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in kernel.arg_names}
                         t0 = time.time()

@@ -5,8 +5,9 @@ launcher that checks the inputs, naming the argument. Each has an fp32 reference
 Attention (the public API, re-exported by :mod:`pagedflash`): ``prefill`` and ``decode`` (entry
 points) over ``attention`` (the one attention kernel), ``combine`` (split-KV combine, state merge),
 ``cache_write`` (K/V into a cache); ``launch`` holds their launch choices, ``_jit`` the shared jit
-pieces. ``prefill_hopper`` is the one Gluon kernel: dense prefill on sm90 where it measured faster
-(the portable kernel everywhere else).
+pieces. ``prefill_hopper_kernel`` is the one Gluon kernel, prefill on sm90 (dense, varlen, paged),
+and ``prefill_hopper`` routes the calls where it measured faster to it (the portable kernel
+everywhere else).
 
 The decoder's other kernels (used by :mod:`pagedflash.engine`): ``norm`` (RMSNorm with the residual
 add), ``rope`` (rotary embedding in place), ``activation`` (SiLU-and-multiply), ``sampling`` (greedy

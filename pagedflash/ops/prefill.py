@@ -66,7 +66,8 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         try:
             return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
                                           window_right == 0, return_lse,
-                                          varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                                          varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                                          block_table=block_table)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
