@@ -435,7 +435,9 @@ if UNAVAILABLE is None:
                 _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
                        ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
-    @gluon.jit
+    # The lengths, the batch, the LSE strides and the block table's width vary call to call (a serving
+    # step's chunks): no recompile for each one's divisibility.
+    @gluon.jit(do_not_specialize=["Sq", "Sk", "B", "lse_b", "lse_h", "stride_bt"])
     def prefill_kernel(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, O, LSE, CuQ, CuK, qk_scale, Sq, Sk, Hq, B, GROUP,
                         stride_ob, stride_os, stride_oh, lse_b, lse_h, stride_qt, stride_qh, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp, HEAD_DIM: gl.constexpr,
