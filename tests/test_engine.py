@@ -336,6 +336,20 @@ def test_warmup_leaves_the_pool_untouched(llama):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
 
 
+def test_warmup_chunks_stay_inside_the_step_budget_and_the_model_length(llama, monkeypatch):
+    path, _ = llama
+    llm = fp32_llm(path, page_size=8, num_blocks=16, max_num_batched_tokens=24, max_model_len=64)
+    seen = []
+    monkeypatch.setattr(llm.runner, "model", lambda ids, pos, meta, caches: seen.append(len(ids)))
+    llm.runner.warmup(lengths=(1, 16, 32, 2048))
+    assert seen == [1, 1, 16, 16, 24, 24]  # split and not, each length once
+    llm = fp32_llm(path, page_size=8, num_blocks=16, max_model_len=20)
+    seen.clear()
+    monkeypatch.setattr(llm.runner, "model", lambda ids, pos, meta, caches: seen.append(len(ids)))
+    llm.runner.warmup(lengths=(1, 2048))
+    assert seen == [1, 1, 20, 20]
+
+
 def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):
     """The decode-graph path on CPU: capture is replaced by an eager replay of the captured body, so
     the static buffers (padded rows, incremental block-table rows, fixed num_splits and

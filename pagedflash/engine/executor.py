@@ -97,7 +97,8 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
             num_blocks = comm.min_int(num_blocks)
     kv_cache = spec.pool(shard, num_blocks=num_blocks, device=device)
     runner = ModelRunner(model, kv_cache, max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
-                         use_cuda_graphs=spec.cuda_graphs, generator=generator, release_hooks=release_hooks)
+                         use_cuda_graphs=spec.cuda_graphs, generator=generator, release_hooks=release_hooks,
+                         max_num_batched_tokens=spec.max_num_batched_tokens)
     return Rank(model, kv_cache, runner, num_blocks)
 
 

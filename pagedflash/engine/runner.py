@@ -81,14 +81,21 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
 
+# A long prompt's chunk in :meth:`ModelRunner.warmup`: 16 work items of 128 rows a head, enough for the
+# sm90 Gluon prefill kernel to take it (at least one a SM) from 9 query heads a rank on 132 SMs.
+LONG_CHUNK = 2048
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_model_len: int, max_num_seqs: int,
-                 use_cuda_graphs: bool, generator: torch.Generator | None, release_hooks: list | None = None):
+                 use_cuda_graphs: bool, generator: torch.Generator | None, release_hooks: list | None = None,
+                 max_num_batched_tokens: int = LONG_CHUNK):
         self.model = model
         self.kv_caches = [kv_cache[i] for i in range(len(kv_cache))]
         model.bind_kv_scales(kv_cache)
         self.page_size = kv_cache.page_size
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = kv_cache.device
         self.generator = generator
         self.pin = self.device.type == "cuda"
@@ -231,18 +238,18 @@ class ModelRunner:
         return ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx
 
     @torch.inference_mode()
-    def warmup(self, lengths: tuple[int, ...] = tuple(1 << i for i in range(9))) -> None:
+    def warmup(self, lengths: tuple[int, ...] = (*(1 << i for i in range(9)), LONG_CHUNK)) -> None:
         """Compile, before the first request, every kernel variant a step can need, so that no
         request waits for the JIT: the attention launch's tile depends on the step's longest query
         chunk (GQA packing below ``PACK_MAX_ROWS`` rows) and on whether the KV range is split, the
-        fused kernels on the token count. One forward per chunk length of ``lengths`` (powers of two
-        to 256), split and not; their K/V writes go nowhere (slot -1) and their pages are page 0,
-        read only."""
+        fused kernels on the token count, and a long prompt's chunk takes the Gluon prefill kernel
+        on sm90. One forward per chunk length of ``lengths`` (powers of two to 256 and
+        :data:`LONG_CHUNK`, at most the step budget and the model length), split and not; their K/V
+        writes go nowhere (slot -1) and their pages are page 0, read only."""
         p = self.page_size
         dev = self.device
         with validate.value_checks(False):
-            for q_len in lengths:
-                q_len = min(q_len, self.max_model_len)
+            for q_len in sorted({min(n, self.max_model_len, self.max_num_batched_tokens) for n in lengths}):
                 for splits in (1, 2):
                     meta = AttentionMetadata(
                         slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=dev),
