@@ -234,6 +234,32 @@ def test_paged_routing(hopper_here):
     assert "strides" in prefill_hopper.refusal_varlen(q, odd, odd, 2, 1024, 4096, table, -1, 0, 0.0)
 
 
+def _plan_ints(q, k, varlen=None, block_table=None, causal=True):
+    return prefill_hopper._make_plan(q, k, k, torch.empty_like(q), causal, False, varlen, block_table).ints
+
+
+def _compile_classes(ints):
+    """What Triton specializes an integer argument on: equal to 1, a multiple of 16, other."""
+    return {name: (x == 1, x % 16 == 0) for name, x in ints.items() if name not in prefill_hopper.kernel.RUNTIME_INTS}
+
+
+def test_what_varies_between_serving_steps_never_recompiles_the_kernel(hopper_here, monkeypatch):
+    # two chunked-prefill steps of one engine (paged), two varlen calls, two dense calls of another
+    # length and batch: every integer argument either stays in its class or is never specialized
+    monkeypatch.setattr(prefill_hopper.kernel, "kernel_config", lambda *args: ({}, {}, None, None, None, None))
+    cache, bf16 = torch.empty(512, 16, 8, 128, dtype=torch.bfloat16), torch.bfloat16
+    step1 = _plan_ints(torch.empty(512, 32, 128, dtype=bf16), cache, (1, 512, 4096),
+                       torch.zeros(1, 256, dtype=torch.int32))
+    step2 = _plan_ints(torch.empty(307, 32, 128, dtype=bf16), cache, (2, 300, 1001),
+                       torch.zeros(2, 63, dtype=torch.int32))
+    assert step1 != step2 and _compile_classes(step1) == _compile_classes(step2)
+    packed = torch.empty(5000, 8, 128, dtype=bf16)
+    assert _compile_classes(_plan_ints(packed[:4096], packed, (4, 1024, 1024))) == \
+        _compile_classes(_plan_ints(packed[:3001], packed, (3, 1700, 2001)))
+    assert _compile_classes(_plan_ints(*_qkv(b=2, sq=1024, sk=1024)[:2])) == \
+        _compile_classes(_plan_ints(*_qkv(b=1, sq=777, sk=1001)[:2]))
+
+
 class _FakeCompileError(RuntimeError):
     pass
 

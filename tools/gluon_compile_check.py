@@ -58,6 +58,10 @@ def main() -> int:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = prefill_hopper_kernel.prefill_kernel
+    missing = [a for a in prefill_hopper_kernel.INT_ARGS if a not in kernel.arg_names]
+    if missing:
+        print(f"INT_ARGS names no argument of the kernel: {missing}")
+        return 1
     failed = 0
     for dtype, short in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         for d in sorted({d for d, _ in prefill_hopper.MIN_SEQLEN}):

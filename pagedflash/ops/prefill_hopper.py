@@ -159,27 +159,32 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     consts, options, q_block, kv_block, q_layout, kv_layout = kernel.kernel_config(
         q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page)
     plan = _Plan()
+    ints = dict.fromkeys(kernel.INT_ARGS, 0)  # the strides a launch kind does not use stay 0
     if varlen is None:  # [B, S, H, D]: host descriptors; out and LSE by sequence
         batch, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        plan.ints = (sq, sk, hq, batch, hq // hkv, out.stride(0), out.stride(1), out.stride(2), hq * sq, sq,
-                     0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        ints.update(stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2), lse_b=hq * sq,
+                    lse_h=sq)
         plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
                            for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
                                                     (v, kv_block, kv_layout)))
     elif block_table is None:  # packed [total, H, D]: the kernel makes its descriptors; out, LSE [Hq, total_q]
         batch, sq, sk = varlen
         hq, hkv = q.shape[1], k.shape[1]
-        plan.ints = (sq, sk, hq, batch, hq // hkv, 0, out.stride(0), out.stride(1), 0, q.shape[0],
-                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), 0, 0, 0, 0)
+        ints.update(stride_os=out.stride(0), stride_oh=out.stride(1), lse_h=q.shape[0], stride_qt=q.stride(0),
+                    stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
+                    stride_vh=v.stride(1))
         plan.descs = None
     else:  # packed q, paged caches: host descriptors over the caches' pages, the kernel makes the rest
         batch, sq, sk = varlen
         hq, hkv = q.shape[1], k.shape[2]
-        plan.ints = (sq, sk, hq, batch, hq // hkv, 0, out.stride(0), out.stride(1), 0, q.shape[0],
-                     q.stride(0), q.stride(1), k.stride(1), k.stride(2), v.stride(1), v.stride(2), k.stride(0),
-                     v.stride(0), block_table.stride(0), block_table.stride(1))
+        ints.update(stride_os=out.stride(0), stride_oh=out.stride(1), lse_h=q.shape[0], stride_qt=q.stride(0),
+                    stride_qh=q.stride(1), stride_kt=k.stride(1), stride_kh=k.stride(2), stride_vt=v.stride(1),
+                    stride_vh=v.stride(2), stride_kb=k.stride(0), stride_vb=v.stride(0),
+                    stride_bt=block_table.stride(0), stride_bp=block_table.stride(1))
         plan.descs = tuple((list(t.shape), list(t.stride()), kv_block, kv_layout) for t in (k, v))
+    ints.update(Sq=sq, Sk=sk, Hq=hq, B=batch, GROUP=hq // hkv)
+    plan.ints = ints
     n_m = cdiv(sq, BLOCK_M)
     plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk),)
     plan.consts, plan.options = consts, options
@@ -224,7 +229,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     q_t, k_t, v_t, cu_q, cu_k = tensors
     try:
         kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, *caches, out, out if lse is None else lse, cu_q, cu_k,
-                                   sm_scale * LOG2E.value, *plan.ints, **plan.consts, **plan.options)
+                                   sm_scale * LOG2E.value, **plan.ints, **plan.consts, **plan.options)
     except kernel.COMPILE_ERRORS as e:
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)

@@ -56,6 +56,15 @@ NUM_WARPS = 4  # the default partition (consumer 0); consumer 1 and the loader a
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
 
+# The kernel's integer arguments (the launcher passes them by name). Triton compiles a kernel anew for
+# each class of an integer argument (1, a multiple of 16, other) it meets unless told not to: those in
+# RUNTIME_INTS vary from call to call (a serving step's lengths, batch and block-table width) and are
+# never specialized; the others are fixed by a model's shapes.
+INT_ARGS = ("Sq", "Sk", "Hq", "B", "GROUP", "stride_ob", "stride_os", "stride_oh", "lse_b", "lse_h", "stride_qt",
+            "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kb", "stride_vb", "stride_bt",
+            "stride_bp")
+RUNTIME_INTS = ("Sq", "Sk", "B", "lse_b", "lse_h", "stride_bt")
+
 UNAVAILABLE: str | None = None  # why the kernel is not defined here; None when it is
 
 
@@ -435,9 +444,7 @@ if UNAVAILABLE is None:
                 _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
                        ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
-    # The lengths, the batch, the LSE strides and the block table's width vary call to call (a serving
-    # step's chunks): no recompile for each one's divisibility.
-    @gluon.jit(do_not_specialize=["Sq", "Sk", "B", "lse_b", "lse_h", "stride_bt"])
+    @gluon.jit(do_not_specialize=RUNTIME_INTS)
     def prefill_kernel(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, O, LSE, CuQ, CuK, qk_scale, Sq, Sk, Hq, B, GROUP,
                         stride_ob, stride_os, stride_oh, lse_b, lse_h, stride_qt, stride_qh, stride_kt, stride_kh,
                         stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp, HEAD_DIM: gl.constexpr,
