@@ -325,10 +325,11 @@ def test_warmup_leaves_the_pool_untouched(llama):
     pages that later requests hit stay exactly as they were."""
     path, hf = llama
     prompts = prompts_of([17, 9], seed=21)
-    llm = fp32_llm(path, page_size=8, num_blocks=16)
+    llm = fp32_llm(path, page_size=8, num_blocks=16, max_model_len=64)  # too short for the long prompts' step
     llm.generate(prompts, GREEDY)
     pools = [t.clone() for layer in llm.runner.kv_caches for t in layer]
     llm.runner.warmup(lengths=(1, 5, 32))  # the GPU's full set (to 256) costs minutes interpreted
+    llm.runner._warm_step(5, 3, 1)  # the long prompts' step, in small: several sequences
     after = [t for layer in llm.runner.kv_caches for t in layer]
     assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(pools, after))
     outs = llm.generate(prompts, GREEDY)
@@ -338,16 +339,23 @@ def test_warmup_leaves_the_pool_untouched(llama):
 
 def test_warmup_chunks_stay_inside_the_step_budget_and_the_model_length(llama, monkeypatch):
     path, _ = llama
-    llm = fp32_llm(path, page_size=8, num_blocks=16, max_num_batched_tokens=24, max_model_len=64)
     seen = []
-    monkeypatch.setattr(llm.runner, "model", lambda ids, pos, meta, caches: seen.append(len(ids)))
-    llm.runner.warmup(lengths=(1, 16, 32, 2048))
-    assert seen == [1, 1, 16, 16, 24, 24]  # split and not, each length once
-    llm = fp32_llm(path, page_size=8, num_blocks=16, max_model_len=20)
-    seen.clear()
-    monkeypatch.setattr(llm.runner, "model", lambda ids, pos, meta, caches: seen.append(len(ids)))
-    llm.runner.warmup(lengths=(1, 2048))
-    assert seen == [1, 1, 20, 20]
+
+    def record(llm):
+        seen.clear()
+        monkeypatch.setattr(llm.runner, "model",
+                            lambda ids, pos, meta, caches: seen.append((len(ids), meta.cu_seqlens_q.tolist())))
+        return llm.runner
+
+    # the long prompts' step (chunks of 256 rows) needs room for one chunk in the budget and the model
+    record(fp32_llm(path, page_size=8, num_blocks=16, max_num_batched_tokens=24, max_model_len=64)).warmup(
+        lengths=(1, 16, 32, 2048))
+    assert seen == [(1, [0, 1])] * 2 + [(16, [0, 16])] * 2 + [(24, [0, 24])] * 2  # split and not, once each
+    record(fp32_llm(path, page_size=8, num_blocks=16, max_num_batched_tokens=600, max_model_len=300)).warmup(
+        lengths=(1,))
+    assert seen == [(1, [0, 1])] * 2 + [(512, [0, 256, 512])]
+    record(fp32_llm(path, page_size=8, num_blocks=16, max_num_seqs=3, max_model_len=300)).warmup(lengths=())
+    assert seen == [(768, [0, 256, 512, 768])]  # the default budget allows 16 chunks, max_num_seqs 3
 
 
 def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):

@@ -207,8 +207,13 @@ def test_varlen_routing(hopper_here):
     args = (q, k, v, 3, 1024, 1024)
     assert prefill_hopper.refusal_varlen(*args, None, -1, 0, 0.0) is None
     assert prefill_hopper.refusal_varlen(*args, None, -1, -1, 0.0) is None
-    # the mean query length, not the longest, meets the size rule: a serving step's decode rows stay portable
+    # the queries of the sequences other than the longest meet the size rule: a serving step of one
+    # prompt's chunk and decode rows stays portable, one of several prompts' chunks does not
     assert "measured" in prefill_hopper.refusal_varlen(q[:700], k, v, 3, 698, 1024, None, -1, 0, 0.0)
+    step = torch.empty(2048 + 7, 4, 128, dtype=torch.bfloat16)  # a 2048-row chunk and 7 decode rows
+    assert "measured" in prefill_hopper.refusal_varlen(step, k, v, 8, 2048, 1024, None, -1, 0, 0.0)
+    assert prefill_hopper.refusal_varlen(q[:1536], k, v, 3, 1024, 1024, None, -1, 0, 0.0) is None
+    assert prefill_hopper.refusal_varlen(q[:1024], k, v, 1, 1024, 1024, None, -1, 0, 0.0) is None
     assert "measured" in prefill_hopper.refusal_varlen(q, k, v, 3, 1024, 200, None, -1, 0, 0.0)
     assert "window" in prefill_hopper.refusal_varlen(*args, None, 64, 0, 0.0)
     assert "dtypes" in prefill_hopper.refusal_varlen(q, k.to(torch.float8_e4m3fn), v, 3, 1024, 1024, None, -1, 0, 0.0)
@@ -224,14 +229,16 @@ def test_paged_routing(hopper_here):
         cache = torch.empty(64, page, 2, 128, dtype=torch.bfloat16)
         table = torch.zeros(2, 4096 // page + 1, dtype=torch.int32)
         assert why in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, -1, 0, 0.0)
-    cache = torch.empty(64, 64, 2, 128, dtype=torch.bfloat16)
-    table = torch.zeros(64, 2, dtype=torch.int32)[::2]
-    assert "block_table" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 2048, table.t(), -1, 0, 0.0)
     strided = torch.empty(64, 64, 2, 136, dtype=torch.bfloat16)[..., :128]  # rows of 272 B: TMA takes them
     table = torch.zeros(2, 64, dtype=torch.int32)
     assert prefill_hopper.refusal_varlen(q, strided, strided, 2, 1024, 4096, table, -1, 0, 0.0) is None
     odd = torch.empty(64, 64, 2, 132, dtype=torch.bfloat16)[..., :128]  # rows of 264 B: not 16-byte multiples
     assert "strides" in prefill_hopper.refusal_varlen(q, odd, odd, 2, 1024, 4096, table, -1, 0, 0.0)
+    fp8 = torch.empty(64, 64, 2, 128, dtype=torch.float8_e4m3fn)
+    assert "dtypes" in prefill_hopper.refusal_varlen(q, fp8, fp8, 2, 1024, 4096, table, -1, 0, 0.0)
+    cache = torch.empty(64, 64, 2, 128, dtype=torch.bfloat16)
+    assert "window" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, 128, 0, 0.0)
+    assert "softcap" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, -1, 0, 30.0)
 
 
 def _plan_ints(q, k, varlen=None, block_table=None, causal=True):
@@ -296,7 +303,7 @@ def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch)
 def gluon(monkeypatch):
     """Route the small test shapes to the Gluon kernel (the size rule is about speed, not results)."""
     monkeypatch.setattr(prefill_hopper, "ENABLED", True)
-    monkeypatch.setattr(prefill_hopper, "MIN_SEQLEN", dict.fromkeys(prefill_hopper.MIN_SEQLEN, 1))
+    monkeypatch.setattr(prefill_hopper, "MIN_SEQLEN", dict.fromkeys(prefill_hopper.MIN_SEQLEN, 0))
     monkeypatch.setattr(prefill_hopper, "MIN_PROGRAMS_PER_SM", 0)
 
 
@@ -436,21 +443,30 @@ def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon, monkeypatch, 
     _check_varlen([100, 0, 130, 40], [300, 5, 130, 0], 2, 2, 64, torch.bfloat16, causal)
 
 
-def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0):
+def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0, return_lse=True, odd=False):
     """A varlen call over a NaN-poisoned paged pool (:func:`helpers.make_pool`: pages in random order,
-    every slot past a sequence's keys NaN) that must take the Gluon kernel, against the reference."""
+    every slot past a sequence's keys NaN) that must take the Gluon kernel, against the reference.
+    ``odd``: the caches are the first D columns of wider rows (token strides past ``Hkv * D``) and
+    the block table the first columns of a wider one (its row stride past its width)."""
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     k_cache, v_cache, table = make_pool(lens_k, page, hkv, d, dtype, share_first=share_first)
+    if odd:
+        k_cache, v_cache = (torch.nn.functional.pad(c, (0, 8), value=float("nan"))[..., :d] for c in (k_cache, v_cache))
+        wide = torch.full((table.shape[0], table.shape[1] + 5), -7, dtype=torch.int32, device=table.device)
+        wide[:, :table.shape[1]] = table
+        table = wide[:, :table.shape[1]]
     q = randn(int(cu_q[-1]), hq, d, dtype=dtype)
     args = (q, k_cache, v_cache, len(lens_q), max(lens_q), max(lens_k), table, -1, 0 if causal else -1, 0.0)
     assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
     before = prefill_hopper.launches
-    got, lse = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                      block_table=table, return_lse=True)
+    got = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 block_table=table, return_lse=return_lse)
+    got, lse = got if return_lse else (got, None)
     assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
     want, want_lse = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cu_q, cu_k, table, causal=causal)
     assert_close(got, want, dtype)
-    assert_close(lse, want_lse, torch.float16, name="lse")
+    if return_lse:
+        assert_close(lse, want_lse, torch.float16, name="lse")
 
 
 PAGED_CASES = [  # (lengths of q, lengths of k): chunks over a cached prefix (Sq < Sk) ending mid-page, on a
@@ -482,6 +498,17 @@ def test_gluon_paged_few_programs_and_a_shared_prefix(gluon, monkeypatch, progra
     monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
     _check_paged([200, 300, 77, 129], [1000, 700, 400, 129], page, 4, 1, 128, torch.bfloat16, True, share_first=1)
     _check_paged([200, 300, 77, 129], [1000, 700, 400, 129], page, 2, 2, 64, torch.bfloat16, False)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("page", [16, 128, 384])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_paged_strided_caches_and_table_without_lse(gluon, page, causal):
+    # wider rows than Hkv * D in the caches (the host and the device descriptors take the token
+    # stride), a block table narrower than its rows, no LSE; a page of 384 rows (3 key tiles a page)
+    _check_paged([300, 100, 1], [1300, 320, 129], page, 4, 2, 128, torch.bfloat16, causal, return_lse=False,
+                 odd=True)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper_kernel.py) for sm_90 without a GPU.
 
 Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense, varlen over packed
-K/V or over pages of 16, 64 or 256 rows; ``KV`` picks some: ``KV=dense,page64``) goes through
+K/V or over pages of 16, 32, 64, 128 or 384 rows; ``KV`` picks some: ``KV=dense,page64``) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills and whether the softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from pagedflash.ops import prefill_hopper, prefill_hopper_kernel  # noqa: E402
 
-KV_LAYOUTS = os.environ.get("KV", "dense,varlen,page16,page64,page256").split(",")
+KV_LAYOUTS = os.environ.get("KV", "dense,varlen,page16,page32,page64,page128,page384").split(",")
 
 
 def sass_summary(cubin: bytes) -> str:

@@ -426,10 +426,8 @@ def _tokens(rng: random.Random, config, n: int) -> list[int]:
 
 
 def _warm(llm: LLM, config, rng) -> None:
-    """Compile the kernels of every shape class before timing (prompts unrelated to the workload). On a
-    GPU the long prompt's step has a mean query length of 1100 / 4 > 256: on sm90 it takes (compiles)
-    the Gluon prefill kernel, as the workloads' long prompts do."""
-    long = 1100 if torch.cuda.is_available() else 12
+    """Compile the kernels of every shape class before timing (prompts unrelated to the workload)."""
+    long = 300 if torch.cuda.is_available() else 12
     llm.generate([_tokens(rng, config, long)] + [_tokens(rng, config, 5) for _ in range(3)],
                  SamplingParams(max_tokens=4, ignore_eos=True))
 

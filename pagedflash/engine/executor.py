@@ -138,7 +138,7 @@ def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device
     for seq in seqs:
         seq.block_table, _ = bm.allocate(seq.seq_id, seq.token_ids)
     runner = ModelRunner(model, scratch, max_model_len=max_len, max_num_seqs=num_seqs, use_cuda_graphs=False,
-                         generator=None)
+                         generator=None, max_num_batched_tokens=tokens)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     runner.run(Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs]))

@@ -81,21 +81,23 @@ def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     return min(MAX_GRAPH_SPLITS, 1 << (want - 1).bit_length())
 
 
-# A long prompt's chunk in :meth:`ModelRunner.warmup`: 16 work items of 128 rows a head, enough for the
-# sm90 Gluon prefill kernel to take it (at least one a SM) from 9 query heads a rank on 132 SMs.
-LONG_CHUNK = 2048
+# The long prompts' step of :meth:`ModelRunner.warmup`: chunks of LONG_ROWS rows (the shortest the sm90
+# Gluon prefill kernel takes), LONG_STEP rows in all (32 of its 128-row work items a query head: at
+# least one a SM, as it needs, from 5 query heads a rank on 132 SMs).
+LONG_ROWS, LONG_STEP = 256, 4096
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, *, max_model_len: int, max_num_seqs: int,
                  use_cuda_graphs: bool, generator: torch.Generator | None, release_hooks: list | None = None,
-                 max_num_batched_tokens: int = LONG_CHUNK):
+                 max_num_batched_tokens: int = LONG_STEP):
         self.model = model
         self.kv_caches = [kv_cache[i] for i in range(len(kv_cache))]
         model.bind_kv_scales(kv_cache)
         self.page_size = kv_cache.page_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.device = kv_cache.device
         self.generator = generator
         self.pin = self.device.type == "cuda"
@@ -238,30 +240,37 @@ class ModelRunner:
         return ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx
 
     @torch.inference_mode()
-    def warmup(self, lengths: tuple[int, ...] = (*(1 << i for i in range(9)), LONG_CHUNK)) -> None:
+    def warmup(self, lengths: tuple[int, ...] = tuple(1 << i for i in range(9))) -> None:
         """Compile, before the first request, every kernel variant a step can need, so that no
         request waits for the JIT: the attention launch's tile depends on the step's longest query
         chunk (GQA packing below ``PACK_MAX_ROWS`` rows) and on whether the KV range is split, the
-        fused kernels on the token count, and a long prompt's chunk takes the Gluon prefill kernel
-        on sm90. One forward per chunk length of ``lengths`` (powers of two to 256 and
-        :data:`LONG_CHUNK`, at most the step budget and the model length), split and not; their K/V
+        fused kernels on the token count, and long prompts' chunks take the Gluon prefill kernel on
+        sm90. One forward per chunk length of ``lengths`` (powers of two to 256; at most the step
+        budget and the model length), split and not, then one of :data:`LONG_STEP` rows in chunks
+        of :data:`LONG_ROWS` (as many as the step budget and ``max_num_seqs`` allow). Their K/V
         writes go nowhere (slot -1) and their pages are page 0, read only."""
-        p = self.page_size
-        dev = self.device
         with validate.value_checks(False):
             for q_len in sorted({min(n, self.max_model_len, self.max_num_batched_tokens) for n in lengths}):
                 for splits in (1, 2):
-                    meta = AttentionMetadata(
-                        slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=dev),
-                        cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
-                        cu_seqlens_k=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
-                        max_seqlen_q=q_len, max_seqlen_k=q_len, num_splits=splits,
-                        block_tables=torch.zeros((1, -(-q_len // p)), dtype=torch.int32, device=dev),
-                    )
-                    ids = torch.zeros(q_len, dtype=torch.int64, device=dev)
-                    self.model(ids, torch.arange(q_len, device=dev), meta, self.kv_caches)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+                    self._warm_step(q_len, 1, splits)
+            seqs = min(LONG_STEP, self.max_num_batched_tokens) // LONG_ROWS
+            if LONG_ROWS <= self.max_model_len and min(seqs, self.max_num_seqs) > 0:
+                self._warm_step(LONG_ROWS, min(seqs, self.max_num_seqs), 1)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_step(self, q_len: int, num_seqs: int, splits: int) -> None:
+        """One forward of ``num_seqs`` fresh sequences of ``q_len`` tokens each (writes to slot -1,
+        every page page 0)."""
+        dev, total = self.device, q_len * num_seqs
+        cu = torch.arange(0, total + 1, q_len, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=dev), cu_seqlens_q=cu, cu_seqlens_k=cu,
+            max_seqlen_q=q_len, max_seqlen_k=q_len, num_splits=splits,
+            block_tables=torch.zeros((num_seqs, -(-q_len // self.page_size)), dtype=torch.int32, device=dev),
+        )
+        positions = torch.arange(q_len, device=dev).repeat(num_seqs)
+        self.model(torch.zeros(total, dtype=torch.int64, device=dev), positions, meta, self.kv_caches)
 
     # ------------------------------------------------------------------ decode-only steps
     def _alloc_decode_buffers(self, rows: int) -> None:

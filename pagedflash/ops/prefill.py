@@ -2,8 +2,8 @@
 
 Both validate on the host, then launch :mod:`pagedflash.ops.attention` (through their
 ``torch.ops.pagedflash`` operators while ``torch.compile`` traces: :mod:`pagedflash.ops.custom_ops`);
-dense calls and varlen calls over packed K/V on Hopper launch :mod:`pagedflash.ops.prefill_hopper`
-instead where it is faster.
+dense calls and varlen calls over packed K/V or a paged cache on Hopper launch the Gluon kernel
+instead where it is faster (:mod:`pagedflash.ops.prefill_hopper` decides).
 Memory is O(N·D): the scores are never materialized. With ``block_table`` the varlen form reads
 keys/values from a paged cache, which makes it chunked prefill over a cached prefix and the mixed
 prefill+decode launch of a serving step.

@@ -62,9 +62,11 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
                    max_seqlen_k: int, block_table: torch.Tensor | None, window_left: int, window_right: int,
                    softcap: float, sinks: torch.Tensor | None = None) -> str | None:
     """:func:`refusal` for a validated :func:`pagedflash.flash_attn_varlen_func` call, over packed K/V
-    or (``block_table``) a paged cache of :data:`PAGE_SIZES`. The size rule takes the mean query
-    length (a serving step's decode rows, one query over a long context each, stay with the
-    portable kernel, which splits their keys) and the longest key length."""
+    or (``block_table``) a paged cache of :data:`PAGE_SIZES`. The size rule takes the longest key
+    length and, for the queries, the mean length of the sequences other than the longest: a serving
+    step of one prompt's chunk and decode rows (one query over a long context each: a work item of
+    one row that runs every key tile on one program) stays with the portable kernel, which packs and
+    splits those rows."""
     if not ENABLED:
         return "PAGEDFLASH_GLUON=0"
     if UNAVAILABLE is not None:
@@ -72,23 +74,22 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
     hkv = k.shape[1]
     if block_table is not None:
         page, hkv = k.shape[1], k.shape[2]
-        if not (page in PAGE_SIZES or page % BLOCK_N == 0):
+        if not (page in PAGE_SIZES or (page > 0 and page % BLOCK_N == 0)):
             return f"page size {page} (the kernel takes {PAGE_SIZES} or multiples of {BLOCK_N})"
-        if block_table.stride(1) != 1:
-            return "block_table: pages not contiguous"
+    others = max(q.shape[0] - max_seqlen_q, 0) // (batch - 1) if batch > 1 else q.shape[0]
     return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], hkv, q.shape[2], window_left,
-                    window_right, softcap, sinks, mean_q=q.shape[0] // max(batch, 1))
+                    window_right, softcap, sinks, typical_q=others)
 
 
 def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, window_left: int, window_right: int,
-             softcap: float, sinks, mean_q: int | None = None) -> str | None:
+             softcap: float, sinks, typical_q: int | None = None) -> str | None:
     causal = window_right == 0
     min_len = MIN_SEQLEN.get((d, causal))
     if min_len is None:
         return f"head dim {d} (routed: {sorted({dim for dim, _ in MIN_SEQLEN})})"
     if sk == 0:
         return "no keys"
-    rule_q = sq if mean_q is None else mean_q
+    rule_q = sq if typical_q is None else typical_q
     if min(rule_q, sk) < min_len:  # first among the rest: the common refusal (short prefill chunks) costs least
         return f"Sq={rule_q}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:

@@ -210,6 +210,16 @@ if UNAVAILABLE is None:
                                             smem.index(slot).reshape([1, ROWS, 1, HEAD_DIM]))
 
     @gluon.jit
+    def _rows(base, tok0, head, rows, stride_t, stride_h, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+              layout: gl.constexpr):
+        """A descriptor made on the device over ``rows`` tokens from ``tok0`` of one head (``[rows, D]``,
+        zero fill past them), boxes of ``BLOCK_ROWS`` rows. Each call site owns its global scratch."""
+        offset = gl.to_tensor(tok0).to(gl.int64) * stride_t + head.to(gl.int64) * stride_h
+        return tma.make_tensor_descriptor(base + offset,
+                                          shape=[rows, HEAD_DIM], strides=[stride_t, 1],
+                                          block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+    @gluon.jit
     def _page_ids(BlockTable, b, j, sk, stride_bt, stride_bp, PAGE: gl.constexpr, CHUNK: gl.constexpr,
                   BN: gl.constexpr):
         """The pages of key tile ``j``'s chunks that hold ``CHUNK`` keys of sequence ``b`` (0 for the
@@ -258,7 +268,11 @@ if UNAVAILABLE is None:
         are made here, per item, over its sequence's rows of its heads (zero fill past the sequence),
         each once the copies through the last item's have landed (a descriptor is rewritten in place).
         ``PAGE``: K/V come from the pages of a cache through the host's descriptors (``k_desc``,
-        ``v_desc``), but for the sequence's last page, whose descriptors are made here (:func:`_load_paged`)."""
+        ``v_desc``), but for the chunks reaching past the sequence's last key, which go through
+        descriptors made here over its last page (:func:`_load_kv`)."""
+        q_layout: gl.constexpr = q_smem.layout
+        k_layout: gl.constexpr = k_smem.layout
+        v_layout: gl.constexpr = v_smem.layout
         n_m, count = _schedule(Sq, Hq, B, BM)
         it = 0
         nq = 0  # items loaded so far (the Q slots' phase)
@@ -279,30 +293,20 @@ if UNAVAILABLE is None:
                         for idx in range(gl.maximum(it - STAGES, prev), it):
                             mbarrier.wait(k_ready.index(idx % STAGES), (idx // STAGES) & 1)
                             mbarrier.wait(v_ready.index(idx % STAGES), (idx // STAGES) & 1)
-                    qd = tma.make_tensor_descriptor(
-                        q_desc + q_start.to(gl.int64) * stride_qt + h.to(gl.int64) * stride_qh, shape=[sq, HEAD_DIM],
-                        strides=[stride_qt, 1], block_shape=[ROWS, HEAD_DIM], layout=q_smem.layout)
+                    qd = _rows(q_desc, q_start, h, sq, stride_qt, stride_qh, ROWS, HEAD_DIM, q_layout)
                     if PAGE > 0:
                         kd = k_desc
                         vd = v_desc
                         last_page = (sk - 1) // PAGE
                         tail_start = last_page * PAGE
                         blk = gl.load(BlockTable + b * stride_bt + last_page * stride_bp).to(gl.int64)
-                        kt = tma.make_tensor_descriptor(
-                            Kc + blk * stride_kb + kv_head.to(gl.int64) * stride_kh, shape=[sk - tail_start, HEAD_DIM],
-                            strides=[stride_kt, 1], block_shape=[CHUNK, HEAD_DIM], layout=k_smem.layout)
-                        vt = tma.make_tensor_descriptor(
-                            Vc + blk * stride_vb + kv_head.to(gl.int64) * stride_vh, shape=[sk - tail_start, HEAD_DIM],
-                            strides=[stride_vt, 1], block_shape=[CHUNK, HEAD_DIM], layout=v_smem.layout)
+                        kt = _rows(Kc + blk * stride_kb, 0, kv_head, sk - tail_start, stride_kt, stride_kh, CHUNK,
+                                   HEAD_DIM, k_layout)
+                        vt = _rows(Vc + blk * stride_vb, 0, kv_head, sk - tail_start, stride_vt, stride_vh, CHUNK,
+                                   HEAD_DIM, v_layout)
                     else:
-                        kd = tma.make_tensor_descriptor(
-                            k_desc + k_start.to(gl.int64) * stride_kt + kv_head.to(gl.int64) * stride_kh,
-                            shape=[sk, HEAD_DIM], strides=[stride_kt, 1], block_shape=[BN, HEAD_DIM],
-                            layout=k_smem.layout)
-                        vd = tma.make_tensor_descriptor(
-                            v_desc + k_start.to(gl.int64) * stride_vt + kv_head.to(gl.int64) * stride_vh,
-                            shape=[sk, HEAD_DIM], strides=[stride_vt, 1], block_shape=[BN, HEAD_DIM],
-                            layout=v_smem.layout)
+                        kd = _rows(k_desc, k_start, kv_head, sk, stride_kt, stride_kh, BN, HEAD_DIM, k_layout)
+                        vd = _rows(v_desc, k_start, kv_head, sk, stride_vt, stride_vh, BN, HEAD_DIM, v_layout)
                         kt = kd
                         vt = vd
                         tail_start = 0
