@@ -132,17 +132,18 @@ def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -
     t = torch.arange(n_items, device="cpu")
     cost = tiles[n_m - 1 - t % n_m]  # item t's key tiles (the kernel's _item order)
     total = cost.sum().item()
-
-    def busiest(p: int) -> float:
-        pid = torch.where(t // p % 2 == 0, t % p, p - 1 - t % p)  # the kernel's deal (_schedule)
-        return torch.bincount(pid, weights=cost, minlength=p).max().item()
-
-    best_p, best = sms, busiest(sms)
-    for p in range(sms - 1, max(int(0.85 * sms), 1) - 1, -1):
-        if best <= total / p:
-            break
-        if (load := busiest(p)) < best:
-            best_p, best = p, load
+    best_p, best = sms, float("inf")
+    counts = list(range(sms, max(int(0.85 * sms), 1) - 1, -1))
+    step = max(1, (1 << 22) // n_items)  # counts scored at once: ~4M items' deals in memory
+    for i in range(0, len(counts), step):
+        if best <= total / counts[i]:
+            break  # no smaller count can beat it
+        p = torch.tensor(counts[i:i + step], device="cpu")[:, None]
+        pid = torch.where(t // p % 2 == 0, t % p, p - 1 - t % p)  # the kernel's deal (_schedule), per count
+        loads = torch.zeros(len(p), sms, dtype=torch.float64).scatter_add_(1, pid, cost.expand(len(p), -1))
+        load, at = loads.max(1).values.min(0)  # the first of equal loads: the largest count
+        if load.item() < best:
+            best_p, best = counts[i + at.item()], load.item()
     return best_p
 
 
