@@ -357,6 +357,18 @@ def test_persistent_programs_take_many_items(gluon, monkeypatch, programs, causa
         _check_gluon(q, k, v, dtype, causal=causal)
 
 
+def _through_gluon(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, block_table=None, out=None):
+    """A :func:`flash_attn_varlen_func` call that the routing must send to the Gluon kernel, and does:
+    ``(out, lse)`` (lse None without ``return_lse``)."""
+    args = (q, k, v, cu_q.shape[0] - 1, max_q, max_k, block_table, -1, 0 if causal else -1, 0.0)
+    assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
+    before = prefill_hopper.launches
+    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, block_table=block_table,
+                                 return_lse=return_lse, out=out)
+    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    return got if return_lse else (got, None)
+
+
 def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False, return_lse=True, fused=False):
     """A varlen call that must take the Gluon kernel, against the fp32 reference (out and LSE);
     with ``poison_last_v`` the last sequence's V is inf and only the others are compared; ``fused``:
@@ -373,13 +385,8 @@ def _check_varlen(lens_q, lens_k, hq, hkv, d, dtype, causal, poison_last_v=False
             randn(int(cu_k[-1]), hkv, d, dtype=dtype)
     if poison_last_v:
         v[int(cu_k[-2]):] = float("inf")
-    args = (q, k, v, len(lens_q), max(lens_q), max(lens_k), None, -1, 0 if causal else -1, 0.0)
-    assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
-    before = prefill_hopper.launches
-    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                 return_lse=return_lse, out=out)
-    got, lse = got if return_lse else (got, None)
-    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    got, lse = _through_gluon(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, return_lse=return_lse,
+                              out=out)
     assert out is None or got is out
     want, want_lse = ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     rows = int(cu_q[-2]) if poison_last_v else q.shape[0]
@@ -456,13 +463,8 @@ def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0,
         wide[:, :table.shape[1]] = table
         table = wide[:, :table.shape[1]]
     q = randn(int(cu_q[-1]), hq, d, dtype=dtype)
-    args = (q, k_cache, v_cache, len(lens_q), max(lens_q), max(lens_k), table, -1, 0 if causal else -1, 0.0)
-    assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
-    before = prefill_hopper.launches
-    got = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                 block_table=table, return_lse=return_lse)
-    got, lse = got if return_lse else (got, None)
-    assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+    got, lse = _through_gluon(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                              block_table=table, return_lse=return_lse)
     want, want_lse = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cu_q, cu_k, table, causal=causal)
     assert_close(got, want, dtype)
     if return_lse:

@@ -253,9 +253,9 @@ class ModelRunner:
             for q_len in sorted({min(n, self.max_model_len, self.max_num_batched_tokens) for n in lengths}):
                 for splits in (1, 2):
                     self._warm_step(q_len, 1, splits)
-            seqs = min(LONG_STEP, self.max_num_batched_tokens) // LONG_ROWS
-            if LONG_ROWS <= self.max_model_len and min(seqs, self.max_num_seqs) > 0:
-                self._warm_step(LONG_ROWS, min(seqs, self.max_num_seqs), 1)
+            seqs = min(min(LONG_STEP, self.max_num_batched_tokens) // LONG_ROWS, self.max_num_seqs)
+            if LONG_ROWS <= self.max_model_len and seqs > 0:
+                self._warm_step(LONG_ROWS, seqs, 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

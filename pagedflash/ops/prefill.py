@@ -42,15 +42,15 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
 def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
+    scale = validate.check_scale(softmax_scale, q.shape[-1])
     if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:  # sm90: Gluon
         try:
-            return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
-                                          window_right == 0, return_lse)
+            return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, return_lse=return_lse, out=out, sinks=sinks,
     )[1]
 
@@ -60,19 +60,18 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    k_descale=None, v_descale=None):
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
-    batch = cu_seqlens_q.shape[0] - 1
+    batch, scale = cu_seqlens_q.shape[0] - 1, validate.check_scale(softmax_scale, q.shape[-1])
     if prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left,
                                      window_right, softcap, sinks) is None:  # descales come with fp8 K/V: refused
         try:
-            return prefill_hopper.forward(q, k, v, out, validate.check_scale(softmax_scale, q.shape[-1]),
-                                          window_right == 0, return_lse,
+            return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
                                           varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                                           block_table=block_table)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
         q, k, v, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
         num_splits=num_splits, return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale,
         v_descale=v_descale,

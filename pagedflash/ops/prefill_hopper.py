@@ -71,13 +71,12 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
         return "PAGEDFLASH_GLUON=0"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
-    hkv = k.shape[1]
     if block_table is not None:
-        page, hkv = k.shape[1], k.shape[2]
+        page = k.shape[1]
         if not (page in PAGE_SIZES or (page > 0 and page % BLOCK_N == 0)):
             return f"page size {page} (the kernel takes {PAGE_SIZES} or multiples of {BLOCK_N})"
     others = max(q.shape[0] - max_seqlen_q, 0) // (batch - 1) if batch > 1 else q.shape[0]
-    return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], hkv, q.shape[2], window_left,
+    return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[-2], q.shape[2], window_left,
                     window_right, softcap, sinks, typical_q=others)
 
 
@@ -170,21 +169,18 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
         plan.descs = tuple((list(t.shape), list(t.stride()), block, layout)
                            for t, block, layout in ((q, q_block, q_layout), (k, kv_block, kv_layout),
                                                     (v, kv_block, kv_layout)))
-    elif block_table is None:  # packed [total, H, D]: the kernel makes its descriptors; out, LSE [Hq, total_q]
+    else:  # packed q [total, H, D]: the kernel makes its descriptors; out and LSE [Hq, total_q] by token
         batch, sq, sk = varlen
-        hq, hkv = q.shape[1], k.shape[1]
+        hq, hkv = q.shape[1], k.shape[-2]
+        # K/V by token and head: packed [total, H, D], or paged [blocks, page, H, D] (token = row of a page)
         ints.update(stride_os=out.stride(0), stride_oh=out.stride(1), lse_h=q.shape[0], stride_qt=q.stride(0),
-                    stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1), stride_vt=v.stride(0),
-                    stride_vh=v.stride(1))
+                    stride_qh=q.stride(1), stride_kt=k.stride(-3), stride_kh=k.stride(-2), stride_vt=v.stride(-3),
+                    stride_vh=v.stride(-2))
         plan.descs = None
-    else:  # packed q, paged caches: host descriptors over the caches' pages, the kernel makes the rest
-        batch, sq, sk = varlen
-        hq, hkv = q.shape[1], k.shape[2]
-        ints.update(stride_os=out.stride(0), stride_oh=out.stride(1), lse_h=q.shape[0], stride_qt=q.stride(0),
-                    stride_qh=q.stride(1), stride_kt=k.stride(1), stride_kh=k.stride(2), stride_vt=v.stride(1),
-                    stride_vh=v.stride(2), stride_kb=k.stride(0), stride_vb=v.stride(0),
-                    stride_bt=block_table.stride(0), stride_bp=block_table.stride(1))
-        plan.descs = tuple((list(t.shape), list(t.stride()), kv_block, kv_layout) for t in (k, v))
+        if block_table is not None:  # host descriptors over the caches' pages too
+            ints.update(stride_kb=k.stride(0), stride_vb=v.stride(0), stride_bt=block_table.stride(0),
+                        stride_bp=block_table.stride(1))
+            plan.descs = tuple((list(t.shape), list(t.stride()), kv_block, kv_layout) for t in (k, v))
     ints.update(Sq=sq, Sk=sk, Hq=hq, B=batch, GROUP=hq // hkv)
     plan.ints = ints
     n_m = cdiv(sq, BLOCK_M)
@@ -192,6 +188,11 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     plan.consts, plan.options = consts, options
     plan.failed = False
     return plan
+
+
+def _descriptors(tensors, descs) -> list:
+    """Host TMA descriptors over ``tensors`` from a plan's ``(shape, strides, block, layout)``."""
+    return [kernel.TensorDescriptor(t, *desc) for t, desc in zip(tensors, descs)]
 
 
 class Fallback(Exception):
@@ -217,21 +218,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         raise Fallback
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
-    caches = (None, None, None)
-    if varlen is None:
-        tensors = [kernel.TensorDescriptor(t, shape, strides, block, layout)
-                   for t, (shape, strides, block, layout) in zip((q, k, v), plan.descs)] + [None, None]
+    if varlen is None:  # host descriptors over q, k, v
+        operands = (*_descriptors((q, k, v), plan.descs), None, None, None, None, None)
     else:
         ensure_tma_allocator()  # the kernel's descriptors live in Triton's global scratch
-        tensors = [q, k, v, varlen[0], varlen[1]]
-        if block_table is not None:
-            tensors[1:3] = [kernel.TensorDescriptor(t, shape, strides, block, layout)
-                            for t, (shape, strides, block, layout) in zip((k, v), plan.descs)]
-            caches = (k, v, block_table)
-    q_t, k_t, v_t, cu_q, cu_k = tensors
+        if block_table is None:  # the packed tensors themselves
+            operands = (q, k, v, None, None, None, *varlen[:2])
+        else:  # host descriptors over the caches' pages, and the caches for the last pages'
+            operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *varlen[:2])
+    q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
     try:
-        kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, *caches, out, out if lse is None else lse, cu_q, cu_k,
-                                   sm_scale * LOG2E.value, **plan.ints, **plan.consts, **plan.options)
+        kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q,
+                                         cu_k, sm_scale * LOG2E.value, **plan.ints, **plan.consts, **plan.options)
     except kernel.COMPILE_ERRORS as e:
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)
