@@ -12,7 +12,7 @@ proving the Gluon kernel ran; the shapes are small, so the measured-size rule is
 
 import pytest
 import torch
-from helpers import DEVICE, ON_GPU, assert_close, cu_seqlens, ids, make_pool, randn
+from helpers import DEVICE, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
@@ -127,8 +127,8 @@ def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
 def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen, block_table):
-        calls.append((sm_scale, causal, return_lse, varlen[2:]))
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen, block_table, k_descale, v_descale):
+        calls.append((sm_scale, causal, return_lse, varlen[2:], k_descale, v_descale))
         out.zero_()
         return torch.zeros(q.shape[1], q.shape[0], device=q.device) if return_lse else None
 
@@ -138,7 +138,7 @@ def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
     q, k, v = randn(20, 2, 16), randn(20, 1, 16), randn(20, 1, 16)
     out, lse = flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True, softmax_scale=0.5, return_lse=True)
     if routed:
-        assert calls == [(0.5, True, True, (11, 11))] and torch.equal(out, torch.zeros_like(out))
+        assert calls == [(0.5, True, True, (11, 11), None, None)] and torch.equal(out, torch.zeros_like(out))
     else:
         assert calls == []
         assert_close(out, ref.varlen_attention_ref(q, k, v, cu, cu, causal=True, softmax_scale=0.5)[0],
@@ -217,6 +217,10 @@ def test_varlen_routing(hopper_here):
     assert "measured" in prefill_hopper.refusal_varlen(q, k, v, 3, 1024, 200, None, -1, 0, 0.0)
     assert "window" in prefill_hopper.refusal_varlen(*args, None, 64, 0, 0.0)
     assert "dtypes" in prefill_hopper.refusal_varlen(q, k.to(torch.float8_e4m3fn), v, 3, 1024, 1024, None, -1, 0, 0.0)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # fp8 K/V: the convert partition's launch
+        assert prefill_hopper.refusal_varlen(q, k.to(fp8), v.to(fp8), 3, 1024, 1024, None, -1, 0, 0.0) is None
+    assert "dtypes" in prefill_hopper.refusal_varlen(q.float(), k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn),
+                                                     3, 1024, 1024, None, -1, 0, 0.0)
 
 
 def test_paged_routing(hopper_here):
@@ -234,15 +238,21 @@ def test_paged_routing(hopper_here):
     assert prefill_hopper.refusal_varlen(q, strided, strided, 2, 1024, 4096, table, -1, 0, 0.0) is None
     odd = torch.empty(64, 64, 2, 132, dtype=torch.bfloat16)[..., :128]  # rows of 264 B: not 16-byte multiples
     assert "strides" in prefill_hopper.refusal_varlen(q, odd, odd, 2, 1024, 4096, table, -1, 0, 0.0)
-    fp8 = torch.empty(64, 64, 2, 128, dtype=torch.float8_e4m3fn)
-    assert "dtypes" in prefill_hopper.refusal_varlen(q, fp8, fp8, 2, 1024, 4096, table, -1, 0, 0.0)
+    for page in (16, 32, 64, 256):  # fp8 pools from 32 rows a page (16: the portable kernel measured faster)
+        fp8 = torch.empty(64, page, 2, 128, dtype=torch.float8_e4m3fn)
+        table = torch.zeros(2, 4096 // page, dtype=torch.int32)
+        reason = prefill_hopper.refusal_varlen(q, fp8, fp8, 2, 1024, 4096, table, -1, 0, 0.0)
+        assert (reason is None) if page >= 32 else "fp8 pages of 16 rows" in reason, (page, reason)
+    table = torch.zeros(2, 64, dtype=torch.int32)
+    odd = torch.empty(64, 64, 2, 136, dtype=torch.float8_e4m3fn)[..., :128]  # rows of 136 B: not 16-byte multiples
+    assert "strides" in prefill_hopper.refusal_varlen(q, odd, odd, 2, 1024, 4096, table, -1, 0, 0.0)
     cache = torch.empty(64, 64, 2, 128, dtype=torch.bfloat16)
     assert "window" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, 128, 0, 0.0)
     assert "softcap" in prefill_hopper.refusal_varlen(q, cache, cache, 2, 1024, 4096, table, -1, 0, 30.0)
 
 
 def _plan_ints(q, k, varlen=None, block_table=None, causal=True):
-    return prefill_hopper._make_plan(q, k, k, torch.empty_like(q), causal, False, varlen, block_table).ints
+    return prefill_hopper._make_plan(q, k, k, torch.empty_like(q), causal, False, varlen, block_table, None, None).ints
 
 
 def _compile_classes(ints):
@@ -298,13 +308,61 @@ def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch)
     assert len(tried) == 1
 
 
+def _emulate_fp8_to_bf16(words: list[int], shift, mask, scale, nan_and, nan_add, nan_or) -> torch.Tensor:
+    """What :func:`prefill_hopper_kernel._fp8_to_bf16_asm`'s PTX computes, op for op, on 32-bit words:
+    the bf16 values of their bytes, in byte order."""
+    def prmt(a, sel):  # prmt.b32 d, a, 0, sel (bit 3 of a selector nibble: the byte's sign, replicated)
+        out = 0
+        for i in range(4):
+            nib = (sel >> 4 * i) & 0xF
+            byte = (a >> 8 * (nib & 7)) & 0xFF if nib & 7 < 4 else 0
+            out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * i
+        return out
+
+    def mul_bf16x2(w, c):  # exact here: c's halves are powers of two
+        halves = torch.tensor([w & 0xFFFF, w >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        cs = torch.tensor([c & 0xFFFF, c >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        bits = (halves.float() * cs.float()).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    values = []
+    for x in words:
+        outs = []
+        for sel in (0x1404, 0x3424):
+            w = prmt(x, sel)
+            t = (w >> shift) & mask
+            outs.append(mul_bf16x2((w & 0x80008000) | t, scale))
+        m = ((x & nan_and) + nan_add) & 0xFFFFFFFF
+        outs = [o | (prmt(m, sel) & nan_or) for o, sel in zip(outs, (0x9988, 0xBBAA))]
+        for o in outs:
+            values += [o & 0xFFFF, o >> 16]
+    return torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=ids)
+def test_the_fp8_to_bf16_bit_conversion_is_exact(fp8):
+    # every byte value at every position of a word: the same bf16 as PyTorch's conversion (NaN as NaN,
+    # inf, signed zeros and subnormals included)
+    from pagedflash.ops.prefill_hopper_kernel import FP8_TO_BF16
+    rows = torch.arange(256)
+    data = torch.stack([rows, (rows * 7 + 3) % 256, (rows * 13 + 5) % 256, (rows * 31 + 11) % 256], 1)
+    words = [int(a) | int(b) << 8 | int(c) << 16 | int(d) << 24 for a, b, c, d in data.tolist()]
+    got = _emulate_fp8_to_bf16(words, *FP8_TO_BF16[fp8])
+    want = data.reshape(-1).to(torch.uint8).view(fp8).to(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
 # ------------------------------------------------------------------------------------------ sm90
 @pytest.fixture
 def gluon(monkeypatch):
-    """Route the small test shapes to the Gluon kernel (the size rule is about speed, not results)."""
+    """Route the small test shapes (and fp8 pools of 16-row pages) to the Gluon kernel (those rules are
+    about speed, not results)."""
     monkeypatch.setattr(prefill_hopper, "ENABLED", True)
     monkeypatch.setattr(prefill_hopper, "MIN_SEQLEN", dict.fromkeys(prefill_hopper.MIN_SEQLEN, 0))
     monkeypatch.setattr(prefill_hopper, "MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(prefill_hopper, "FP8_MIN_PAGE", 0)
 
 
 def _check_gluon(q, k, v, dtype, out=None, **opts):
@@ -357,14 +415,15 @@ def test_persistent_programs_take_many_items(gluon, monkeypatch, programs, causa
         _check_gluon(q, k, v, dtype, causal=causal)
 
 
-def _through_gluon(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, block_table=None, out=None):
+def _through_gluon(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, return_lse, block_table=None, out=None,
+                   k_descale=None, v_descale=None):
     """A :func:`flash_attn_varlen_func` call that the routing must send to the Gluon kernel, and does:
     ``(out, lse)`` (lse None without ``return_lse``)."""
     args = (q, k, v, cu_q.shape[0] - 1, max_q, max_k, block_table, -1, 0 if causal else -1, 0.0)
     assert prefill_hopper.refusal_varlen(*args) is None, prefill_hopper.refusal_varlen(*args)
     before = prefill_hopper.launches
     got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, block_table=block_table,
-                                 return_lse=return_lse, out=out)
+                                 return_lse=return_lse, out=out, k_descale=k_descale, v_descale=v_descale)
     assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
     return got if return_lse else (got, None)
 
@@ -450,13 +509,30 @@ def test_gluon_varlen_few_programs_and_a_poisoned_neighbour(gluon, monkeypatch, 
     _check_varlen([100, 0, 130, 40], [300, 5, 130, 0], 2, 2, 64, torch.bfloat16, causal)
 
 
-def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0, return_lse=True, odd=False):
+def _descales(kind, hkv):
+    """fp8 descales: None, one for all heads (``[]``), or one per KV head (``[Hkv]``, a strided view)."""
+    if kind is None:
+        return None, None
+    if kind == "tensor":
+        return torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
+    scales = torch.rand(2, hkv, 2, device="cuda") + 0.5
+    return scales[0, :, 0], scales[1, :, 1]
+
+
+def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0, return_lse=True, odd=False,
+                 fp8=None, descale=None):
     """A varlen call over a NaN-poisoned paged pool (:func:`helpers.make_pool`: pages in random order,
     every slot past a sequence's keys NaN) that must take the Gluon kernel, against the reference.
     ``odd``: the caches are the first D columns of wider rows (token strides past ``Hkv * D``) and
-    the block table the first columns of a wider one (its row stride past its width)."""
+    the block table the first columns of a wider one (its row stride past its width). ``fp8``: the
+    pool in that dtype (NaN in fp8 too), with ``descale`` (:func:`_descales`), against the reference
+    over the dequantized pool."""
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    k_cache, v_cache, table = make_pool(lens_k, page, hkv, d, dtype, share_first=share_first)
+    if fp8 is None:
+        k_cache, v_cache, table = make_pool(lens_k, page, hkv, d, dtype, share_first=share_first)
+    else:
+        k_cache, v_cache, table = fp8_pool(lens_k, page, hkv, d, fp8, share_first=share_first)
+    kd, vd = _descales(descale, hkv)
     if odd:
         k_cache, v_cache = (torch.nn.functional.pad(c, (0, 8), value=float("nan"))[..., :d] for c in (k_cache, v_cache))
         wide = torch.full((table.shape[0], table.shape[1] + 5), -7, dtype=torch.int32, device=table.device)
@@ -464,8 +540,9 @@ def _check_paged(lens_q, lens_k, page, hq, hkv, d, dtype, causal, share_first=0,
         table = wide[:, :table.shape[1]]
     q = randn(int(cu_q[-1]), hq, d, dtype=dtype)
     got, lse = _through_gluon(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                              block_table=table, return_lse=return_lse)
-    want, want_lse = ref.paged_varlen_attention_ref(q, k_cache, v_cache, cu_q, cu_k, table, causal=causal)
+                              block_table=table, return_lse=return_lse, k_descale=kd, v_descale=vd)
+    want, want_lse = ref.paged_varlen_attention_ref(q, ref.dequantize_ref(k_cache, kd), ref.dequantize_ref(v_cache, vd),
+                                                    cu_q, cu_k, table, causal=causal)
     assert_close(got, want, dtype)
     if return_lse:
         assert_close(lse, want_lse, torch.float16, name="lse")
@@ -511,6 +588,50 @@ def test_gluon_paged_strided_caches_and_table_without_lse(gluon, page, causal):
     # stride), a block table narrower than its rows, no LSE; a page of 384 rows (3 key tiles a page)
     _check_paged([300, 100, 1], [1300, 320, 129], page, 4, 2, 128, torch.bfloat16, causal, return_lse=False,
                  odd=True)
+
+
+FP8_CASES = [  # (fp8 dtype, descales)
+    (torch.float8_e4m3fn, None), (torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "head"),
+    (torch.float8_e5m2, "head"),
+]
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("lens", PAGED_CASES[:3], ids=str)
+def test_gluon_paged_fp8_against_reference(gluon, dtype, d, causal, page, lens):
+    # fp8 pools: the convert partition turns each landed tile into q's dtype; the descales by KV head
+    # (and one for all, and none) join the score and output scales
+    fp8, descale = FP8_CASES[(d + page + causal + len(lens[0])) % len(FP8_CASES)]
+    _check_paged(*lens, page, 4, 2, d, dtype, causal, fp8=fp8, descale=descale)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("case", FP8_CASES, ids=str)
+def test_gluon_fp8_few_programs_and_packed_kv(gluon, monkeypatch, programs, case):
+    # many items a program: the fp8 ring, the converted ring and the convert partition's count of
+    # tiles run on across items (and skip the items without rows or keys); packed fp8 K/V too
+    monkeypatch.setattr(prefill_hopper, "num_sms", lambda device: programs)
+    monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
+    fp8, descale = case
+    _check_paged([200, 300, 0, 77, 129], [1000, 700, 50, 400, 129], 32, 4, 1, 128, torch.bfloat16, True,
+                 share_first=1, fp8=fp8, descale=descale)
+    lens_q, lens_k = [300, 130, 0, 77], [700, 0, 5, 77]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = randn(int(cu_q[-1]), 2, 64, dtype=torch.float16)
+    k, v = (randn(int(cu_k[-1]), 2, 64, dtype=torch.float32).to(fp8) for _ in range(2))
+    kd, vd = _descales(descale, 2)
+    got, lse = _through_gluon(q, k, v, cu_q, cu_k, 300, 700, causal=False, return_lse=True, k_descale=kd,
+                              v_descale=vd)
+    want, want_lse = ref.varlen_attention_ref(q, ref.dequantize_ref(k, kd), ref.dequantize_ref(v, vd), cu_q, cu_k)
+    assert_close(got, want, torch.float16)
+    assert_close(lse, want_lse, torch.float16, name="lse")
 
 
 @pytest.mark.gpu

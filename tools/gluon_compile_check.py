@@ -1,7 +1,8 @@
 """Compile the Gluon Hopper prefill kernel (pagedflash/ops/prefill_hopper_kernel.py) for sm_90 without a GPU.
 
 Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense, varlen over packed
-K/V or over pages of 16, 32, 64, 128 or 384 rows; ``KV`` picks some: ``KV=dense,page64``) goes through
+K/V or over pages of 16, 32, 64, 128 or 384 rows, and fp8 K/V (``varlen:e4m3``, ``page64:e4m3``,
+``page128:e5m2``, ...); ``KV`` picks some: ``KV=dense,page64``) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills and whether the softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
@@ -27,7 +28,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from pagedflash.ops import prefill_hopper, prefill_hopper_kernel  # noqa: E402
 
-KV_LAYOUTS = os.environ.get("KV", "dense,varlen,page16,page32,page64,page128,page384").split(",")
+KV_LAYOUTS = os.environ.get(
+    "KV", "dense,varlen,page16,page32,page64,page128,page384,varlen:e4m3,page16:e4m3,page64:e4m3,page128:e5m2").split(",")
 
 
 def sass_summary(cubin: bytes) -> str:
@@ -58,6 +60,7 @@ def main() -> int:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = prefill_hopper_kernel.prefill_kernel
+    FP8 = {"e4m3": (torch.float8_e4m3fn, "fp8e4nv"), "e5m2": (torch.float8_e5m2, "fp8e5")}  # noqa: N806
     missing = [a for a in prefill_hopper_kernel.INT_ARGS if a not in kernel.arg_names]
     if missing:
         print(f"INT_ARGS names no argument of the kernel: {missing}")
@@ -68,20 +71,27 @@ def main() -> int:
             for causal in (False, True):
                 for write_lse in (False, True):
                     for kv in KV_LAYOUTS:
+                        kv, _, fp8 = kv.partition(":")
                         varlen, page = kv != "dense", int(kv[4:]) if kv.startswith("page") else 0
-                        tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} {kv}"
+                        tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} {kv}{' ' + fp8 if fp8 else ''}"
                         consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper_kernel.kernel_config(
-                            d, causal, write_lse, dtype, varlen, page)
-                        kv_desc = f"tensordesc<{short}{kv_block},{kv_layout!r}>"
+                            d, causal, write_lse, dtype, varlen, page, FP8[fp8][0] if fp8 else None)
+                        kv_short = FP8[fp8][1] if fp8 else short
+                        kv_desc = f"tensordesc<{kv_short}{kv_block},{kv_layout!r}>"
+                        if fp8:  # per-KV-head descales
+                            types = dict(KDescale="*fp32", VDescale="*fp32")
+                        else:
+                            types = {}
+                            consts = {**consts, "KDescale": None, "VDescale": None}
                         if page:  # packed q, host descriptors over the caches, the caches, the block table
-                            types = dict(q_desc=f"*{short}", k_desc=kv_desc, v_desc=kv_desc, Kc=f"*{short}",
-                                         Vc=f"*{short}", BlockTable="*i32", CuQ="*i32", CuK="*i32")
+                            types.update(q_desc=f"*{short}", k_desc=kv_desc, v_desc=kv_desc, Kc=f"*{kv_short}",
+                                         Vc=f"*{kv_short}", BlockTable="*i32", CuQ="*i32", CuK="*i32")
                         elif varlen:  # the packed tensors themselves and the cu_seqlens
-                            types = dict(q_desc=f"*{short}", k_desc=f"*{short}", v_desc=f"*{short}", CuQ="*i32",
-                                         CuK="*i32")
+                            types.update(q_desc=f"*{short}", k_desc=f"*{kv_short}", v_desc=f"*{kv_short}",
+                                         CuQ="*i32", CuK="*i32")
                             consts = {**consts, "Kc": None, "Vc": None, "BlockTable": None}
                         else:  # host descriptors; no cu_seqlens
-                            types = dict(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>", k_desc=kv_desc,
+                            types.update(q_desc=f"tensordesc<{short}{q_block},{q_layout!r}>", k_desc=kv_desc,
                                          v_desc=kv_desc)
                             consts = {**consts, "CuQ": None, "CuK": None, "Kc": None, "Vc": None, "BlockTable": None}
                         types.update(O=f"*{short}", LSE="*fp32" if write_lse else f"*{short}", qk_scale="fp32")

@@ -62,11 +62,11 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     batch, scale = cu_seqlens_q.shape[0] - 1, validate.check_scale(softmax_scale, q.shape[-1])
     if prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left,
-                                     window_right, softcap, sinks) is None:  # descales come with fp8 K/V: refused
+                                     window_right, softcap, sinks) is None:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
                                           varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                                          block_table=block_table)
+                                          block_table=block_table, k_descale=k_descale, v_descale=v_descale)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(

@@ -6,12 +6,13 @@ and its launch.
 compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf16, a head dim and
 sizes where it measured faster (:data:`MIN_SEQLEN`), no window, softcap or sinks, 16-byte aligned
 operands. :func:`pagedflash.flash_attn_varlen_func` over packed K/V or a paged cache of
-:data:`PAGE_SIZES` does too where :func:`refusal_varlen` finds nothing; it ignores ``num_splits``,
+:data:`PAGE_SIZES` does too where :func:`refusal_varlen` finds nothing, K/V in q's dtype or in fp8
+(with their descales; pools from :data:`FP8_MIN_PAGE` rows a page); it ignores ``num_splits``,
 which never changes a result. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes
 the portable kernel, which stays the tested fallback.
 
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
-in the same run): docs/performance.md, v20, v22 (persistent) and v23 (varlen, paged).
+in the same run): docs/performance.md, v20, v22 (persistent), v23 (varlen, paged) and v24 (fp8 K/V).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention import ensure_tma_allocator
 from pagedflash.ops.prefill_hopper_kernel import BLOCK_M, BLOCK_N, UNAVAILABLE
 from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, num_sms, nvidia_capability
+from pagedflash.validate import FP8_DTYPES
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
@@ -40,6 +42,9 @@ MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)],
 # programs than SMs. Launches of fewer work items than SMs (SMs left idle) were not measured: portable.
 MIN_PROGRAMS_PER_SM = 1
 PAGE_SIZES = (16, 32, 64)  # paged caches the kernel reads (a copy per page of a key tile), and multiples of BLOCK_N
+# fp8 pools of fewer rows a page stay portable: at 16 rows the Gluon kernel (loader- and convert-bound)
+# measured 3-4 % slower than the portable one (docs/performance.md, v24).
+FP8_MIN_PAGE = 32
 
 launches = 0  # Gluon launches so far (tests read it to see which path ran)
 
@@ -75,6 +80,8 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
         page = k.shape[1]
         if not (page in PAGE_SIZES or (page > 0 and page % BLOCK_N == 0)):
             return f"page size {page} (the kernel takes {PAGE_SIZES} or multiples of {BLOCK_N})"
+        if k.dtype in FP8_DTYPES and page < FP8_MIN_PAGE:
+            return f"fp8 pages of {page} rows (routed from {FP8_MIN_PAGE})"
     others = max(q.shape[0] - max_seqlen_q, 0) // (batch - 1) if batch > 1 else q.shape[0]
     return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[-2], q.shape[2], window_left,
                     window_right, softcap, sinks, typical_q=others)
@@ -91,8 +98,8 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     rule_q = sq if typical_q is None else typical_q
     if min(rule_q, sk) < min_len:  # first among the rest: the common refusal (short prefill chunks) costs least
         return f"Sq={rule_q}, Sk={sk}: under the measured {min_len} for D={d}{' causal' if causal else ''}"
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16 throughout only)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or v.dtype != k.dtype or k.dtype not in (q.dtype, *FP8_DTYPES):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (fp16 or bf16 q, K/V in q's dtype or one fp8 dtype)"
     if window_left != -1 or window_right not in (-1, 0):
         return f"window ({window_left}, {window_right})"
     if softcap:
@@ -155,12 +162,16 @@ class _Plan:
 _PLANS = PlanCache()
 
 
-def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | None, block_table) -> _Plan:
+def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | None, block_table, k_descale,
+               v_descale) -> _Plan:
     page = 0 if block_table is None else k.shape[1]
     consts, options, q_block, kv_block, q_layout, kv_layout = kernel.kernel_config(
-        q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page)
+        q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page, k.dtype)
     plan = _Plan()
     ints = dict.fromkeys(kernel.INT_ARGS, 0)  # the strides a launch kind does not use stay 0
+    for name, scale in (("stride_kds", k_descale), ("stride_vds", v_descale)):  # per KV head, or one for all
+        if scale is not None and scale.numel() > 1:
+            ints[name] = scale.stride(0)
     if varlen is None:  # [B, S, H, D]: host descriptors; out and LSE by sequence
         batch, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -201,19 +212,22 @@ class Fallback(Exception):
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
-            return_lse: bool, varlen: tuple | None = None, block_table: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+            return_lse: bool, varlen: tuple | None = None, block_table: torch.Tensor | None = None,
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of a call :func:`refusal` accepted, written into ``out``; returns the LSE
     ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. ``varlen``: ``(cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a call :func:`refusal_varlen` accepted (q
     ``[total, H, D]``, LSE ``[Hq, total_q]``; k/v packed ``[total, H, D]``, or with ``block_table``
-    the paged caches). Raises :class:`Fallback` where the kernel does not compile for the signature
-    (the first time with a warning)."""
+    the paged caches; fp8 K/V with their validated descales, fp32 ``[]``/``[1]``/``[Hkv]`` or None).
+    Raises :class:`Fallback` where the kernel does not compile for the signature (the first time
+    with a warning)."""
     global launches
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device, causal,
-           return_lse, sizes, None if block_table is None else block_table.stride())
-    plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
+           return_lse, sizes, None if block_table is None else block_table.stride(),
+           None if k_descale is None else k_descale.stride(), None if v_descale is None else v_descale.stride())
+    plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table,
+                                                         k_descale, v_descale))
     if plan.failed:
         raise Fallback
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
@@ -229,7 +243,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
     try:
         kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q,
-                                         cu_k, sm_scale * LOG2E.value, **plan.ints, **plan.consts, **plan.options)
+                                         cu_k, k_descale, v_descale, sm_scale * LOG2E.value, **plan.ints,
+                                         **plan.consts, **plan.options)
     except kernel.COMPILE_ERRORS as e:
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)

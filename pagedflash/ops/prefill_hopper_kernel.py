@@ -33,6 +33,11 @@ async wgmma, warp specialization).
   block table names (read once a tile for K and V); the chunks that reach past a sequence's last
   key go through descriptors made on the device over its last page's rows up to that key, so a
   page's stale rows (NaN, or another sequence's values) are zero fill.
+- fp8 K/V (``KV8``, varlen or paged, with bf16/fp16 q): the loader's copies land in a ring of fp8
+  tiles; a convert partition (a warpgroup) turns each into q's dtype in a second ring, which the
+  consumers read as above (bf16 through integer bit moves and a power-of-two product: exact, NaN and
+  inf kept). The key descale of the item's KV head joins the score scale, the value descale the
+  output's.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
 
@@ -55,6 +60,37 @@ STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGE
 NUM_WARPS = 4  # the default partition (consumer 0); consumer 1 and the loader are worker warps
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
+# fp8 K/V: a third worker partition, a warpgroup (one warp per scheduler: the conversion is integer
+# work), converts each landed fp8 tile to q's dtype in shared memory (wgmma takes 16-bit operands of
+# one type). Four warpgroups start with 128 registers a thread; the consumers give some up for it
+# (setmaxnreg: consumer 0 gets what is left, at least as much as consumer 1).
+CONVERT_WARPS, CONVERT_REGISTERS, FP8_CONSUMER_REGISTERS, FP8_MAX_REGISTERS = 4, 56, 216, 128
+
+
+def _fp8_to_bf16_asm(shift: int, mask: int, scale: int, nan_and: int, nan_add: int, nan_or: int) -> str:
+    """PTX turning four fp8 values (the bytes of ``$2``) into four bf16 (``$0``, ``$1``: two a word),
+    exactly, on the integer and FMA pipes (Triton's conversion takes four conversion-pipe instructions
+    a pair, which held the kernel at 0.3-0.6 of its bf16 speed). Each byte moves to the top of a
+    16-bit half; its exponent and mantissa bits shift into a bf16's fields (``mask`` keeps them), the
+    sign stays: a bf16 equal to the value times ``2^-k`` (subnormal fp8 values too, as bf16
+    subnormals); the bf16x2 product with ``scale`` = ``2^k`` is then exact. A byte that is NaN or inf
+    (``(byte & nan_and) + nan_add`` sets its top bit) gets the ``nan_or`` bits: all exponent bits."""
+    half = ("prmt.b32 w, $2, z, {sel};\n shr.b32 t, w, {shift};\n and.b32 t, t, {mask:#x};\n"
+            " and.b32 w, w, 0x80008000;\n or.b32 w, w, t;\n mul.rn.bf16x2 ${out}, w, c;\n")
+    special = "prmt.b32 t, m, z, {sel};\n and.b32 t, t, {nan_or:#x};\n or.b32 ${out}, ${out}, t;\n"
+    return ("{\n .reg .b32 z, c, w, t, m;\n mov.b32 z, 0;\n" f" mov.b32 c, {scale:#x};\n"
+            + half.format(sel="0x1404", shift=shift, mask=mask, out=0)
+            + half.format(sel="0x3424", shift=shift, mask=mask, out=1)
+            + f" and.b32 m, $2, {nan_and:#x};\n add.u32 m, m, {nan_add:#x};\n"
+            + special.format(sel="0x9988", nan_or=nan_or, out=0)
+            + special.format(sel="0xBBAA", nan_or=nan_or, out=1) + "}")
+
+
+# (shift, mask, scale, nan_and, nan_add, nan_or) of :func:`_fp8_to_bf16_asm`. e4m3: S.EEEE.MMM, a bf16 of
+# value x 2^-120 after the shift; NaN is S.1111.111. e5m2: S.EEEEE.MM, x 2^-112; exponent 11111 is inf
+# or NaN (its mantissa bits stay: inf stays inf).
+FP8_TO_BF16 = {torch.float8_e4m3fn: (4, 0x07F007F0, 0x7B807B80, 0x7F7F7F7F, 0x01010101, 0x7FFF7FFF),
+               torch.float8_e5m2: (3, 0x0FE00FE0, 0x77807780, 0x7C7C7C7C, 0x04040404, 0x7F807F80)}
 
 # The kernel's integer arguments (the launcher passes them by name). Triton compiles a kernel anew for
 # each class of an integer argument (1, a multiple of 16, other) it meets unless told not to: those in
@@ -62,7 +98,7 @@ CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
 # never specialized; the others are fixed by a model's shapes.
 INT_ARGS = ("Sq", "Sk", "Hq", "B", "GROUP", "stride_ob", "stride_os", "stride_oh", "lse_b", "lse_h", "stride_qt",
             "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kb", "stride_vb", "stride_bt",
-            "stride_bp")
+            "stride_bp", "stride_kds", "stride_vds")
 RUNTIME_INTS = ("Sq", "Sk", "B", "lse_b", "lse_h", "stride_bt")
 
 UNAVAILABLE: str | None = None  # why the kernel is not defined here; None when it is
@@ -85,6 +121,7 @@ if UNAVAILABLE is None:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
             mbarrier,
             tma,
             warpgroup_mma,
@@ -94,11 +131,15 @@ if UNAVAILABLE is None:
     except ImportError as e:
         UNAVAILABLE = f"triton {triton.__version__} without the Gluon Hopper API ({e})"
     else:
+        GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+                     torch.float8_e5m2: gl.float8e5}
         COMPILE_ERRORS = (CompilationError, *(getattr(triton.runtime.errors, name) for name in
                                                ("PTXASError", "OutOfResources") if hasattr(triton.runtime.errors, name)))
 
 if UNAVAILABLE is None:
     LN2 = gl.constexpr(0.6931471805599453)
+    E4M3_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e4m3fn]))
+    E5M2_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e5m2]))
 
     @gluon.jit
     def _key_tiles(m0, Sq, Sk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
@@ -137,14 +178,14 @@ if UNAVAILABLE is None:
 
     @gluon.jit
     def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h,
-               ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Normalize and store rows ``row0 ..`` of head ``h`` of sequence ``b`` (its rows start at
-        token ``tok0``; rows from ``n_rows`` on are not stored); LSE in natural log at
-        ``b * lse_b + h * lse_h + tok0 + row``. A row that saw no key gets 0 (and -inf)."""
+               o_scale, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
+        """Normalize, scale by ``o_scale`` (the value descale) and store rows ``row0 ..`` of head ``h`` of
+        sequence ``b`` (its rows start at token ``tok0``; rows from ``n_rows`` on are not stored); LSE in
+        natural log at ``b * lse_b + h * lse_h + tok0 + row``. A row that saw no key gets 0 (and -inf)."""
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         l_o = gl.convert_layout(l_i, row_o)
         l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        out = o * (1.0 / l_safe)[:, None]
+        out = o * (o_scale / l_safe)[:, None]
         rows = row0 + gl.arange(0, ROWS, layout=row_o)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         row_ok = rows < n_rows
@@ -338,6 +379,59 @@ if UNAVAILABLE is None:
                 nq += 1
 
     @gluon.jit
+    def _fp8_to(x, dtype: gl.constexpr):
+        """fp8 ``x`` in ``dtype`` (fp16: the GPU's one-instruction conversion of a pair; bf16:
+        :func:`_fp8_to_bf16_asm`), exactly."""
+        if dtype == gl.bfloat16:
+            if x.dtype == gl.float8e4nv:
+                return gl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
+                                                 dtype=gl.bfloat16, is_pure=True, pack=4)
+            else:
+                return gl.inline_asm_elementwise(E5M2_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
+                                                 dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            return x.to(dtype)
+
+    @gluon.jit
+    def _convert(src, dst, landed, src_free, converted, dst_free, idx, STAGES: gl.constexpr, layout: gl.constexpr):
+        """Convert the fp8 tile of ring index ``idx`` (``src``, once its copy landed) into ``dst`` in q's
+        dtype (once the consumers are done with that slot's last tile), the whole tile at once (in
+        halves or quarters it measured 3-14 % slower: a barrier between each part's loads and stores);
+        then free the fp8 slot for the loader and hand the converted one to the consumers."""
+        slot = idx % STAGES
+        phase = (idx // STAGES) & 1
+        mbarrier.wait(landed.index(slot), phase)
+        mbarrier.wait(dst_free.index(slot), phase ^ 1)
+        x = src.index(slot).load(layout)
+        dst.index(slot).store(_fp8_to(x, dst.dtype))
+        fence_async_shared()  # these generic-proxy stores before the consumers' wgmma (async proxy) reads
+        gl.thread_barrier()  # every warp's rows are in before one thread arrives
+        mbarrier.arrive(src_free.index(slot))
+        mbarrier.arrive(converted.index(slot))
+
+    @gluon.jit
+    def _converter(k8_smem, v8_smem, k_smem, v_smem, k8_ready, v8_ready, k8_empty, v8_empty, k_ready, v_ready,
+                   k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                   WARPS: gl.constexpr):
+        """The convert partition (fp8 K/V): the items' key tiles in the loader's order (K_j, then V_j),
+        each from the fp8 ring the loader fills into the 16-bit ring the consumers read, slot for slot
+        (:func:`_convert`). Exact: every fp8 value is one in fp16 and bf16."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [512 // HEAD_DIM, HEAD_DIM // 16], [WARPS, 1], [1, 0])
+        n_m, count = _schedule(Sq, Hq, B, BM)
+        it = 0
+        for i in range(count):
+            b, h, m0 = _item(i, n_m, Hq, BM)
+            _, sq, _, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
+            _, n_tiles, _ = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
+            if VARLEN:  # the items the loader skips
+                n_tiles = gl.where((m0 < sq) & (n_tiles > 0), n_tiles, 0)
+            for j in range(n_tiles):
+                _convert(k8_smem, k_smem, k8_ready, k8_empty, k_ready, k_empty, it + j, STAGES, layout)
+                _convert(v8_smem, v_smem, v8_ready, v8_empty, v_ready, v_empty, it + j, STAGES, layout)
+            it += n_tiles
+
+    @gluon.jit
     def _qk(idx, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
             s_layout: gl.constexpr):
         """Issue ``S = Q K^T`` (async) for the K tile of ring index ``idx`` once it has landed."""
@@ -409,12 +503,15 @@ if UNAVAILABLE is None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ, CuK,
-                  qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, C: gl.constexpr,
-                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
+                  KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os, stride_oh, lse_b, lse_h,
+                  stride_kds, stride_vds, C: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
         """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` (:func:`_attend`), then the
         store. ``VARLEN``: an item past its sequence's rows is skipped, and one whose rows see no key
-        stores 0 (LSE -inf) without waiting on the loader, which skips both alike."""
+        stores 0 (LSE -inf) without waiting on the loader, which skips both alike. ``KDescale`` /
+        ``VDescale`` (fp8 K/V, or None): the KV head's descale (head stride 0: one for all) joins the
+        score scale / the output's."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
@@ -428,6 +525,12 @@ if UNAVAILABLE is None:
             b, h, m0 = _item(i, n_m, Hq, BM)
             q_start, sq, k_start, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
             n_full, n_tiles, causal_off = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
+            scale = qk_scale
+            o_scale = 1.0
+            if KDescale is not None:
+                scale = qk_scale * gl.load(KDescale + (h // GROUP) * stride_kds)
+            if VDescale is not None:
+                o_scale = gl.load(VDescale + (h // GROUP) * stride_vds)
             row0 = m0 + C * ROWS
             rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
             m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -440,21 +543,22 @@ if UNAVAILABLE is None:
                 busy = rows_here & (n_tiles > 0)
             if busy:
                 o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o,
-                                      m_i, l_i, qk_scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
+                                      m_i, l_i, scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
                                       BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
                 base += n_tiles
                 nq += 1
             if rows_here:
                 _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
-                       ROWS, HEAD_DIM, o_layout, WRITE_LSE)
+                       o_scale, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
     @gluon.jit(do_not_specialize=RUNTIME_INTS)
-    def prefill_kernel(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, O, LSE, CuQ, CuK, qk_scale, Sq, Sk, Hq, B, GROUP,
-                        stride_ob, stride_os, stride_oh, lse_b, lse_h, stride_qt, stride_qh, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp, HEAD_DIM: gl.constexpr,
-                        BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr, PAGE: gl.constexpr, CHUNK: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    def prefill_kernel(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, O, LSE, CuQ, CuK, KDescale, VDescale, qk_scale, Sq,
+                        Sk, Hq, B, GROUP, stride_ob, stride_os, stride_oh, lse_b, lse_h, stride_qt, stride_qh,
+                        stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp,
+                        stride_kds, stride_vds, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
+                        PAGE: gl.constexpr, CHUNK: gl.constexpr, KV8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        LOADER_REGS: gl.constexpr, CONVERT_WARPS: gl.constexpr, CONVERT_REGS: gl.constexpr):
         """Persistent: a grid of at most one program per SM, each looping over its work items
         (:func:`_schedule`). Dense: descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes
         (Q: ``BM // 2`` rows, K/V: ``BN``), ``Kc``/``Vc``/``BlockTable``/``CuQ``/``CuK`` None and the
@@ -463,7 +567,11 @@ if UNAVAILABLE is None:
         each sequence is. ``PAGE`` (with ``VARLEN``; 0: not paged): K/V are the caches ``Kc``/``Vc``
         (``[blocks, PAGE, Hkv, D]``; token strides within a page, block strides), ``k_desc``/``v_desc``
         host descriptors over them with ``[1, CHUNK, 1, D]`` boxes, ``BlockTable`` each sequence's pages
-        (strides by sequence and by page). ``qk_scale`` = softmax scale x log2(e)."""
+        (strides by sequence and by page). ``qk_scale`` = softmax scale x log2(e). ``KV8`` (with
+        ``VARLEN``): K/V are fp8; the loader fills a ring of fp8 tiles that the convert partition turns
+        into the 16-bit ring the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
+        per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
+        and values."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
         if VARLEN:
@@ -493,33 +601,71 @@ if UNAVAILABLE is None:
 
         # The argument tuples are written out inline: Triton 3.6's code generator turns the constexpr
         # elements of a tuple held in a variable (or concatenated) into int32 tensors.
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ,
-                         CuK, qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, 0, ROWS,
-                         HEAD_DIM, BM, BN, STAGES, CAUSAL, WRITE_LSE, VARLEN)),
-            (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ,
-                         CuK, qk_scale, Sq, Sk, Hq, B, stride_ob, stride_os, stride_oh, lse_b, lse_h, 1, ROWS,
-                         HEAD_DIM, BM, BN, STAGES, CAUSAL, WRITE_LSE, VARLEN)),
-            (_loader, (q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                       v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt,
-                       stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM,
-                       BN, STAGES, CAUSAL, VARLEN, PAGE, CHUNK)),
-        ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
+        if KV8:
+            if PAGE > 0:
+                kv8_dtype: gl.constexpr = Kc.dtype.element_ty
+            else:
+                kv8_dtype: gl.constexpr = k_desc.dtype.element_ty
+            kv8_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], kv8_dtype)
+            k8_smem = gl.allocate_shared_memory(kv8_dtype, [STAGES, BN, HEAD_DIM], kv8_layout)
+            v8_smem = gl.allocate_shared_memory(kv8_dtype, [STAGES, BN, HEAD_DIM], kv8_layout)
+            k8_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v8_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            k8_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            v8_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(k8_ready.index(i), count=1)
+                mbarrier.init(v8_ready.index(i), count=1)
+                mbarrier.init(k8_empty.index(i), count=1)  # freed by the convert partition
+                mbarrier.init(v8_empty.index(i), count=1)
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                             CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
+                             stride_oh, lse_b, lse_h, stride_kds, stride_vds, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
+                             CAUSAL, WRITE_LSE, VARLEN)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                             CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
+                             stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
+                             CAUSAL, WRITE_LSE, VARLEN)),
+                (_loader, (q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k8_smem, v8_smem, q_ready, q_empty,
+                           k8_ready, v8_ready, k8_empty, v8_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt,
+                           stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt,
+                           stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE, CHUNK)),
+                (_converter, (k8_smem, v8_smem, k_smem, v_smem, k8_ready, v8_ready, k8_empty, v8_empty, k_ready,
+                              v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, HEAD_DIM, BM, BN, STAGES, CAUSAL,
+                              VARLEN, CONVERT_WARPS)),
+            ], [ROWS // 16, 1, CONVERT_WARPS], [CONSUMER_REGS, LOADER_REGS, CONVERT_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                             CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
+                             stride_oh, lse_b, lse_h, stride_kds, stride_vds, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
+                             CAUSAL, WRITE_LSE, VARLEN)),
+                (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                             CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
+                             stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
+                             CAUSAL, WRITE_LSE, VARLEN)),
+                (_loader, (q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty,
+                           k_ready, v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh,
+                           stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp,
+                           ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE, CHUNK)),
+            ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False,
-                  page: int = 0) -> tuple:
+                  page: int = 0, kv_dtype: torch.dtype | None = None) -> tuple:
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
     k/v layout)`` (the blocks and layouts of the host descriptors: dense Q/K/V, or the paged K/V
-    caches with ``page``). Shared by the launcher and the sm90 compile check
-    (tools/gluon_compile_check.py)."""
+    caches with ``page``). ``kv_dtype``: K/V's dtype where it is not q's (fp8, with ``varlen`` or
+    ``page``). Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
     chunk = min(page, BLOCK_N)
+    kv8 = kv_dtype is not None and kv_dtype != dtype
     consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
-                  WRITE_LSE=write_lse, VARLEN=varlen or page > 0, PAGE=page, CHUNK=chunk,
-                  CONSUMER_REGS=CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS)
-    options = dict(num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                  WRITE_LSE=write_lse, VARLEN=varlen or page > 0, PAGE=page, CHUNK=chunk, KV8=kv8,
+                  CONSUMER_REGS=FP8_CONSUMER_REGISTERS if kv8 else CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS,
+                  CONVERT_WARPS=CONVERT_WARPS, CONVERT_REGS=CONVERT_REGISTERS)
+    options = dict(num_warps=NUM_WARPS, maxnreg=FP8_MAX_REGISTERS if kv8 else MAX_REGISTERS)
     q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, chunk if page else BLOCK_N, 1, head_dim]
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, gl_dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, gl_dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for(q_block, GL_DTYPES[dtype])
+    kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, GL_DTYPES[kv_dtype if kv8 else dtype])
     return consts, options, q_block, kv_block, q_layout, kv_layout
