@@ -6,7 +6,8 @@ entry point follows the routing, that a compile failure warns and falls back, an
 machine (no sm90, the interpreter, or another Triton) the portable kernel runs. On an sm90 GPU
 (``@pytest.mark.gpu``): the Gluon path itself against the fp32 reference (fp16/bf16, D 64/128,
 causal or not, GQA, Sq < Sk, odd lengths, ragged last tiles in several sequences, NaN past each
-sequence, strided inputs, ``out=``, LSE, a CUDA graph, torch.compile), with the launch counter
+sequence, strided inputs, ``out=``, LSE, a CUDA graph, torch.compile; varlen and paged, over fp8 K/V
+too, against the reference over the dequantized values), with the launch counter
 proving the Gluon kernel ran; the shapes are small, so the measured-size rule is lifted for them.
 """
 
@@ -46,6 +47,13 @@ def test_the_measured_cells_are_routed(hopper_here):
     assert prefill_hopper.refusal(*_qkv(), -1, 0, 0.0) is None  # causal
     assert prefill_hopper.refusal(*_qkv(sq=4096, sk=4096, hq=4, hkv=1, d=64, dtype=torch.float16), -1, -1, 0.0) is None
     assert prefill_hopper.refusal(*_qkv(sq=1024, sk=4096), -1, 0, 0.0) is None  # causal, Sq < Sk
+
+
+def test_dense_calls_never_take_fp8_kv(hopper_here):
+    # flash_attn_func takes no fp8 K/V; the dense launch has no descales either
+    q, k, v = _qkv()
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    assert "fp8" in prefill_hopper.refusal(q, k8, v8, -1, 0, 0.0)
 
 
 def _strided(t, pad):
@@ -308,46 +316,49 @@ def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch)
     assert len(tried) == 1
 
 
-def _emulate_fp8_to_bf16(words: list[int], shift, mask, scale, nan_and, nan_add, nan_or) -> torch.Tensor:
-    """What :func:`prefill_hopper_kernel._fp8_to_bf16_asm`'s PTX computes, op for op, on 32-bit words:
-    the bf16 values of their bytes, in byte order."""
-    def prmt(a, sel):  # prmt.b32 d, a, 0, sel (bit 3 of a selector nibble: the byte's sign, replicated)
-        out = 0
+def _run_ptx(asm: str, word: int) -> list[int]:
+    """Interpret the PTX of :func:`prefill_hopper_kernel._fp8_to_bf16_asm` (the subset it uses) on one
+    input word ``$2``: the output words ``[$0, $1]``."""
+    def prmt(a, b, sel):  # bytes 0-3 from a, 4-7 from b; bit 3 of a selector nibble: that byte's sign, replicated
+        src, out = a | b << 32, 0
         for i in range(4):
             nib = (sel >> 4 * i) & 0xF
-            byte = (a >> 8 * (nib & 7)) & 0xFF if nib & 7 < 4 else 0
+            byte = (src >> 8 * (nib & 7)) & 0xFF
             out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * i
         return out
 
-    def mul_bf16x2(w, c):  # exact here: c's halves are powers of two
-        halves = torch.tensor([w & 0xFFFF, w >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        cs = torch.tensor([c & 0xFFFF, c >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        bits = (halves.float() * cs.float()).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    def mul_bf16x2(a, b):  # IEEE products of the halves, subnormals kept (PTX has no .ftz for bf16)
+        def halves(w):
+            return torch.tensor([w & 0xFFFF, w >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        bits = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
         return int(bits[0]) | int(bits[1]) << 16
 
-    values = []
-    for x in words:
-        outs = []
-        for sel in (0x1404, 0x3424):
-            w = prmt(x, sel)
-            t = (w >> shift) & mask
-            outs.append(mul_bf16x2((w & 0x80008000) | t, scale))
-        m = ((x & nan_and) + nan_add) & 0xFFFFFFFF
-        outs = [o | (prmt(m, sel) & nan_or) for o, sel in zip(outs, (0x9988, 0xBBAA))]
-        for o in outs:
-            values += [o & 0xFFFF, o >> 16]
-    return torch.tensor(values, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    regs = {"$2": word}
+    ops = {"mov.b32": lambda a: a, "shr.b32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b,
+           "or.b32": lambda a, b: a | b, "add.u32": lambda a, b: (a + b) & 0xFFFFFFFF, "prmt.b32": prmt,
+           "mul.rn.bf16x2": mul_bf16x2}
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        op, _, rest = line.strip().partition(" ")
+        if not op or op == ".reg":
+            continue
+        dst, *args = (x.strip() for x in rest.split(","))
+        regs[dst] = ops[op](*(regs[x] if x in regs else int(x, 0) for x in args))
+    return [regs["$0"], regs["$1"]]
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=ids)
 def test_the_fp8_to_bf16_bit_conversion_is_exact(fp8):
-    # every byte value at every position of a word: the same bf16 as PyTorch's conversion (NaN as NaN,
-    # inf, signed zeros and subnormals included)
-    from pagedflash.ops.prefill_hopper_kernel import FP8_TO_BF16
+    # the kernel's PTX, interpreted: every byte value at every position of a word gives the same bf16
+    # as PyTorch's conversion (NaN as NaN, inf, signed zeros and subnormals included)
+    from pagedflash.ops.prefill_hopper_kernel import FP8_TO_BF16, _fp8_to_bf16_asm
+    asm = _fp8_to_bf16_asm(*FP8_TO_BF16[fp8])
     rows = torch.arange(256)
     data = torch.stack([rows, (rows * 7 + 3) % 256, (rows * 13 + 5) % 256, (rows * 31 + 11) % 256], 1)
-    words = [int(a) | int(b) << 8 | int(c) << 16 | int(d) << 24 for a, b, c, d in data.tolist()]
-    got = _emulate_fp8_to_bf16(words, *FP8_TO_BF16[fp8])
+    out = []
+    for a, b, c, d in data.tolist():
+        for w in _run_ptx(asm, a | b << 8 | c << 16 | d << 24):
+            out += [w & 0xFFFF, w >> 16]
+    got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     want = data.reshape(-1).to(torch.uint8).view(fp8).to(torch.bfloat16)
     assert torch.equal(got.isnan(), want.isnan())
     finite = ~want.isnan()
@@ -515,6 +526,8 @@ def _descales(kind, hkv):
         return None, None
     if kind == "tensor":
         return torch.tensor(0.75, device="cuda"), torch.tensor(1.5, device="cuda")
+    if kind == "one":  # [1]: one for all heads too (a plan of its own beside [Hkv]'s)
+        return torch.tensor([1.25], device="cuda"), torch.tensor([0.5], device="cuda")
     scales = torch.rand(2, hkv, 2, device="cuda") + 0.5
     return scales[0, :, 0], scales[1, :, 1]
 
@@ -592,7 +605,7 @@ def test_gluon_paged_strided_caches_and_table_without_lse(gluon, page, causal):
 
 FP8_CASES = [  # (fp8 dtype, descales)
     (torch.float8_e4m3fn, None), (torch.float8_e4m3fn, "tensor"), (torch.float8_e4m3fn, "head"),
-    (torch.float8_e5m2, "head"),
+    (torch.float8_e5m2, "head"), (torch.float8_e4m3fn, "one"), (torch.float8_e5m2, None),
 ]
 
 
@@ -606,7 +619,7 @@ FP8_CASES = [  # (fp8 dtype, descales)
 def test_gluon_paged_fp8_against_reference(gluon, dtype, d, causal, page, lens):
     # fp8 pools: the convert partition turns each landed tile into q's dtype; the descales by KV head
     # (and one for all, and none) join the score and output scales
-    fp8, descale = FP8_CASES[(d + page + causal + len(lens[0])) % len(FP8_CASES)]
+    fp8, descale = FP8_CASES[(d // 64 + page // 16 + causal + PAGED_CASES.index(lens)) % len(FP8_CASES)]
     _check_paged(*lens, page, 4, 2, d, dtype, causal, fp8=fp8, descale=descale)
 
 
@@ -622,16 +635,19 @@ def test_gluon_fp8_few_programs_and_packed_kv(gluon, monkeypatch, programs, case
     fp8, descale = case
     _check_paged([200, 300, 0, 77, 129], [1000, 700, 50, 400, 129], 32, 4, 1, 128, torch.bfloat16, True,
                  share_first=1, fp8=fp8, descale=descale)
-    lens_q, lens_k = [300, 130, 0, 77], [700, 0, 5, 77]
-    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    q = randn(int(cu_q[-1]), 2, 64, dtype=torch.float16)
-    k, v = (randn(int(cu_k[-1]), 2, 64, dtype=torch.float32).to(fp8) for _ in range(2))
-    kd, vd = _descales(descale, 2)
-    got, lse = _through_gluon(q, k, v, cu_q, cu_k, 300, 700, causal=False, return_lse=True, k_descale=kd,
-                              v_descale=vd)
-    want, want_lse = ref.varlen_attention_ref(q, ref.dequantize_ref(k, kd), ref.dequantize_ref(v, vd), cu_q, cu_k)
-    assert_close(got, want, torch.float16)
-    assert_close(lse, want_lse, torch.float16, name="lse")
+    # packed fp8 K/V: non-causal with a key-less sequence; causal with Sq > Sk (rows that see no key)
+    for dtype, causal, lens_k in ((torch.float16, False, [700, 0, 5, 77]), (torch.bfloat16, True, [200, 0, 5, 77])):
+        lens_q = [300, 130, 0, 77]
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+        q = randn(int(cu_q[-1]), 2, 64, dtype=dtype)
+        k, v = (randn(int(cu_k[-1]), 2, 64, dtype=torch.float32).to(fp8) for _ in range(2))
+        kd, vd = _descales(descale, 2)
+        got, lse = _through_gluon(q, k, v, cu_q, cu_k, 300, max(lens_k), causal=causal, return_lse=True,
+                                  k_descale=kd, v_descale=vd)
+        want, want_lse = ref.varlen_attention_ref(q, ref.dequantize_ref(k, kd), ref.dequantize_ref(v, vd), cu_q, cu_k,
+                                                  causal=causal)
+        assert_close(got, want, dtype)
+        assert_close(lse, want_lse, torch.float16, name="lse")
 
 
 @pytest.mark.gpu

@@ -60,6 +60,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
     batch, sq, hq, d = q.shape
     if window_right == 0 and sq > k.shape[1]:
         return "causal with Sq > Sk (rows that see no key)"
+    if k.dtype in FP8_DTYPES:
+        return "fp8 K/V in a dense call (the kernel takes them in varlen and paged calls)"
     return _refusal(q, k, v, batch, sq, k.shape[1], hq, k.shape[2], d, window_left, window_right, softcap, sinks)
 
 
@@ -225,7 +227,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
            return_lse, sizes, None if block_table is None else block_table.stride(),
-           None if k_descale is None else k_descale.stride(), None if v_descale is None else v_descale.stride())
+           *((None,) if t is None else (t.numel(), t.stride()) for t in (k_descale, v_descale)))
     plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table,
                                                          k_descale, v_descale))
     if plan.failed:

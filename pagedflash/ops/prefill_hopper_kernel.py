@@ -9,7 +9,7 @@ async wgmma, warp specialization).
 - A 1-warp load partition streams each item's Q and K/V tiles (128 keys) through TMA: K/V into a
   ring of ``STAGES`` shared-memory slots whose index runs on across items, Q into one slot per
   consumer; each slot has a "ready" mbarrier (the copy's bytes landed) and an "empty" one (its
-  consumers are done with it). The next item's Q and first K/V tiles land while the consumers
+  readers are done with it; with fp8 K/V the ring the loader fills is the converter's, below). The next item's Q and first K/V tiles land while the consumers
   finish the last item's ``P V`` and store.
 - Two 4-warp consumer partitions take 64 rows each and read the same ring. Each keeps the wgmma of
   ``S_j = Q K_j^T`` and of ``O += P_{j-1} V_{j-1}`` in flight together and runs tile j's softmax while
@@ -56,8 +56,8 @@ from pagedflash.ops.utils import interpreted
 
 BLOCK_M = 128  # query rows per program: two consumers of 64
 BLOCK_N = 128  # keys per K/V tile
-STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles)
-NUM_WARPS = 4  # the default partition (consumer 0); consumer 1 and the loader are worker warps
+STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles, fp8 twice)
+NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the loader (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
 # fp8 K/V: a third worker partition, a warpgroup (one warp per scheduler: the conversion is integer
@@ -239,7 +239,7 @@ if UNAVAILABLE is None:
     @gluon.jit
     def _load(desc, smem, ready, empty, slot, phase, b, row, head, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
               VARLEN: gl.constexpr):
-        """Copy rows ``row ..`` of ``(b, head)`` into ``smem[slot]`` once its consumers freed it (a fresh
+        """Copy rows ``row ..`` of ``(b, head)`` into ``smem[slot]`` once its readers freed it (a fresh
         barrier passes the parity-1 wait at once). ``VARLEN``: ``desc`` covers one sequence's rows of
         one head (``[rows, D]``)."""
         mbarrier.wait(empty.index(slot), phase ^ 1)
@@ -275,8 +275,8 @@ if UNAVAILABLE is None:
                  BN: gl.constexpr, HEAD_DIM: gl.constexpr, VARLEN: gl.constexpr, PAGE: gl.constexpr,
                  CHUNK: gl.constexpr):
         """Copy key tile ``j`` of K or V (sequence ``b``, head ``head``) into ring slot ``idx % STAGES``
-        once its consumers freed it. ``PAGE``: ``CHUNK`` rows a copy, a chunk of keys the sequence
-        holds through ``desc`` (the cache ``[blocks, PAGE, Hkv, D]``, at page ``ids[chunk]``, from
+        once its readers (the consumers; for the fp8 ring the converter) freed it. ``PAGE``: ``CHUNK``
+        rows a copy, a chunk of keys the sequence holds through ``desc`` (the cache ``[blocks, PAGE, Hkv, D]``, at page ``ids[chunk]``, from
         :func:`_page_ids`), one that reaches past its last key through ``tail`` (its last page's rows
         up to that key, zero fill after them: a page's stale rows never reach ``P V``)."""
         if PAGE > 0:
@@ -509,7 +509,7 @@ if UNAVAILABLE is None:
                   WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
         """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` (:func:`_attend`), then the
         store. ``VARLEN``: an item past its sequence's rows is skipped, and one whose rows see no key
-        stores 0 (LSE -inf) without waiting on the loader, which skips both alike. ``KDescale`` /
+        stores 0 (LSE -inf) without waiting on the loader, which (and the converter) skips both alike. ``KDescale`` /
         ``VDescale`` (fp8 K/V, or None): the KV head's descale (head stride 0: one for all) joins the
         score scale / the output's."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
