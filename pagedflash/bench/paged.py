@@ -151,7 +151,8 @@ def chunked_prefill(spec: dict) -> tuple[Table, int]:
              "least one 128-row work item per SM (here B=4) take the Gluon kernel, dense and paged alike (TMA "
              "copies of min(page, 128) rows); the others take the portable kernel, where pages of 64+ rows load "
              "through TMA descriptors and smaller pages gather rows. fp8: the same pool in float8_e4m3fn "
-             "(per-KV-head scales amax/448; pointer loads at every page size), checked against the reference "
+             "(per-KV-head scales amax/448; on sm90 the launches the Gluon kernel takes, from 32-row pages, convert its "
+             "tiles to 16 bits in shared memory, the others load through pointers), checked against the reference "
              "over the dequantized cache; fp8÷bf16: speed ratio to the bf16 pool of the same page size "
              "(>= 1: no slower); err vs unquantized: max |out - ref| / max |ref| against the bf16 values.",
     )
