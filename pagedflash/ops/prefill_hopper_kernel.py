@@ -41,6 +41,9 @@ async wgmma, warp specialization).
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
 
+The helpers every partition shares (the item schedule, one softmax step, the store, the loads) are
+in :mod:`pagedflash.ops.prefill_hopper_tiles`.
+
 Written against Triton 3.6's Gluon API, which is experimental and changes between releases (3.9
 renamed the TMA copies); on any other Triton, under the interpreter and off NVIDIA the module
 imports, defines no kernel, and :data:`UNAVAILABLE` says why. ``tools/gluon_compile_check.py``
@@ -123,11 +126,23 @@ if UNAVAILABLE is None:
         from triton.experimental.gluon.language.nvidia.hopper import (
             fence_async_shared,
             mbarrier,
-            tma,
             warpgroup_mma,
             warpgroup_mma_wait,
         )
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 - the launcher's
+
+        from pagedflash.ops.prefill_hopper_tiles import (
+            _item,
+            _key_tiles,
+            _load,
+            _load_kv,
+            _page_ids,
+            _rows,
+            _schedule,
+            _sequence,
+            _softmax_step,
+            _store,
+        )
     except ImportError as e:
         UNAVAILABLE = f"triton {triton.__version__} without the Gluon Hopper API ({e})"
     else:
@@ -137,165 +152,8 @@ if UNAVAILABLE is None:
                                                ("PTXASError", "OutOfResources") if hasattr(triton.runtime.errors, name)))
 
 if UNAVAILABLE is None:
-    LN2 = gl.constexpr(0.6931471805599453)
     E4M3_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e4m3fn]))
     E5M2_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e5m2]))
-
-    @gluon.jit
-    def _key_tiles(m0, Sq, Sk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tiles of the program whose rows start at ``m0``: ``[0, n_full)`` are visible to all its
-        rows (no mask), ``[n_full, n_tiles)`` are the causal diagonal and the ragged last tile."""
-        causal_off = Sk - Sq
-        if CAUSAL:
-            hi = gl.minimum(m0 + BM + causal_off, Sk)
-            n_full = gl.minimum((m0 + causal_off + 1) // BN, Sk // BN)
-        else:
-            hi = Sk + 0
-            n_full = Sk // BN
-        n_tiles = (hi + BN - 1) // BN
-        return n_full, n_tiles, causal_off
-
-    @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.constexpr, s_layout: gl.constexpr,
-                      MASK: gl.constexpr, CAUSAL: gl.constexpr):
-        """Fold raw scores ``s`` (fp32 ``[rows, BN]``, keys from ``n0``) into the running max ``m_i``
-        (scaled, log2 domain) and sum ``l_i``; returns ``p``, the new state and O's rescale factor."""
-        if MASK:
-            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-            valid = cols[None, :] < Sk
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
-            s = gl.where(valid, s, -float("inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        if MASK:
-            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # no key yet: keep exp2 off (-inf) - (-inf)
-        else:
-            m_use = m_new
-        p = gl.exp2(s * qk_scale - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_new = l_i * alpha + gl.sum(p, axis=1)
-        return p, m_new, l_new, alpha
-
-    @gluon.jit
-    def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h,
-               o_scale, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
-        """Normalize, scale by ``o_scale`` (the value descale) and store rows ``row0 ..`` of head ``h`` of
-        sequence ``b`` (its rows start at token ``tok0``; rows from ``n_rows`` on are not stored); LSE in
-        natural log at ``b * lse_b + h * lse_h + tok0 + row``. A row that saw no key gets 0 (and -inf)."""
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        l_o = gl.convert_layout(l_i, row_o)
-        l_safe = gl.where(l_o == 0.0, 1.0, l_o)
-        out = o * (o_scale / l_safe)[:, None]
-        rows = row0 + gl.arange(0, ROWS, layout=row_o)
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        row_ok = rows < n_rows
-        toks = (tok0 + rows).to(gl.int64)
-        offs = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + toks[:, None] * stride_os + cols[None, :]
-        gl.store(O + offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
-        if WRITE_LSE:
-            m_o = gl.convert_layout(m_i, row_o)
-            lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
-            gl.store(LSE + b.to(gl.int64) * lse_b + h.to(gl.int64) * lse_h + toks, lse, mask=row_ok)
-
-    @gluon.jit
-    def _sequence(b, Sq, Sk, CuQ, CuK, VARLEN: gl.constexpr):
-        """``(first query token, queries, first key token, keys)`` of sequence ``b``: from the
-        ``cu_seqlens`` with ``VARLEN``, else ``(0, Sq, 0, Sk)``."""
-        q_start = 0
-        k_start = 0
-        sq = Sq
-        sk = Sk
-        if VARLEN:
-            q_start = gl.load(CuQ + b)
-            sq = gl.load(CuQ + b + 1) - q_start
-            k_start = gl.load(CuK + b)
-            sk = gl.load(CuK + b + 1) - k_start
-        return q_start, sq, k_start, sk
-
-    @gluon.jit
-    def _schedule(Sq, Hq, B, BM: gl.constexpr):
-        """This program's share of the launch's work items (one per 128-row block of one head of one
-        sequence): ``(row blocks per head, items of this program)``. Items go out in rounds of
-        ``num_programs``, left to right in even rounds and right to left in odd ones."""
-        n_m = (Sq + BM - 1) // BM
-        total = n_m * Hq * B
-        nprog = gl.num_programs(0)
-        last = (total - 1) // nprog
-        pid = gl.program_id(0)
-        pos = pid + (last % 2) * (nprog - 1 - 2 * pid)  # this program's place in the last round
-        count = last + (pos < total - last * nprog).to(gl.int32)
-        return n_m, count
-
-    @gluon.jit
-    def _item(i, n_m, Hq, BM: gl.constexpr):
-        """Work item ``i`` of this program: ``(b, h, m0)``. A head's row blocks are next to each other,
-        the last (longest under causal masking) first: those running together read its K/V from L2."""
-        nprog = gl.num_programs(0)
-        pid = gl.program_id(0)
-        t = i * nprog + pid + (i % 2) * (nprog - 1 - 2 * pid)
-        bh = t // n_m
-        return bh // Hq, bh % Hq, (n_m - 1 - t % n_m) * BM
-
-    @gluon.jit
-    def _load(desc, smem, ready, empty, slot, phase, b, row, head, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-              VARLEN: gl.constexpr):
-        """Copy rows ``row ..`` of ``(b, head)`` into ``smem[slot]`` once its readers freed it (a fresh
-        barrier passes the parity-1 wait at once). ``VARLEN``: ``desc`` covers one sequence's rows of
-        one head (``[rows, D]``)."""
-        mbarrier.wait(empty.index(slot), phase ^ 1)
-        mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
-        if VARLEN:
-            tma.async_copy_global_to_shared(desc, [row, 0], ready.index(slot), smem.index(slot))
-        else:
-            tma.async_copy_global_to_shared(desc, [b, row, head, 0], ready.index(slot),
-                                            smem.index(slot).reshape([1, ROWS, 1, HEAD_DIM]))
-
-    @gluon.jit
-    def _rows(base, tok0, head, rows, stride_t, stride_h, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
-              layout: gl.constexpr):
-        """A descriptor made on the device over ``rows`` tokens from ``tok0`` of one head (``[rows, D]``,
-        zero fill past them), boxes of ``BLOCK_ROWS`` rows. Each call site owns its global scratch."""
-        offset = gl.to_tensor(tok0).to(gl.int64) * stride_t + head.to(gl.int64) * stride_h
-        return tma.make_tensor_descriptor(base + offset,
-                                          shape=[rows, HEAD_DIM], strides=[stride_t, 1],
-                                          block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
-
-    @gluon.jit
-    def _page_ids(BlockTable, b, j, sk, stride_bt, stride_bp, PAGE: gl.constexpr, CHUNK: gl.constexpr,
-                  BN: gl.constexpr):
-        """The pages of key tile ``j``'s chunks that hold ``CHUNK`` keys of sequence ``b`` (0 for the
-        others), read once for its K and V copies in one load (the loader waits on one latency, not
-        one a chunk)."""
-        c = gl.arange(0, BN // CHUNK, layout=gl.BlockedLayout([BN // CHUNK], [32], [1], [0]))
-        p = j * BN + c * CHUNK
-        return gl.load(BlockTable + b * stride_bt + (p // PAGE) * stride_bp, mask=p + CHUNK <= sk, other=0)
-
-    @gluon.jit
-    def _load_kv(desc, tail, smem, ready, empty, idx, b, j, head, sk, tail_start, ids, STAGES: gl.constexpr,
-                 BN: gl.constexpr, HEAD_DIM: gl.constexpr, VARLEN: gl.constexpr, PAGE: gl.constexpr,
-                 CHUNK: gl.constexpr):
-        """Copy key tile ``j`` of K or V (sequence ``b``, head ``head``) into ring slot ``idx % STAGES``
-        once its readers (the consumers; for the fp8 ring the converter) freed it. ``PAGE``: ``CHUNK``
-        rows a copy, a chunk of keys the sequence holds through ``desc`` (the cache ``[blocks, PAGE, Hkv, D]``, at page ``ids[chunk]``, from
-        :func:`_page_ids`), one that reaches past its last key through ``tail`` (its last page's rows
-        up to that key, zero fill after them: a page's stale rows never reach ``P V``)."""
-        if PAGE > 0:
-            slot = idx % STAGES
-            mbarrier.wait(empty.index(slot), ((idx // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), (BN // CHUNK) * tail.block_type.nbytes)
-            chunks = gl.arange(0, BN // CHUNK, layout=gl.BlockedLayout([BN // CHUNK], [32], [1], [0]))
-            for c in gl.static_range(BN // CHUNK):
-                p = j * BN + c * CHUNK
-                if p + CHUNK <= sk:
-                    blk = gl.sum(gl.where(chunks == c, ids, 0), axis=0)
-                    tma.async_copy_global_to_shared(
-                        desc, [blk, p % PAGE, head, 0], ready.index(slot),
-                        smem.index(slot).reshape([1, BN, 1, HEAD_DIM]).slice(c * CHUNK, CHUNK, dim=1))
-                else:
-                    tma.async_copy_global_to_shared(tail, [p - tail_start, 0], ready.index(slot),
-                                                    smem.index(slot).slice(c * CHUNK, CHUNK))
-        else:
-            _load(desc, smem, ready, empty, idx % STAGES, (idx // STAGES) & 1, b, j * BN, head, BN, HEAD_DIM, VARLEN)
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
