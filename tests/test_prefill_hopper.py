@@ -316,55 +316,6 @@ def test_a_compile_failure_warns_once_and_takes_the_portable_kernel(monkeypatch)
     assert len(tried) == 1
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
-    """Interpret the PTX of :func:`prefill_hopper_kernel._fp8_to_bf16_asm` (the subset it uses) on one
-    input word ``$2``: the output words ``[$0, $1]``."""
-    def prmt(a, b, sel):  # bytes 0-3 from a, 4-7 from b; bit 3 of a selector nibble: that byte's sign, replicated
-        src, out = a | b << 32, 0
-        for i in range(4):
-            nib = (sel >> 4 * i) & 0xF
-            byte = (src >> 8 * (nib & 7)) & 0xFF
-            out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << 8 * i
-        return out
-
-    def mul_bf16x2(a, b):  # IEEE products of the halves, subnormals kept (PTX has no .ftz for bf16)
-        def halves(w):
-            return torch.tensor([w & 0xFFFF, w >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        bits = (halves(a).float() * halves(b).float()).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-        return int(bits[0]) | int(bits[1]) << 16
-
-    regs = {"$2": word}
-    ops = {"mov.b32": lambda a: a, "shr.b32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b,
-           "or.b32": lambda a, b: a | b, "add.u32": lambda a, b: (a + b) & 0xFFFFFFFF, "prmt.b32": prmt,
-           "mul.rn.bf16x2": mul_bf16x2}
-    for line in asm.replace("{", "").replace("}", "").split(";"):
-        op, _, rest = line.strip().partition(" ")
-        if not op or op == ".reg":
-            continue
-        dst, *args = (x.strip() for x in rest.split(","))
-        regs[dst] = ops[op](*(regs[x] if x in regs else int(x, 0) for x in args))
-    return [regs["$0"], regs["$1"]]
-
-
-@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=ids)
-def test_the_fp8_to_bf16_bit_conversion_is_exact(fp8):
-    # the kernel's PTX, interpreted: every byte value at every position of a word gives the same bf16
-    # as PyTorch's conversion (NaN as NaN, inf, signed zeros and subnormals included)
-    from pagedflash.ops.prefill_hopper_kernel import FP8_TO_BF16, _fp8_to_bf16_asm
-    asm = _fp8_to_bf16_asm(*FP8_TO_BF16[fp8])
-    rows = torch.arange(256)
-    data = torch.stack([rows, (rows * 7 + 3) % 256, (rows * 13 + 5) % 256, (rows * 31 + 11) % 256], 1)
-    out = []
-    for a, b, c, d in data.tolist():
-        for w in _run_ptx(asm, a | b << 8 | c << 16 | d << 24):
-            out += [w & 0xFFFF, w >> 16]
-    got = torch.tensor(out, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    want = data.reshape(-1).to(torch.uint8).view(fp8).to(torch.bfloat16)
-    assert torch.equal(got.isnan(), want.isnan())
-    finite = ~want.isnan()
-    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
-
-
 # ------------------------------------------------------------------------------------------ sm90
 @pytest.fixture
 def gluon(monkeypatch):
@@ -617,10 +568,33 @@ FP8_CASES = [  # (fp8 dtype, descales)
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("lens", PAGED_CASES[:3], ids=str)
 def test_gluon_paged_fp8_against_reference(gluon, dtype, d, causal, page, lens):
-    # fp8 pools: the convert partition turns each landed tile into q's dtype; the descales by KV head
-    # (and one for all, and none) join the score and output scales
+    # fp8 pools: the convert partition turns each landed tile into fp16 (and a bf16 q tile is rescaled
+    # into fp16); the descales by KV head (and one for all, and none) join the score and output scales
     fp8, descale = FP8_CASES[(d // 64 + page // 16 + causal + PAGED_CASES.index(lens)) % len(FP8_CASES)]
     _check_paged(*lens, page, 4, 2, d, dtype, causal, fp8=fp8, descale=descale)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("q_scale", [1e-6, 3e4, 1e30])
+def test_gluon_fp8_bf16_queries_of_any_magnitude(gluon, q_scale):
+    # bf16 q over fp8 K/V runs its dots in fp16: each Q tile is scaled into fp16's range by a power of
+    # two (down for large queries, up for small ones), the scale folded into the score scale; one head's
+    # rows span six orders of magnitude too
+    lens_q, lens_k = [300, 77], [1300, 129]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    k_cache, v_cache, table = fp8_pool(lens_k, 64, 2, 128)
+    q = randn(int(cu_q[-1]), 4, 128, dtype=torch.bfloat16) * q_scale
+    q[:, 1] *= torch.logspace(-3, 3, q.shape[0], device=q.device).to(q.dtype)[:, None]
+    q = q.to(torch.bfloat16)
+    scale = 1.0 / (q_scale * 128 ** 0.5)  # scores of order one
+    args = (q, k_cache, v_cache, 2, 300, 1300, table, -1, 0, 0.0)
+    assert prefill_hopper.refusal_varlen(*args) is None
+    got = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 300, 1300, causal=True, block_table=table,
+                                 softmax_scale=scale)
+    want = ref.paged_varlen_attention_ref(q, ref.dequantize_ref(k_cache), ref.dequantize_ref(v_cache), cu_q, cu_k,
+                                          table, causal=True, softmax_scale=scale)[0]
+    assert_close(got, want, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -34,10 +34,11 @@ async wgmma, warp specialization).
   key go through descriptors made on the device over its last page's rows up to that key, so a
   page's stale rows (NaN, or another sequence's values) are zero fill.
 - fp8 K/V (``KV8``, varlen or paged, with bf16/fp16 q): the loader's copies land in a ring of fp8
-  tiles; a convert partition (a warpgroup) turns each into q's dtype in a second ring, which the
-  consumers read as above (bf16 through integer bit moves and a power-of-two product: exact, NaN and
-  inf kept). The key descale of the item's KV head joins the score scale, the value descale the
-  output's.
+  tiles; a convert partition (a warpgroup) turns each into fp16 in a second ring (one instruction a
+  pair, exact), which the consumers read as above, their dots in fp16: a bf16 Q tile is rewritten in
+  place as fp16, scaled by a power of two into fp16's range (exact; the scale joins the score
+  scale), and P is fp16. The key descale of the item's KV head joins the score scale, the value
+  descale the output's.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
 
@@ -63,37 +64,12 @@ STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGE
 NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the loader (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
-# fp8 K/V: a third worker partition, a warpgroup (one warp per scheduler: the conversion is integer
-# work), converts each landed fp8 tile to q's dtype in shared memory (wgmma takes 16-bit operands of
-# one type). Four warpgroups start with 128 registers a thread; the consumers give some up for it
-# (setmaxnreg: consumer 0 gets what is left, at least as much as consumer 1).
+# fp8 K/V: a third worker partition, a warpgroup, converts each landed fp8 tile to fp16 in shared
+# memory (wgmma takes 16-bit operands of one type; fp8 -> fp16 is one instruction a pair, exact). Four
+# warpgroups start with 128 registers a thread; the consumers give some up for it (setmaxnreg:
+# consumer 0 gets what is left, at least as much as consumer 1).
 CONVERT_WARPS, CONVERT_REGISTERS, FP8_CONSUMER_REGISTERS, FP8_MAX_REGISTERS = 4, 56, 216, 128
 
-
-def _fp8_to_bf16_asm(shift: int, mask: int, scale: int, nan_and: int, nan_add: int, nan_or: int) -> str:
-    """PTX turning four fp8 values (the bytes of ``$2``) into four bf16 (``$0``, ``$1``: two a word),
-    exactly, on the integer and FMA pipes (Triton's conversion takes four conversion-pipe instructions
-    a pair, which held the kernel at 0.3-0.6 of its bf16 speed). Each byte moves to the top of a
-    16-bit half; its exponent and mantissa bits shift into a bf16's fields (``mask`` keeps them), the
-    sign stays: a bf16 equal to the value times ``2^-k`` (subnormal fp8 values too, as bf16
-    subnormals); the bf16x2 product with ``scale`` = ``2^k`` is then exact. A byte that is NaN or inf
-    (``(byte & nan_and) + nan_add`` sets its top bit) gets the ``nan_or`` bits: all exponent bits."""
-    half = ("prmt.b32 w, $2, z, {sel};\n shr.b32 t, w, {shift};\n and.b32 t, t, {mask:#x};\n"
-            " and.b32 w, w, 0x80008000;\n or.b32 w, w, t;\n mul.rn.bf16x2 ${out}, w, c;\n")
-    special = "prmt.b32 t, m, z, {sel};\n and.b32 t, t, {nan_or:#x};\n or.b32 ${out}, ${out}, t;\n"
-    return ("{\n .reg .b32 z, c, w, t, m;\n mov.b32 z, 0;\n" f" mov.b32 c, {scale:#x};\n"
-            + half.format(sel="0x1404", shift=shift, mask=mask, out=0)
-            + half.format(sel="0x3424", shift=shift, mask=mask, out=1)
-            + f" and.b32 m, $2, {nan_and:#x};\n add.u32 m, m, {nan_add:#x};\n"
-            + special.format(sel="0x9988", nan_or=nan_or, out=0)
-            + special.format(sel="0xBBAA", nan_or=nan_or, out=1) + "}")
-
-
-# (shift, mask, scale, nan_and, nan_add, nan_or) of :func:`_fp8_to_bf16_asm`. e4m3: S.EEEE.MMM, a bf16 of
-# value x 2^-120 after the shift; NaN is S.1111.111. e5m2: S.EEEEE.MM, x 2^-112; exponent 11111 is inf
-# or NaN (its mantissa bits stay: inf stays inf).
-FP8_TO_BF16 = {torch.float8_e4m3fn: (4, 0x07F007F0, 0x7B807B80, 0x7F7F7F7F, 0x01010101, 0x7FFF7FFF),
-               torch.float8_e5m2: (3, 0x0FE00FE0, 0x77807780, 0x7C7C7C7C, 0x04040404, 0x7F807F80)}
 
 # The kernel's integer arguments (the launcher passes them by name). Triton compiles a kernel anew for
 # each class of an integer argument (1, a multiple of 16, other) it meets unless told not to: those in
@@ -152,9 +128,6 @@ if UNAVAILABLE is None:
                                                ("PTXASError", "OutOfResources") if hasattr(triton.runtime.errors, name)))
 
 if UNAVAILABLE is None:
-    E4M3_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e4m3fn]))
-    E5M2_TO_BF16 = gl.constexpr(_fp8_to_bf16_asm(*FP8_TO_BF16[torch.float8_e5m2]))
-
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                 v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -237,31 +210,17 @@ if UNAVAILABLE is None:
                 nq += 1
 
     @gluon.jit
-    def _fp8_to(x, dtype: gl.constexpr):
-        """fp8 ``x`` in ``dtype`` (fp16: the GPU's one-instruction conversion of a pair; bf16:
-        :func:`_fp8_to_bf16_asm`), exactly."""
-        if dtype == gl.bfloat16:
-            if x.dtype == gl.float8e4nv:
-                return gl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
-                                                 dtype=gl.bfloat16, is_pure=True, pack=4)
-            else:
-                return gl.inline_asm_elementwise(E5M2_TO_BF16, "=r,=r,r", [x.to(gl.uint8, bitcast=True)],
-                                                 dtype=gl.bfloat16, is_pure=True, pack=4)
-        else:
-            return x.to(dtype)
-
-    @gluon.jit
     def _convert(src, dst, landed, src_free, converted, dst_free, idx, STAGES: gl.constexpr, layout: gl.constexpr):
-        """Convert the fp8 tile of ring index ``idx`` (``src``, once its copy landed) into ``dst`` in q's
-        dtype (once the consumers are done with that slot's last tile), the whole tile at once (in
-        halves or quarters it measured 3-14 % slower: a barrier between each part's loads and stores);
-        then free the fp8 slot for the loader and hand the converted one to the consumers."""
+        """Convert the fp8 tile of ring index ``idx`` (``src``, once its copy landed) into ``dst`` (fp16;
+        once the consumers are done with that slot's last tile), the whole tile at once (in halves or
+        quarters it measured 3-14 % slower: a barrier between each part's loads and stores); then free
+        the fp8 slot for the loader and hand the converted one to the consumers."""
         slot = idx % STAGES
         phase = (idx // STAGES) & 1
         mbarrier.wait(landed.index(slot), phase)
         mbarrier.wait(dst_free.index(slot), phase ^ 1)
         x = src.index(slot).load(layout)
-        dst.index(slot).store(_fp8_to(x, dst.dtype))
+        dst.index(slot).store(x.to(dst.dtype))
         fence_async_shared()  # these generic-proxy stores before the consumers' wgmma (async proxy) reads
         gl.thread_barrier()  # every warp's rows are in before one thread arrives
         mbarrier.arrive(src_free.index(slot))
@@ -274,7 +233,7 @@ if UNAVAILABLE is None:
                    WARPS: gl.constexpr):
         """The convert partition (fp8 K/V): the items' key tiles in the loader's order (K_j, then V_j),
         each from the fp8 ring the loader fills into the 16-bit ring the consumers read, slot for slot
-        (:func:`_convert`). Exact: every fp8 value is one in fp16 and bf16."""
+        (:func:`_convert`). Exact: every fp8 value is one in fp16."""
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [512 // HEAD_DIM, HEAD_DIM // 16], [WARPS, 1], [1, 0])
         n_m, count = _schedule(Sq, Hq, B, BM)
         it = 0
@@ -327,6 +286,24 @@ if UNAVAILABLE is None:
         return o, p16, m_new, l_new
 
     @gluon.jit
+    def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """A consumer's bf16 Q tile rewritten in place as fp16 for dots with fp16 (fp8) K/V: scaled by the
+        power of two ``2^-shift`` that brings its largest finite magnitude to 2^14 (exact; a tile with
+        an inf is not scaled; NaN is ignored by the max and stays NaN), as the portable kernel does.
+        Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``)."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [ROWS // 16, 1], [1, 0])
+        x = q.load(layout).to(gl.float32)
+        amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
+        shift = gl.minimum(gl.maximum(gl.ceil(gl.log2(amax)) - 14.0, -100.0), 100.0)
+        shift = gl.where((amax > 0.0) & (amax < float("inf")), shift, 0.0)
+        gl.thread_barrier()  # every warp has read the tile before any overwrites it
+        q16 = q._reinterpret(gl.float16, [ROWS, HEAD_DIM], q.layout)
+        q16.store((x * gl.exp2(-shift)).to(gl.float16))
+        fence_async_shared()  # these generic-proxy stores before the wgmma (async proxy) reads
+        gl.thread_barrier()
+        return q16, shift
+
+    @gluon.jit
     def _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o, m_i, l_i, qk_scale, rows,
                 base, nq, n_full, n_tiles, Sk, causal_off, C: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr,
                 STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -335,6 +312,9 @@ if UNAVAILABLE is None:
         ``base``; its Q is the ``nq``-th loaded). The Q slot is handed back after the item's last
         ``Q K^T``, so the loader fills it for the next item while this one's last ``P V`` runs."""
         mbarrier.wait(q_ready.index(C), nq & 1)
+        if q.dtype != k_smem.dtype:  # bf16 q over fp8 K/V (converted to fp16): the dots run in fp16
+            q, shift = _q_to_fp16(q, ROWS, k_smem.shape[2])
+            qk_scale = qk_scale * gl.exp2(shift)
         # tile 0 alone, always masked (right for any tile), then the overlapped steady state
         s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
         s = warpgroup_mma_wait(0, deps=(s, ))
@@ -427,7 +407,7 @@ if UNAVAILABLE is None:
         host descriptors over them with ``[1, CHUNK, 1, D]`` boxes, ``BlockTable`` each sequence's pages
         (strides by sequence and by page). ``qk_scale`` = softmax scale x log2(e). ``KV8`` (with
         ``VARLEN``): K/V are fp8; the loader fills a ring of fp8 tiles that the convert partition turns
-        into the 16-bit ring the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
+        into the fp16 ring the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
         and values."""
         ROWS: gl.constexpr = BM // 2
@@ -436,12 +416,16 @@ if UNAVAILABLE is None:
             dtype: gl.constexpr = q_desc.dtype.element_ty
         else:
             dtype: gl.constexpr = q_desc.dtype
+        if KV8:  # the dots run in fp16 (fp8 converts to it exactly; bf16 q is rescaled into its range)
+            mma_dtype: gl.constexpr = gl.float16
+        else:
+            mma_dtype: gl.constexpr = dtype
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], dtype)
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], mma_dtype)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+        k_smem = gl.allocate_shared_memory(mma_dtype, [STAGES, BN, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(mma_dtype, [STAGES, BN, HEAD_DIM], kv_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
