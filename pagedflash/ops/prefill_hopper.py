@@ -7,7 +7,7 @@ compute capability 9.0, compiled (not interpreted), Triton 3.6's Gluon, fp16/bf1
 sizes where it measured faster (:data:`MIN_SEQLEN`), no window, softcap or sinks, 16-byte aligned
 operands. :func:`pagedflash.flash_attn_varlen_func` over packed K/V or a paged cache of
 :data:`PAGE_SIZES` does too where :func:`refusal_varlen` finds nothing, K/V in q's dtype or in fp8
-(with their descales; pools from :data:`FP8_MIN_PAGE` rows a page); it ignores ``num_splits``,
+(with their descales); it ignores ``num_splits``,
 which never changes a result. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes
 the portable kernel, which stays the tested fallback.
 
@@ -42,9 +42,6 @@ MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)],
 # programs than SMs. Launches of fewer work items than SMs (SMs left idle) were not measured: portable.
 MIN_PROGRAMS_PER_SM = 1
 PAGE_SIZES = (16, 32, 64)  # paged caches the kernel reads (a copy per page of a key tile), and multiples of BLOCK_N
-# fp8 pools of fewer rows a page stay portable: at 16 rows the Gluon kernel (loader- and convert-bound)
-# measured 3-4 % slower than the portable one (docs/performance.md, v24).
-FP8_MIN_PAGE = 32
 
 launches = 0  # Gluon launches so far (tests read it to see which path ran)
 
@@ -82,8 +79,6 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
         page = k.shape[1]
         if not (page in PAGE_SIZES or (page > 0 and page % BLOCK_N == 0)):
             return f"page size {page} (the kernel takes {PAGE_SIZES} or multiples of {BLOCK_N})"
-        if k.dtype in FP8_DTYPES and page < FP8_MIN_PAGE:
-            return f"fp8 pages of {page} rows (routed from {FP8_MIN_PAGE})"
     others = max(q.shape[0] - max_seqlen_q, 0) // (batch - 1) if batch > 1 else q.shape[0]
     return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[-2], q.shape[2], window_left,
                     window_right, softcap, sinks, typical_q=others)
