@@ -6,11 +6,12 @@ async wgmma, warp specialization).
   head's row blocks next to each other (they run together and share its K/V in L2), the last
   first. Items go out in rounds, alternately left to right and right to left, which evens out the
   key tiles per program under causal masking (the host's ``programs()`` picks the count).
-- A 1-warp load partition streams each item's Q and K/V tiles (128 keys) through TMA: K/V into a
-  ring of ``STAGES`` shared-memory slots whose index runs on across items, Q into one slot per
-  consumer; each slot has a "ready" mbarrier (the copy's bytes landed) and an "empty" one (its
-  readers are done with it; with fp8 K/V the ring the loader fills is the converter's, below). The next item's Q and first K/V tiles land while the consumers
-  finish the last item's ``P V`` and store.
+- Two 1-warp load partitions stream each item's tiles through TMA, one K's (and Q), one V's: the
+  128-key tiles into rings of ``STAGES`` shared-memory slots whose index runs on across items, Q
+  into one slot per consumer; each slot has a "ready" mbarrier (the copy's bytes landed) and an
+  "empty" one (its readers are done with it; with fp8 K/V the rings the loaders fill are the
+  converter's, below). The next item's Q and first K/V tiles land while the consumers finish the
+  last item's ``P V`` and store.
 - Two 4-warp consumer partitions take 64 rows each and read the same ring. Each keeps the wgmma of
   ``S_j = Q K_j^T`` and of ``O += P_{j-1} V_{j-1}`` in flight together and runs tile j's softmax while
   the second finishes; the two consumers' softmax and wgmma interleave on the SM (ping-pong
@@ -23,7 +24,7 @@ async wgmma, warp specialization).
   sequence's V cannot reach this one's ``P V``, where its probability 0 would not cancel it). Query
   rows past ``Sq`` are zeros too; their results are never stored. Any strides with a contiguous
   last dim and 16-byte multiples elsewhere work.
-- Varlen (packed ``[total, H, D]`` with ``cu_seqlens``; ``VARLEN``): the loader makes each item's
+- Varlen (packed ``[total, H, D]`` with ``cu_seqlens``; ``VARLEN``): the loaders make each item's
   Q/K/V descriptors on the device over its sequence's rows of its heads (zero fill past the
   sequence, as dense has), after the copies through the last item's have landed; items past a
   sequence's rows are skipped and items whose rows see no key store 0 / -inf, by every partition
@@ -33,8 +34,8 @@ async wgmma, warp specialization).
   block table names (read once a tile for K and V); the chunks that reach past a sequence's last
   key go through descriptors made on the device over its last page's rows up to that key, so a
   page's stale rows (NaN, or another sequence's values) are zero fill.
-- fp8 K/V (``KV8``, varlen or paged, with bf16/fp16 q): the loader's copies land in a ring of fp8
-  tiles; a convert partition (a warpgroup) turns each into fp16 in a second ring (one instruction a
+- fp8 K/V (``KV8``, varlen or paged, with bf16/fp16 q): the loaders' copies land in rings of fp8
+  tiles; a convert partition (a warpgroup) turns each into fp16 in a second pair of rings (one instruction a
   pair, exact), which the consumers read as above, their dots in fp16: a bf16 Q tile is rewritten in
   place as fp16, scaled by a power of two into fp16's range (exact; the scale joins the score
   scale), and P is fp16. The key descale of the item's KV head joins the score scale, the value
@@ -61,7 +62,7 @@ from pagedflash.ops.utils import interpreted
 BLOCK_M = 128  # query rows per program: two consumers of 64
 BLOCK_N = 128  # keys per K/V tile
 STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles, fp8 twice)
-NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the loader (and the converter) are workers
+NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the two loaders (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
 # fp8 K/V: a third worker partition, a warpgroup, converts each landed fp8 tile to fp16 in shared
@@ -125,26 +126,28 @@ if UNAVAILABLE is None:
         GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
                      torch.float8_e5m2: gl.float8e5}
         COMPILE_ERRORS = (CompilationError, *(getattr(triton.runtime.errors, name) for name in
-                                               ("PTXASError", "OutOfResources") if hasattr(triton.runtime.errors, name)))
+                                               ("PTXASError", "OutOfResources")
+                                               if hasattr(triton.runtime.errors, name)))
 
 if UNAVAILABLE is None:
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
-                stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp, ROWS: gl.constexpr,
-                HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PAGE: gl.constexpr, CHUNK: gl.constexpr):
-        """The load partition: for each work item, K_0, both consumers' Q (once each has finished the
-        last item's), V_0, then K_j and V_j; the K/V ring's index runs on across items, so the next
-        item's first tiles land while the consumers finish the last one. ``VARLEN``: the descriptors
-        are made here, per item, over its sequence's rows of its heads (zero fill past the sequence),
-        each once the copies through the last item's have landed (a descriptor is rewritten in place).
-        ``PAGE``: K/V come from the pages of a cache through the host's descriptors (``k_desc``,
-        ``v_desc``), but for the chunks reaching past the sequence's last key, which go through
-        descriptors made here over its last page (:func:`_load_kv`)."""
+    def _loader(q_desc, x_desc, Xc, BlockTable, q_smem, x_smem, q_ready, q_empty, x_ready, x_empty, CuQ, CuK, Sq,
+                Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_xt, stride_xh, stride_xb, stride_bt, stride_bp,
+                ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, PAGE: gl.constexpr,
+                CHUNK: gl.constexpr, LOAD_Q: gl.constexpr):
+        """A load partition (one warp): for each work item, the key tiles of one of K or V (``x``) into
+        its ring, and with ``LOAD_Q`` (the K loader) both consumers' Q after tile 0 (each once its
+        consumer has finished the last item's). The ring's index runs on across items, so the next
+        item's first tiles land while the consumers finish the last one; K and V each have a loader, so
+        the copies of a paged tile (``128 / CHUNK`` each) issue from two chains. ``VARLEN``: the
+        descriptors are made here, per item, over its sequence's rows of its heads (zero fill past the
+        sequence), each once this loader's copies through the last item's have landed (a descriptor is
+        rewritten in place). ``PAGE``: the cache ``Xc``'s pages through the host's descriptor
+        (``x_desc``), but for the chunks reaching past the sequence's last key, which go through one
+        made here over its last page (:func:`_load_kv`)."""
         q_layout: gl.constexpr = q_smem.layout
-        k_layout: gl.constexpr = k_smem.layout
-        v_layout: gl.constexpr = v_smem.layout
+        x_layout: gl.constexpr = x_smem.layout
         n_m, count = _schedule(Sq, Hq, B, BM)
         it = 0
         nq = 0  # items loaded so far (the Q slots' phase)
@@ -158,53 +161,39 @@ if UNAVAILABLE is None:
             if VARLEN:  # not for rows past the sequence or rows that see no key, as the consumers decide
                 busy = (m0 < sq) & (n_tiles > 0)
             if busy:
+                qd = q_desc
+                xd = x_desc
+                xt = x_desc
+                tail_start = 0
                 if VARLEN:
                     if nq > 0:
-                        for c in gl.static_range(2):
-                            mbarrier.wait(q_ready.index(c), (nq - 1) & 1)
+                        if LOAD_Q:
+                            for c in gl.static_range(2):
+                                mbarrier.wait(q_ready.index(c), (nq - 1) & 1)
                         for idx in range(gl.maximum(it - STAGES, prev), it):
-                            mbarrier.wait(k_ready.index(idx % STAGES), (idx // STAGES) & 1)
-                            mbarrier.wait(v_ready.index(idx % STAGES), (idx // STAGES) & 1)
-                    qd = _rows(q_desc, q_start, h, sq, stride_qt, stride_qh, ROWS, HEAD_DIM, q_layout)
+                            mbarrier.wait(x_ready.index(idx % STAGES), (idx // STAGES) & 1)
+                    if LOAD_Q:
+                        qd = _rows(q_desc, q_start, h, sq, stride_qt, stride_qh, ROWS, HEAD_DIM, q_layout)
                     if PAGE > 0:
-                        kd = k_desc
-                        vd = v_desc
                         last_page = (sk - 1) // PAGE
                         tail_start = last_page * PAGE
                         blk = gl.load(BlockTable + b * stride_bt + last_page * stride_bp).to(gl.int64)
-                        kt = _rows(Kc + blk * stride_kb, 0, kv_head, sk - tail_start, stride_kt, stride_kh, CHUNK,
-                                   HEAD_DIM, k_layout)
-                        vt = _rows(Vc + blk * stride_vb, 0, kv_head, sk - tail_start, stride_vt, stride_vh, CHUNK,
-                                   HEAD_DIM, v_layout)
+                        xt = _rows(Xc + blk * stride_xb, 0, kv_head, sk - tail_start, stride_xt, stride_xh, CHUNK,
+                                   HEAD_DIM, x_layout)
                     else:
-                        kd = _rows(k_desc, k_start, kv_head, sk, stride_kt, stride_kh, BN, HEAD_DIM, k_layout)
-                        vd = _rows(v_desc, k_start, kv_head, sk, stride_vt, stride_vh, BN, HEAD_DIM, v_layout)
-                        kt = kd
-                        vt = vd
-                        tail_start = 0
-                else:
-                    qd = q_desc
-                    kd = k_desc
-                    vd = v_desc
-                    kt = kd
-                    vt = vd
-                    tail_start = 0
-                ids = 0
-                if PAGE > 0:
-                    ids = _page_ids(BlockTable, b, 0, sk, stride_bt, stride_bp, PAGE, CHUNK, BN)
-                _load_kv(kd, kt, k_smem, k_ready, k_empty, it, b, 0, kv_head, sk, tail_start, ids, STAGES, BN, HEAD_DIM,
-                         VARLEN, PAGE, CHUNK)
-                for c in gl.static_range(2):
-                    _load(qd, q_smem, q_ready, q_empty, c, nq & 1, b, m0 + c * ROWS, h, ROWS, HEAD_DIM, VARLEN)
-                _load_kv(vd, vt, v_smem, v_ready, v_empty, it, b, 0, kv_head, sk, tail_start, ids, STAGES, BN, HEAD_DIM,
-                         VARLEN, PAGE, CHUNK)
-                for j in range(1, n_tiles):
+                        xd = _rows(x_desc, k_start, kv_head, sk, stride_xt, stride_xh, BN, HEAD_DIM, x_layout)
+                        xt = xd
+                for j in range(n_tiles):
+                    ids = 0
                     if PAGE > 0:
                         ids = _page_ids(BlockTable, b, j, sk, stride_bt, stride_bp, PAGE, CHUNK, BN)
-                    _load_kv(kd, kt, k_smem, k_ready, k_empty, it + j, b, j, kv_head, sk, tail_start, ids, STAGES, BN,
+                    _load_kv(xd, xt, x_smem, x_ready, x_empty, it + j, b, j, kv_head, sk, tail_start, ids, STAGES, BN,
                              HEAD_DIM, VARLEN, PAGE, CHUNK)
-                    _load_kv(vd, vt, v_smem, v_ready, v_empty, it + j, b, j, kv_head, sk, tail_start, ids, STAGES, BN,
-                             HEAD_DIM, VARLEN, PAGE, CHUNK)
+                    if LOAD_Q:
+                        if j == 0:
+                            for c in gl.static_range(2):
+                                _load(qd, q_smem, q_ready, q_empty, c, nq & 1, b, m0 + c * ROWS, h, ROWS, HEAD_DIM,
+                                      VARLEN)
                 prev = it
                 it += n_tiles
                 nq += 1
@@ -231,8 +220,8 @@ if UNAVAILABLE is None:
                    k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, HEAD_DIM: gl.constexpr, BM: gl.constexpr,
                    BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                    WARPS: gl.constexpr):
-        """The convert partition (fp8 K/V): the items' key tiles in the loader's order (K_j, then V_j),
-        each from the fp8 ring the loader fills into the 16-bit ring the consumers read, slot for slot
+        """The convert partition (fp8 K/V): the items' key tiles in order (K_j, then V_j), each from
+        the fp8 ring its loader fills into the 16-bit ring the consumers read, slot for slot
         (:func:`_convert`). Exact: every fp8 value is one in fp16."""
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [512 // HEAD_DIM, HEAD_DIM // 16], [WARPS, 1], [1, 0])
         n_m, count = _schedule(Sq, Hq, B, BM)
@@ -241,7 +230,7 @@ if UNAVAILABLE is None:
             b, h, m0 = _item(i, n_m, Hq, BM)
             _, sq, _, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
             _, n_tiles, _ = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
-            if VARLEN:  # the items the loader skips
+            if VARLEN:  # the items the loaders skip
                 n_tiles = gl.where((m0 < sq) & (n_tiles > 0), n_tiles, 0)
             for j in range(n_tiles):
                 _convert(k8_smem, k_smem, k8_ready, k8_empty, k_ready, k_empty, it + j, STAGES, layout)
@@ -347,7 +336,8 @@ if UNAVAILABLE is None:
                   WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
         """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` (:func:`_attend`), then the
         store. ``VARLEN``: an item past its sequence's rows is skipped, and one whose rows see no key
-        stores 0 (LSE -inf) without waiting on the loader, which (and the converter) skips both alike. ``KDescale`` /
+        stores 0 (LSE -inf) without waiting on the loaders, which (and the converter)
+        skip both alike. ``KDescale`` /
         ``VDescale`` (fp8 K/V, or None): the KV head's descale (head stride 0: one for all) joins the
         score scale / the output's."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[ROWS // 16, 1],
@@ -406,8 +396,8 @@ if UNAVAILABLE is None:
         (``[blocks, PAGE, Hkv, D]``; token strides within a page, block strides), ``k_desc``/``v_desc``
         host descriptors over them with ``[1, CHUNK, 1, D]`` boxes, ``BlockTable`` each sequence's pages
         (strides by sequence and by page). ``qk_scale`` = softmax scale x log2(e). ``KV8`` (with
-        ``VARLEN``): K/V are fp8; the loader fills a ring of fp8 tiles that the convert partition turns
-        into the fp16 ring the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
+        ``VARLEN``): K/V are fp8; the loaders fill rings of fp8 tiles that the convert partition turns
+        into the fp16 rings the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
         and values."""
         ROWS: gl.constexpr = BM // 2
@@ -469,14 +459,18 @@ if UNAVAILABLE is None:
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
                              CAUSAL, WRITE_LSE, VARLEN)),
-                (_loader, (q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k8_smem, v8_smem, q_ready, q_empty,
-                           k8_ready, v8_ready, k8_empty, v8_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt,
-                           stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt,
-                           stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE, CHUNK)),
+                (_loader, (q_desc, k_desc, Kc, BlockTable, q_smem, k8_smem, q_ready, q_empty, k8_ready,
+                           k8_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_kb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
+                           CHUNK, True)),
+                (_loader, (q_desc, v_desc, Vc, BlockTable, q_smem, v8_smem, q_ready, q_empty, v8_ready,
+                           v8_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_vt, stride_vh,
+                           stride_vb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
+                           CHUNK, False)),
                 (_converter, (k8_smem, v8_smem, k_smem, v_smem, k8_ready, v8_ready, k8_empty, v8_empty, k_ready,
                               v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, HEAD_DIM, BM, BN, STAGES, CAUSAL,
                               VARLEN, CONVERT_WARPS)),
-            ], [ROWS // 16, 1, CONVERT_WARPS], [CONSUMER_REGS, LOADER_REGS, CONVERT_REGS])
+            ], [ROWS // 16, 1, 1, CONVERT_WARPS], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS, CONVERT_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
@@ -487,11 +481,15 @@ if UNAVAILABLE is None:
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
                              CAUSAL, WRITE_LSE, VARLEN)),
-                (_loader, (q_desc, k_desc, v_desc, Kc, Vc, BlockTable, q_smem, k_smem, v_smem, q_ready, q_empty,
-                           k_ready, v_ready, k_empty, v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh,
-                           stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_bt, stride_bp,
-                           ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE, CHUNK)),
-            ], [ROWS // 16, 1], [CONSUMER_REGS, LOADER_REGS])
+                (_loader, (q_desc, k_desc, Kc, BlockTable, q_smem, k_smem, q_ready, q_empty, k_ready,
+                           k_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
+                           stride_kb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
+                           CHUNK, True)),
+                (_loader, (q_desc, v_desc, Vc, BlockTable, q_smem, v_smem, q_ready, q_empty, v_ready,
+                           v_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_vt, stride_vh,
+                           stride_vb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
+                           CHUNK, False)),
+            ], [ROWS // 16, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
 def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False,

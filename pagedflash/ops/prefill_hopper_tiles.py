@@ -135,8 +135,7 @@ def _rows(base, tok0, head, rows, stride_t, stride_h, BLOCK_ROWS: gl.constexpr, 
 def _page_ids(BlockTable, b, j, sk, stride_bt, stride_bp, PAGE: gl.constexpr, CHUNK: gl.constexpr,
               BN: gl.constexpr):
     """The pages of key tile ``j``'s chunks that hold ``CHUNK`` keys of sequence ``b`` (0 for the
-    others), read once for its K and V copies in one load (the loader waits on one latency, not
-    one a chunk)."""
+    others), read in one load (the loader waits on one latency, not one a chunk)."""
     c = gl.arange(0, BN // CHUNK, layout=gl.BlockedLayout([BN // CHUNK], [32], [1], [0]))
     p = j * BN + c * CHUNK
     return gl.load(BlockTable + b * stride_bt + (p // PAGE) * stride_bp, mask=p + CHUNK <= sk, other=0)
