@@ -47,6 +47,7 @@ def test_the_measured_cells_are_routed(hopper_here):
     assert prefill_hopper.refusal(*_qkv(), -1, 0, 0.0) is None  # causal
     assert prefill_hopper.refusal(*_qkv(sq=4096, sk=4096, hq=4, hkv=1, d=64, dtype=torch.float16), -1, -1, 0.0) is None
     assert prefill_hopper.refusal(*_qkv(sq=1024, sk=4096), -1, 0, 0.0) is None  # causal, Sq < Sk
+    assert prefill_hopper.refusal(*_qkv(hq=1, hkv=1), -1, 0, 0.0) is None  # D=128: 8 work items on 16 SMs
 
 
 def test_dense_calls_never_take_fp8_kv(hopper_here):
@@ -78,7 +79,8 @@ REFUSALS = {  # reason: (what the refused call changes, a word of the reason)
     "short": (dict(sq=128, sk=128), "measured"),
     "short keys": (dict(sk=128), "measured"),
     "D=64 short": (dict(d=64, sq=128, sk=128), "measured"),
-    "few work items": (dict(hq=1, hkv=1), "work items"),
+    "few work items": (dict(hq=1, hkv=1, sq=512), "work items"),  # 4 on 16 SMs
+    "D=64 few work items": (dict(d=64, hq=1, hkv=1), "work items"),  # 8 on 16 SMs
     "misaligned": (dict(offset=1), "16-byte"),
     "row stride": (dict(pad=4), "16-byte"),
 }
@@ -109,6 +111,8 @@ def test_the_size_rule_is_the_measured_table():
     # every head dim from 256 keys and queries, causal or not (v22: the persistent kernel; shorter
     # lengths not measured)
     assert prefill_hopper.MIN_SEQLEN == {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 256}
+    # launches of fewer work items than SMs (v25: 128 and 64 items on 132 SMs)
+    assert prefill_hopper.MIN_PROGRAMS_PER_SM == {128: 0.45, 64: 0.95}
 
 
 @pytest.mark.parametrize("routed", [True, False], ids=["gluon", "portable"])
@@ -321,7 +325,7 @@ def gluon(monkeypatch):
     """Route the small test shapes to the Gluon kernel (those rules are about speed, not results)."""
     monkeypatch.setattr(prefill_hopper, "ENABLED", True)
     monkeypatch.setattr(prefill_hopper, "MIN_SEQLEN", dict.fromkeys(prefill_hopper.MIN_SEQLEN, 0))
-    monkeypatch.setattr(prefill_hopper, "MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(prefill_hopper, "MIN_PROGRAMS_PER_SM", dict.fromkeys(prefill_hopper.MIN_PROGRAMS_PER_SM, 0))
 
 
 def _check_gluon(q, k, v, dtype, out=None, **opts):

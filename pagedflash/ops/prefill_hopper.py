@@ -39,8 +39,12 @@ ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 # Shorter lengths were not measured and stay portable; fp16 follows bf16's rule.
 MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)], 256)
 # The Gluon kernel never splits the key range; the portable one does when its grid has fewer
-# programs than SMs. Launches of fewer work items than SMs (SMs left idle) were not measured: portable.
-MIN_PROGRAMS_PER_SM = 1
+# programs than SMs. Launches of fewer work items than SMs leave SMs idle; by head dim, the fewest
+# work items a launch takes, as a share of the SMs (docs/performance.md, v25: chunked prefill of one
+# sequence, 512 or 256 new tokens over 4K-64K cached, Hq = 32: at 128 items on 132 SMs the Gluon
+# kernel measured 1.25-1.9x the portable one at both head dims; at 64 items 1.05-1.5x at D=128, but
+# 0.6-1.0x at D=64).
+MIN_PROGRAMS_PER_SM = {128: 0.45, 64: 0.95}
 PAGE_SIZES = (16, 32, 64)  # paged caches the kernel reads (a copy per page of a key tile), and multiples of BLOCK_N
 
 launches = 0  # Gluon launches so far (tests read it to see which path ran)
@@ -108,8 +112,8 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     if hkv == 0 or hq % hkv:
         return f"Hq={hq} not a multiple of Hkv={hkv}"
     n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
-    if n_items < MIN_PROGRAMS_PER_SM * sms:
-        return "fewer work items than SMs (the portable kernel splits the keys)"
+    if n_items < MIN_PROGRAMS_PER_SM[d] * sms:
+        return f"{n_items} work items on {sms} SMs (the portable kernel splits the keys)"
     if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, BLOCK_N) >= 2**31:
         return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms)
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
