@@ -147,12 +147,12 @@ def chunked_prefill(spec: dict) -> tuple[Table, int]:
         f"{str(dtype)[6:]}, paged varlen (block tables a random permutation of the pool) vs dense",
         columns,
         note="FLOPs exact for the bottom-right causal mask: 4*D*Hq*B*(Sq*(Sk-Sq) + Sq*(Sq+1)/2). "
-             "page p÷dense: speed ratio, same run (>1: paged faster). On an sm90 GPU the bf16 launches of at "
-             "least one 128-row work item per SM (here B=4) take the Gluon kernel, dense and paged alike (TMA "
-             "copies of min(page, 128) rows); the others take the portable kernel, where pages of 64+ rows load "
+             "page p÷dense: speed ratio, same run (>1: paged faster). On an sm90 GPU these launches (B=1: 128 work "
+             "items of 128 rows, B=4: 512) take the Gluon kernel, dense and paged alike (TMA copies of min(page, "
+             "128) rows); elsewhere the portable kernel runs them, where pages of 64+ rows load "
              "through TMA descriptors and smaller pages gather rows. fp8: the same pool in float8_e4m3fn "
-             "(per-KV-head scales amax/448; on sm90 the launches the Gluon kernel takes, from 32-row pages, convert its "
-             "tiles to 16 bits in shared memory, the others load through pointers), checked against the reference "
+             "(per-KV-head scales amax/448; on sm90 the Gluon kernel converts its tiles to fp16 in shared memory, "
+             "the portable kernel loads them through pointers), checked against the reference "
              "over the dequantized cache; fp8÷bf16: speed ratio to the bf16 pool of the same page size "
              "(>= 1: no slower); err vs unquantized: max |out - ref| / max |ref| against the bf16 values.",
     )
