@@ -113,6 +113,14 @@ def test_the_size_rule_is_the_measured_table():
     assert prefill_hopper.MIN_SEQLEN == {(128, False): 256, (128, True): 256, (64, False): 256, (64, True): 256}
     # launches of fewer work items than SMs (v25: 128 and 64 items on 132 SMs)
     assert prefill_hopper.MIN_PROGRAMS_PER_SM == {128: 0.45, 64: 0.95}
+    assert set(prefill_hopper.MIN_PROGRAMS_PER_SM) == {d for d, _ in prefill_hopper.MIN_SEQLEN}
+
+
+@pytest.mark.parametrize("d, sq, routed", [(128, 896, False), (128, 1024, True), (64, 1920, False), (64, 2048, True)])
+def test_the_fewest_work_items_by_head_dim(hopper_here, d, sq, routed):
+    # one head on 16 SMs: 7 / 8 items at D=128 (bar 7.2), 15 / 16 at D=64 (bar 15.2)
+    reason = prefill_hopper.refusal(*_qkv(sq=sq, sk=sq, hq=1, hkv=1, d=d), -1, -1, 0.0)
+    assert (reason is None) if routed else "work items" in reason, reason
 
 
 @pytest.mark.parametrize("routed", [True, False], ids=["gluon", "portable"])

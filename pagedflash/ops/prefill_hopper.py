@@ -12,7 +12,8 @@ which never changes a result. Everything else, and every call with ``PAGEDFLASH_
 the portable kernel, which stays the tested fallback.
 
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
-in the same run): docs/performance.md, v20, v22 (persistent), v23 (varlen, paged) and v24 (fp8 K/V).
+in the same run): docs/performance.md, v20, v22 (persistent), v23 (varlen, paged), v24 (fp8 K/V) and v25 (two loaders,
+fp16 dots for fp8 K/V, launches of fewer work items than SMs).
 """
 
 from __future__ import annotations
@@ -111,11 +112,12 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
         return f"device {q.device} is not an NVIDIA sm90 GPU"
     if hkv == 0 or hq % hkv:
         return f"Hq={hq} not a multiple of Hkv={hkv}"
+    # varlen: items counted at the longest sequence's length (the lengths are on the device)
     n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
     if n_items < MIN_PROGRAMS_PER_SM[d] * sms:
         return f"{n_items} work items on {sms} SMs (the portable kernel splits the keys)"
     if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, BLOCK_N) >= 2**31:
-        return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms)
+        return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms, or n_items)
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
         if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"

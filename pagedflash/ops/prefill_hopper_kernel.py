@@ -12,7 +12,7 @@ async wgmma, warp specialization).
   "empty" one (its readers are done with it; with fp8 K/V the rings the loaders fill are the
   converter's, below). The next item's Q and first K/V tiles land while the consumers finish the
   last item's ``P V`` and store.
-- Two 4-warp consumer partitions take 64 rows each and read the same ring. Each keeps the wgmma of
+- Two 4-warp consumer partitions take 64 rows each and read the same rings. Each keeps the wgmma of
   ``S_j = Q K_j^T`` and of ``O += P_{j-1} V_{j-1}`` in flight together and runs tile j's softmax while
   the second finishes; the two consumers' softmax and wgmma interleave on the SM (ping-pong
   without explicit ordering).
@@ -31,7 +31,7 @@ async wgmma, warp specialization).
   alike.
 - Paged K/V (``PAGE``, with varlen Q): a key tile is ``128 / CHUNK`` copies of ``CHUNK = min(PAGE,
   128)`` rows through host descriptors over the caches ``[blocks, PAGE, Hkv, D]``, at the pages the
-  block table names (read once a tile for K and V); the chunks that reach past a sequence's last
+  block table names (each loader reads them once a tile); the chunks that reach past a sequence's last
   key go through descriptors made on the device over its last page's rows up to that key, so a
   page's stale rows (NaN, or another sequence's values) are zero fill.
 - fp8 K/V (``KV8``, varlen or paged, with bf16/fp16 q): the loaders' copies land in rings of fp8
@@ -65,7 +65,7 @@ STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGE
 NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the two loaders (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
 CONSUMER_REGISTERS, LOADER_REGISTERS = 240, 24
-# fp8 K/V: a third worker partition, a warpgroup, converts each landed fp8 tile to fp16 in shared
+# fp8 K/V: a fourth worker partition, a warpgroup, converts each landed fp8 tile to fp16 in shared
 # memory (wgmma takes 16-bit operands of one type; fp8 -> fp16 is one instruction a pair, exact). Four
 # warpgroups start with 128 registers a thread; the consumers give some up for it (setmaxnreg:
 # consumer 0 gets what is left, at least as much as consumer 1).
@@ -203,7 +203,7 @@ if UNAVAILABLE is None:
         """Convert the fp8 tile of ring index ``idx`` (``src``, once its copy landed) into ``dst`` (fp16;
         once the consumers are done with that slot's last tile), the whole tile at once (in halves or
         quarters it measured 3-14 % slower: a barrier between each part's loads and stores); then free
-        the fp8 slot for the loader and hand the converted one to the consumers."""
+        the fp8 slot for its loader and hand the converted one to the consumers."""
         slot = idx % STAGES
         phase = (idx // STAGES) & 1
         mbarrier.wait(landed.index(slot), phase)
@@ -299,7 +299,7 @@ if UNAVAILABLE is None:
                 CAUSAL: gl.constexpr):
         """Consumer ``C``'s rows of one work item over its ``n_tiles`` key tiles (ring indices from
         ``base``; its Q is the ``nq``-th loaded). The Q slot is handed back after the item's last
-        ``Q K^T``, so the loader fills it for the next item while this one's last ``P V`` runs."""
+        ``Q K^T``, so the K loader fills it for the next item while this one's last ``P V`` runs."""
         mbarrier.wait(q_ready.index(C), nq & 1)
         if q.dtype != k_smem.dtype:  # bf16 q over fp8 K/V (converted to fp16): the dots run in fp16
             q, shift = _q_to_fp16(q, ROWS, k_smem.shape[2])
