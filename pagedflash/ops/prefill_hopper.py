@@ -43,7 +43,7 @@ MIN_SEQLEN = dict.fromkeys([(128, False), (128, True), (64, False), (64, True)],
 # programs than SMs. Launches of fewer work items than SMs leave SMs idle; by head dim, the fewest
 # work items a launch takes, as a share of the SMs (docs/performance.md, v25: chunked prefill of one
 # sequence, 512 or 256 new tokens over 4K-64K cached, Hq = 32: at 128 items on 132 SMs the Gluon
-# kernel measured 1.25-1.9x the portable one at both head dims; at 64 items 1.05-1.5x at D=128, but
+# kernel measured 1.25-2.1x the portable one at both head dims; at 64 items 1.05-1.5x at D=128, but
 # 0.6-1.0x at D=64).
 MIN_PROGRAMS_PER_SM = {128: 0.45, 64: 0.95}
 PAGE_SIZES = (16, 32, 64)  # paged caches the kernel reads (a copy per page of a key tile), and multiples of BLOCK_N
