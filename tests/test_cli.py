@@ -73,6 +73,11 @@ def test_bench_paged_quick(tmp_path):
     assert all(_measured(r["p16_fp8_tflops"]) and r["p16_fp8_err_unquant"] is not None for r in chunked)
     fp8 = doc["tables"]["fp8_paged"]["rows"]
     assert fp8 and all(_measured(r["fp8_us"]) and r["page"] == 16 for r in fp8)
+    decode64 = doc["tables"]["paged_decode_d64"]["rows"]
+    assert decode64 and all(_measured(r["p16_over"]) for r in decode64)
+    assert "D=64" in doc["tables"]["fp8_paged_d64"]["title"]
+    fp8_64 = doc["tables"]["fp8_paged_d64"]["rows"]
+    assert fp8_64 and all(_measured(r["fp8_us"]) for r in fp8_64)
     off, on = doc["tables"]["prefix_caching"]["rows"]
     assert off["mode"] == "off" and on["mode"] == "on"
     assert on["computed"] < off["computed"] and _measured(on["speedup"]) and on["ideal"] > 1

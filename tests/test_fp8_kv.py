@@ -215,6 +215,32 @@ def test_dense_varlen_fp8_kv():
     assert_close(out, want, dtype)
 
 
+@pytest.mark.parametrize("log2_q", [120, 105, -105, -124])
+def test_bf16_queries_of_any_finite_magnitude(log2_q):
+    """bf16 q over fp8 K/V runs its dots in fp16, each q tile scaled by a power of two into fp16's
+    range: queries near bf16's largest values (2^120: a shift of ~108, where a cap at 100 gave inf)
+    and near its smallest normals (2^-124: a shift of -126, where a floor at -100 lost the mantissa)
+    give the reference's answer with the softmax scale that keeps their scores of order one, decode
+    and varlen prefill alike (the portable kernel; on sm90 the varlen call is small enough to stay
+    on it, ``tests/test_prefill_hopper.py`` covers the Gluon one)."""
+    hq, hkv, d, n = 4, 2, 64, 40
+    scale = 2.0 ** -log2_q / d**0.5
+    q = (randn(2, 1, hq, d) * 2.0**log2_q).to(torch.bfloat16)
+    kd, vd = descales("head", hkv)
+    k8, v8 = (randn(2, n, hkv, d).to(E4M3) for _ in range(2))
+    k, v = ref.dequantize_ref(k8, kd), ref.dequantize_ref(v8, vd)
+    lens = torch.tensor([n, 17], dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k8, v8, cache_seqlens=lens, softmax_scale=scale, k_descale=kd, v_descale=vd)
+    assert_close(out, ref.kvcache_attention_ref(q, k, v, lens, softmax_scale=scale)[0], torch.bfloat16)
+    qs, cq, ck = q.view(2, hq, d), cu_seqlens([1, 1]), cu_seqlens([n, 17])
+    k_packed, v_packed = (torch.cat([t[0], t[1, :17]]) for t in (k8, v8))
+    out = flash_attn_varlen_func(qs, k_packed, v_packed, cq, ck, 1, n, softmax_scale=scale, k_descale=kd,
+                                 v_descale=vd)
+    want = ref.varlen_attention_ref(qs, ref.dequantize_ref(k_packed, kd), ref.dequantize_ref(v_packed, vd), cq, ck,
+                                    softmax_scale=scale)[0]
+    assert_close(out, want, torch.bfloat16)
+
+
 def test_error_against_unquantized_values_is_quantization_noise():
     """With scales chosen from the data (amax / 448), the output over the fp8 cache stays within
     e4m3's noise of attention over the original values (3 mantissa bits: each element rounded by up
@@ -389,9 +415,10 @@ def test_kv_cache_pool_scales():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
 @pytest.mark.parametrize("page", [0, 16, 64])
-@pytest.mark.parametrize("b,n", [(1, 131072), (16, 16384), (64, 4100)])
-def test_long_context_bf16_q(page, b, n):
-    hq, hkv, d = 32, 8, 128
+@pytest.mark.parametrize("b,n", [(1, 131072), (16, 16384), (64, 4100), (8, 65536)])
+@pytest.mark.parametrize("d", [128, 64])
+def test_long_context_bf16_q(page, b, n, d):
+    hq, hkv = 32, 8
     q = randn(b, 1, hq, d, dtype=torch.bfloat16)
     kd, vd = descales("head", hkv)
     seqlens = [n - 37 * i for i in range(b)]

@@ -29,7 +29,7 @@ def _all(interpreted):
             HEAD_DIMS, GROUPS, Q_LENS, [False, True], [False, True], PAGES, [False, True], [False, True], ITEMSIZES):
         yield (d, g, sq, page, itemsize), choose_config(
             head_dim=d, group=g, max_seqlen_q=sq, causal=causal, interpreted=interpreted, tma=tma, page_size=page,
-            wide=wide, long_kv=long_kv, kv_itemsize=itemsize)
+            wide=wide, long_kv=long_kv, kv_itemsize=itemsize, fp8_cvt=itemsize == 1)
 
 
 @pytest.mark.parametrize("interpreted", [False, True], ids=["gpu_table", "interpreter"])
@@ -52,6 +52,30 @@ def test_table_invariants(interpreted):
         if not interpreted and packed:  # decode tiles: their K/V stages (padded to a power of two) fit
             stage = 2 * cfg.block_n * next_pow2(d) * (itemsize or 4)  # an unknown size: as for fp32
             assert cfg.num_stages * stage <= DECODE_SMEM_BUDGET, where
+
+
+def test_heads_of_64_over_pages():
+    """Single-token decode of 64-wide heads over pages of 16+ rows takes its own tiles
+    (docs/performance.md v28); 128-wide heads, smaller pages and the contiguous cache keep theirs."""
+    def pick(d=64, page=16, itemsize=2, wide=True, long_kv=True, sq=1, cvt=None):
+        cfg = choose_config(head_dim=d, group=4, max_seqlen_q=sq, causal=True, interpreted=False, tma=True,
+                            page_size=page, wide=wide, long_kv=long_kv, kv_itemsize=itemsize,
+                            fp8_cvt=itemsize == 1 if cvt is None else cvt)
+        return cfg.block_n, cfg.num_stages, cfg.tma
+
+    for page in (16, 32, 64, 256):
+        for long_kv in (False, True):
+            assert pick(page=page, long_kv=long_kv, wide=False) == (64, 3, False)
+            assert pick(page=page, long_kv=long_kv, wide=True) == (64, 4, False)
+            for wide in (False, True):
+                assert pick(page=page, long_kv=long_kv, wide=wide, itemsize=1) == (128, 2, False)
+    # the rest keep the table's rows: 128-wide heads, other head dims padded to 64, single-row pages,
+    # the contiguous cache, speculative rows, fp32 caches, fp8 without the conversion
+    assert pick(d=128) == (128, 2, False) and pick(d=128, itemsize=1) == (128, 3, False)
+    assert pick(d=48) == pick(page=1) == pick(page=8) == pick(page=15) == pick(itemsize=4) == (128, 2, False)
+    assert pick(sq=2) == pick(sq=8) == (128, 2, False)  # speculative rows (2 x 4 heads: still 16 packed rows)
+    assert pick(page=0) == (128, 2, False) and pick(page=0, long_kv=False) == (32, 4, False)
+    assert pick(itemsize=1, cvt=False) == (128, 3, False)
 
 
 def test_split_count_rule():
@@ -94,26 +118,29 @@ class _CudaTensor:
         return (65536, 1024, 128, 1)
 
 
-@pytest.mark.parametrize("hip,capability,tma", [
-    ("6.2.41133", (9, 4), False),  # MI300X: ROCm builds of torch call it "cuda" and report gfx942 as 9.4
-    ("6.2.41133", (9, 0), False),  # MI200-class (gfx90a): 9.0
-    (None, (9, 0), True),  # H100 / H200
-    (None, (10, 0), True),  # Blackwell
-    (None, (8, 9), False),  # Ada
-    (None, (8, 0), False),  # A100
+@pytest.mark.parametrize("hip,capability,tma,cvt", [
+    ("6.2.41133", (9, 4), False, False),  # MI300X: ROCm builds of torch call it "cuda" and report gfx942 as 9.4
+    ("6.2.41133", (9, 0), False, False),  # MI200-class (gfx90a): 9.0
+    (None, (9, 0), True, True),  # H100 / H200
+    (None, (10, 0), True, True),  # Blackwell
+    (None, (8, 9), False, True),  # Ada
+    (None, (8, 0), False, False),  # A100
 ], ids=["rocm_mi300", "rocm_gfx90a", "sm90", "sm100", "sm89", "sm80"])
-def test_hopper_path_only_on_nvidia(monkeypatch, hip, capability, tma):
-    """The descriptor (TMA) path is chosen by an NVIDIA CUDA device of capability 9.0+, never by the
-    major version alone: an AMD GPU reporting 9.x takes the portable pointer path."""
+def test_hopper_path_only_on_nvidia(monkeypatch, hip, capability, tma, cvt):
+    """The descriptor (TMA) path is chosen by an NVIDIA CUDA device of capability 9.0+, the inline-asm
+    fp8 conversion by one of 8.9+, never by the major version alone: an AMD GPU reporting 9.x takes
+    the portable pointer path and the plain cast."""
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(launch, "interpreted", lambda: False)  # as compiled on that device
+    monkeypatch.setattr(utils, "interpreted", lambda: False)
     monkeypatch.setattr(launch, "TMA", True)
     utils.nvidia_capability.cache_clear()
     try:
         assert utils.nvidia_capability(torch.device("cuda", 0)) == (None if hip else capability)
         assert launch.tma_device(torch.device("cuda", 0)) == tma
         assert launch.use_tma(_CudaTensor(), _CudaTensor(), paged=False) == tma
-        assert not launch.tma_device(torch.device("cpu"))
+        assert utils.fp8_cvt_device(torch.device("cuda", 0)) == cvt
+        assert not launch.tma_device(torch.device("cpu")) and not utils.fp8_cvt_device(torch.device("cpu"))
     finally:
         utils.nvidia_capability.cache_clear()

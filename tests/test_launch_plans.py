@@ -11,7 +11,7 @@ from helpers import DEVICE, assert_close, cu_seqlens, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash import reference as ref
-from pagedflash.ops import attention, combine, launch, scratch
+from pagedflash.ops import attention, attention_plan, combine, launch, scratch
 
 # ---------------------------------------------------------------- launch plans
 
@@ -153,6 +153,23 @@ def test_a_changed_signature_misses_the_plan_cache(no_kernels, monkeypatch):
         before = set(attention._PLANS)
         dict(_decode_key_variants())["base"]()
         assert len(set(attention._PLANS) - before) == 1
+
+
+@pytest.mark.parametrize("page", [0, 16, 64])
+def test_fp8_v_converts_before_the_dot_on_fp8_caches(no_kernels, monkeypatch, page):
+    """``FP8_CVT`` (the pinned fp8 -> fp16 conversion of V tiles): on for fp8 caches, contiguous or
+    paged, exactly where :func:`fp8_cvt_device` allows it (never on the CPU)."""
+    assert not attention_plan.fp8_cvt_device(torch.device("cpu"))
+    monkeypatch.setattr(attention_plan, "fp8_cvt_device", lambda device: True)
+    q = randn(2, 1, 4, 32)
+    lens = torch.tensor([100, 31], dtype=torch.int32, device=DEVICE)
+    for dtype in (torch.float8_e4m3fn, q.dtype):
+        if page:
+            k, v, table = make_pool([100, 31], page, 2, 32, q.dtype)
+        else:
+            k, v, table = randn(2, 128, 2, 32), randn(2, 128, 2, 32), None
+        flash_attn_with_kvcache(q, k.to(dtype), v.to(dtype), cache_seqlens=lens, block_table=table)
+        assert no_kernels.attention.launches[-1][2]["FP8_CVT"] is (dtype != q.dtype)
 
 
 def test_plan_cache_is_bounded(no_kernels, monkeypatch):

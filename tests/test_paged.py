@@ -103,14 +103,17 @@ def test_hundreds_of_decode_rows():
 
 @pytest.mark.skipif(not ON_GPU, reason="long contexts are for the compiled GPU run")
 @pytest.mark.parametrize("page", [1, 16, 64])
-@pytest.mark.parametrize("b,hkv,n", [(40, 4, 4100), (16, 8, 9000)], ids=["wide", "long_splits"])
+@pytest.mark.parametrize("b,hkv,n", [(40, 4, 4100), (16, 8, 9000), (16, 8, 16384)],
+                         ids=["wide", "long_splits", "long_programs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=ids)
-def test_long_paged_decode(page, b, hkv, n, dtype):
+@pytest.mark.parametrize("d", [128, 64])
+def test_long_paged_decode(page, b, hkv, n, dtype, d):
     # the long-context launch choices over pages: 128-key tiles in a grid wider than the GPU, split
-    # counts doubled for gathered rows and for long splits over 64-row pages (ops/launch.py)
+    # counts doubled for gathered rows and for long splits over 64-row pages; heads of 64 over pages of
+    # 16+ rows take their own tiles (ops/launch.py)
     seqlens = [n - 37 * i for i in range(b)]
-    k_cache, v_cache, table = make_pool(seqlens, page, hkv, 128, dtype, spare=2)
-    q = randn(b, 1, 4 * hkv, 128, dtype=dtype)
+    k_cache, v_cache, table = make_pool(seqlens, page, hkv, d, dtype, spare=2)
+    q = randn(b, 1, 4 * hkv, d, dtype=dtype)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
     assert_close(out, ref.kvcache_attention_ref(q, k_cache, v_cache, lens, block_table=table)[0], dtype)

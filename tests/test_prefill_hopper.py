@@ -585,7 +585,7 @@ def test_gluon_paged_fp8_against_reference(gluon, dtype, d, causal, page, lens):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("q_scale", [1e-6, 3e4, 1e30])
+@pytest.mark.parametrize("q_scale", [1e-33, 1e-6, 3e4, 1e30, 1e33])
 def test_gluon_fp8_bf16_queries_of_any_magnitude(gluon, q_scale):
     # bf16 q over fp8 K/V runs its dots in fp16: each Q tile is scaled into fp16's range by a power of
     # two (down for large queries, up for small ones), the scale folded into the score scale; one head's

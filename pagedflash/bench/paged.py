@@ -18,6 +18,8 @@
    is timed with and without prefix caching.
 4. FP8 KV paged decode: ``bench decode``'s fp8 cells over pools of 16- and 64-row pages, fp8 vs bf16
    at the same page size (same columns as ``bench decode``'s fp8 table).
+5. Sections 1 and 4 at head dim 64 (Hq/Hkv = 32/8, bf16, B = 4/16/32/64, N = 4K/16K): the heads of the
+   engine's 1B model, whose decode reads pages of 16 rows (the tile table's D=64 rows: docs/performance.md v27).
 """
 
 from __future__ import annotations
@@ -68,12 +70,15 @@ FULL = dict(
                  dtype=torch.bfloat16, pages=(16, 64)),
     prefix=dict(requests=64, prefix=4096, suffix=128, heads=(32, 8), dim=128, dtype=torch.bfloat16, page=16),
     fp8=DECODE_FULL["fp8"] | dict(lens=(1024, 4096, 16384, 65536)), fp8_pages=(16, 64),
+    d64=dict(batches=(4, 16, 32, 64), heads=(32, 8), dim=64, dtype=torch.bfloat16, lens=(4096, 16384), max_kv_gb=20),
+    d64_pages=(16, 64),
 )
 QUICK = dict(
     grid=DECODE_QUICK["grid"] | dict(lens=(64,)), pages=(1, 16),
     chunked=dict(batches=(1,), prefixes=(32,), new=16, heads=(2, 1), dim=32, dtype=torch.float16, pages=(16,)),
     prefix=dict(requests=3, prefix=32, suffix=16, heads=(2, 1), dim=32, dtype=torch.float16, page=16),
     fp8=DECODE_QUICK["fp8"], fp8_pages=(16,),
+    d64=dict(batches=(1,), heads=(2, 1), dim=64, dtype=torch.float16, lens=(64,), max_kv_gb=40), d64_pages=(16,),
 )
 
 
@@ -93,11 +98,11 @@ def paged_row(b: int, n: int, spec: dict, pages: tuple[int, ...]) -> tuple[dict,
     return row, cases
 
 
-def paged_vs_contiguous(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]:
+def paged_vs_contiguous(spec: dict, pages: tuple[int, ...], name: str = "paged_decode") -> tuple[Table, int]:
     (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
     columns = {"B": "B", "N": "N", "contig_us": "contiguous µs"} | {f"p{p}_us": f"page {p} µs" for p in pages} | {
         f"p{p}_over": f"page {p}/contig" for p in pages}
-    table = Table("paged_decode", f"Paged vs contiguous decode (pagedflash both): Hq/Hkv={hq}/{hkv}, D={d}, "
+    table = Table(name, f"Paged vs contiguous decode (pagedflash both): Hq/Hkv={hq}/{hkv}, D={d}, "
                   f"{str(dtype)[6:]}, num_splits=auto, block tables = random permutation of the pool",
                   columns, note="page p/contig: time ratio, same run (1.00 = paging is free; >1 = overhead).")
     bad = 0
@@ -110,9 +115,9 @@ def paged_vs_contiguous(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]
     return table, bad
 
 
-def fp8_paged(spec: dict, pages: tuple[int, ...]) -> tuple[Table, int]:
+def fp8_paged(spec: dict, pages: tuple[int, ...], name: str = "fp8_paged") -> tuple[Table, int]:
     (hq, hkv), d = spec["heads"], spec["dim"]
-    table = Table("fp8_paged", f"FP8 KV paged decode vs {str(spec['dtype'])[6:]} at the same page size: "
+    table = Table(name, f"FP8 KV paged decode vs {str(spec['dtype'])[6:]} at the same page size: "
                   f"Hq/Hkv={hq}/{hkv}, D={d}, block tables = random permutation of the pool, num_splits=auto",
                   fp8_columns(spec["dtype"]), note=FP8_NOTE)
     bad = 0
@@ -321,6 +326,10 @@ def main(cfg: Config) -> int:
     print_table(prefix)
     fp8, bad_fp8 = fp8_paged(spec["fp8"], spec["fp8_pages"])
     print_table(fp8)
+    decode64, bad_decode64 = paged_vs_contiguous(spec["d64"], spec["d64_pages"], name="paged_decode_d64")
+    print_table(decode64)
+    fp8_64, bad_fp8_64 = fp8_paged(spec["d64"], spec["d64_pages"], name="fp8_paged_d64")
+    print_table(fp8_64)
     summary = {f"geomean_page{p}_over_contig": geomean(r[f"p{p}_over"] for r in decode.rows) for p in spec["pages"]}
     summary |= {f"geomean_chunked_page{p}_vs_dense": geomean(r[f"p{p}_vs_dense"] for r in chunked.rows)
                 for p in spec["chunked"]["pages"]}
@@ -329,14 +338,18 @@ def main(cfg: Config) -> int:
     summary |= {f"fp8_speedup_page{p}_kv_ge_1gb": geomean(r["speedup"] for r in fp8.rows
                                                           if r["page"] == p and r["kv_gb"] >= 1)
                 for p in spec["fp8_pages"]}
+    summary |= {f"geomean_d64_page{p}_over_contig": geomean(r[f"p{p}_over"] for r in decode64.rows)
+                for p in spec["d64_pages"]}
+    summary |= {f"fp8_speedup_d64_page{p}": geomean(r["speedup"] for r in fp8_64.rows if r["page"] == p)
+                for p in spec["d64_pages"]}
     summary |= {"prefix_caching_speedup": prefix.rows[-1].get("speedup", NA),
-                "failures": bad_decode + bad_chunked + bad_prefix + bad_fp8}
+                "failures": bad_decode + bad_chunked + bad_prefix + bad_fp8 + bad_decode64 + bad_fp8_64}
     print_summary(summary)
     panels = panels_by_batch(decode.rows, spec["grid"]["batches"], lambda b, rows, xs: {
         "title": f"paged/contiguous decode time, B={b}", "xlabel": "N", "ylabel": "time ratio",
         "series": {f"page {p}": (xs, [r[f"p{p}_over"] for r in rows]) for p in spec["pages"]}})
     plot(cfg.out / "paged_decode.png", panels)
-    path = write_results("paged", [decode, chunked, prefix, fp8], cfg.out, quick=cfg.quick, summary=summary)
+    path = write_results("paged", [decode, chunked, prefix, fp8, decode64, fp8_64], cfg.out, quick=cfg.quick, summary=summary)
     print(f"wrote {path} and {cfg.out / 'paged_decode.png'}")
     return 1 if summary["failures"] else 0
 

@@ -98,6 +98,28 @@ def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
     return tl.where(x != x, x, tl.where(x < 0, -r, r))
 
 
+# fp8 pairs to fp16 pairs in one instruction (NVIDIA sm_89+), for :func:`fp8_to_f16`.
+_CVT_E4M3: tl.constexpr = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                       "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }")
+_CVT_E5M2: tl.constexpr = tl.constexpr("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                       "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }")
+
+
+@triton.jit
+def fp8_to_f16(x):
+    """fp8 (e4m3fn or e5m2) to fp16, exact, here, in the tile's current layout (NVIDIA sm_89+ only):
+    the conversion instruction as opaque inline asm, which the compiler may not move past a layout
+    change. A plain cast of a tile bound for a dot's second operand is sunk after its move into the
+    operand layout, where one-byte elements along the dot's reduction dimension load from shared
+    memory a byte at a time (V in ``P @ V``); converted first, the tile moves as fp16, through the
+    transposing matrix loads (docs/performance.md, v26)."""
+    if x.dtype == tl.float8e4nv:
+        return tl.inline_asm_elementwise(_CVT_E4M3, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        tl.static_assert(x.dtype == tl.float8e5, "fp8_to_f16: e4m3fn or e5m2 only")
+        return tl.inline_asm_elementwise(_CVT_E5M2, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
 @triton.jit
 def empty_if_inf(lse):
     """An lse of ``+inf`` marks an empty state, like ``-inf`` (the convention vLLM's merge uses)."""

@@ -18,7 +18,9 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   KV head and the value descale into its output, so the loop only converts the loaded K/V tiles to
   q's dtype for the dots (a no-op for 16-bit caches);
 - ``HAS_SINKS``: one extra logit per query head in the softmax denominator (attention sinks), folded
-  in once per row at the end (under split-KV by split 0 only, so the combine counts it once).
+  in once per row at the end (under split-KV by split 0 only, so the combine counts it once);
+- ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
+  dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
 
 The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
 unmasked tiles in the middle (no mask arithmetic, no bounds on loads), masked tiles at the end (the
@@ -88,7 +90,7 @@ def _attend_range(
     offs_n, offs_d, d_ok,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FP8_CVT: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
     pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
@@ -138,6 +140,8 @@ def _attend_range(
                 v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
                 v = tl.load(V + v_off[:, None] + offs_d[None, :])
+        if FP8_CVT:  # fp8 V converted here, before its move into the dot's operand layout
+            v = _jit.fp8_to_f16(v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i
 
@@ -180,7 +184,7 @@ def _attention_kernel(
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
+    HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr, FP8_CVT: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -258,8 +262,10 @@ def _attention_kernel(
         # v19). The tile's q is scaled by a power of two (exact) that brings its largest element to
         # 2^14, up or down, the scale folded into the score scale; a tile with a non-finite element
         # is not scaled (its rows give what they would in bf16). fp16 holds every fp8 value exactly.
+        # The shift is at most 114 for finite bf16 (below 2^128), and held at -126 or above so that
+        # 2^-shift stays a finite fp32 (tiles of bf16 subnormals only: rounded as GPUs round them).
         q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
-        shift = tl.minimum(tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, -100.0), 100.0)
+        shift = tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, -126.0)
         shift = tl.where((q_max > 0.0) & (q_max < float("inf")), shift, 0.0)
         q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
         sm_scale = sm_scale * tl.exp2(shift)
@@ -289,19 +295,19 @@ def _attention_kernel(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
         BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA,
+        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
     if HAS_SINKS:  # per row's query head (rows of a packed tile belong to different heads)
         sink = tl.load(Sinks + row_head * stride_sink) * LOG2E

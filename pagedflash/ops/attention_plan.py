@@ -25,7 +25,7 @@ from pagedflash.ops.launch import (
     choose_num_splits,
     use_tma,
 )
-from pagedflash.ops.utils import cdiv, head_stride, interpreted, next_pow2, num_sms
+from pagedflash.ops.utils import cdiv, fp8_cvt_device, head_stride, interpreted, next_pow2, num_sms
 
 
 def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
@@ -81,6 +81,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     hkv = k.shape[-2]
     group = hq // hkv
     page_size = k.shape[1] if paged else 0
+    fp8_cvt = k.element_size() == 1 and fp8_cvt_device(q.device)
     tma_ok = use_tma(k, v, paged)
     packed = max(max_seqlen_q, 1) * group <= PACK_MAX_ROWS
     wide = batch * cdiv(max(max_seqlen_q, 1) * group, PACK_MAX_ROWS) * hkv >= num_sms(q.device)
@@ -89,7 +90,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                          f"({config.block_m}), got {config.g_pack}")
     pick = functools.partial(choose_config, head_dim=d, group=group, max_seqlen_q=max_seqlen_q,
                              causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
-                             wide=wide, kv_itemsize=k.element_size())
+                             wide=wide, kv_itemsize=k.element_size(), fp8_cvt=fp8_cvt)
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
@@ -142,6 +143,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
+        FP8_CVT=fp8_cvt,
     )
     plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()

@@ -39,7 +39,8 @@ KV_BYTES_PER_SM = 512
 # A decode program that streams this many keys or more takes 128-key tiles where their stages fit:
 # three deep alone on an SM over a contiguous cache, two deep in a wide grid (below it, pipeline fill
 # makes them slower than 32- and 64-key tiles: docs/performance.md, v14). Over 64-row pages such
-# splits are halved instead (choose_num_splits); smaller pages always take 128-key tiles two deep.
+# splits are halved instead (choose_num_splits); smaller pages take 128-key tiles two deep (one-byte
+# K/V converted before the dot: 64-key tiles three deep; heads of 64: see choose_config).
 LONG_KV_KEYS = 4096
 # Shared memory a decode tile's K/V stages may take (H200: 227 KB per block; Q and scratch need the rest).
 DECODE_SMEM_BUDGET = 192 * 1024
@@ -62,7 +63,7 @@ PAGED_TMA_MIN_PAGE = 64  # pages of 64+ rows load through TMA with 64-key tiles;
 @functools.lru_cache(maxsize=1024)
 def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool, interpreted: bool,
                   tma: bool, page_size: int = 0, wide: bool = False, long_kv: bool = False,
-                  kv_itemsize: int = 0) -> LaunchConfig:
+                  kv_itemsize: int = 0, fp8_cvt: bool = False) -> LaunchConfig:
     """Tile shape for a launch, and whether K/V load through TMA descriptors.
 
     ``tma``: whether the inputs allow descriptors (:func:`use_tma`). ``page_size``: 0 for contiguous
@@ -71,7 +72,9 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     program per SM before any KV split (many sequences or long query chunks). ``long_kv``: a
     program streams ``LONG_KV_KEYS`` keys or more (the cache length over the split count);
     ``kv_itemsize``: the K/V element size, which bounds the pipeline depth of long decode tiles
-    (0: unknown, no long tiles).
+    (0: unknown, no long tiles); ``fp8_cvt``: one-byte K/V whose V tiles the kernel converts before
+    their move into the dot's operand layout (``FP8_CVT``), which over gathered pages take 64-key
+    tiles (at head dim 64 over pages of 16+ rows: 128-key tiles two deep).
 
     Decode-like launches (few query rows) pack the KV group's query heads into the rows of one tile;
     prefill launches tile query tokens of one head. The GPU values were measured with
@@ -94,6 +97,15 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
         if block_d > 128:
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=2)
+        if (head_dim == 64 and max_seqlen_q == 1 and block_m == 16 and page_size >= 16
+                and (kv_itemsize == 2 or fp8_cvt)):
+            # single-token decode of heads of 64 over pages of 16+ rows: fp8 (converted) 128-key tiles
+            # two deep; 16-bit 64 keys three deep, four in wide grids (there 1-3 % slower than three deep
+            # on most sizes, 8-12 % faster at 1024+ programs). At each tile's best split count within
+            # 1.00-1.06x of the best of five tiles on 38 sizes (B 1-256, N 1K-64K, groups 1-8; v28)
+            if kv_itemsize == 1:
+                return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=4 if wide else 3)
         # stages of 128-key K and V tiles (padded to block_d) that fit shared memory
         stages_fit = DECODE_SMEM_BUDGET // (2 * 128 * block_d * kv_itemsize) if kv_itemsize else 0
         if wide:  # the grid fills the GPU unsplit
@@ -106,6 +118,9 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
             # short programs: pointer tiles 4 deep, not TMA (performance.md, v13)
             return LaunchConfig(block_m=block_m, block_n=32, g_pack=g_pack, num_warps=4, num_stages=4)
         if page_size >= PAGED_TMA_MIN_PAGE:  # split grids over 64-row pages: pointer tiles (performance.md, v14)
+            return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
+        if page_size and fp8_cvt:  # converted one-byte rows gathered from small pages: 64-key tiles three
+            # deep, four programs an SM with the converted V tile (1.07-1.17x 128-key tiles, v26)
             return LaunchConfig(block_m=block_m, block_n=64, g_pack=g_pack, num_warps=4, num_stages=3)
         if page_size and stages_fit >= 2:  # rows gathered from small pages: long tiles, two deep (v14)
             return LaunchConfig(block_m=block_m, block_n=128, g_pack=g_pack, num_warps=4, num_stages=2)

@@ -223,7 +223,9 @@ if UNAVAILABLE is None:
         """The convert partition (fp8 K/V): the items' key tiles in order (K_j, then V_j), each from
         the fp8 ring its loader fills into the 16-bit ring the consumers read, slot for slot
         (:func:`_convert`). Exact: every fp8 value is one in fp16."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [512 // HEAD_DIM, HEAD_DIM // 16], [WARPS, 1], [1, 0])
+        # 8 elements a thread (one 16-byte fp16 store), a warp's threads along whole rows: the stores
+        # into the swizzled 16-bit ring are free of bank conflicts (docs/performance.md v26)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [WARPS, 1], [1, 0])
         n_m, count = _schedule(Sq, Hq, B, BM)
         it = 0
         for i in range(count):
@@ -278,12 +280,12 @@ if UNAVAILABLE is None:
     def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
         """A consumer's bf16 Q tile rewritten in place as fp16 for dots with fp16 (fp8) K/V: scaled by the
         power of two ``2^-shift`` that brings its largest finite magnitude to 2^14 (exact; a tile with
-        an inf is not scaled; NaN is ignored by the max and stays NaN), as the portable kernel does.
-        Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``)."""
+        an inf is not scaled; NaN is ignored by the max and stays NaN; ``shift`` held at -126 or above),
+        as the portable kernel does. Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``)."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [ROWS // 16, 1], [1, 0])
         x = q.load(layout).to(gl.float32)
         amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
-        shift = gl.minimum(gl.maximum(gl.ceil(gl.log2(amax)) - 14.0, -100.0), 100.0)
+        shift = gl.maximum(gl.ceil(gl.log2(amax)) - 14.0, -126.0)
         shift = gl.where((amax > 0.0) & (amax < float("inf")), shift, 0.0)
         gl.thread_barrier()  # every warp has read the tile before any overwrites it
         q16 = q._reinterpret(gl.float16, [ROWS, HEAD_DIM], q.layout)

@@ -82,6 +82,14 @@ def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability(device))
 
 
+def fp8_cvt_device(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may convert fp8 to fp16 by the conversion instruction in inline
+    asm (:func:`pagedflash.ops._jit.fp8_to_f16`): an NVIDIA GPU of compute capability 8.9 or newer,
+    outside the interpreter."""
+    capability = nvidia_capability(device)
+    return capability is not None and capability >= (8, 9) and not interpreted()
+
+
 def check_operand(name: str, t, shape: tuple[int | None, ...], *, like: tuple[str, torch.Tensor] | None = None,
                   dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32),
                   contiguous: bool = False) -> None:
