@@ -118,7 +118,8 @@ def test_unknown_seq_errors():
     bm = BlockManager(2, 2)
     bm.allocate("x", [1])
     bm.free("x")
-    for call in (bm.free, bm.block_table, bm.num_tokens, bm.can_append, lambda s: bm.append_token(s, 1)):
+    for call in (bm.free, bm.block_table, bm.num_tokens, bm.can_append, lambda s: bm.append_token(s, 1),
+                 bm.reserve_block, bm.release_reserved):
         with pytest.raises(ValueError, match="unknown seq_id 'x': never allocated or already freed"):
             call("x")
 
@@ -172,6 +173,43 @@ def test_append_token_exhausted():
         NoFreeBlocksError, match=r"append_token\(seq_id=0\) needs a new block, but none of the 1"
     ):
         bm.append_token(0, 3)
+    assert snapshot(bm) == before
+
+
+def test_reserve_block_ahead_of_the_token():
+    """A step launched ahead writes its token's K/V before the token is known: the block comes first,
+    append_token fills it, and a reservation no token reached goes back to the pool."""
+    bm = BlockManager(4, 2)
+    table, _ = bm.allocate(0, [1])
+    assert bm.reserve_block(0) == table  # the last block has room: nothing to reserve
+    bm.append_token(0, 2)
+    grown = bm.reserve_block(0)
+    assert grown[:1] == table and len(grown) == 2 and bm.num_free_blocks == 2
+    assert bm.reserve_block(0) == grown  # reserved already
+    check_invariants(bm)
+    assert bm.append_token(0, 3) == grown and bm.num_free_blocks == 2  # fills the reserved block
+    assert bm.release_reserved(0) == grown  # a token reached it: kept
+    bm.append_token(0, 4)
+    reserved = bm.reserve_block(0)
+    assert bm.release_reserved(0) == grown and bm.num_free_blocks == 2
+    assert bm.allocate(1, [5])[0] == reserved[2:]  # handed out next, as before the reservation
+    check_invariants(bm)
+    bm.commit(0, 4)  # committing the tokens never touches a reserved block
+    bm.reserve_block(0)
+    bm.commit(0, 4)
+    assert bm.block_hash(bm.block_table(0)[2]) is None
+    bm.free(0)
+    bm.free(1)
+    assert bm.num_free_blocks == 4
+    check_invariants(bm)
+
+
+def test_reserve_block_exhausted():
+    bm = BlockManager(1, 2)
+    bm.allocate(0, [1, 2])
+    before = snapshot(bm)
+    with pytest.raises(NoFreeBlocksError, match=r"reserve_block\(seq_id=0\) needs a new block, but none of the 1"):
+        bm.reserve_block(0)
     assert snapshot(bm) == before
 
 

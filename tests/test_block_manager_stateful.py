@@ -90,6 +90,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert can
         self._lru_check(evictable, uncached, hits=[], num_fresh=len(table) - num_blocks)
 
+    @precondition(lambda self: self.bm._seqs)
+    @rule(data=st.data())
+    def reserve_block(self, data):
+        """A block for the next token before the token: a step launched ahead writes that token's
+        slot with K/V of a token the manager does not hold yet (garbage to it). The next append_token
+        fills the block without a new one; release_reserved gives it back if the step is dropped."""
+        seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
+        before, num_blocks = snapshot(self.bm), len(self.bm.block_table(seq_id))
+        needed = self.bm.num_tokens(seq_id) == num_blocks * self.bm.page_size
+        try:
+            table = self.bm.reserve_block(seq_id)
+        except NoFreeBlocksError:
+            assert needed and self.bm.num_free_blocks == 0 and snapshot(self.bm) == before
+            return
+        assert len(table) == num_blocks + needed and self.bm.can_append(seq_id)
+        self.pool[self._slot(seq_id, self.bm.num_tokens(seq_id))] = ("ahead",)
+
+    @precondition(lambda self: self.bm._seqs)
+    @rule(data=st.data())
+    def release_reserved(self, data):
+        """The step launched ahead was dropped: back to the blocks the tokens fill."""
+        seq_id = data.draw(st.sampled_from(sorted(self.bm._seqs)))
+        table, free = self.bm.block_table(seq_id), self.bm.num_free_blocks
+        kept = -(-self.bm.num_tokens(seq_id) // self.bm.page_size)
+        assert self.bm.release_reserved(seq_id) == table[:kept]
+        assert self.bm.num_free_blocks == free + len(table) - kept
+
     @precondition(lambda self: any(self.computed[s] < self.bm.num_tokens(s) for s in self.bm._seqs))
     @rule(data=st.data(), fails=st.booleans(), commit=st.booleans())
     def forward(self, data, fails, commit):

@@ -82,6 +82,8 @@ PHASES = {  # which launch the failure lands in
                                                                     for r in batch.rows),
     "decode": lambda kind, batch: kind == "launch" and batch.is_decode_only,
     "ahead": lambda kind, batch: kind == "ahead",
+    # a step launched ahead with a row whose token starts a page: its block was reserved for it
+    "ahead_new_page": lambda kind, batch: kind == "ahead" and any(r.start % 4 == 0 for r in batch.rows),
 }
 
 
@@ -159,6 +161,81 @@ def test_failed_step_is_retried_as_if_it_never_ran(fresh, phase, occurrence):
             got[out.request_id] += out.new_token_ids
     assert failures == 1 and sum(launches) > occurrence
     assert [got[i] for i in ids] == fresh
+    assert_pool_whole(llm)
+
+
+def step_through_failures(llm: LLM, ids: list, exc) -> tuple[list, int]:
+    """Call ``step`` until every request finished, counting the steps that raised ``exc``; after each,
+    no sequence holds a block past its tokens (a reservation for a step launched ahead went back).
+    Returns each request's tokens, in ``ids`` order, and the failure count."""
+    got, failures, bm = {i: [] for i in ids}, 0, llm.block_manager
+    while llm.has_unfinished_requests():
+        try:
+            outs = llm.step()
+        except exc:
+            failures += 1
+            assert all(len(q.block_table) == -(-len(q.token_ids) // bm.page_size) for q in bm._seqs.values())
+            continue
+        for out in outs:
+            got[out.request_id] += out.new_token_ids
+    return [got[i] for i in ids], failures
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_failed_step_ahead_across_a_page_gives_its_reserved_blocks_back(exc):
+    """A step launched ahead whose rows start new pages (blocks reserved before their tokens) fails:
+    step raises, no sequence keeps a block past its tokens, and calling step again finishes the
+    requests with a fresh engine's tokens and a whole pool (greedy rows of different lengths, so
+    they cross pages at different steps)."""
+    prompts, params = [tokens(5, 1), tokens(7, 2), tokens(10, 3)], SamplingParams(max_tokens=9, ignore_eos=True)
+    kw = dict(page_size=4, num_blocks=32, max_num_batched_tokens=12, cuda_graphs=False)
+    want = [o.token_ids for o in engine(**kw).generate(prompts, params)]
+    llm = engine(**kw)
+    ids = [llm.add_request(p, params) for p in prompts]
+    launches = fail_in_phase(llm, "ahead_new_page", 1, exc)
+    got, failures = step_through_failures(llm, ids, exc)
+    assert failures == 1 and sum(launches) >= 1
+    assert got == want
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_failed_read_behind_a_step_ahead_across_a_page_gives_its_blocks_back(exc):
+    """The step in flight fails when its tokens are read, after the step behind it was launched ahead
+    with blocks reserved: the reservations go back with it (no sequence keeps a block past its tokens),
+    and the requests finish with a fresh engine's tokens and a whole pool."""
+    prompts, params = [tokens(n, s) for s, n in enumerate([3, 6, 9, 5])], SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(page_size=4, num_blocks=24, cuda_graphs=False)
+    want = [o.token_ids for o in engine(**kw).generate(prompts, params)]
+    llm = engine(**kw)
+    ids, ra = [llm.add_request(p, params) for p in prompts], llm.run_ahead
+    real, reserving = ra.launch_successor, []
+
+    def launch_successor(step):
+        real(step)
+        if ra._ahead is not None and ra._ahead.reserved:
+            reserving.append(step)
+            if len(reserving) == 2:
+                def fail():
+                    raise exc("injected: reading the tokens")
+                step.pending.result = fail
+
+    ra.launch_successor = launch_successor
+    got, failures = step_through_failures(llm, ids, exc)
+    assert failures == 1
+    assert got == want
+    assert_pool_whole(llm)
+
+
+def test_no_step_ahead_past_the_longest_sequence():
+    """A prompt of exactly max_model_len tokens whose last chunk is one token (a prefix hit) samples
+    its one token; nothing is launched ahead at position max_model_len (past the positions the model
+    and the block tables hold)."""
+    prefix = tokens(8, 5)
+    llm = engine(page_size=4, num_blocks=16, cuda_graphs=False, max_model_len=9)
+    llm.generate([prefix + [20]], SamplingParams(max_tokens=1, ignore_eos=True))
+    out = llm.generate([prefix + [21]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.num_cached_tokens == 8 and len(out.token_ids) == 1 and out.finish_reason == "length"
     assert_pool_whole(llm)
 
 

@@ -3,7 +3,8 @@
 The KV pool is ``num_blocks`` pages (blocks) of ``page_size`` token slots. A live sequence owns a
 *block table*, the page ids holding its tokens in order: token ``i`` lives in slot
 ``table[i // page_size] * page_size + i % page_size``. Every block of a table but the last is full,
-and ``len(table) == ceil(num_tokens / page_size)``.
+and ``len(table) == ceil(num_tokens / page_size)``, plus one when the last block is full and
+:meth:`reserve_block` gave the next token's block ahead of it.
 
 Prefix caching (``enable_prefix_caching=True``)
 -----------------------------------------------
@@ -236,14 +237,29 @@ class BlockManager:
         seq = self._seq(seq_id)
         if type(token_id) is not int or not 0 <= token_id <= _MAX_TOKEN_ID:
             token_id = _token_id("token_id", token_id)
-        if self._needs_new_block(seq):
-            if not self.num_free_blocks:
-                raise NoFreeBlocksError(
-                    f"append_token(seq_id={seq_id!r}) needs a new block, but none of the "
-                    f"{self.num_blocks} blocks is free"
-                )
-            seq.block_table.append(self._allocate_block())
+        self._grow(seq, f"append_token(seq_id={seq_id!r})")
         seq.token_ids.append(token_id)
+        return list(seq.block_table)
+
+    def reserve_block(self, seq_id) -> list[int]:
+        """Give a sequence the block its next token will need before the token is known (an engine
+        that launches a step ahead writes that token's K/V before it reads the token); returns the
+        block table. Nothing happens when the last block has room or holds the reservation already.
+        Raises :class:`NoFreeBlocksError` when a block is needed and none is free (nothing changes).
+        :meth:`append_token` fills the reserved block; :meth:`release_reserved` gives it back."""
+        seq = self._seq(seq_id)
+        self._grow(seq, f"reserve_block(seq_id={seq_id!r})")
+        return list(seq.block_table)
+
+    def release_reserved(self, seq_id) -> list[int]:
+        """Free the block :meth:`reserve_block` gave the sequence if no token reached it yet (a step
+        launched ahead was dropped); returns the block table."""
+        seq = self._seq(seq_id)
+        if len(seq.block_table) * self.page_size - len(seq.token_ids) >= self.page_size:
+            b = seq.block_table.pop()
+            block = self._blocks[b]
+            block.ref_count -= 1  # 0: it was never shared, hashed or written by a completed forward
+            self._free_uncached.appendleft(b)  # next out, as before the reservation
         return list(seq.block_table)
 
     def commit(self, seq_id, num_tokens: int) -> None:
@@ -288,7 +304,15 @@ class BlockManager:
         return seq
 
     def _needs_new_block(self, seq: _Seq) -> bool:
-        return len(seq.token_ids) % self.page_size == 0
+        return len(seq.token_ids) >= len(seq.block_table) * self.page_size  # full, and none reserved
+
+    def _grow(self, seq: _Seq, caller: str) -> None:
+        """Give ``seq`` a block for its next token if its last one is full (and none is reserved);
+        :class:`NoFreeBlocksError` naming ``caller`` when none is free, nothing changed."""
+        if self._needs_new_block(seq):
+            if not self.num_free_blocks:
+                raise NoFreeBlocksError(f"{caller} needs a new block, but none of the {self.num_blocks} blocks is free")
+            seq.block_table.append(self._allocate_block())
 
     def _match_prefix(self, tokens: list[int]) -> list[int]:
         """The indexed blocks holding the prompt's leading full blocks (none when prefix caching is off)."""

@@ -214,8 +214,8 @@ class LLM:
             self.run_ahead.launch_successor(launched)  # launched before its predecessor's tokens are read
             tokens = launched.tokens()
         except BaseException:
+            self.runner.forget_decode_tables()  # first: host only, and discard may change tables
             self.run_ahead.discard()
-            self.runner.forget_decode_tables()
             raise
         now = time.perf_counter()
         batch = launched.batch

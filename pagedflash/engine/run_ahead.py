@@ -5,12 +5,18 @@ docs/performance.md, "v12 — run-ahead decode").
 A decode step whose rows all sample greedily leaves its tokens on the device and copies them to the
 host behind itself (:class:`pagedflash.engine.runner.PendingTokens`). Its successor is known without
 those tokens when every running sequence is in it, nothing waits for admission (no admission could
-change the rows), and each row's next position lies in a page the sequence holds (no allocation, so
-no preemption): the same rows one position further, whose input ids the runner copies on the device
-(:meth:`ModelRunner.launch_ahead <pagedflash.engine.runner.ModelRunner.launch_ahead>`). At most one
-step is in flight ahead. A row whose request finished (or was aborted) by the time its step is read
-is dropped, and a step that lost rows is not followed ahead: the runner's buffers are laid out by
-row, so the next step goes through the scheduler, which lays them out again. What a dropped row
+change the rows), and each row's next position lies in a page the sequence holds or one the pool can
+give it now (``BlockManager.reserve_block``: no preemption): the same rows one position further,
+whose input ids the runner copies on the device (:meth:`ModelRunner.launch_ahead
+<pagedflash.engine.runner.ModelRunner.launch_ahead>`). Rows cross page boundaries at different steps
+once their lengths differ (32 rows over 16-row pages: two a step on average), so a rule that stopped
+at every boundary would run nearly every step synchronously. At most one step is in flight ahead;
+a step dropped before its tokens were read gives its reserved blocks back. A row that its in-flight
+token finishes (a stop id, ``max_tokens``) may still get a block, freed with it a step later; a row
+at ``max_model_len`` stops the rule (its successor's position does not exist). A row whose request
+finished (or was aborted) by the time its step is read is dropped, and a step that lost rows is not
+followed ahead: the runner's buffers are laid out by row, so the next step goes through the
+scheduler, which lays them out again. What a dropped row
 computed went to a slot of its own partly filled page, never a cached one.
 """
 
@@ -30,6 +36,7 @@ class LaunchedStep:
     batch: Batch  # the rows still counted (rows of finished or aborted requests are dropped)
     pending: PendingTokens  # one token per sampling row as launched
     kept: list[int] | None = None  # indices into the launched rows of those in ``batch``; None: all
+    reserved: tuple = ()  # seq ids given a block ahead of the token this step writes
 
     def tokens(self) -> list[int]:
         """The sampled tokens of the rows in ``batch``, in order (waits for the device)."""
@@ -74,8 +81,18 @@ class RunAhead:
         if not (self.enabled and step.pending.deferred and step.kept is None):
             return
         batch = self._successor(step.batch)
-        if batch is not None:
-            self._ahead = LaunchedStep(batch, self.runner.launch_ahead(batch))
+        if batch is None:
+            return
+        bm, p = self.scheduler.bm, self.scheduler.page_size
+        new_page = [row.seq for row in batch.rows if row.start % p == 0]
+        reserved = tuple(seq.seq_id for seq in new_page)
+        try:
+            for seq in new_page:
+                seq.block_table = bm.reserve_block(seq.seq_id)
+            self._ahead = LaunchedStep(batch, self.runner.launch_ahead(batch), reserved=reserved)
+        except BaseException:
+            self._release(reserved)
+            raise
 
     def confirm(self) -> None:
         """After the scheduler took the tokens of the step before the one in flight: hand the block
@@ -95,8 +112,19 @@ class RunAhead:
     def discard(self) -> None:
         """Forget the step in flight (a step failed, or requests are being dropped): nothing of it is
         counted, its rows are scheduled again, and its K/V writes landed in slots that those rows
-        rewrite (their sequences' own partly filled pages)."""
+        rewrite (their sequences' own partly filled pages, or blocks reserved for it, which go back to
+        the pool). The runner's record of its tables must be dropped with it
+        (``ModelRunner.forget_decode_tables``)."""
+        if self._ahead is not None:
+            self._release(self._ahead.reserved)
         self._ahead = None
+
+    def _release(self, seq_ids: tuple) -> None:
+        """Give back the blocks reserved for ``seq_ids`` that no token reached."""
+        bm = self.scheduler.bm
+        for seq in self.scheduler.running:
+            if seq.seq_id in seq_ids and seq.seq_id in bm:
+                seq.block_table = bm.release_reserved(seq.seq_id)
 
     def _successor(self, batch: Batch) -> Batch | None:
         """``batch``'s rows one position further, or None when that step needs the scheduler."""
@@ -104,12 +132,15 @@ class RunAhead:
         if sched.waiting or len(batch.rows) != len(sched.running):
             return None
         p = sched.page_size
-        rows = []
+        rows, new_pages = [], 0
         for row, seq in zip(batch.rows, sched.running):
             if row.seq is not seq or row.num_tokens != 1 or not row.samples or not seq.params.greedy:
                 return None
             pos = len(seq)  # where batch's token goes
-            if pos % p == 0:  # a new page: allocation (maybe preemption) needs the scheduler
+            if pos >= self.runner.max_model_len:  # the row ends with that token; no position (or page) for it
                 return None
+            new_pages += pos % p == 0  # a new page: reserved now if the pool has it free
             rows.append(ScheduledRow(seq, pos, 1, decode=True))
+        if new_pages > sched.bm.num_free_blocks:  # the scheduler decides whom to preempt
+            return None
         return Batch(rows)

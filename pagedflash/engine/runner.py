@@ -152,20 +152,24 @@ class ModelRunner:
         """Launch ``batch`` (the rows of the step just launched, in the same order, one token
         further: :class:`pagedflash.engine.run_ahead.RunAhead`) before that step's tokens reach the
         host. Its input ids are that step's greedy tokens, copied on the device; its positions and
-        slots come from the host; its pages are held already, so the block tables stay as they are."""
+        slots come from the host; its pages are held already (a row whose token starts a page got it
+        from ``BlockManager.reserve_block``), and the table entries the device lacks go with the step."""
         n, p = len(batch.rows), self.page_size
         bs = self._graph_size(n)
         pos = [r.start for r in batch.rows]
         slots = [r.seq.block_table[r.start // p] * p + r.start % p for r in batch.rows]
+        entries = self._table_entries(batch)  # a row whose token starts a page: the block reserved for it
         with validate.value_checks(False):
-            self._call("_ahead_apply", n, bs, pos + [0] * (bs - n), slots + [-1] * (bs - n))
+            self._call("_ahead_apply", n, bs, pos + [0] * (bs - n), slots + [-1] * (bs - n), entries)
         return self._read_greedy(n)
 
-    def _ahead_apply(self, n: int, bs: int, pos: list[int], slots: list[int]) -> None:
+    def _ahead_apply(self, n: int, bs: int, pos: list[int], slots: list[int], table_entries: list[list[int]]) -> None:
         """Device half of :meth:`launch_ahead` (every rank): the previous step's greedy tokens as
-        input ids, ``pos``/``slots`` of the ``bs`` rows (padding included), the decode step."""
+        input ids, ``pos``/``slots`` of the ``bs`` rows (padding included), new block-table entries,
+        the decode step."""
         self._meta[0, :n].copy_(self._greedy[:n])  # the previous step's tokens; padding ids stay 0
         self._meta[1:, :bs].copy_(self._pinned([pos, slots]), non_blocking=True)
+        self._put_table_entries(table_entries)
         self._run_decode(n, bs, max_seqlen_k=max(pos[:n]) + 1)
 
     def _call(self, name: str, *args):
@@ -304,13 +308,20 @@ class ModelRunner:
         one more for block-table entries when a row got a page, the graph launch, one token read."""
         n, p = len(batch.rows), self.page_size
         bs = self._graph_size(n)
-        ids, pos, slots = [], [], []
+        ids = [row.seq.token_ids[row.start] for row in batch.rows]
+        pos = [row.start for row in batch.rows]
+        slots = [row.seq.block_table[row.start // p] * p + row.start % p for row in batch.rows]
+        pad = [0] * (bs - n)
+        self._call("_decode_apply", n, bs, [ids + pad, pos + pad, slots + [-1] * (bs - n)],
+                   self._table_entries(batch), max(r.end for r in batch.rows))
+
+    def _table_entries(self, batch: Batch) -> list[list[int]]:
+        """The block-table entries (rows, columns, page ids) the device's tables lack for ``batch``'s
+        rows, by what :attr:`_held` records of each row; records them as held."""
+        p = self.page_size
         t_rows, t_cols, t_vals = [], [], []
         for i, row in enumerate(batch.rows):
             seq = row.seq
-            ids.append(seq.token_ids[row.start])
-            pos.append(row.start)
-            slots.append(seq.block_table[row.start // p] * p + row.start % p)
             pages = -(-row.end // p)
             held = self._held[i]
             first = held[2] if held[:2] == (seq.seq_id, seq.num_preemptions) and held[2] <= pages else 0
@@ -318,19 +329,20 @@ class ModelRunner:
             t_cols += range(first, pages)
             t_vals += seq.block_table[first:pages]
             self._held[i] = (seq.seq_id, seq.num_preemptions, pages)
-        pad = [0] * (bs - n)
-        self._call("_decode_apply", n, bs, [ids + pad, pos + pad, slots + [-1] * (bs - n)], [t_rows, t_cols, t_vals],
-                   max(r.end for r in batch.rows))
+        return [t_rows, t_cols, t_vals]
 
     def _decode_apply(self, n: int, bs: int, meta: list[list[int]], table_entries: list[list[int]],
                       max_seqlen_k: int) -> None:
         """Device half of :meth:`_decode` (every rank): the rows' ids, positions and slots (padding
         included), the new block-table entries (rows, columns, page ids), the decode step."""
         self._meta[:, :bs].copy_(self._pinned(meta), non_blocking=True)
+        self._put_table_entries(table_entries)
+        self._run_decode(n, bs, max_seqlen_k=max_seqlen_k)
+
+    def _put_table_entries(self, table_entries: list[list[int]]) -> None:
         if table_entries[0]:
             rows_t, cols_t, vals_t = self._pinned(table_entries).to(self.device, non_blocking=True)
             self._tables.index_put_((rows_t, cols_t), vals_t.to(torch.int32))
-        self._run_decode(n, bs, max_seqlen_k=max_seqlen_k)
 
     def _graph_size(self, n: int) -> int:
         """The captured batch size that serves ``n`` rows (``n`` itself when none does)."""
