@@ -1,9 +1,11 @@
 """``python -m pagedflash``: the demo and the benchmark suite.
 
     pagedflash demo                          kernel checks table, then the serving-engine demo
+    pagedflash serve [MODEL_DIR] [ARGS...]   the OpenAI-compatible HTTP server (needs the serve extra)
     pagedflash bench prefill|decode|paged    one benchmark: tables on stdout, JSON + PNG under --out
     pagedflash bench overhead                host time per eager call, ours and SDPA's (CPU too)
     pagedflash bench serve [ARGS...]         the serving benchmark (extra ARGS go to it)
+    pagedflash bench online [ARGS...]        HTTP load on an OpenAI-compatible server (ARGS go to it)
     pagedflash bench tune [ARGS...]          launch-choice sweep (developer tool, ARGS go to it)
     pagedflash bench all                     prefill, decode, paged, overhead, serve in turn
 
@@ -20,8 +22,8 @@ import time
 from pathlib import Path
 
 KERNEL_BENCHES = ("prefill", "decode", "paged", "overhead")
-CPU_BENCHES = ("overhead",)  # meaningful without a GPU (host time), no --quick needed
-FORWARDED = ("serve", "tune")  # modules with their own main(argv); extra arguments go to them
+CPU_BENCHES = ("overhead", "online")  # meaningful without a GPU, no --quick needed
+FORWARDED = ("serve", "tune", "online")  # modules with their own main(argv); extra arguments go to them
 BENCHES = (*KERNEL_BENCHES, *FORWARDED, "all")
 
 
@@ -29,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedflash", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="check every kernel against the reference, then run the engine demo")
+    sub.add_parser("serve", add_help=False,  # its options are the server's own (pagedflash serve --help)
+                   help="the OpenAI-compatible HTTP server: pagedflash serve [MODEL_DIR] [--port N] ...")
     bench = sub.add_parser("bench", help="run a benchmark (needs a GPU unless --quick)")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("--out", type=Path, default=Path("bench_results"), help="where JSON and PNG go")
@@ -60,7 +64,7 @@ def _run_forwarded(name: str, cfg, extra: list[str]) -> int:
     except ImportError as e:
         print(f"bench {name}: unavailable ({e})", file=sys.stderr)
         return 1
-    argv = ["--out", str(cfg.out), *(["--quick"] if cfg.quick and name == "serve" else []), *extra]
+    argv = ["--out", str(cfg.out), *(["--quick"] if cfg.quick and name in ("serve", "online") else []), *extra]
     try:
         rc = module.main(argv)
     except SystemExit as e:  # its own argparse
@@ -110,4 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pagedflash demo: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
             return 2
         return _demo()
+    if args.command == "serve":
+        from pagedflash.entrypoints.openai.api_server import main as serve
+
+        return serve(extra)
     return _bench(args, extra)
