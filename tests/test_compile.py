@@ -302,11 +302,15 @@ def test_compiled_aot_eager_is_bit_identical(name):
 
 @pytest.mark.parametrize("name", ["dense_out", "varlen_paged", "kvcache_paged_append", "kvcache_int_seqlens", "merge",
                                   "write_kv_cache", "decoder_ops"] + (["kvcache_paged_fp8_sinks"] if ON_GPU else []))
-def test_dynamic_shapes_compile_once(name, monkeypatch):
+def test_dynamic_shapes_compile_once(name):
     """``dynamic=True``: bit-identical to eager, and a second set of sizes reuses the graph (every
     check ran on SymInts). Duck sizing, off here, would specialize on sizes that happen to be equal
     in the first call (B == Hkv, say): torch's choice, not a check of ours."""
-    monkeypatch.setattr(torch.fx.experimental._config, "use_duck_shape", False)
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        _compile_once(name)
+
+
+def _compile_once(name):
     case = CASES[name]
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(case.fn, backend=counter, fullgraph=True, dynamic=True)
