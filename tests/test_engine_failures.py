@@ -293,3 +293,25 @@ def test_failed_graph_replay_is_retried(fresh, monkeypatch):
     assert failures == 1 and len(replays) > 3
     assert [got[i] for i in ids] == fresh
     assert_pool_whole(llm)
+
+
+def test_a_closed_engine_refuses_every_call():
+    """After ``close()`` every call raises one clear RuntimeError (no AttributeError from the released
+    runner, no request accepted); ``close()`` again does nothing; ``prompt_logits([])`` is ``[]``."""
+    llm = engine(num_blocks=8)
+    assert llm.prompt_logits([]) == []
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    request = llm.add_request(tokens(5, 1), params)
+    llm.close()
+    llm.close()
+    calls = {
+        "add_request": lambda: llm.add_request(tokens(5, 2), params),
+        "step": llm.step,
+        "generate": lambda: llm.generate([tokens(5, 3)], params),
+        "prompt_logits": lambda: llm.prompt_logits([tokens(5, 4)]),
+        "abort_request": lambda: llm.abort_request(request),
+        "has_unfinished_requests": llm.has_unfinished_requests,
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"the engine is closed \(LLM.close\(\) was called\)"):
+            call()

@@ -146,6 +146,10 @@ def test_checkpoint_with_a_replicated_kv_head_and_a_worker_that_dies(tmp_path):
     assert time.perf_counter() - t0 < 30
     with pytest.raises(WorkerError, match="closed"):
         llm.step()
+    for call in (lambda: llm.generate([[1, 2]], params), lambda: llm.add_request([1, 2], params),
+                 lambda: llm.prompt_logits([[1, 2]]), lambda: llm.abort_request(0)):
+        with pytest.raises(WorkerError, match="closed"):  # not "generate needs an idle engine"
+            call()
     assert gone(pid) and not children()
     llm.close()
 

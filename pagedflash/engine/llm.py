@@ -47,7 +47,7 @@ from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
 from pagedflash.engine.weights import read_kv_scales
-from pagedflash.engine.workers import Workers
+from pagedflash.engine.workers import WorkerError, Workers
 from pagedflash.ops.utils import on_device
 from pagedflash.validate import check_int
 
@@ -185,6 +185,7 @@ class LLM:
 
         Raises ``TypeError``/``ValueError`` saying what is wrong with the request; nothing is queued.
         """
+        self._check_open()
         params = SamplingParams() if sampling_params is None else sampling_params
         ids, error = self._check_request(prompt_token_ids, params)
         if error is not None:
@@ -193,6 +194,7 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is waiting or running (:meth:`step` has work)."""
+        self._check_open()
         return self.scheduler.has_unfinished()
 
     @_on_engine_device
@@ -207,6 +209,7 @@ class LLM:
         If it raises, no request advanced and no page joined the prefix cache; the requests stay
         queued (call ``step`` again to retry, or :meth:`abort_request`).
         """
+        self._check_open()
         if not self.scheduler.has_unfinished():
             return []
         try:
@@ -237,13 +240,19 @@ class LLM:
         aborted (so aborting races harmlessly with completion). Raises ``ValueError`` for an id this
         engine never returned.
         """
+        self._check_open()
+        if self._drop(request_id):
+            return True
+        if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
+            raise ValueError(f"request_id {request_id!r} was never returned by this engine's add_request")
+        return False
+
+    def _drop(self, request_id) -> bool:
+        """Abort an unfinished request (no check that the engine is open: cleanup after a failure)."""
         seq = self._requests.pop(request_id, None)
-        if seq is None:
-            if isinstance(request_id, bool) or not isinstance(request_id, int) or not 0 <= request_id < self._num_ids:
-                raise ValueError(f"request_id {request_id!r} was never returned by this engine's add_request")
-            return False
-        self.scheduler.abort(seq)
-        return True
+        if seq is not None:
+            self.scheduler.abort(seq)
+        return seq is not None
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
@@ -254,6 +263,7 @@ class LLM:
         ``prompts``: lists of token ids (or strings, with a tokenizer). ``sampling_params``: one for all,
         or one per prompt.
         """
+        self._check_open()
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of prompts (each a list of token ids or a string)")
         prompts = list(prompts)
@@ -293,7 +303,7 @@ class LLM:
                     bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except BaseException:
             for request_id in seqs:  # a failed step (or Ctrl-C) leaves no request behind
-                self.abort_request(request_id)
+                self._drop(request_id)
             raise
         finally:
             if bar is not None:
@@ -375,6 +385,14 @@ class LLM:
         return ids, None
 
     # ------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        """Raise ``RuntimeError`` once :meth:`close` ran, and the tensor-parallel group's
+        :class:`~pagedflash.engine.workers.WorkerError` once a rank died (the engine closed itself)."""
+        if self.runner is None:
+            raise RuntimeError("the engine is closed (LLM.close() was called): build a new LLM to run requests")
+        if self.workers is not None and self.workers.closed is not None:
+            raise WorkerError(f"the tensor-parallel engine is closed: {self.workers.closed}")
+
     @_on_engine_device
     @torch.inference_mode()
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -384,6 +402,9 @@ class LLM:
 
         Raises ``TypeError``/``ValueError`` naming the bad prompt, and
         :class:`pagedflash.cache.NoFreeBlocksError` when the prompts do not fit the free pages."""
+        self._check_open()
+        if not prompts:
+            return []
         checked = []
         for i, prompt in enumerate(prompts):
             ids, error = self._check_prompt(prompt)
