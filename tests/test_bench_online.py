@@ -196,7 +196,7 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert online.main(["--quick", "--out", str(tmp_path)]) == 2  # token ids without a vocabulary
     assert "--vocab-size" in capsys.readouterr().err
     for argv in (["--dataset", "sharegpt"], ["--goodput", "ttft"], ["--request-rates", "1,0"],
-                 ["--max-concurrency", "0"], ["--input-len", "a:b"]):
+                 ["--max-concurrency", "0"], ["--input-len", "a:b"], ["--extra-body", "[1]"]):
         with pytest.raises(SystemExit) as e:
             online.main(argv)
         assert e.value.code == 2
@@ -242,3 +242,24 @@ def test_offline_side_builds_the_servers_engine():
     assert stats["output_tokens"] == 5 and stats["num_requests"] == 2 and stats["errors"] == []
     assert stats["prefix_cache_hit_rate"] == 0.0  # --no-enable-prefix-caching reached the engine
     assert stats["output_tokens_per_s"] > 0 and stats["ttft_p99_ms"] >= stats["ttft_p50_ms"] > 0
+
+
+def test_against_pagedflash_serve_with_the_offline_comparison(tmp_path):
+    """End to end: ``pagedflash serve`` (the tiny model, CPU) launched, loaded, stopped; then the
+    offline engine on the same requests in a fresh process."""
+    for module in ("fastapi", "uvicorn", "httpx", "pagedflash.entrypoints.openai.api_server"):
+        pytest.importorskip(module)
+    rc = online.main(["--num-prompts", "2", "--input-len", "4:6", "--output-len", "2:3", "--num-warmups", "0",
+                      "--out", str(tmp_path), "--server-timeout", "120", "--timeout", "120", "--save-requests",
+                      "--launch-server", "--max-num-seqs", "4"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "online.json").read_text())
+    (row,) = doc["tables"]["runs"]["rows"]
+    reqs = loadgen.random_requests(2, input_len=(4, 6), output_len=(2, 3), tokens=loadgen.TokenSpace(512))
+    assert row["completed"] == 2 and row["output_tokens"] == sum(r.max_tokens for r in reqs)  # usage is exact
+    assert row["input_tokens"] == sum(r.prompt_len for r in reqs)
+    (point,) = json.loads((tmp_path / "online_requests.json").read_text())
+    assert [r["chunks"] for r in point["requests"]] == [r.max_tokens for r in reqs]  # one token a chunk
+    assert row["offline_output_throughput"] > 0 and row["online_over_offline"] > 0
+    assert doc["offline"]["uncapped"]["output_tokens"] == row["output_tokens"]
+    assert "Finished server process" in (tmp_path / "online_server.log").read_text()

@@ -78,6 +78,16 @@ def _concurrencies(text: str) -> list[int]:
     return caps
 
 
+def _json_object(text: str) -> dict:
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(doc, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return doc
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedflash bench online", description=__doc__.split("\n\n")[0])
     a = p.add_argument
@@ -105,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     a("--timeout", type=float, default=600.0, help="seconds per request; a slower one fails")
     a("--temperature", type=float, default=0.0)
     a("--no-ignore-eos", action="store_true", help="let requests stop at EOS (outputs may be shorter)")
-    a("--extra-body", type=json.loads, default=None, help="JSON object merged into every request body")
+    a("--extra-body", type=_json_object, default=None, help="JSON object merged into every request body")
     a("--seed", type=int, default=0)
     a("--out", type=Path, default=Path("bench_results"))
     a("--result-name", default="online", help="file names under --out")
@@ -132,8 +142,6 @@ def _resolve(args, p: argparse.ArgumentParser) -> None:
         p.error("--dataset sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.extra_body is not None and not isinstance(args.extra_body, dict):
-        p.error(f"--extra-body must be a JSON object, got {args.extra_body!r}")
     try:
         args.slo = loadgen.parse_goodput(args.goodput or [])
     except ValueError as e:
@@ -426,7 +434,7 @@ def _report(args, runs, offline) -> None:
     path = write_results(args.result_name, [runs_table, latency], args.out, quick=args.quick, summary=summary)
     doc = json.loads(path.read_text())
     doc["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc["offline"] = {str(k): v for k, v in offline.items()}
+    doc["offline"] = {"uncapped" if k is None else str(k): v for k, v in offline.items()}
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {path}")
     if args.save_requests:
