@@ -1,0 +1,313 @@
+"""The engine loop: one thread owns the :class:`~pagedflash.engine.LLM` and runs its steps.
+
+The engine is not thread-safe, so only this thread calls it. HTTP handlers (on the asyncio event
+loop) talk to it through two lists under one condition variable: requests to add and requests to
+abort. The thread runs ``step()`` while the engine has work and waits on the condition when it has
+none (no busy loop). After each step it hands every request's new tokens to that request's
+``asyncio.Queue`` with one ``call_soon_threadsafe`` per step: the queues are unbounded, so a slow
+client never holds up a step; its tokens wait in its queue.
+
+Events put on a queue (each a tuple):
+
+- ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens)``: ``finish_reason`` is None
+  while the request runs, else ``"stop"`` or ``"length"``;
+- ``("error", tag, message)``: the step running the request raised; the request is aborted.
+
+A step that raises fails the requests it was running (their pages go back to the pool through
+``abort_request``); the loop goes on with the others and with new ones. Admission errors
+(``add_request`` raising ``TypeError``/``ValueError``) come back to the submitter as
+:class:`RequestRejected`; more waiting requests than ``max_queue`` as :class:`QueueFullError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pagedflash.engine.sampling import SamplingParams
+
+logger = logging.getLogger("pagedflash.serve")
+
+
+class QueueFullError(RuntimeError):
+    """More requests would wait for admission than the server's ``max_queue``."""
+
+
+class EngineClosedError(RuntimeError):
+    """The server is shutting down and takes no new request."""
+
+
+class RequestRejected(ValueError):
+    """``add_request`` refused prompt ``index`` of a submission (the message says why)."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
+
+
+@dataclass
+class _Submission:
+    """Prompts of one HTTP request, admitted together or not at all."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Live:
+    """A request in the engine: where its events go and its timings."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    tag: int
+    arrival: float
+    last_token: float | None = None
+
+
+def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
+
+
+class EngineLoop:
+    """Runs ``llm``'s steps in a thread of its own.
+
+    llm: an :class:`~pagedflash.engine.LLM`, used by this thread only once :meth:`start` ran.
+    metrics: an :class:`~pagedflash.entrypoints.openai.metrics.EngineMetrics` to record, or None.
+    max_queue: requests that may wait for admission (queued in the engine or not yet handed to it);
+    None: no limit.
+    """
+
+    def __init__(self, llm, *, metrics=None, max_queue: int | None = None):
+        if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0):
+            raise ValueError(f"max_queue must be an int >= 0 or None, got {max_queue!r}")
+        self.llm = llm
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._pending: list[_Submission] = []
+        self._aborts: list[tuple[int, str]] = []
+        self._accepting = True
+        self._stopping = False
+        self._num_waiting = 0  # the engine's waiting queue after the loop's last visit (under _cond)
+        self._num_unfinished = 0  # requests in the engine after the loop's last visit (under _cond)
+        self._live: dict[int, _Live] = {}  # loop thread only
+        self._thread: threading.Thread | None = None
+        self._prefix = (0, 0)  # prefix-cache (queried, hit) tokens already counted
+        self._preemptions = 0
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        stats = self.llm.block_manager.stats
+        self._prefix = (stats.queried_tokens, stats.hit_tokens)
+        self._preemptions = self.llm.scheduler.num_preemptions
+        self._thread = threading.Thread(target=self._run, name="pagedflash-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        """Refuse new submissions (:class:`EngineClosedError`); requests in flight go on."""
+        with self._cond:
+            self._accepting = False
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort whatever is left (its queues get an ``error`` event) and end the thread."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def abort(self, request_ids, reason: str = "abort") -> None:
+        """Abort requests (counted as finished for ``reason``: ``"abort"``, or ``"stop"`` when the
+        server matched a stop string); already finished ones are ignored. Does not wait."""
+        with self._cond:
+            self._aborts.extend((rid, reason) for rid in request_ids)
+            self._cond.notify()
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not finished, as of the loop's last visit plus those not yet handed over."""
+        with self._cond:
+            return self._num_unfinished + sum(len(s.prompts) for s in self._pending)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ event loop
+    async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
+        """Hand ``prompts`` (token ids) to the engine; their events go to ``queue``, tagged with the
+        prompt's index. Returns the request ids (for :meth:`abort`) once the loop admitted them all.
+
+        Raises :class:`QueueFullError`, :class:`EngineClosedError`, or :class:`RequestRejected` (then no
+        prompt of the submission runs). Cancelled while waiting, the prompts are aborted."""
+        loop = asyncio.get_running_loop()
+        sub = _Submission(prompts, params, queue, loop, loop.create_future())
+        with self._cond:
+            if not self._accepting:
+                raise EngineClosedError("the server is shutting down")
+            waiting = self._num_waiting + sum(len(s.prompts) for s in self._pending)
+            if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
+                raise QueueFullError(f"{waiting} requests are waiting for admission and the server queues at most "
+                                     f"{self.max_queue} (--max-queue); retry later")
+            self._pending.append(sub)
+            self._cond.notify()
+        return await sub.future
+
+    def _resolve(self, future: asyncio.Future, ids: list[int] | None, error: Exception | None) -> None:
+        """On the event loop: the admission's outcome; a submitter that left meanwhile gets its ids aborted."""
+        if future.cancelled():
+            if ids:
+                self.abort(ids)
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(ids)
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        llm = self.llm
+        while True:
+            busy = self._has_work()
+            with self._cond:
+                while not (busy or self._pending or self._aborts or self._stopping):
+                    self._cond.wait()
+                pending, self._pending = self._pending, []
+                aborts, self._aborts = self._aborts, []
+                stopping = self._stopping
+            try:
+                self._apply_aborts(aborts)
+                if stopping:
+                    self._fail(list(self._live), "the server shut down before the request finished", "abort")
+                    for sub in pending:
+                        self._call(sub.loop, self._resolve, sub.future, None, EngineClosedError("the server shut down"))
+                    self._publish()
+                    return
+                for sub in pending:
+                    self._admit(sub)
+                self._publish()
+                if llm.has_unfinished_requests():
+                    self._step()
+            except Exception:  # a bug here must not end the loop: log it, fail what is in flight
+                logger.exception("engine loop error")
+                self._fail(list(self._live), "internal error in the engine loop", "error")
+            self._publish()
+
+    def _has_work(self) -> bool:
+        try:
+            return self.llm.has_unfinished_requests()
+        except Exception:
+            return False
+
+    def _call(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop closed (shutdown): nobody is listening
+            pass
+
+    def _admit(self, sub: _Submission) -> None:
+        ids = []
+        for i, prompt in enumerate(sub.prompts):
+            try:
+                ids.append(self.llm.add_request(prompt, sub.params))
+            except (TypeError, ValueError) as e:
+                for rid in ids:
+                    self.llm.abort_request(rid)
+                self._call(sub.loop, self._resolve, sub.future, None, RequestRejected(i, e))
+                return
+        for i, (rid, prompt) in enumerate(zip(ids, sub.prompts)):
+            self._live[rid] = _Live(sub.queue, sub.loop, i, sub.arrival)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(prompt))
+        self._call(sub.loop, self._resolve, sub.future, ids, None)
+
+    def _apply_aborts(self, aborts: list[tuple[int, str]]) -> None:
+        for rid, reason in aborts:
+            if self._live.pop(rid, None) is not None:
+                self.llm.abort_request(rid)
+                if self.metrics is not None:
+                    self.metrics.finished[reason].inc()
+
+    def _fail(self, request_ids: list[int], message: str, reason: str) -> None:
+        """Abort these requests and send each an ``error`` event."""
+        events: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid in request_ids:
+            live = self._live.pop(rid, None)
+            try:
+                self.llm.abort_request(rid)
+            except Exception:
+                logger.exception("abort_request(%d) failed", rid)
+            if live is None:
+                continue
+            events.setdefault(live.loop, []).append((live.queue, ("error", live.tag, message)))
+            if self.metrics is not None:
+                self.metrics.finished[reason].inc()
+        for loop, batch in events.items():
+            self._call(loop, _deliver, batch)
+
+    def _step(self) -> None:
+        llm = self.llm
+        try:
+            outputs = llm.step()
+        except Exception as e:
+            logger.exception("step failed; failing the requests it was running")
+            running = [seq.seq_id for seq in llm.scheduler.running if seq.seq_id in self._live]
+            self._fail(running or list(self._live), f"the engine step failed: {type(e).__name__}: {e}", "error")
+            return
+        now = time.perf_counter()
+        metrics = self.metrics
+        events: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            n = len(out.new_token_ids)
+            if metrics is not None and n:
+                metrics.generation_tokens.inc(n)
+                first = live.last_token is None
+                if first:
+                    metrics.ttft.observe(now - live.arrival)
+                gap = 0.0 if first else (now - live.last_token) / n  # tokens of one step share its time
+                for _ in range(n - 1 if first else n):
+                    metrics.itl.observe(gap)
+            if out.new_token_ids:
+                live.last_token = now
+            if out.finished:
+                del self._live[out.request_id]
+                if metrics is not None:
+                    metrics.finished[out.finish_reason].inc()
+                    metrics.e2e.observe(now - live.arrival)
+            events.setdefault(live.loop, []).append(
+                (live.queue, ("tokens", live.tag, out.new_token_ids, out.finish_reason if out.finished else None,
+                              out.num_cached_tokens)))
+        for loop, batch in events.items():
+            self._call(loop, _deliver, batch)
+
+    def _publish(self) -> None:
+        """Counts for admission control and the metrics' gauges and counters."""
+        llm = self.llm
+        scheduler, bm = llm.scheduler, llm.block_manager
+        with self._cond:
+            self._num_waiting = len(scheduler.waiting)
+            self._num_unfinished = len(self._live)
+        m = self.metrics
+        if m is None:
+            return
+        m.running.set(len(scheduler.running))
+        m.waiting.set(len(scheduler.waiting))
+        m.kv_usage.set(1.0 - bm.num_free_blocks / llm.num_blocks)
+        queried, hit = bm.stats.queried_tokens, bm.stats.hit_tokens
+        m.prefix_queries.inc(queried - self._prefix[0])
+        m.prefix_hits.inc(hit - self._prefix[1])
+        self._prefix = (queried, hit)
+        m.preemptions.inc(scheduler.num_preemptions - self._preemptions)
+        self._preemptions = scheduler.num_preemptions

@@ -1,0 +1,207 @@
+"""Request and response bodies of the OpenAI API, as typed models (pydantic v2).
+
+Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
+``min_p``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are ignored, as OpenAI and vLLM do;
+fields the server cannot honour (``n > 1``, ``echo``, ``logprobs``, penalties, ``logit_bias``,
+tools, ``response_format``, ``suffix``, ``best_of``) are listed by :func:`unsupported_field`, which
+the handlers turn into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields common to completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: StrictInt | None = None  # 0 or -1: off
+    min_p: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True  # vLLM's extension
+
+
+def unsupported_field(request: _GenerationRequest) -> tuple[str, str] | None:
+    """(field, why) for the first field asking for something the server does not do, else None."""
+    checks = [
+        ("n", request.n != 1, "n > 1 is not supported (send the request n times)"),
+        ("presence_penalty", request.presence_penalty != 0.0, "presence_penalty is not supported (the sampler has no penalties)"),
+        ("frequency_penalty", request.frequency_penalty != 0.0, "frequency_penalty is not supported (the sampler has no penalties)"),
+        ("repetition_penalty", request.repetition_penalty != 1.0, "repetition_penalty is not supported (the sampler has no penalties)"),
+        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
+        ("min_p", request.min_p not in (None, 0.0), "min_p is not supported (the sampler has temperature, top_k and top_p)"),
+    ]
+    if isinstance(request, CompletionRequest):
+        checks += [
+            ("echo", request.echo, "echo is not supported"),
+            ("logprobs", request.logprobs is not None, "logprobs is not supported"),
+            ("suffix", bool(request.suffix), "suffix is not supported"),
+            ("best_of", request.best_of not in (None, 1), "best_of is not supported"),
+        ]
+    else:
+        checks += [
+            ("logprobs", request.logprobs or request.top_logprobs is not None, "logprobs is not supported"),
+            ("tools", bool(request.tools), "tools are not supported"),
+            ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported"),
+            ("response_format", request.response_format not in (None, {"type": "text"}),
+             "response_format other than {'type': 'text'} is not supported"),
+        ]
+    if request.stream_options is not None and not request.stream:
+        checks.append(("stream_options", True, "stream_options is only allowed when stream is true"))
+    return next(((name, why) for name, bad, why in checks if bad), None)
+
+
+# ------------------------------------------------------------------ responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """Only the fields it carries are written: the role in the first chunk, then content, then none."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedflash"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

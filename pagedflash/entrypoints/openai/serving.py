@@ -1,0 +1,323 @@
+"""The handlers' work between HTTP and the engine loop: validate a request into token ids and
+:class:`~pagedflash.engine.SamplingParams`, run it, and build the OpenAI responses and stream chunks.
+
+Every refusal is an :class:`APIError` carrying the HTTP status and the OpenAI error body's fields
+(``param`` names the offending field). Input never gives a 500: that status is for a step that failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedflash.engine.sampling import SamplingParams
+from pagedflash.entrypoints.openai import protocol as p
+from pagedflash.entrypoints.openai.engine_loop import (
+    EngineClosedError,
+    EngineLoop,
+    QueueFullError,
+    RequestRejected,
+)
+from pagedflash.entrypoints.openai.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+
+
+class APIError(Exception):
+    """A refusal: ``status`` and the fields of the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict:
+        return p.ErrorResponse(error=p.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.code)).model_dump()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class ServerState:
+    """What the handlers share: the engine loop, the tokenizer, and the served model's limits."""
+
+    engine: EngineLoop
+    tokenizer: TextTokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+# ------------------------------------------------------------------ validation
+def check_request(state: ServerState, request: p._GenerationRequest) -> None:
+    if request.model is not None and request.model != state.model_name:
+        raise APIError(400, f"model {request.model!r} is not served here; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    unsupported = p.unsupported_field(request)
+    if unsupported is not None:
+        field, why = unsupported
+        raise bad_request(why, param=field, code="unsupported")
+
+
+def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
+    if not ids:
+        raise bad_request(f"{param} is empty", param=param)
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {state.vocab_size})", param=param)
+    if len(ids) >= state.max_model_len:
+        raise bad_request(f"{param} has {len(ids)} tokens, but the model's maximum context length is "
+                          f"{state.max_model_len} (prompt plus at least one generated token)", param=param)
+
+
+def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_len: int, *, default_max_tokens: int | None,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """The request's sampling fields as SamplingParams; ``prompt_len``: the longest prompt's tokens."""
+    room = state.max_model_len - prompt_len
+    max_tokens = getattr(request, max_tokens_field)
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens >= 1 and prompt_len + max_tokens > state.max_model_len:
+        raise bad_request(f"{max_tokens_field}={max_tokens} with a prompt of {prompt_len} tokens exceeds the model's "
+                          f"maximum context length {state.max_model_len} (at most {room} can be generated)",
+                          param=max_tokens_field)
+    top_k = request.top_k if request.top_k is not None else 0
+    fields = dict(max_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
+                  top_p=1.0 if request.top_p is None else request.top_p, top_k=0 if top_k == -1 else top_k,
+                  seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()))
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        param = max_tokens_field if field == "max_tokens" else (field if field in fields else None)
+        raise bad_request(str(e).replace("max_tokens", max_tokens_field, 1), param=param) from None
+
+
+def stop_strings(request: p._GenerationRequest) -> list[str]:
+    stop = request.stop
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def completion_prompts(state: ServerState, request: p.CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids: a string, a list of ids, or a batch of either."""
+    prompt = request.prompt
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    out = []
+    for i, item in enumerate(batch):
+        param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise bad_request(f"{param} is empty", param=param)
+            ids = state.tokenizer.encode(item)
+        else:
+            ids = list(item)
+        check_prompt(state, ids, param)
+        out.append(ids)
+    return out
+
+
+def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[int]:
+    """The messages rendered with the chat template, as token ids."""
+    if not request.messages:
+        raise bad_request("messages is empty", param="messages")
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            kinds = {part.type for part in content} - {"text"}
+            if kinds:
+                raise bad_request(f"messages[{i}].content: only text parts are supported, got {sorted(kinds)}",
+                                  param=f"messages[{i}].content")
+            content = "".join(part.text or "" for part in content)
+        messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    try:
+        text = state.tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+    except ValueError as e:  # no template
+        raise bad_request(str(e), param="messages", code="no_chat_template") from None
+    ids = state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS if it wants one
+    check_prompt(state, ids, "messages")
+    return ids
+
+
+# ------------------------------------------------------------------ running
+@dataclass
+class Delta:
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+class Generation:
+    """One HTTP request's prompts in the engine: :meth:`start` admits them, :meth:`deltas` yields
+    their text as it comes, :meth:`usage` counts tokens. Leaving :meth:`deltas` early (an error, a
+    client gone) aborts what is still running."""
+
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, stop: list[str]):
+        self.state, self.prompts, self.params = state, prompts, params
+        self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in prompts]
+        self.finish_reason: list[str | None] = [None] * len(prompts)
+        self.num_cached = [0] * len(prompts)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[int] = []
+
+    async def start(self) -> None:
+        try:
+            self.request_ids = await self.state.engine.submit(self.prompts, self.params, self.queue)
+        except QueueFullError as e:
+            raise APIError(503, str(e), type="service_unavailable", code="queue_full") from None
+        except EngineClosedError as e:
+            raise APIError(503, str(e), type="service_unavailable") from None
+        except RequestRejected as e:
+            param = "prompt" if len(self.prompts) == 1 else f"prompt[{e.index}]"
+            raise bad_request(str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        left = len(self.prompts)
+        try:
+            while left:
+                event = await self.queue.get()
+                if event[0] == "error":
+                    raise APIError(500, event[2], type="internal_server_error")
+                _, i, new_ids, reason, num_cached = event
+                if self.finish_reason[i] is not None:
+                    continue  # stopped by a stop string; the engine's abort is on its way
+                detok = self.detok[i]
+                self.num_cached[i] = num_cached
+                text = detok.push(new_ids)
+                if detok.stopped:
+                    if reason is None:
+                        self.state.engine.abort([self.request_ids[i]], reason="stop")
+                    reason = "stop"
+                if reason is not None:
+                    text += detok.finish()
+                    self.finish_reason[i] = reason
+                    left -= 1
+                if text or reason is not None:
+                    yield Delta(i, text, reason)
+        finally:
+            running = [rid for rid, reason in zip(self.request_ids, self.finish_reason) if reason is None]
+            if running:
+                self.state.engine.abort(running)
+
+    def usage(self) -> p.UsageInfo:
+        prompt = sum(len(ids) for ids in self.prompts)
+        completion = sum(d.num_tokens for d in self.detok)
+        return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.num_cached)))
+
+
+async def until_disconnect(receive) -> None:
+    """Returns when the client closed the connection (the body was read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+async def collect(gen: Generation, receive) -> list[str]:
+    """Run ``gen`` to the end; its texts by prompt. Raises :class:`ClientGone` (after aborting)
+    when the client leaves first."""
+    texts = [""] * len(gen.prompts)
+
+    async def run():
+        async for d in gen.deltas():
+            texts[d.index] += d.text
+
+    task = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+    if task not in done:
+        raise ClientGone()
+    task.result()
+    return texts
+
+
+def _sse(payload) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ completions
+async def completion_response(gen: Generation, receive, model: str) -> p.CompletionResponse:
+    texts = await collect(gen, receive)
+    choices = [p.CompletionChoice(index=i, text=t, finish_reason=r)
+               for i, (t, r) in enumerate(zip(texts, gen.finish_reason))]
+    return p.CompletionResponse(id=new_id("cmpl"), model=model, choices=choices, usage=gen.usage())
+
+
+async def completion_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+    rid, created = new_id("cmpl"), int(time.time())
+
+    def chunk(choices, usage=None):
+        body = p.CompletionResponse(id=rid, created=created, model=model, choices=choices)
+        if include_usage:
+            body.usage = usage
+        return _sse(body)
+
+    try:
+        async for d in gen.deltas():
+            yield chunk([p.CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)])
+        if include_usage:
+            yield chunk([], gen.usage())
+    except APIError as e:
+        yield _sse(e.body())
+    yield "data: [DONE]\n\n"
+
+
+# ------------------------------------------------------------------ chat
+async def chat_response(gen: Generation, receive, model: str) -> p.ChatCompletionResponse:
+    texts = await collect(gen, receive)
+    return p.ChatCompletionResponse(
+        id=new_id("chatcmpl"), model=model, usage=gen.usage(),
+        choices=[p.ChatChoice(index=0, message=p.ChatResponseMessage(content=texts[0]),
+                              finish_reason=gen.finish_reason[0])])
+
+
+async def chat_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+    rid, created = new_id("chatcmpl"), int(time.time())
+
+    def chunk(choices, usage=None):
+        body = p.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
+        if include_usage:
+            body.usage = usage
+        return _sse(body)
+
+    try:
+        yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
+        async for d in gen.deltas():
+            if d.text:
+                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text))])
+            if d.finish_reason is not None:
+                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(), finish_reason=d.finish_reason)])
+        if include_usage:
+            yield chunk([], gen.usage())
+    except APIError as e:
+        yield _sse(e.body())
+    yield "data: [DONE]\n\n"
