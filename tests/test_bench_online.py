@@ -168,7 +168,7 @@ def test_sharegpt_file(tmp_path):
 
 def test_sweep_writes_json_markdown_and_plot(tmp_path, capsys):
     with StandIn(ttft_s=0.01, itl_s=0.005) as server:
-        rc = cli.main(["bench", "online", "--quick", "--out", str(tmp_path), "--base-url", server.url,
+        rc = cli.main(["bench", "online", "--quick", "--num-prompts", "8", "--out", str(tmp_path), "--base-url", server.url,
                        "--vocab-size", "64", "--request-rates", "40,inf", "--max-concurrency", "2,8",
                        "--goodput", "ttft:2000", "tpot:1", "--save-requests", "--num-warmups", "2"])
     assert rc == 0
@@ -217,7 +217,7 @@ def test_launched_server_is_started_and_stopped(tmp_path):
                       "--server-command", f"{{python}} {STANDIN}", "--launch-server", "--ttft-ms", "5"])
     assert rc == 0
     doc = json.loads((tmp_path / "online.json").read_text())
-    assert doc["tables"]["runs"]["rows"][0]["completed"] == 8 and doc["offline"] == {}
+    assert doc["tables"]["runs"]["rows"][0]["completed"] == 4 and doc["offline"] == {}
     assert doc["args"]["launch_server"] == ["--ttft-ms", "5"]
     assert (tmp_path / "online_server.log").exists()
     rc = online.main(["--quick", "--vocab-size", "64", "--out", str(tmp_path), "--server-timeout", "30",

@@ -47,7 +47,7 @@ from pagedflash.bench.report import Table, plot, print_summary, print_table, wri
 
 DATASETS = ("random", "shared-prefix", "sharegpt")
 DEFAULT_SERVER = "{python} -m pagedflash serve"
-QUICK = dict(num_prompts=8, input_len="8:24", output_len="4:8", prefix_len=32, suffix_len="4:8")
+QUICK = dict(num_prompts=4, input_len="4:12", output_len="2:4", prefix_len=16, suffix_len="2:4")
 
 
 def _range(text: str) -> tuple[int, int]:
