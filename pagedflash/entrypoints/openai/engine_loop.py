@@ -192,9 +192,10 @@ class EngineLoop:
                         self._call(sub.loop, self._resolve, sub.future, None, EngineClosedError("the server shut down"))
                     self._publish()
                     return
-                for sub in pending:
-                    self._admit(sub)
-                self._publish()
+                outcomes = [self._admit(sub) for sub in pending]
+                self._publish()  # first: a submitter told "admitted" must find itself counted
+                for sub, ids, error in outcomes:
+                    self._call(sub.loop, self._resolve, sub.future, ids, error)
                 if llm.has_unfinished_requests():
                     self._step()
             except Exception:  # a bug here must not end the loop: log it, fail what is in flight
@@ -214,7 +215,8 @@ class EngineLoop:
         except RuntimeError:  # the event loop closed (shutdown): nobody is listening
             pass
 
-    def _admit(self, sub: _Submission) -> None:
+    def _admit(self, sub: _Submission) -> tuple[_Submission, list[int] | None, Exception | None]:
+        """Add the submission's prompts (all or none); what to tell the submitter."""
         ids = []
         for i, prompt in enumerate(sub.prompts):
             try:
@@ -222,13 +224,12 @@ class EngineLoop:
             except (TypeError, ValueError) as e:
                 for rid in ids:
                     self.llm.abort_request(rid)
-                self._call(sub.loop, self._resolve, sub.future, None, RequestRejected(i, e))
-                return
+                return sub, None, RequestRejected(i, e)
         for i, (rid, prompt) in enumerate(zip(ids, sub.prompts)):
             self._live[rid] = _Live(sub.queue, sub.loop, i, sub.arrival)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))
-        self._call(sub.loop, self._resolve, sub.future, ids, None)
+        return sub, ids, None
 
     def _apply_aborts(self, aborts: list[tuple[int, str]]) -> None:
         for rid, reason in aborts:
