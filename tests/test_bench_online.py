@@ -227,7 +227,7 @@ def test_launched_server_is_started_and_stopped(tmp_path):
 
 def test_offline_side_builds_the_servers_engine():
     """The server's own parser and engine builder: its arguments reach the LLM, which serves the
-    workload in-process (the tiny model, capped at one sequence)."""
+    workload in-process (the tiny model, capped at one sequence; text encoded as the server does)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("pagedflash.entrypoints.openai.api_server")
     config = online_offline.server_model_config(["--max-num-seqs", "4", "--port", "1"])
@@ -236,7 +236,8 @@ def test_offline_side_builds_the_servers_engine():
         online_offline.server_model_config(["--no-such-option"])
     rng = random.Random(0)
     spec = dict(server_args=["--max-num-seqs", "4", "--no-enable-prefix-caching"],
-                prompts=[[rng.randrange(3, 512) for _ in range(5)]] * 2, max_tokens=[3, 2], warmup=[[5, 6]],
+                prompts=[[rng.randrange(3, 512) for _ in range(5)], "a text prompt, as ShareGPT's"],
+                max_tokens=[3, 2], warmup=[[5, 6]],
                 warmup_max_tokens=[1], ignore_eos=True, temperature=0.0, max_num_seqs=1)
     stats = online_offline.run(spec)
     assert stats["output_tokens"] == 5 and stats["num_requests"] == 2 and stats["errors"] == []

@@ -4,7 +4,8 @@ fresh process started once the server has exited (the two never share a GPU).
 
 ``python -m pagedflash.bench.online_offline SPEC OUT`` reads SPEC (JSON: ``server_args``, the
 arguments ``pagedflash serve`` got; ``prompts``; ``max_tokens``, one per prompt; ``warmup`` and
-``warmup_max_tokens``, requests run first and not counted; ``ignore_eos``; ``temperature``;
+``warmup_max_tokens``, requests run first and not counted (text prompts are encoded by the
+server's tokenizer, as the server encodes them); ``ignore_eos``; ``temperature``;
 ``max_num_seqs``, a cap or null) and writes OUT (JSON: the engine's ``last_stats`` plus TTFT mean,
 p50 and p99 in ms).
 """
@@ -29,15 +30,15 @@ def server_model_config(server_args: list[str]):
     return ModelConfig.from_pretrained(model) if model else ModelConfig.from_dict(TINY_LLAMA)
 
 
-def server_engine(server_args: list[str], max_num_seqs: int | None = None):
-    """The ``LLM`` a ``pagedflash serve`` started with ``server_args`` runs, built by the server's
-    own code (its engine loop is not started); ``max_num_seqs`` caps its running sequences."""
+def server_state(server_args: list[str], max_num_seqs: int | None = None):
+    """What a ``pagedflash serve`` started with ``server_args`` builds (its engine, not started, and
+    its tokenizer), by the server's own code; ``max_num_seqs`` caps the running sequences."""
     from pagedflash.entrypoints.openai.api_server import build_state, parse_args
 
     args = parse_args(server_args)
     if max_num_seqs:
         args.max_num_seqs = min(args.max_num_seqs, max_num_seqs)
-    return build_state(args).engine.llm
+    return build_state(args)
 
 
 def run(spec: dict) -> dict:
@@ -45,10 +46,12 @@ def run(spec: dict) -> dict:
     from pagedflash.engine import SamplingParams
 
     opts = dict(ignore_eos=spec["ignore_eos"], temperature=spec["temperature"])
-    with server_engine(spec["server_args"], spec.get("max_num_seqs")) as llm:
+    state = server_state(spec["server_args"], spec.get("max_num_seqs"))
+    ids = lambda prompts: [state.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # as served
+    with state.engine.llm as llm:
         if spec["warmup"]:
-            llm.generate(spec["warmup"], [SamplingParams(max_tokens=m, **opts) for m in spec["warmup_max_tokens"]])
-        outs = llm.generate(spec["prompts"], [SamplingParams(max_tokens=m, **opts) for m in spec["max_tokens"]])
+            llm.generate(ids(spec["warmup"]), [SamplingParams(max_tokens=m, **opts) for m in spec["warmup_max_tokens"]])
+        outs = llm.generate(ids(spec["prompts"]), [SamplingParams(max_tokens=m, **opts) for m in spec["max_tokens"]])
         stats = dict(llm.last_stats)
     ttft = [1e3 * o.ttft for o in outs if o.finish_reason != "error"]
     if ttft:
