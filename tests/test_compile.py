@@ -436,6 +436,21 @@ def test_operator_results_have_the_fake_shapes_without_return_lse():
     assert lse.shape == (0,) and lse.dtype == torch.float32
 
 
+def test_operators_called_directly_refuse_a_wrong_out():
+    """``torch.ops.pagedflash.*`` check ``out`` on the host (too small: it would be written past its
+    end; another head dim, dtype or a strided last dim: a wrong result)."""
+    q, k, v = _fresh(CASES["dense"])
+    b, s, h, d = q.shape
+    for out in (q.new_empty(b, s, h, d - 8), q.new_empty(b, s - 1, h, d), q.new_empty(b, s, h, d, dtype=torch.float16),
+                q.new_empty(b, s, h, 2 * d)[..., ::2]):
+        with pytest.raises(ValueError, match=r"out: expected q's shape"):
+            torch.ops.pagedflash.flash_attn_func(q, k, v, out, None, -1, -1, 0.0, False)
+    args = list(OP_CALLS["flash_attn_with_kvcache"]())
+    args[8] = args[0].new_empty(*args[0].shape[:-1], args[0].shape[-1] + 1)
+    with pytest.raises(ValueError, match=r"out: expected q's shape"):
+        torch.ops.pagedflash.flash_attn_with_kvcache(*args)
+
+
 def test_checks_still_fire_while_compiling():
     q, k, v = _fresh(CASES["dense"])
 

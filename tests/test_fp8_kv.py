@@ -97,11 +97,10 @@ def test_write_quantizes_like_pytorch(fp8, src, scale):
 
 @pytest.mark.parametrize("fp8", FP8, ids=ids)
 def test_write_keeps_nan(fp8):
-    """A NaN key or value is stored as NaN, as PyTorch's cast stores it (never as a finite ±max that
-    would then dominate the softmax)."""
-    if fp8 == E4M3 and not ON_GPU:
-        pytest.skip("the interpreter's own fp32 -> e4m3 conversion turns NaN into 384 (GPUs keep NaN)")
+    """A NaN key or value is stored as NaN with its sign, bit for bit as PyTorch's cast stores it
+    (never as a finite ±max that would then dominate the softmax, nor as the interpreter's 384)."""
     k = torch.tensor([float("nan"), 1.0, -2.0, 1e30], device=DEVICE).view(4, 1, 1).expand(4, 1, 16).contiguous()
+    k[0, 0, 8:] = -float("nan")
     k_cache = torch.zeros(2, 2, 1, 16, device=DEVICE).to(fp8)
     v_cache = k_cache.clone()
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
@@ -110,6 +109,7 @@ def test_write_keeps_nan(fp8):
     ref.write_kv_cache_ref(k, k, k_ref, v_ref, slots)
     got, want = k_cache.float().view(4, 16), k_ref.float().view(4, 16)
     assert got[0].isnan().all() and want[0].isnan().all()
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8)), "NaN bits or sign differ from torch's cast"
     assert torch.equal(got[1:], want[1:]) and got[3, 0] == torch.finfo(fp8).max
 
 

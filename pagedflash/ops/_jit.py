@@ -89,13 +89,23 @@ def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
     format with ``MANT`` mantissa bits and smallest normal exponent ``EMIN`` (e4m3fn: 3, -6, 448;
     e5m2: 2, -14, 57344). The result is exactly representable in the format, so the conversion that
     stores it is exact on every backend and rounding mode (the interpreter's own fp32->fp8 rounding
-    is not); finite input never gives NaN, and NaN stays NaN (as in PyTorch's cast)."""
+    is not); finite input never gives NaN, and NaN stays NaN (:func:`to_fp8` stores its bits)."""
     a = tl.minimum(tl.abs(x), MAX)
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, EMIN)  # a's exponent, >= EMIN
     step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e - MANT): the format's spacing at a
     inv_step = ((127 - e + MANT) << 23).to(tl.float32, bitcast=True)
     r = ((a * inv_step + ROUND_TO_INT) - ROUND_TO_INT) * step  # a / step < 2^(MANT + 1): exact steps
     return tl.where(x != x, x, tl.where(x < 0, -r, r))
+
+
+@triton.jit
+def to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 ``x`` as fp8 ``DTYPE`` by :func:`round_to_fp8`'s rule (the same arguments), bit-exact on
+    every backend: NaN is stored as the format's NaN bits with ``x``'s sign (``0x7F``/``0xFF``, what
+    PyTorch's cast stores), which the interpreter's own cast does not (it stores 384.0 in e4m3fn)."""
+    bits = round_to_fp8(x, MANT, EMIN, MAX).to(DTYPE).to(tl.uint8, bitcast=True)
+    nan = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8) | 0x7F
+    return tl.where(x != x, nan, bits).to(DTYPE, bitcast=True)
 
 
 # fp8 pairs to fp16 pairs in one instruction (NVIDIA sm_89+), for :func:`fp8_to_f16`.

@@ -12,7 +12,8 @@ A contiguous cache ``[B, S_max, Hkv, D]`` is addressed as ``B`` pages of ``S_max
 
 An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``) stores ``saturate(k / k_scale[head])`` rounded to
 nearest, ties to even (:func:`pagedflash.ops._jit.round_to_fp8`): saturated at the format's largest
-finite value, never NaN from finite input. Readers multiply by the same value (``k_descale``).
+finite value, never NaN from finite input; NaN is stored as NaN (the format's bits, with its sign,
+on every backend: :func:`pagedflash.ops._jit.to_fp8`). Readers multiply by the same value (``k_descale``).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _write_kv_kernel(
             k = k / tl.load(KScale + heads * stride_ks, mask=h_ok, other=1.0)[:, None]
         if HAS_V_SCALE:
             v = v / tl.load(VScale + heads * stride_vs, mask=h_ok, other=1.0)[:, None]
-        k = _jit.round_to_fp8(k, FP8_MANT, FP8_EMIN, FP8_MAX).to(KCache.dtype.element_ty)
-        v = _jit.round_to_fp8(v, FP8_MANT, FP8_EMIN, FP8_MAX).to(VCache.dtype.element_ty)
+        k = _jit.to_fp8(k, FP8_MANT, FP8_EMIN, FP8_MAX, KCache.dtype.element_ty)
+        v = _jit.to_fp8(v, FP8_MANT, FP8_EMIN, FP8_MAX, VCache.dtype.element_ty)
     tl.store(KCache + dst, k, mask=mask)
     tl.store(VCache + dst, v, mask=mask)
 

@@ -197,7 +197,11 @@ def implement(name: str, launch: Callable) -> Callable:
     returns = _SCHEMAS[name].rsplit("->", 1)[1].strip()
     empty_dtype = torch.float32 if name in _RETURNS_LSE else None
 
+    out_index = _OUT_ARG.get(name)
+
     def kernel(*args):
+        if out_index is not None:
+            _check_out(args[0], args[out_index])
         with scratch.no_reuse():  # compiled graphs own every buffer a call leaves (scratch's doc)
             result = on_device_of(args[0], launch, args)
         if returns == "Tensor" and result is None:
@@ -216,6 +220,20 @@ def implement(name: str, launch: Callable) -> Callable:
 
     call.__name__ = call.__qualname__ = name
     return call
+
+
+# where the attention operators take ``out``, which they write in q's shape
+_OUT_ARG = {"flash_attn_func": 3, "flash_attn_varlen_func": 8, "flash_attn_with_kvcache": 8}
+
+
+def _check_out(q: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` of an attention operator called directly (``torch.ops.pagedflash.*``, or a compiled
+    graph): q's shape, dtype and device, last dim contiguous. Host-side and cheap: the kernels write
+    ``out`` by q's geometry, so any other tensor would be written past its end or wrongly."""
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or (out.numel() and out.stride(-1) != 1):
+        raise ValueError(f"out: expected q's shape {tuple(q.shape)}, dtype {q.dtype} and device {q.device} with its "
+                         f"last dim contiguous, got shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}, "
+                         f"strides {out.stride()}")
 
 
 def on_device_of(first: torch.Tensor, launch: Callable, args: tuple):
