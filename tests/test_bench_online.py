@@ -172,7 +172,7 @@ def test_sweep_writes_json_markdown_and_plot(tmp_path, capsys):
                        "--vocab-size", "64", "--request-rates", "40,inf", "--max-concurrency", "2,8",
                        "--goodput", "ttft:2000", "tpot:1", "--save-requests", "--num-warmups", "2"])
     assert rc == 0
-    doc = json.loads((tmp_path / "online.json").read_text())
+    doc = json.loads((tmp_path / "online.json").read_text(), parse_constant=pytest.fail)  # strict JSON: no inf
     rows = doc["tables"]["runs"]["rows"]
     assert [(r["rate"], r["max_concurrency"]) for r in rows] == [(40.0, 2), ("inf", 2), (40.0, 8), ("inf", 8)]
     for r in rows:

@@ -43,7 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pagedflash.bench import loadgen
-from pagedflash.bench.report import Table, plot, print_summary, print_table, write_results
+from pagedflash.bench.report import Table, _jsonable, plot, print_summary, print_table, write_results
 
 DATASETS = ("random", "shared-prefix", "sharegpt")
 DEFAULT_SERVER = "{python} -m pagedflash serve"
@@ -433,8 +433,8 @@ def _report(args, runs, offline) -> None:
     print_summary(summary)
     path = write_results(args.result_name, [runs_table, latency], args.out, quick=args.quick, summary=summary)
     doc = json.loads(path.read_text())
-    doc["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    doc["offline"] = {"uncapped" if k is None else str(k): v for k, v in offline.items()}
+    doc["args"] = _jsonable({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
+    doc["offline"] = _jsonable({"uncapped" if k is None else str(k): v for k, v in offline.items()})
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {path}")
     if args.save_requests:
