@@ -222,7 +222,7 @@ class LLM:
             raise
         now = time.perf_counter()
         batch = launched.batch
-        sampled = self.scheduler.postprocess(batch, tokens, now, self.eos_ids, self.max_model_len)
+        sampled = self.scheduler.postprocess(batch, tokens, now, self.eos_ids, self.max_model_len, launched.logprobs)
         self.run_ahead.confirm()
         self.counters["steps"] += 1
         self.counters["computed_prefill_tokens"] += sum(r.num_tokens for r in batch.rows if not r.decode)

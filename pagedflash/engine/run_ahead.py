@@ -17,13 +17,16 @@ at ``max_model_len`` stops the rule (its successor's position does not exist). A
 finished (or was aborted) by the time its step is read is dropped, and a step that lost rows is not
 followed ahead: the runner's buffers are laid out by row, so the next step goes through the
 scheduler, which lays them out again. What a dropped row
-computed went to a slot of its own partly filled page, never a cached one.
+computed went to a slot of its own partly filled page, never a cached one. A step with rows asking
+for logprobs samples synchronously (the runner does not defer its tokens), so it is not followed
+ahead, and the rows of a deferred step (hence of one launched after it) ask for none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedflash.engine.logprobs import StepLogprobs
 from pagedflash.engine.runner import ModelRunner, PendingTokens
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import Status
@@ -42,6 +45,12 @@ class LaunchedStep:
         """The sampled tokens of the rows in ``batch``, in order (waits for the device)."""
         tokens = self.pending.result()
         return tokens if self.kept is None else [tokens[i] for i in self.kept]
+
+    @property
+    def logprobs(self) -> StepLogprobs | None:
+        """The step's logprobs by row of ``batch`` (None when no row asked). A step with them was
+        never deferred, so it was neither launched ahead nor followed ahead and ``kept`` is None."""
+        return self.pending.logprobs
 
     def keep_running(self) -> None:
         """Drop the rows whose request is no longer running."""

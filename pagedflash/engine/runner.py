@@ -33,7 +33,8 @@ import torch
 
 from pagedflash import validate
 from pagedflash.cache import PAD_BLOCK_ID, KVCache, slot_mapping
-from pagedflash.engine import layers
+from pagedflash.engine import layers, logprobs
+from pagedflash.engine.logprobs import StepLogprobs
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
@@ -45,11 +46,13 @@ MAX_GRAPH_SPLITS = 32
 
 class PendingTokens:
     """The tokens of a launched step: known already, or greedy tokens on their way to a pinned host
-    buffer (``result`` waits for them)."""
+    buffer (``result`` waits for them). ``logprobs``: the step's, when a row asked (its tokens are
+    then known already)."""
 
     def __init__(self, tokens: list[int] | None = None, *, host: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None, wait=None):
+                 event: torch.cuda.Event | None = None, wait=None, logprobs: StepLogprobs | None = None):
         self._tokens, self._host, self._event = tokens, host, event
+        self.logprobs = logprobs
         self._wait = wait  # waits for the event instead of event.synchronize (tensor parallel: checks the ranks)
 
     @property
@@ -124,28 +127,60 @@ class ModelRunner:
         sample at once.
 
         The kernels' device-reading metadata checks are off: this runner builds the metadata itself
-        from the block manager's tables, and the checks would sync with the device in every layer."""
+        from the block manager's tables, and the checks would sync with the device in every layer.
+
+        Rows asking for logprobs (:mod:`pagedflash.engine.logprobs`): the step samples at once, and
+        its logprobs come to the host with its tokens; so no step is launched ahead after it (run-ahead
+        needs deferred tokens). Steps without such rows are unchanged."""
+        want = logprobs.plan(batch, self.model.config.vocab_size)  # None: no row asks
+        prompt_rows: list[int] = []  # rows of ``logits`` at want.prompt_positions
         with validate.value_checks(False):
             if batch.is_decode_only and len(batch.rows) <= self.max_decode_rows:
                 n = len(batch.rows)
-                self._decode(batch)
-                if all(r.samples and r.seq.params.greedy for r in batch.rows):
+                if want is not None and want.unwritten:
+                    self._decode(batch, unwritten=[i for i, _ in want.unwritten])
+                else:
+                    self._decode(batch)
+                if want is None and all(r.samples and r.seq.params.greedy for r in batch.rows):
                     return self._read_greedy(n)
-                logits, greedy = self._logits[:n], self._greedy[:n]
+                logits = sample_logits = self._logits[:n]  # row i: row i's one position
+                greedy = self._greedy[:n]
+                if want is not None:
+                    prompt_rows = want.prompt_positions
                 if not all(r.samples for r in batch.rows):  # a one-token recompute chunk samples nothing
                     keep = [i for i, r in enumerate(batch.rows) if r.samples]
-                    logits, greedy = logits[keep], greedy[keep]
+                    sample_logits, greedy = logits[keep], greedy[keep]
             else:
-                logits, greedy = self._call("_forward", *self.plan(batch)), None
+                *args, sample_idx = self.plan(batch)
+                computed = sample_idx
+                if want is not None:
+                    slots = args[2]
+                    for first, count in want.unwritten:
+                        slots[first : first + count] = [-1] * count
+                    if want.prompt_positions:
+                        computed = sorted(sample_idx + want.prompt_positions)
+                logits = sample_logits = self._call("_forward", *args, computed)
+                greedy = None
                 if logits is None:
                     return PendingTokens([])
+                if computed is not sample_idx:
+                    where = {p: j for j, p in enumerate(computed)}
+                    prompt_rows = [where[p] for p in want.prompt_positions]
+                    sample_logits = logits[self._tensor([where[p] for p in sample_idx], torch.int64)]
         rows = [r for r in batch.rows if r.samples]
-        if not rows:
+        if not rows and not prompt_rows:
             return PendingTokens([])
         if self.workers is not None:
             self.workers.wait_device()  # sampling reads the device: wait there, watching the ranks
-        return PendingTokens(sample(logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
-                                    self.generator, greedy=greedy))
+        if rows:
+            tokens = sample(sample_logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
+                            self.generator, greedy=greedy)
+        else:
+            tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        if want is None:
+            return PendingTokens(tokens.tolist())
+        tokens, step_logprobs = logprobs.read(want, tokens, sample_logits, logits, prompt_rows)
+        return PendingTokens(tokens, logprobs=step_logprobs)
 
     @torch.inference_mode()
     def launch_ahead(self, batch: Batch) -> PendingTokens:
@@ -299,9 +334,10 @@ class ModelRunner:
         writes each row whole (a step that failed may have recorded rows it never copied)."""
         self._held = [()] * self.max_decode_rows
 
-    def _decode(self, batch: Batch) -> None:
+    def _decode(self, batch: Batch, unwritten: tuple[int, ...] | list[int] = ()) -> None:
         """Fill the persistent buffers for ``n`` decode rows (padded to the graph's size) and run the
-        forward, the LM head and the greedy argmax (into ``_logits[:n]``, ``_greedy[:n]``).
+        forward, the LM head and the greedy argmax (into ``_logits[:n]``, ``_greedy[:n]``). The rows
+        ``unwritten`` write no K/V (positions recomputed inside a shared page, for prompt logprobs).
 
         Host work per step: one host-to-device copy of the rows' ids, positions and slots (padding
         rows: id 0, position 0, slot -1, so they write nowhere and attend one key of their row's page),
@@ -311,6 +347,8 @@ class ModelRunner:
         ids = [row.seq.token_ids[row.start] for row in batch.rows]
         pos = [row.start for row in batch.rows]
         slots = [row.seq.block_table[row.start // p] * p + row.start % p for row in batch.rows]
+        for i in unwritten:
+            slots[i] = -1
         pad = [0] * (bs - n)
         self._call("_decode_apply", n, bs, [ids + pad, pos + pad, slots + [-1] * (bs - n)],
                    self._table_entries(batch), max(r.end for r in batch.rows))

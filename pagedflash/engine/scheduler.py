@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedflash.cache import BlockManager, NoFreeBlocksError
+from pagedflash.engine.logprobs import StepLogprobs
 from pagedflash.engine.sequence import Sequence, Status
 
 
@@ -112,14 +113,15 @@ class Scheduler:
             raise RuntimeError("scheduler made no progress (a request larger than the page pool slipped through)")
         return Batch(rows)
 
-    def postprocess(self, batch: Batch, tokens: list[int], now: float, eos_ids: set[int], max_len: int) -> list[Sequence]:
+    def postprocess(self, batch: Batch, tokens: list[int], now: float, eos_ids: set[int], max_len: int,
+                    logprobs: StepLogprobs | None = None) -> list[Sequence]:
         """After ``batch``'s forward completed: advance every row, commit the pages it filled, append
-        the sampled ``tokens`` (one per sampling row, in order); return the sequences that got a
-        token (those that finished with it are FINISHED). Rows whose request was aborted meanwhile
-        are skipped."""
+        the sampled ``tokens`` (one per sampling row, in order) and the step's ``logprobs``; return the
+        sequences that got a token (those that finished with it are FINISHED). Rows whose request was
+        aborted meanwhile are skipped."""
         sampled = []
         it = iter(tokens)
-        for row in batch.rows:
+        for i, row in enumerate(batch.rows):
             seq = row.seq
             token = next(it) if row.samples else None
             if seq.status is not Status.RUNNING:
@@ -127,9 +129,13 @@ class Scheduler:
             seq.num_computed = row.end
             if row.end // self.page_size > row.start // self.page_size:  # only a full page joins the cache
                 self.bm.commit(seq.seq_id, row.end)
+            if logprobs is not None and i in logprobs.prompt:
+                seq.prompt_logprobs += logprobs.prompt[i]
             if token is None:
                 continue
             seq.token_ids.append(token)
+            if logprobs is not None and i in logprobs.sampled:
+                seq.logprobs.append(logprobs.sampled[i])
             seq.token_times.append(now)
             p = seq.params
             if (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
@@ -167,7 +173,12 @@ class Scheduler:
         except NoFreeBlocksError:
             return False
         seq.block_table = table
-        seq.num_computed = num_cached
+        seq.num_computed = seq.num_prefix_hit = num_cached
+        entries = seq.prompt_logprobs
+        if entries is not None and len(entries) < seq.num_prompt_tokens:
+            # cached prompt tokens have no logits: compute again from the first position whose entry
+            # is missing (in their shared pages without writing: pagedflash.engine.logprobs)
+            seq.num_computed = min(num_cached, len(entries) - 1)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed
         seq.status = Status.RUNNING

@@ -1,0 +1,138 @@
+"""Logprobs of sampled and prompt tokens (``SamplingParams.logprobs`` / ``prompt_logprobs``).
+
+A step whose rows ask for none does nothing here beyond one check per row (:func:`plan` returns
+None): no device work, no transfer, and decode steps keep their CUDA graphs and run-ahead.
+
+A step with such rows samples synchronously (the runner never defers its tokens, so no step is
+launched ahead after it). :func:`plan` says which positions need logprobs: the sampling position of
+a row asking for ``logprobs``, and the positions of a prefill chunk whose next token is a prompt
+token not covered yet (position ``i`` gives the entry of prompt token ``i + 1``; the first prompt
+token has none). :func:`read` computes, on the device and for those rows only, the fp32
+log-softmax of the logits the sampler saw (before temperature and filtering), the target token's
+value and the top ``k`` (``torch.topk``, largest first), and brings them to the host together with
+the sampled tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
+
+Prompt tokens served from the prefix cache have no logits. A request asking for
+``prompt_logprobs`` is admitted with those positions to compute again (as vLLM, which skips the
+prefix cache for such requests): the scheduler starts it at the first position whose entry is
+missing, but it keeps the cached pages, and the recomputed positions inside them write no K/V
+(slot -1, :attr:`LogprobPlan.unwritten`): a shared page is never written, and their queries read
+the cached keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROWS_PER_GATHER = 1024  # logits rows per log-softmax: bounds the fp32 copy of a long prompt chunk's logits
+
+Logprobs = dict[int, float]  # token id -> logprob: the target token first, then the top k (largest first)
+
+
+@dataclass
+class StepLogprobs:
+    """The logprobs of one step, by the index of the row in its batch."""
+
+    sampled: dict[int, Logprobs] = field(default_factory=dict)  # the sampled token's entry of each row asking
+    prompt: dict[int, list[Logprobs]] = field(default_factory=dict)  # the prompt entries each chunk computed
+
+
+@dataclass
+class LogprobPlan:
+    """Which of a step's positions need logprobs. Packed indices count the step's tokens in row
+    order (a decode step: one per row)."""
+
+    sampled: list[tuple[int, int, int]] = field(default_factory=list)  # (batch row, sampling row, k)
+    prompt: list[tuple[int, int, int]] = field(default_factory=list)  # (batch row, number of positions, k)
+    prompt_positions: list[int] = field(default_factory=list)  # packed index of each prompt position
+    prompt_targets: list[int] = field(default_factory=list)  # the prompt token each of them predicts
+    unwritten: list[tuple[int, int]] = field(default_factory=list)  # (packed index, count): slot -1
+
+
+def plan(batch, vocab_size: int) -> LogprobPlan | None:
+    """What ``batch`` (a :class:`~pagedflash.engine.scheduler.Batch`) computes for logprobs, or None
+    when no row asks for any."""
+    if not any(row.seq.asks_logprobs for row in batch.rows):
+        return None
+    out = LogprobPlan()
+    packed = sampling = 0
+    for i, row in enumerate(batch.rows):
+        seq = row.seq
+        k = seq.params.logprobs
+        if row.samples:
+            if k is not None:
+                out.sampled.append((i, sampling, min(k, vocab_size)))
+            sampling += 1
+        if row.start < seq.num_prefix_hit:  # recomputed for prompt logprobs inside a shared page
+            out.unwritten.append((packed, min(row.end, seq.num_prefix_hit) - row.start))
+        entries = seq.prompt_logprobs
+        if entries is not None:
+            first, last = max(row.start, len(entries) - 1), min(row.end, seq.num_prompt_tokens - 1)
+            if first < last:
+                out.prompt.append((i, last - first, min(seq.params.prompt_logprobs, vocab_size)))
+                out.prompt_positions += range(packed + first - row.start, packed + last - row.start)
+                out.prompt_targets += seq.token_ids[first + 1 : last + 1]
+        packed += row.num_tokens
+    return out
+
+
+def gather(logits: torch.Tensor, rows: list[int], targets: torch.Tensor, k: int) -> torch.Tensor:
+    """For each row ``r`` of ``rows``: the fp32 log-softmax of ``logits[r]`` at its target, then the
+    ``k`` largest values' token ids and values. ``logits [R, V]`` (any float dtype), ``targets``
+    int64 ``[len(rows)]`` on the same device. Returns float64 ``[len(rows) * (1 + 2k)]``, row by row."""
+    parts = []
+    for a in range(0, len(rows), ROWS_PER_GATHER):
+        idx = _on_device(rows[a : a + ROWS_PER_GATHER], logits.device)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)
+        cols = [lp.gather(1, targets[a : a + ROWS_PER_GATHER, None])]
+        if k:
+            top = lp.topk(k, dim=-1)
+            cols += [top.indices, top.values]
+        parts.append(torch.cat([c.double() for c in cols], dim=1).flatten())
+    return torch.cat(parts)
+
+
+def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor, logits: torch.Tensor,
+         prompt_rows: list[int]) -> tuple[list[int], StepLogprobs]:
+    """The step's sampled tokens and its logprobs, in one device-to-host transfer.
+
+    ``tokens`` int64 ``[S]``: the sampled token of each sampling row, whose logits are
+    ``sample_logits [S, V]``. ``logits``: the step's logits, of which ``prompt_rows`` are those of
+    ``want.prompt_positions``."""
+    parts = [tokens.double()]
+    k_sampled = max((k for *_, k in want.sampled), default=0)
+    k_prompt = max((k for *_, k in want.prompt), default=0)
+    if want.sampled:
+        rows = [s for _, s, _ in want.sampled]
+        parts.append(gather(sample_logits, rows, tokens[_on_device(rows, tokens.device)], k_sampled))
+    if want.prompt:
+        parts.append(gather(logits, prompt_rows, _on_device(want.prompt_targets, logits.device), k_prompt))
+    values = torch.cat(parts).tolist()  # the one transfer (and sync) of the step
+    n = tokens.shape[0]
+    step = StepLogprobs()
+    at = n
+    for i, s, k in want.sampled:
+        step.sampled[i] = _entry(int(values[s]), values, at, k, k_sampled)
+        at += 1 + 2 * k_sampled
+    targets = iter(want.prompt_targets)
+    for i, count, k in want.prompt:
+        entries = []
+        for _ in range(count):
+            entries.append(_entry(next(targets), values, at, k, k_prompt))
+            at += 1 + 2 * k_prompt
+        step.prompt[i] = entries
+    return [int(t) for t in values[:n]], step
+
+
+def _on_device(ints: list[int], device) -> torch.Tensor:
+    return torch.tensor(ints, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
+def _entry(target: int, values: list[float], at: int, k: int, width: int) -> Logprobs:
+    """The dict of one position from its gathered row at ``values[at:]`` (``width`` top entries)."""
+    entry = {target: values[at]}
+    for j in range(k):
+        entry.setdefault(int(values[at + 1 + j]), values[at + 1 + width + j])
+    return entry

@@ -1,0 +1,196 @@
+"""Logprobs in the engine: ``SamplingParams(logprobs=k, prompt_logprobs=k)``.
+
+Every entry must equal ``torch.log_softmax`` of the reference logits (``LLM.prompt_logits``, one
+packed prefill of the prompt and the generated tokens) at its position, in fp32: the generated or
+given token always in the dict, then the top ``k`` of the reference; through chunked prefill,
+decode steps, one-token prefill chunks inside decode steps, prefix-cache hits (recomputed, the
+shared pages never written) and preemption. Streaming step outputs carry the same entries; rows
+asking for logprobs change no token; bad ``k`` values raise naming the field; steps without
+logprob rows do no logprob work and keep running ahead.
+"""
+
+import pytest
+import torch
+
+from pagedflash.engine import LLM, SamplingParams
+from pagedflash.engine import logprobs as logprobs_mod
+from pagedflash.engine.config import TINY_LLAMA
+from pagedflash.engine.sampling import MAX_LOGPROBS
+
+VOCAB = 128
+MODEL = {**TINY_LLAMA, "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3}
+ATOL = 2e-5  # fp32: the same logits through other chunkings and batches
+
+
+def engine(**kwargs) -> LLM:
+    return LLM(MODEL, dtype=torch.float32, seed=0, **kwargs)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """fp32 log-softmax ``[len(ids), vocab]`` of every position of ``ids`` (position ``i`` predicts token ``i + 1``)."""
+    llm = engine(page_size=8, num_blocks=64, enable_prefix_caching=False)
+    return lambda ids: llm.prompt_logits([ids])[0].log_softmax(-1)
+
+
+def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int, what: str) -> None:
+    """``entry`` holds ``token`` (first) and the top ``k`` of ``ref_row``, with ``ref_row``'s values."""
+    assert next(iter(entry)) == token, f"{what}: the token is not the first key"
+    top = ref_row.topk(k)
+    want = {token, *top.indices.tolist()}
+    assert set(entry) == want, f"{what}: keys {sorted(entry)} != token {token} + top {k} {top.indices.tolist()}"
+    for t, v in entry.items():
+        assert isinstance(t, int) and isinstance(v, float)
+        assert abs(v - ref_row[t].item()) <= ATOL, f"{what}: token {t}: {v} vs {ref_row[t].item()}"
+
+
+def check_output(out, params: SamplingParams, reference) -> None:
+    prompt, gen = out.prompt_token_ids, out.token_ids
+    ref = reference(prompt + gen)
+    if params.logprobs is None:
+        assert out.logprobs is None
+    else:
+        assert len(out.logprobs) == len(gen)
+        for j, (t, entry) in enumerate(zip(gen, out.logprobs)):
+            check_entry(entry, t, ref[len(prompt) - 1 + j], params.logprobs, f"request {out.index} token {j}")
+    if params.prompt_logprobs is None:
+        assert out.prompt_logprobs is None
+    else:
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], params.prompt_logprobs,
+                        f"request {out.index} prompt token {i}")
+
+
+SHARED = tokens(16, 100)  # two full pages of 8
+PROMPTS = [SHARED + tokens(5, 1), tokens(13, 2), SHARED + tokens(3, 3), tokens(1, 4), tokens(9, 5)]
+PARAMS = [
+    SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+    SamplingParams(max_tokens=5, temperature=0.8, top_k=10, top_p=0.9, seed=11, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0),  # hits SHARED: recomputed
+    SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0, prompt_logprobs=MAX_LOGPROBS),  # 1-token prompt
+    SamplingParams(max_tokens=5, ignore_eos=True),  # asks for none
+]
+
+
+@pytest.mark.parametrize("run_ahead", [True, False], ids=["run_ahead", "synchronous"])
+def test_logprobs_equal_log_softmax_of_the_reference(reference, run_ahead):
+    """Chunked prefill (12 tokens a step), prefix hits of a request asking for prompt logprobs,
+    seeded sampling (values before temperature and filtering), k = 0 and the largest k; and the
+    tokens equal those of the same requests without logprobs."""
+    llm = engine(page_size=8, num_blocks=64, max_num_batched_tokens=12)
+    llm.run_ahead.enabled = run_ahead
+    llm.generate([SHARED + [7]], SamplingParams(max_tokens=1))  # leaves SHARED's pages in the prefix cache
+    outs = llm.generate(PROMPTS, PARAMS)
+    for out, params in zip(outs, PARAMS):
+        assert out.finish_reason == "length"
+        check_output(out, params, reference)
+    assert outs[2].num_cached_tokens == 0  # its prompt was computed whole (for its logprobs)
+    assert len(outs[3].logprobs[0]) == 1  # k = 0: the sampled token's entry only
+    plain = engine(page_size=8, num_blocks=64, max_num_batched_tokens=12).generate(
+        PROMPTS, [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                 seed=p.seed, ignore_eos=True) for p in PARAMS])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_streamed_entries_equal_the_final_output():
+    """``new_logprobs`` aligned with ``new_token_ids`` step by step, the cumulative ``logprobs``,
+    and ``prompt_logprobs`` in the first output only; equal to ``generate``'s on a twin engine."""
+    config = dict(page_size=4, num_blocks=64, max_num_batched_tokens=10)
+    final = engine(**config).generate(PROMPTS, PARAMS)
+    llm = engine(**config)
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    streamed = {i: [] for i in ids}
+    prompt_entries = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if PARAMS[ids.index(out.request_id)].logprobs is None:
+                assert out.new_logprobs is None and out.logprobs is None
+            else:
+                assert len(out.new_logprobs) == len(out.new_token_ids)
+                streamed[out.request_id] += out.new_logprobs
+                assert out.logprobs == streamed[out.request_id]
+            if out.request_id in prompt_entries:
+                assert out.prompt_logprobs is None
+            else:
+                prompt_entries[out.request_id] = out.prompt_logprobs
+    for i, out in zip(ids, final):
+        assert streamed[i] == (out.logprobs or [])
+        assert prompt_entries[i] == out.prompt_logprobs
+
+
+def test_one_token_chunks_in_decode_steps_and_shared_pages_not_written(reference):
+    """A budget of 2 tokens a step: the second request's prompt goes one token a step next to the first
+    one's decode row (decode-only steps, the decode path's logits), over pages it hit in the prefix
+    cache, which must stay as they were (made different here from what a recompute would write)."""
+    llm = engine(page_size=4, num_blocks=32, max_num_batched_tokens=2)
+    prompt = SHARED + tokens(3, 7)
+    llm.generate([SHARED + [9]], SamplingParams(max_tokens=1))
+    table, cached = llm.block_manager.allocate("probe", prompt)  # the pages SHARED hit, then given back
+    llm.block_manager.free("probe")
+    assert cached == 16
+    pages = table[1:4]  # the first page stays clean, so that its positions' entries can be checked
+    kv = llm.kv_cache.kv
+    poisoned = kv[:, :, pages] * 1.5  # what the cache holds from here on; a write would change it back
+    kv[:, :, pages] = poisoned
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=4)]
+    outs = llm.generate([tokens(2, 8), prompt], params)
+    assert torch.equal(kv[:, :, pages], poisoned), "a page shared from the prefix cache was written"
+    check_output(outs[0], params[0], reference)
+    # the recomputed positions read the cached K/V: those of the clean first page give prompt tokens
+    # 1..3 the reference's entries; the others have the right shape
+    ref = reference(prompt)
+    for i in range(1, 4):
+        check_entry(outs[1].prompt_logprobs[i], prompt[i], ref[i - 1], 4, f"prompt token {i}")
+    assert len(outs[1].prompt_logprobs) == len(prompt) and all(len(e) in (4, 5) for e in outs[1].prompt_logprobs[1:])
+
+
+def test_preemption_keeps_every_entry(reference):
+    """A pool too small for the four requests together: preempted requests recompute, and their
+    entries are neither lost nor doubled."""
+    prompts = [tokens(n, 20 + n) for n in (12, 14, 10, 15)]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)] * 4
+    llm = engine(page_size=8, num_blocks=4, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, params)
+    assert llm.last_stats["preemptions"] > 0
+    for out in outs:
+        check_output(out, params[0], reference)
+
+
+def test_no_logprob_work_without_rows_asking(monkeypatch):
+    """Without rows asking, no step gathers logprobs and greedy decode runs ahead; a request asking
+    for logprobs makes its steps synchronous (nothing launched ahead while it decodes alone)."""
+    llm = engine(page_size=4, num_blocks=64)
+    monkeypatch.setattr(logprobs_mod, "gather", lambda *a: pytest.fail("logprobs gathered for a step without them"))
+    ahead = []
+    launch_ahead = llm.runner.launch_ahead
+    monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(batch) or launch_ahead(batch))
+    out = llm.generate([tokens(5, 30)], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert out.logprobs is None and out.prompt_logprobs is None and ahead
+    monkeypatch.undo()
+    ahead.clear()
+    monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(batch) or launch_ahead(batch))
+    again = llm.generate([tokens(5, 30)], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1))[0]
+    assert again.token_ids == out.token_ids and len(again.logprobs) == 8 and not ahead
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(logprobs=-1), "logprobs"), (dict(logprobs=MAX_LOGPROBS + 1), "logprobs"), (dict(logprobs=1.0), "logprobs"),
+    (dict(logprobs=True), "logprobs"), (dict(prompt_logprobs=-2), "prompt_logprobs"),
+    (dict(prompt_logprobs="3"), "prompt_logprobs"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_k_raises_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} must be None or an int in \[0, {MAX_LOGPROBS}\].*got"):
+        SamplingParams(**kwargs)
+    params = SamplingParams()
+    for name, value in kwargs.items():
+        setattr(params, name, value)  # changed after construction: add_request checks again
+    llm = engine(page_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        llm.add_request([5, 6], params)
+    assert llm.generate([[5, 6]], params)[0].error.startswith(field)
