@@ -9,7 +9,7 @@ the text. It records each request's arrival time and the most requests in flight
 ``GET /health``, ``GET /v1/models`` (one model, ``standin``). TCP_NODELAY on every connection.
 
 Run as a script (``python tests/openai_standin.py --host 127.0.0.1 --port N [--ttft-ms X]
-[--itl-ms Y]``) it serves until SIGTERM, then exits 0.
+[--itl-ms Y] [--ignore-sigterm]``) it serves until SIGTERM, then exits 0.
 """
 
 from __future__ import annotations
@@ -127,11 +127,13 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=5.0)
+    p.add_argument("--ignore-sigterm", action="store_true", help="a server that hangs on shutdown")
     args = p.parse_args()
     if args.host != "127.0.0.1":
         raise SystemExit("the stand-in serves on 127.0.0.1 only")
     server = StandIn(args.port, ttft_s=args.ttft_ms / 1e3, itl_s=args.itl_ms / 1e3)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    on_term = signal.SIG_IGN if args.ignore_sigterm else (lambda *_: threading.Thread(target=server.shutdown).start())
+    signal.signal(signal.SIGTERM, on_term)
     server.serve_forever(poll_interval=0.05)
     server.server_close()
     return 0

@@ -212,7 +212,7 @@ def test_failed_requests_exit_1(tmp_path, capsys):
     assert doc["tables"]["runs"]["rows"][0]["failed"] == 6
 
 
-def test_launched_server_is_started_and_stopped(tmp_path):
+def test_launched_server_is_started_and_stopped(tmp_path, capsys):
     rc = online.main(["--quick", "--vocab-size", "64", "--out", str(tmp_path), "--server-timeout", "30",
                       "--server-command", f"{{python}} {STANDIN}", "--launch-server", "--ttft-ms", "5"])
     assert rc == 0
@@ -222,7 +222,11 @@ def test_launched_server_is_started_and_stopped(tmp_path):
     assert (tmp_path / "online_server.log").exists()
     rc = online.main(["--quick", "--vocab-size", "64", "--out", str(tmp_path), "--server-timeout", "30",
                       "--server-command", f"{sys.executable} -c 'raise SystemExit(3)'", "--launch-server"])
-    assert rc == 2
+    assert rc == 2 and "exited with 3 before answering /health" in capsys.readouterr().err
+    rc = online.main(["--quick", "--vocab-size", "64", "--out", str(tmp_path), "--server-timeout", "30",
+                      "--server-grace", "0.5", "--server-command", f"{{python}} {STANDIN}", "--launch-server",
+                      "--ignore-sigterm"])
+    assert rc == 0 and "server stopped (exit -9" in capsys.readouterr().out  # killed after the grace period
 
 
 def test_offline_side_builds_the_servers_engine():

@@ -180,10 +180,8 @@ def _token_space(args, tokenizer, server_vocab: int | None) -> loadgen.TokenSpac
     return loadgen.TokenSpace(vocab)
 
 
-def build_workload(args, tokenizer, tokens: loadgen.TokenSpace | None, content_seed) -> list[loadgen.Request]:
-    """``args.num_prompts`` requests of ``args.dataset``; lengths from ``args.seed``, tokens from
-    ``content_seed``."""
-    n = args.num_prompts
+def build_workload(args, n: int, tokenizer, tokens: loadgen.TokenSpace | None, content_seed) -> list[loadgen.Request]:
+    """``n`` requests of ``args.dataset``; lengths from ``args.seed``, tokens from ``content_seed``."""
     if args.dataset == "random":
         return loadgen.random_requests(n, input_len=args.input_len, output_len=args.output_len, tokens=tokens,
                                        seed=args.seed, content_seed=content_seed)
@@ -210,9 +208,10 @@ def free_port() -> int:
 
 
 class LaunchedServer:
-    """``command`` + ``--host 127.0.0.1 --port <free>`` in its own session, output to ``log``;
-    :meth:`wait_ready` polls ``/health`` until a deadline; :meth:`stop` sends SIGTERM, then SIGKILL
-    after ``grace`` seconds. Returns the exit code."""
+    """``command`` + ``--host 127.0.0.1 --port <free>`` in its own session (process group), output
+    to ``log``; :meth:`wait_ready` polls ``/health`` until a deadline; :meth:`stop` sends SIGTERM,
+    then SIGKILL to the whole group (worker processes too) after ``grace`` seconds, and returns the
+    exit code."""
 
     def __init__(self, command: list[str], log: Path, grace: float = 30.0):
         self.port = free_port()
@@ -251,7 +250,7 @@ class LaunchedServer:
             try:
                 self.proc.wait(self.grace)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
@@ -290,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 server_vocab = server_model_config(args.launch_server).vocab_size
         tokens = None if args.dataset == "sharegpt" else _token_space(args, tokenizer, server_vocab)
-        workloads = [build_workload(args, tokenizer, tokens, f"{args.seed}:{i}") for i in range(len(_points(args)))]
+        workloads = [build_workload(args, args.num_prompts, tokenizer, tokens, f"{args.seed}:{i}")
+                     for i in range(len(_points(args)))]
         warmups = _warmups(args, tokenizer, tokens)
     except (ValueError, ImportError) as e:
         print(f"bench online: {e}", file=sys.stderr)
@@ -301,21 +301,18 @@ def main(argv: list[str] | None = None) -> int:
         command = shlex.split(args.server_command.format(python=shlex.quote(sys.executable))) + args.launch_server
         server = LaunchedServer(command, args.out / f"{args.result_name}_server.log", args.server_grace)
         print(f"bench online: starting {' '.join(server.command)}", flush=True)
-        try:
-            server.wait_ready(args.server_timeout)
-        except RuntimeError as e:
-            server.stop()
-            print(f"bench online: {e}", file=sys.stderr)
-            return 2
-        args.base_url = server.url
     try:
+        if server is not None:
+            server.wait_ready(args.server_timeout)
+            args.base_url = server.url
         runs = _run_points(args, workloads, warmups)
     except RuntimeError as e:
         print(f"bench online: {e}", file=sys.stderr)
         return 2
-    finally:
+    finally:  # whatever happened (Ctrl-C too), a server started here is stopped
         if server is not None:
-            print(f"bench online: server stopped (exit {server.stop()})", flush=True)
+            code = server.stop()
+            print(f"bench online: server stopped (exit {code}; log {server.log_path})", flush=True)
     offline = {}
     if launched_pagedflash and not args.no_offline:
         offline = _offline(args, workloads[0], warmups)
@@ -324,19 +321,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _warmups(args, tokenizer, tokens) -> list[loadgen.Request]:
+    """Uncounted requests: new tokens (ShareGPT: the conversations after the run's)."""
     if args.num_warmups < 1:
         return []
-    if args.dataset == "sharegpt":  # the prompts after those of the run
-        n, args.num_prompts = args.num_prompts, args.num_prompts + args.num_warmups
-        try:
-            return build_workload(args, tokenizer, tokens, None)[n:]
-        finally:
-            args.num_prompts = n
-    n, args.num_prompts = args.num_prompts, args.num_warmups
-    try:
-        return build_workload(args, tokenizer, tokens, f"{args.seed}:warmup")
-    finally:
-        args.num_prompts = n
+    if args.dataset == "sharegpt":
+        n = args.num_prompts
+        return build_workload(args, n + args.num_warmups, tokenizer, tokens, None)[n:]
+    return build_workload(args, args.num_warmups, tokenizer, tokens, f"{args.seed}:warmup")
 
 
 def _run_points(args, workloads, warmups) -> list[dict]:
