@@ -232,13 +232,18 @@ def test_unknown_route_and_method_have_error_bodies(server):
 
 
 # ------------------------------------------------------------------ engine loop behaviour
-def test_disconnect_mid_stream_aborts_and_frees_the_pool(server):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_disconnect_aborts_and_frees_the_pool(server, stream):
     before = server.wait_idle()
-    body = {"prompt": [7, 8, 9], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:"))
+    body = {"prompt": [7, 8, 9], "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+    else:  # the client gives up waiting and closes the connection
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.5))
     after = server.wait_idle()  # the abort reached the engine well before 500 tokens
     assert finished(after, "abort") == finished(before, "abort") + 1
     assert after[("pagedflash:generation_tokens_total", frozenset())] - \
@@ -301,22 +306,34 @@ def test_injected_step_failure_fails_its_requests_and_the_server_goes_on(server,
     server.assert_pool_whole()
 
 
-def test_metrics_in_prometheus_format(server):
-    m = server.wait_idle()
-    names = {name for name, _ in m}
+def test_metrics_in_prometheus_format_count_exactly(server):
+    """Two equal 20-token prompts one after the other: the counters move by exactly their tokens,
+    and the second finds the first's full page (16 tokens) in the prefix cache."""
+    before = server.wait_idle()
+    for _ in range(2):
+        r = server.post("/v1/completions", {"prompt": list(range(30, 50)), "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200
+    after = server.wait_idle()
+    names = {name for name, _ in after}
     for suffix in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                    "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
                    "generation_tokens_total", "num_preemptions_total", "request_success_total",
                    "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
                    "e2e_request_latency_seconds_count"):
         assert "pagedflash:" + suffix in names
-    done = sum(finished(m, r) for r in ("stop", "length", "abort", "error"))
-    assert done >= 40
-    assert m[("pagedflash:e2e_request_latency_seconds_count", frozenset())] == done - finished(m, "abort") - \
-        finished(m, "error")
-    assert m[("pagedflash:generation_tokens_total", frozenset())] >= 60
-    assert 0 < m[("pagedflash:prefix_cache_hits_total", frozenset())] <= m[("pagedflash:prefix_cache_queries_total",
-                                                                             frozenset())]
+
+    def moved(name, labels=frozenset()):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("pagedflash:prompt_tokens_total") == 40
+    assert moved("pagedflash:prefix_cache_queries_total") == 40
+    assert moved("pagedflash:prefix_cache_hits_total") == 16
+    assert moved("pagedflash:generation_tokens_total") == 4
+    assert finished(after, "length") - finished(before, "length") == 2
+    for hist, count in (("time_to_first_token", 2), ("inter_token_latency", 2), ("e2e_request_latency", 2)):
+        assert moved(f"pagedflash:{hist}_seconds_count") == count
+        assert moved(f"pagedflash:{hist}_seconds_sum") > 0
+    assert after[("pagedflash:num_preemptions_total", frozenset())] == 0
 
 
 # ------------------------------------------------------------------ other configurations
@@ -388,6 +405,12 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
             proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            try:  # no new request: the listener is closed (or, before it closed, a 503)
+                late = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=TIMEOUT)
+                assert late.status_code == 503, late.text
+            except httpx.ConnectError:
+                pass
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]" and '"completion_tokens":6' in rest[-2]  # finished, not cut
         assert proc.wait(60) == 0

@@ -152,9 +152,20 @@ def build_app(state: ServerState, *, api_key: str | None = None):
                                                    code="invalid_api_key"))
             return await call_next(request)
 
-    def sse(body):
-        return StreamingResponse(body, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    class GenerationStream(StreamingResponse):
+        """Server-sent events of a generation, whose prompts are aborted however the response ends
+        (a client gone before the first event never starts the body's generator)."""
+
+        def __init__(self, body, gen: serving.Generation):
+            super().__init__(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self.gen = gen
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.gen.abort_unfinished()
 
     async def respond(request: Request, gen: serving.Generation, make):
         try:
@@ -173,7 +184,7 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(serving.completion_stream(gen, state.model_name, usage))
+            return GenerationStream(serving.completion_stream(gen, state.model_name, usage), gen)
         return await respond(request, gen, serving.completion_response)
 
     @app.post("/v1/chat/completions")
@@ -189,7 +200,7 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return sse(serving.chat_stream(gen, state.model_name, usage))
+            return GenerationStream(serving.chat_stream(gen, state.model_name, usage), gen)
         return await respond(request, gen, serving.chat_response)
 
     @app.get("/v1/models")
@@ -197,9 +208,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         return p.ModelList(data=[p.ModelCard(id=state.model_name, max_model_len=state.max_model_len)])
 
     @app.get("/health")
-    async def health():
-        ok = state.engine.alive
-        return Response(status_code=200 if ok else 503)
+    async def health():  # 503 once shutting down, or if the engine loop died
+        return Response(status_code=200 if state.engine.alive and state.engine.accepting else 503)
 
     @app.get("/metrics")
     async def metrics():

@@ -140,6 +140,10 @@ class EngineLoop:
             return self._num_unfinished + sum(len(s.prompts) for s in self._pending)
 
     @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -205,9 +205,13 @@ class Generation:
                 if text or reason is not None:
                     yield Delta(i, text, reason)
         finally:
-            running = [rid for rid, reason in zip(self.request_ids, self.finish_reason) if reason is None]
-            if running:
-                self.state.engine.abort(running)
+            self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        """Abort the prompts that have not finished (nothing when all have; safe to repeat)."""
+        running = [rid for rid, reason in zip(self.request_ids, self.finish_reason) if reason is None]
+        if running:
+            self.state.engine.abort(running)
 
     def usage(self) -> p.UsageInfo:
         prompt = sum(len(ids) for ids in self.prompts)
