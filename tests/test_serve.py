@@ -176,6 +176,37 @@ def test_stop_strings_and_stop_token_ids(server):
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
 
 
+def test_logprobs_completions_and_chat(server):
+    """Greedy: each token's logprob is the largest at its position; streamed equal to not streamed."""
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, logprobs=2, **GREEDY)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3 == whole.usage.completion_tokens
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert token_lp <= 0 and abs(token_lp - max(top.values())) < 1e-6 and 1 <= len(top) <= 3
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=3, logprobs=2, stream=True, **GREEDY)]
+    assert [t for x in streamed for t in x.tokens] == lp.tokens
+    assert [t for x in streamed for t in x.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [t for x in streamed for t in x.text_offset] == lp.text_offset
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True, top_logprobs=2,
+                                          **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 2
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+        assert entry.bytes == list(entry.token.encode())
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True,
+                                            top_logprobs=2, stream=True, **GREEDY)
+    tokens = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
 # ------------------------------------------------------------------ bad input
 BAD = [
     ("/v1/completions", b'{"prompt": ', None),
@@ -202,7 +233,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
@@ -211,7 +242,9 @@ BAD = [
      "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
 ]
 

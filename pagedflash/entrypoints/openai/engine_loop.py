@@ -9,8 +9,9 @@ client never holds up a step; its tokens wait in its queue.
 
 Events put on a queue (each a tuple):
 
-- ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens)``: ``finish_reason`` is None
-  while the request runs, else ``"stop"`` or ``"length"``;
+- ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens, new_logprobs)``:
+  ``finish_reason`` is None while the request runs, else ``"stop"`` or ``"length"``;
+  ``new_logprobs`` the step's ``RequestOutput.new_logprobs`` (None unless asked for);
 - ``("error", tag, message)``: the step running the request raised; the request is aborted.
 
 A step that raises fails the requests it was running (their pages go back to the pool through
@@ -293,7 +294,7 @@ class EngineLoop:
                     metrics.e2e.observe(now - live.arrival)
             events.setdefault(live.loop, []).append(
                 (live.queue, ("tokens", live.tag, out.new_token_ids, out.finish_reason if out.finished else None,
-                              out.num_cached_tokens)))
+                              out.num_cached_tokens, out.new_logprobs)))
         for loop, batch in events.items():
             self._call(loop, _deliver, batch)
 

@@ -2,9 +2,11 @@
 
 Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are ignored, as OpenAI and vLLM do;
-fields the server cannot honour (``n > 1``, ``echo``, ``logprobs``, penalties, ``logit_bias``,
-tools, ``response_format``, ``suffix``, ``best_of``) are listed by :func:`unsupported_field`, which
-the handlers turn into a 400 naming the field.
+fields the server cannot honour (``n > 1``, ``echo``, penalties, ``logit_bias``, ``min_p``, tools,
+``response_format``, ``suffix``, ``best_of``) are listed by :func:`unsupported_field`, which the
+handlers turn into a 400 naming the field. Logprobs (completions' ``logprobs: k``, chat's
+``logprobs: true`` + ``top_logprobs: k``, k <= 20) come from the engine, computed before
+temperature and filtering as vLLM's are.
 """
 
 from __future__ import annotations
@@ -101,13 +103,13 @@ def unsupported_field(request: _GenerationRequest) -> tuple[str, str] | None:
     if isinstance(request, CompletionRequest):
         checks += [
             ("echo", request.echo, "echo is not supported"),
-            ("logprobs", request.logprobs is not None, "logprobs is not supported"),
             ("suffix", bool(request.suffix), "suffix is not supported"),
             ("best_of", request.best_of not in (None, 1), "best_of is not supported"),
         ]
     else:
         checks += [
-            ("logprobs", request.logprobs or request.top_logprobs is not None, "logprobs is not supported"),
+            ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
+             "top_logprobs needs logprobs: true"),
             ("tools", bool(request.tools), "tools are not supported"),
             ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported"),
             ("response_format", request.response_format not in (None, {"type": "text"}),
@@ -130,10 +132,19 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its text, log-probability, text offset, and the top ones by text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -151,10 +162,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -181,7 +206,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -81,6 +81,10 @@ def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
 def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_len: int, *, default_max_tokens: int | None,
                     max_tokens_field: str = "max_tokens") -> SamplingParams:
     """The request's sampling fields as SamplingParams; ``prompt_len``: the longest prompt's tokens."""
+    if isinstance(request, p.ChatCompletionRequest):
+        logprobs, logprobs_field = (request.top_logprobs or 0) if request.logprobs else None, "top_logprobs"
+    else:
+        logprobs, logprobs_field = request.logprobs, "logprobs"
     room = state.max_model_len - prompt_len
     max_tokens = getattr(request, max_tokens_field)
     if max_tokens is None:
@@ -92,13 +96,15 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
     top_k = request.top_k if request.top_k is not None else 0
     fields = dict(max_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
                   top_p=1.0 if request.top_p is None else request.top_p, top_k=0 if top_k == -1 else top_k,
-                  seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()))
+                  seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()),
+                  logprobs=logprobs)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
-        param = max_tokens_field if field == "max_tokens" else (field if field in fields else None)
-        raise bad_request(str(e).replace("max_tokens", max_tokens_field, 1), param=param) from None
+        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+        param = renamed.get(field, field if field in fields else None)
+        raise bad_request(str(e).replace(field, param, 1) if param else str(e), param=param) from None
 
 
 def stop_strings(request: p._GenerationRequest) -> list[str]:
@@ -155,6 +161,7 @@ class Delta:
     index: int
     text: str
     finish_reason: str | None
+    logprobs: list[tuple[int, dict[int, float]]] | None = None  # (token id, {id: logprob}) of its tokens
 
 
 class Generation:
@@ -169,6 +176,7 @@ class Generation:
         self.num_cached = [0] * len(prompts)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[int] = []
+        self.all_logprobs: list[list] = [[] for _ in prompts]  # by prompt, filled by :func:`collect`
 
     async def start(self) -> None:
         try:
@@ -188,12 +196,15 @@ class Generation:
                 event = await self.queue.get()
                 if event[0] == "error":
                     raise APIError(500, event[2], type="internal_server_error")
-                _, i, new_ids, reason, num_cached = event
+                _, i, new_ids, reason, num_cached, new_logprobs = event
                 if self.finish_reason[i] is not None:
                     continue  # stopped by a stop string; the engine's abort is on its way
                 detok = self.detok[i]
                 self.num_cached[i] = num_cached
+                taken = detok.num_tokens
                 text = detok.push(new_ids)
+                taken = detok.num_tokens - taken  # fewer than new_ids when a stop string matched
+                logprobs = None if new_logprobs is None else list(zip(new_ids[:taken], new_logprobs[:taken]))
                 if detok.stopped:
                     if reason is None:
                         self.state.engine.abort([self.request_ids[i]], reason="stop")
@@ -202,8 +213,8 @@ class Generation:
                     text += detok.finish()
                     self.finish_reason[i] = reason
                     left -= 1
-                if text or reason is not None:
-                    yield Delta(i, text, reason)
+                if text or reason is not None or logprobs:
+                    yield Delta(i, text, reason, logprobs)
         finally:
             self.abort_unfinished()
 
@@ -236,10 +247,12 @@ async def collect(gen: Generation, receive) -> list[str]:
     """Run ``gen`` to the end; its texts by prompt. Raises :class:`ClientGone` (after aborting)
     when the client leaves first."""
     texts = [""] * len(gen.prompts)
+    gen.all_logprobs = [[] for _ in gen.prompts]
 
     async def run():
         async for d in gen.deltas():
             texts[d.index] += d.text
+            gen.all_logprobs[d.index] += d.logprobs or []
 
     task = asyncio.ensure_future(run())
     gone = asyncio.ensure_future(until_disconnect(receive))
@@ -268,10 +281,43 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# ------------------------------------------------------------------ logprobs
+def completion_logprobs(tokenizer: TextTokenizer, entries, offset: int = 0) -> p.CompletionLogprobs:
+    """Completions' format: each token's text, logprob and text offset (from ``offset``), and its
+    position's logprobs by token text (the sampled token and the top k; where several tokens have
+    one text, as bytes of a longer character do, the likeliest's)."""
+    out = p.CompletionLogprobs()
+    for token, table in entries:
+        text = tokenizer.token_text(token)
+        out.tokens.append(text)
+        out.token_logprobs.append(table[token])
+        top: dict[str, float] = {}
+        for t, lp in sorted(table.items(), key=lambda x: -x[1]):  # tokens of equal text: the likeliest's
+            top.setdefault(tokenizer.token_text(t), lp)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: TextTokenizer, entries, k: int) -> p.ChatLogprobs:
+    """Chat's format: each token with its logprob and bytes, and the ``k`` most likely at its position."""
+    def one(cls, token, logprob, **extra):
+        text = tokenizer.token_text(token)
+        return cls(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), **extra)
+
+    return p.ChatLogprobs(content=[
+        one(p.ChatLogprobToken, token, table[token],
+            top_logprobs=[one(p.TopLogprob, t, lp) for t, lp in sorted(table.items(), key=lambda x: -x[1])[:k]])
+        for token, table in entries])
+
+
 # ------------------------------------------------------------------ completions
 async def completion_response(gen: Generation, receive, model: str) -> p.CompletionResponse:
     texts = await collect(gen, receive)
-    choices = [p.CompletionChoice(index=i, text=t, finish_reason=r)
+    tok, asked = gen.state.tokenizer, gen.params.logprobs is not None
+    choices = [p.CompletionChoice(index=i, text=t, finish_reason=r,
+                                  logprobs=completion_logprobs(tok, gen.all_logprobs[i]) if asked else None)
                for i, (t, r) in enumerate(zip(texts, gen.finish_reason))]
     return p.CompletionResponse(id=new_id("cmpl"), model=model, choices=choices, usage=gen.usage())
 
@@ -285,9 +331,16 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool) ->
             body.usage = usage
         return _sse(body)
 
+    tok, asked = gen.state.tokenizer, gen.params.logprobs is not None
+    offsets = [0] * len(gen.prompts)
     try:
         async for d in gen.deltas():
-            yield chunk([p.CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason)])
+            logprobs = None
+            if asked:
+                logprobs = completion_logprobs(tok, d.logprobs or [], offsets[d.index])
+                offsets[d.index] += sum(len(t) for t in logprobs.tokens)
+            yield chunk([p.CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                            logprobs=logprobs)])
         if include_usage:
             yield chunk([], gen.usage())
     except APIError as e:
@@ -298,10 +351,12 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool) ->
 # ------------------------------------------------------------------ chat
 async def chat_response(gen: Generation, receive, model: str) -> p.ChatCompletionResponse:
     texts = await collect(gen, receive)
+    k = gen.params.logprobs
     return p.ChatCompletionResponse(
         id=new_id("chatcmpl"), model=model, usage=gen.usage(),
         choices=[p.ChatChoice(index=0, message=p.ChatResponseMessage(content=texts[0]),
-                              finish_reason=gen.finish_reason[0])])
+                              finish_reason=gen.finish_reason[0],
+                              logprobs=None if k is None else chat_logprobs(gen.state.tokenizer, gen.all_logprobs[0], k))])
 
 
 async def chat_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -315,9 +370,11 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool) -> Async
 
     try:
         yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
+        k = gen.params.logprobs
         async for d in gen.deltas():
-            if d.text:
-                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text))])
+            if d.text or (k is not None and d.logprobs):
+                logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
+                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text), logprobs=logprobs)])
             if d.finish_reason is not None:
                 yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(), finish_reason=d.finish_reason)])
         if include_usage:

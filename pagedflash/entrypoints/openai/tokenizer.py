@@ -128,6 +128,10 @@ class TextTokenizer:
         """Text of ``ids`` without special tokens (EOS, BOS)."""
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, special tokens included (a byte of a longer character shows as U+FFFD)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and string ``content``).
 
