@@ -60,12 +60,14 @@ def test_streamed_timings_match_the_servers_delays():
         results, duration = _run(server, _requests(3, out=5), max_concurrency=1)
     assert server.bodies[0]["stream_options"] == {"include_usage": True} and server.bodies[0]["ignore_eos"]
     assert all(isinstance(t, int) for t in server.bodies[0]["prompt"]) and len(server.bodies[0]["prompt"]) == 4
+    # lower bounds are strict (the server sleeps before each write); upper ones leave room for a loaded
+    # machine, where a chunk read late also shortens the gap after it
     for r in results:
         assert r.ok and r.error == "" and (r.prompt_tokens, r.output_tokens, r.chunks) == (4, 5, 5)
-        assert 0.1 <= r.ttft < 0.1 + 0.08, r.ttft
-        assert len(r.itl) == 4 and all(0.03 <= x < 0.03 + 0.05 for x in r.itl), r.itl
-        assert r.tpot == pytest.approx((r.e2el - r.ttft) / 4) and 0.03 <= r.tpot < 0.06
-        assert r.e2el >= r.ttft + sum(r.itl) - 1e-6
+        assert 0.1 <= r.ttft < 0.1 + 0.15, r.ttft
+        assert r.e2el >= 0.1 + 4 * 0.03 and r.e2el == pytest.approx(r.ttft + sum(r.itl), abs=0.03)
+        assert len(r.itl) == 4 and 0.025 < statistics.median(r.itl) < 0.03 + 0.05, r.itl
+        assert r.tpot == pytest.approx((r.e2el - r.ttft) / 4)
     assert duration >= sum(r.e2el for r in results) - 1e-3  # one at a time
 
 
@@ -74,7 +76,8 @@ def test_chunks_carrying_several_tokens_count_each_token():
     with StandIn(ttft_s=0.02, itl_s=0.08, tokens_per_chunk=4, usage_per_chunk=True) as server:
         (r,), _ = _run(server, _requests(1, out=12))
     assert r.ok and r.chunks == 3 and r.output_tokens == 12
-    assert len(r.itl) == 8 and all(0.02 <= x < 0.02 + 0.02 for x in r.itl), r.itl
+    assert len(r.itl) == 8 and r.itl[:4] == [r.itl[0]] * 4 and r.itl[4:] == [r.itl[4]] * 4, r.itl
+    assert 0.015 < statistics.mean(r.itl) < 0.02 + 0.02 and sum(r.itl) >= 0.16 - 0.03
     assert r.tpot == pytest.approx((r.e2el - r.ttft) / 11)
 
 
@@ -95,16 +98,16 @@ def test_poisson_arrivals_are_seeded():
         results, _ = _run(server, _requests(8, out=2), rate=20.0, seed=7)
     sent = [r.start for r in results]
     want = loadgen.arrival_offsets(8, 20.0, seed=7)
-    arrived = [t - server.arrivals[0] for t in sorted(server.arrivals)]
-    assert all(abs(x - y) < 0.05 for x, y in zip(sent, want)), (sent, want)
-    assert all(abs(x - y) < 0.08 for x, y in zip(arrived, want)), (arrived, want)
+    assert all(-0.002 < x - y < 0.1 for x, y in zip(sent, want)), (sent, want)  # never early
+    arrived = [t - min(server.arrivals) for t in sorted(server.arrivals)]
+    assert all(abs(x - y) < 0.15 for x, y in zip(arrived, want)), (arrived, want)
 
 
 def test_max_concurrency_caps_requests_in_flight():
     with StandIn(ttft_s=0.05, itl_s=0.01) as server:
         results, _ = _run(server, _requests(9, out=3), max_concurrency=3)
     assert all(r.ok for r in results) and server.max_inflight == 3
-    with StandIn(ttft_s=0.1, itl_s=0.01) as server:
+    with StandIn(ttft_s=0.3, itl_s=0.01) as server:
         _run(server, _requests(6, out=2))
     assert server.max_inflight == 6  # uncapped, all at once
 
@@ -170,14 +173,14 @@ def test_sweep_writes_json_markdown_and_plot(tmp_path, capsys):
     with StandIn(ttft_s=0.01, itl_s=0.005) as server:
         rc = cli.main(["bench", "online", "--quick", "--num-prompts", "8", "--out", str(tmp_path), "--base-url", server.url,
                        "--vocab-size", "64", "--request-rates", "40,inf", "--max-concurrency", "2,8",
-                       "--goodput", "ttft:2000", "tpot:1", "--save-requests", "--num-warmups", "2"])
+                       "--goodput", "ttft:5", "e2el:60000", "--save-requests", "--num-warmups", "2"])
     assert rc == 0
     doc = json.loads((tmp_path / "online.json").read_text(), parse_constant=pytest.fail)  # strict JSON: no inf
     rows = doc["tables"]["runs"]["rows"]
     assert [(r["rate"], r["max_concurrency"]) for r in rows] == [(40.0, 2), ("inf", 2), (40.0, 8), ("inf", 8)]
     for r in rows:
         assert r["completed"] == 8 and r["failed"] == 0 and r["output_tokens"] == pytest.approx(r["output_throughput"] * r["duration_s"])
-        assert r["good_requests"] == 0  # TPOT >= 5 ms > 1 ms
+        assert r["good_requests"] == 0 and r["goodput"] == 0  # every TTFT >= 10 ms > 5 ms
         assert all(r[f"{m}_{k}_ms"] > 0 for m in loadgen.METRICS for k in ("mean", "p50", "p90", "p99"))
     assert len(doc["tables"]["latency"]["rows"]) == 16 and doc["args"]["model"] == "standin"
     assert len(server.bodies) == 4 * (8 + 2)  # warmups before every point
