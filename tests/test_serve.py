@@ -133,6 +133,7 @@ def test_openai_client_completions_streamed_and_not(server):
         chunks.append(chunk)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert len(chunks) == 4 + 1  # a chunk per token (one a step), text or not, then usage
     texts = [c.choices[0].text for c in chunks[:-1]]
     assert "".join(texts) == whole.choices[0].text  # greedy: the same tokens
     assert chunks[-2].choices[0].finish_reason == "length"
@@ -150,7 +151,7 @@ def test_openai_client_chat_streamed_and_not(server):
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, stream=True,
                                                  stream_options={"include_usage": True}, **GREEDY))
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant" and len(chunks) == 1 + 3 + 1  # role, a token each, usage
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == whole.choices[0].message.content
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

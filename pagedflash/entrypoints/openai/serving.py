@@ -166,7 +166,9 @@ class Delta:
 
 class Generation:
     """One HTTP request's prompts in the engine: :meth:`start` admits them, :meth:`deltas` yields
-    their text as it comes, :meth:`usage` counts tokens. Leaving :meth:`deltas` early (an error, a
+    their text as it comes (one :class:`Delta` per engine step that gave a prompt tokens, its text
+    empty while a character or a possible stop string is incomplete; the last with the finish
+    reason), :meth:`usage` counts tokens. Leaving :meth:`deltas` early (an error, a
     client gone) aborts what is still running."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, stop: list[str]):
@@ -213,7 +215,7 @@ class Generation:
                     text += detok.finish()
                     self.finish_reason[i] = reason
                     left -= 1
-                if text or reason is not None or logprobs:
+                if taken or reason is not None:  # one chunk per step with tokens: load generators time them
                     yield Delta(i, text, reason, logprobs)
         finally:
             self.abort_unfinished()
@@ -372,11 +374,9 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool) -> Async
         yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
         k = gen.params.logprobs
         async for d in gen.deltas():
-            if d.text or (k is not None and d.logprobs):
-                logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
-                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text), logprobs=logprobs)])
-            if d.finish_reason is not None:
-                yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(), finish_reason=d.finish_reason)])
+            logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
+            yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text), logprobs=logprobs,
+                                           finish_reason=d.finish_reason)])
         if include_usage:
             yield chunk([], gen.usage())
     except APIError as e:
