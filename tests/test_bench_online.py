@@ -181,6 +181,7 @@ def test_sweep_writes_json_markdown_and_plot(tmp_path, capsys):
     for r in rows:
         assert r["completed"] == 8 and r["failed"] == 0 and r["output_tokens"] == pytest.approx(r["output_throughput"] * r["duration_s"])
         assert r["good_requests"] == 0 and r["goodput"] == 0  # every TTFT >= 10 ms > 5 ms
+        assert 0 < r["client_cpu_pct"] < 400
         assert all(r[f"{m}_{k}_ms"] > 0 for m in loadgen.METRICS for k in ("mean", "p50", "p90", "p99"))
     assert len(doc["tables"]["latency"]["rows"]) == 16 and doc["args"]["model"] == "standin"
     assert len(server.bodies) == 4 * (8 + 2)  # warmups before every point

@@ -22,8 +22,9 @@ flight (``max_concurrency``). A request's clock starts when it is sent, after an
 concurrency slot.
 
 Per request (:class:`RequestResult`), from the SSE stream of ``POST /v1/completions`` with
-``stream_options.include_usage``: TTFT (send to the first chunk that carries a choice), the gaps
-between chunks (ITL; a chunk carrying ``k`` tokens counts as ``k`` gaps of ``gap / k``, as SGLang's
+``stream_options.include_usage``, each chunk timed when its bytes are read (chunks that arrive in
+one read share its time): TTFT (send to the first chunk that carries a token), the gaps between
+chunks (ITL; a chunk carrying ``k`` tokens counts as ``k`` gaps of ``gap / k``, as SGLang's
 bench_serving counts them; tokens in a chunk are read from a per-chunk ``usage``, ``token_ids`` or
 ``logprobs.tokens`` when the server sends one of them, else one per chunk with text or without a
 ``finish_reason``), end-to-end latency, and the token counts from the final ``usage`` (the chunk
@@ -232,46 +233,58 @@ def _error_text(body: bytes | str) -> str:
         return text[:300]
 
 
+def _on_data(result: RequestResult, body: bytes, now: float, t0: float, clock: list[float]) -> bool:
+    """One ``data:`` payload received at ``now``; ``clock`` = [time of the last token chunk, tokens
+    so far]. Returns True when the stream is over ([DONE] or an error event)."""
+    if body == b"[DONE]":
+        result.ok = True
+        return True
+    data = json.loads(body)
+    if data.get("error"):
+        result.error = f"error event: {_error_text(body)}"
+        return True
+    choices = data.get("choices") or []
+    if choices:
+        k = _chunk_tokens(data, choices[0], int(clock[1]))
+        if k > 0:
+            if result.chunks == 0:
+                result.ttft = now - t0
+            else:
+                result.itl.extend([(now - clock[0]) / k] * k)
+            result.chunks += 1
+            clock[0], clock[1] = now, clock[1] + k
+    usage = data.get("usage")
+    if isinstance(usage, dict):  # the final chunk's (or each chunk's) running totals
+        result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
+        result.output_tokens = usage.get("completion_tokens") or result.output_tokens
+    return False
+
+
 async def _stream(client, url: str, payload: dict, headers: dict, result: RequestResult, t0: float) -> None:
+    """Events are timed when their bytes arrive: lines that came in one read share its time."""
     async with client.stream("POST", url, json=payload, headers=headers) as resp:
         if resp.status_code != 200:
             result.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
             return
-        last, used = t0, 0
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments, event names
-            body = line[5:].strip()
-            if body == "[DONE]":
-                result.ok = True
-                break
+        clock, pending, over = [t0, 0], b"", False
+        async for piece in resp.aiter_bytes():
             now = time.perf_counter()
-            data = json.loads(body)
-            if data.get("error"):
-                result.error = f"error event: {_error_text(body)}"
-                return
-            choices = data.get("choices") or []
-            if choices:
-                k = _chunk_tokens(data, choices[0], used)
-                if k > 0:
-                    if result.chunks == 0:
-                        result.ttft = now - t0
-                    else:
-                        result.itl.extend([(now - last) / k] * k)
-                    result.chunks += 1
-                    used += k
-                    last = now
-            usage = data.get("usage")
-            if isinstance(usage, dict):  # the final chunk's (or each chunk's) running totals
-                result.prompt_tokens = usage.get("prompt_tokens") or result.prompt_tokens
-                result.output_tokens = usage.get("completion_tokens") or result.output_tokens
+            lines = (pending + piece).split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                line = line.strip()
+                if line.startswith(b"data:") and _on_data(result, line[5:].strip(), now, t0, clock):
+                    over = True
+                    break
+            if over:
+                break
         result.e2el = time.perf_counter() - t0
-        if not result.ok:
+        if not over:
             result.error = "the stream ended before data: [DONE]"
-        elif result.chunks == 0:
+        elif result.ok and result.chunks == 0:
             result.ok, result.error = False, "no token was streamed"
-        elif not result.output_tokens:
-            result.output_tokens = used
+        elif result.ok and not result.output_tokens:
+            result.output_tokens = int(clock[1])
 
 
 async def send_request(client, url: str, payload: dict, headers: dict, *, timeout: float,

@@ -341,9 +341,11 @@ def _run_points(args, workloads, warmups) -> list[dict]:
             results, _ = asyncio.run(loadgen.run_load(warmups, rate=math.inf, max_concurrency=cap, **kw))
             if bad := [r.error for r in results if not r.ok]:
                 print(f"bench online: warmup failed: {bad[0]}", file=sys.stderr)
+        cpu = time.process_time()
         results, duration = asyncio.run(loadgen.run_load(requests, rate=rate, max_concurrency=cap,
                                                          seed=args.seed + i, **kw))
         s = loadgen.summarize(results, duration, args.slo)
+        s["client_cpu_pct"] = 100 * (time.process_time() - cpu) / duration  # near 100: the client limits
         runs.append(dict(rate=rate, max_concurrency=cap, summary=s, results=results))
         print(f"rate {rate:g} req/s, concurrency {cap or '-'}: {s['completed']}/{len(results)} done in "
               f"{duration:.2f} s, {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
@@ -384,7 +386,7 @@ RUN_COLUMNS = {"rate": "rate req/s", "max_concurrency": "max conc.", "completed"
                "duration_s": "s", "request_throughput": "req/s", "input_throughput": "in tok/s",
                "output_throughput": "out tok/s", "ttft_p50_ms": "TTFT p50 ms", "ttft_p99_ms": "TTFT p99 ms",
                "tpot_p50_ms": "TPOT p50 ms", "tpot_p99_ms": "TPOT p99 ms", "itl_p50_ms": "ITL p50 ms",
-               "e2el_p50_ms": "E2E p50 ms"}
+               "e2el_p50_ms": "E2E p50 ms", "client_cpu_pct": "client CPU %"}
 
 
 def _report(args, runs, offline) -> None:
@@ -405,7 +407,8 @@ def _report(args, runs, offline) -> None:
             f"{'ignore_eos' if not args.no_ignore_eos else 'EOS allowed'}")
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in args.slo.items())
     runs_table = Table("runs", f"Online: {what}", columns, rows,
-                       note="ms: milliseconds; TPOT = (e2e - TTFT) / (output tokens - 1)"
+                       note="ms: milliseconds; TPOT = (e2e - TTFT) / (output tokens - 1); client CPU %: this "
+                            "process's CPU time over the run's (near 100, the client limits what is measured)"
                             + (f"; goodput: requests/s meeting {slo}" if slo else "")
                             + ("; online/offline: output tok/s over the offline engine's on the same requests "
                                "(the server's overhead where it is saturated, rate inf)" if offline else ""))
