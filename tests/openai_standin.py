@@ -57,6 +57,7 @@ class Handler(BaseHTTPRequestHandler):
         with s.lock:
             s.arrivals.append(arrived)
             s.bodies.append(body)
+            s.auth.append(self.headers.get("Authorization"))
             s.inflight += 1
             s.max_inflight = max(s.max_inflight, s.inflight)
         try:
@@ -106,6 +107,7 @@ class StandIn(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.arrivals: list[float] = []
         self.bodies: list[dict] = []
+        self.auth: list[str | None] = []  # each request's Authorization header
         self.inflight = self.max_inflight = 0
 
     @property

@@ -209,8 +209,9 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
 def test_failed_requests_exit_1(tmp_path, capsys):
     with StandIn(ttft_s=0.0, itl_s=0.0, fail_max_tokens=4) as server:
         rc = online.main(["--base-url", server.url, "--vocab-size", "64", "--num-prompts", "6", "--input-len", "3",
-                          "--output-len", "4", "--num-warmups", "0", "--out", str(tmp_path)])
-    assert rc == 1
+                          "--output-len", "4", "--num-warmups", "0", "--out", str(tmp_path), "--api-key", "k1",
+                          "--extra-body", '{"top_k": 3}'])
+    assert rc == 1 and server.auth == ["Bearer k1"] * 6 and all(b["top_k"] == 3 for b in server.bodies)
     assert "injected failure" in capsys.readouterr().err
     doc = json.loads((tmp_path / "online.json").read_text())
     assert doc["tables"]["runs"]["rows"][0]["failed"] == 6
