@@ -252,6 +252,7 @@ def test_offline_side_builds_the_servers_engine():
     assert stats["output_tokens"] == 5 and stats["num_requests"] == 2 and stats["errors"] == []
     assert stats["prefix_cache_hit_rate"] == 0.0  # --no-enable-prefix-caching reached the engine
     assert stats["output_tokens_per_s"] > 0 and stats["ttft_p99_ms"] >= stats["ttft_p50_ms"] > 0
+    assert stats["itl_p99_ms"] >= stats["itl_p50_ms"] > 0
 
 
 def test_against_pagedflash_serve_with_the_offline_comparison(tmp_path):
@@ -271,5 +272,6 @@ def test_against_pagedflash_serve_with_the_offline_comparison(tmp_path):
     (point,) = json.loads((tmp_path / "online_requests.json").read_text())
     assert [r["chunks"] for r in point["requests"]] == [r.max_tokens for r in reqs]  # one token a chunk
     assert row["offline_output_throughput"] > 0 and row["online_over_offline"] > 0
+    assert row["offline_itl_p50_ms"] > 0 and row["itl_over_offline"] > 0
     assert doc["offline"]["uncapped"]["output_tokens"] == row["output_tokens"]
     assert "Finished server process" in (tmp_path / "online_server.log").read_text()

@@ -397,12 +397,16 @@ def _report(args, runs, offline) -> None:
         if "output_tokens_per_s" in off:
             row["offline_output_throughput"] = off["output_tokens_per_s"]
             row["online_over_offline"] = row["output_throughput"] / off["output_tokens_per_s"]
+        if off.get("itl_p50_ms") and row["itl_p50_ms"] is not None:
+            row["offline_itl_p50_ms"] = off["itl_p50_ms"]
+            row["itl_over_offline"] = row["itl_p50_ms"] / off["itl_p50_ms"]
         rows.append(row)
     columns = dict(RUN_COLUMNS)
     if args.slo:
         columns["goodput"] = "goodput req/s"
     if offline:
-        columns.update(offline_output_throughput="offline out tok/s", online_over_offline="online/offline")
+        columns.update(offline_output_throughput="offline out tok/s", online_over_offline="online/offline",
+                       offline_itl_p50_ms="offline ITL p50 ms", itl_over_offline="ITL x offline")
     what = (f"{args.num_prompts} requests, dataset {args.dataset}, model {args.model}, "
             f"{'ignore_eos' if not args.no_ignore_eos else 'EOS allowed'}")
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in args.slo.items())
@@ -411,7 +415,8 @@ def _report(args, runs, offline) -> None:
                             "process's CPU time over the run's (near 100, the client limits what is measured)"
                             + (f"; goodput: requests/s meeting {slo}" if slo else "")
                             + ("; online/offline: output tok/s over the offline engine's on the same requests "
-                               "(the server's overhead where it is saturated, rate inf)" if offline else ""))
+                               "(the server's overhead where it is saturated, rate inf); ITL x offline: ITL p50 "
+                               "over the offline engine's (batch 1: --max-concurrency 1)" if offline else ""))
     lat_rows = [dict(rate=r["rate"], max_concurrency=r["max_concurrency"], metric=m,
                      **{k: r[f"{m}_{k}_ms"] for k in ("mean", "p50", "p90", "p99")})
                 for r in rows for m in loadgen.METRICS]

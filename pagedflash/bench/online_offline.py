@@ -6,8 +6,8 @@ fresh process started once the server has exited (the two never share a GPU).
 arguments ``pagedflash serve`` got; ``prompts``; ``max_tokens``, one per prompt; ``warmup`` and
 ``warmup_max_tokens``, requests run first and not counted (text prompts are encoded by the
 server's tokenizer, as the server encodes them); ``ignore_eos``; ``temperature``;
-``max_num_seqs``, a cap or null) and writes OUT (JSON: the engine's ``last_stats`` plus TTFT mean,
-p50 and p99 in ms).
+``max_num_seqs``, a cap or null) and writes OUT (JSON: the engine's ``last_stats`` plus TTFT and
+inter-token latency mean, p50 and p99 in ms).
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ def run(spec: dict) -> dict:
             llm.generate(ids(spec["warmup"]), [SamplingParams(max_tokens=m, **opts) for m in spec["warmup_max_tokens"]])
         outs = llm.generate(ids(spec["prompts"]), [SamplingParams(max_tokens=m, **opts) for m in spec["max_tokens"]])
         stats = dict(llm.last_stats)
-    ttft = [1e3 * o.ttft for o in outs if o.finish_reason != "error"]
-    if ttft:
-        stats.update(ttft_mean_ms=sum(ttft) / len(ttft), ttft_p50_ms=percentile(ttft, 50),
-                     ttft_p99_ms=percentile(ttft, 99))
+    ok = [o for o in outs if o.finish_reason != "error"]
+    for name, xs in (("ttft", [1e3 * o.ttft for o in ok]), ("itl", [1e3 * x for o in ok for x in o.itl])):
+        if xs:
+            stats.update({f"{name}_mean_ms": sum(xs) / len(xs), f"{name}_p50_ms": percentile(xs, 50),
+                          f"{name}_p99_ms": percentile(xs, 99)})
     stats["errors"] = [o.error for o in outs if o.finish_reason == "error"][:3]
     return stats
 
