@@ -139,6 +139,15 @@ def test_openai_client_completions_streamed_and_not(server):
     assert chunks[-2].choices[0].finish_reason == "length"
     assert times[-1] - times[0] > 0.1  # the first chunk came while the request still ran
 
+    batch = client.completions.create(model=MODEL, prompt=[[5, 6], [7, 8, 9]], max_tokens=2, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.usage.prompt_tokens == 5
+    assert batch.usage.completion_tokens == 4
+    texts = ["", ""]
+    for chunk in client.completions.create(model=MODEL, prompt=[[5, 6], [7, 8, 9]], max_tokens=2, stream=True,
+                                           **GREEDY):
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in batch.choices]
+
 
 def test_openai_client_chat_streamed_and_not(server):
     client = server.client()
@@ -395,6 +404,8 @@ def test_api_key():
         r = s.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert s.client(api_key="sesame").completions.create(model=MODEL, prompt=[1, 2], max_tokens=1).usage
+        chunks = s.client(api_key="sesame").completions.create(model=MODEL, prompt=[1, 2], max_tokens=2, stream=True)
+        assert len(list(chunks)) == 2
         assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 200
     finally:
         s.stop()

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import signal
 import socket
 import sys
@@ -79,6 +80,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from pagedflash.entrypoints.openai.metrics import EngineMetrics
     from pagedflash.entrypoints.openai.tokenizer import TextTokenizer, load_chat_template
 
+    if args.model is not None and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"model directory {args.model!r} does not exist (nothing is fetched from a hub)")
     chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     on_gpu = torch.cuda.is_available()
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
@@ -143,14 +146,22 @@ def build_app(state: ServerState, *, api_key: str | None = None):
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return error_response(APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                                   code="invalid_api_key"))
-            return await call_next(request)
+        class Authenticate:
+            """A pure ASGI middleware (a streamed response passes through untouched, disconnects included)."""
+
+            def __init__(self, app):
+                self.app = app
+
+            async def __call__(self, scope, receive, send):
+                if scope["type"] == "http" and scope["path"].startswith("/v1"):
+                    given = dict(scope["headers"]).get(b"authorization", b"")
+                    if not hmac.compare_digest(given, expected):
+                        refusal = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                                           code="invalid_api_key")
+                        return await error_response(refusal)(scope, receive, send)
+                await self.app(scope, receive, send)
+
+        app.add_middleware(Authenticate)
 
     class GenerationStream(StreamingResponse):
         """Server-sent events of a generation, whose prompts are aborted however the response ends
