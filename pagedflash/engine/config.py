@@ -1,8 +1,20 @@
-"""ModelConfig: the few numbers a Llama-architecture decoder needs, read from a Hugging Face config.
+"""ModelConfig: the numbers and switches a decoder of a supported family needs, read from a Hugging
+Face config.
 
 Accepted sources: a local model directory (its ``config.json``), a ``transformers`` config object, or
 a plain dict with HF keys. Both RoPE spellings are read: the older ``rope_theta`` + ``rope_scaling``
-and the newer ``rope_parameters``. Supported RoPE types: ``default``, ``linear``, ``llama3``.
+and the newer ``rope_parameters`` (Gemma 3's keyed by layer type). Supported RoPE types:
+``default``, ``linear``, ``llama3``, ``longrope``; any other fails the load by name. ``longrope``
+(Phi-3): transformers switches from the short to the long factors once a forward's sequence is
+longer than ``original_max_position_embeddings``; the engine takes one set for every position, the
+long one when its ``max_model_len`` passes that length (then equal to transformers on sequences
+longer than it), else the short one (then equal on every sequence).
+
+Strict reading: the architecture (``architectures``) picks a family (:data:`FAMILIES`), and a config
+that asks for math the family does not do is refused, naming the key: a key of :data:`MATH_KEYS` set
+to a value other than its neutral one that the family does not implement (Granite's multipliers or
+Gemma's softcaps under ``LlamaForCausalLM``, say), a ``model_type`` of another family, per-layer RoPE
+parameters where the family has one RoPE, an activation other than the family's.
 """
 
 from __future__ import annotations
@@ -14,13 +26,63 @@ from dataclasses import dataclass, field
 
 import torch
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family: ``name`` (its module in :mod:`pagedflash.engine.models`), the ``model_type``
+    values its checkpoints carry, and the :data:`MATH_KEYS` it implements."""
+
+    name: str
+    model_types: tuple[str, ...]
+    keys: frozenset[str] = frozenset()
+
+
+_GEMMA_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                         "hidden_activation"})
+FAMILIES = {  # keyed by the HF ``architectures`` entry
+    "LlamaForCausalLM": Family("llama", ("llama",)),
+    "MistralForCausalLM": Family("mistral", ("mistral",)),
+    "Qwen2ForCausalLM": Family("qwen2", ("qwen2",)),
+    "Qwen3ForCausalLM": Family("qwen3", ("qwen3",)),
+    "GraniteForCausalLM": Family("granite", ("granite",), frozenset(
+        {"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"})),
+    "Olmo2ForCausalLM": Family("olmo2", ("olmo2",)),
+    "Gemma2ForCausalLM": Family("gemma2", ("gemma2",), _GEMMA_KEYS),
+    "Gemma3ForCausalLM": Family("gemma3", ("gemma3_text",), _GEMMA_KEYS | {"rope_local_base_freq"}),
+    "Phi3ForCausalLM": Family("phi3", ("phi3",)),
 }
-MODEL_TYPE_TO_ARCH = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = {arch: fam.name for arch, fam in FAMILIES.items()}
+MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.model_types}
+# architectures refused with a reason of their own
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (image inputs) is not supported; "
+                                      "a text-only Gemma3ForCausalLM checkpoint is",
+}
+
+# HF config keys that change a decoder's math -> the values that leave it unchanged. A family that
+# does not list a key in ``Family.keys`` refuses any other value.
+MATH_KEYS = {
+    "query_pre_attn_scalar": (None,),
+    "attn_logit_softcapping": (None, 0, 0.0),
+    "final_logit_softcapping": (None, 0, 0.0),
+    "hidden_activation": (None,),
+    "embedding_multiplier": (None, 1, 1.0),
+    "attention_multiplier": (None,),
+    "residual_multiplier": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+    "partial_rotary_factor": (None, 1, 1.0),
+    "rope_local_base_freq": (None,),
+    "use_bidirectional_attention": (None, False),
+    "clip_qkv": (None,),
+    "qk_layernorm": (None, False),
+    "use_qk_norm": (None, False),
+    "attention_chunk_size": (None,),
+    "no_rope_layers": (None,),
+    "num_experts": (None, 0),
+    "num_local_experts": (None, 0),
+    "n_routed_experts": (None, 0),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 # Configs (HF keys) used by the demo, the serve benchmark and the GPU tests.
 LLAMA_3_2_1B = {
@@ -69,10 +131,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; () = all alike
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)
     initializer_range: float = 0.02
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    qk_norm: str = ""  # "" none; "head": RMSNorm over each head (Qwen3, Gemma 3); "projection": over all q / k (OLMo 2)
+    norm_offset: float = 0.0  # norms scale by (offset + w): 1.0 for Gemma's (1 + w)
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float = 0.0  # attention logits: cap * tanh(s / cap); 0: none
+    final_softcap: float = 0.0  # LM logits likewise
+    embedding_multiplier: float = 1.0  # the embedding's output times this (Granite; Gemma: sqrt(hidden))
+    residual_multiplier: float = 1.0  # attention and MLP outputs times this before the residual add (Granite)
+    logits_scaling: float = 1.0  # LM logits divided by this (Granite)
+    local_rope_theta: float | None = None  # sliding layers' RoPE theta when it differs (Gemma 3)
+    local_rope_scaling: dict = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """The family's module name in :mod:`pagedflash.engine.models`."""
+        return SUPPORTED_ARCHITECTURES[self.architecture]
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
@@ -105,16 +182,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs:
-            arch = MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""))
-        if arch is None:
-            name = ", ".join(archs) if archs else f"model_type={d.get('model_type')!r}"
-            raise ValueError(
-                f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture(d)
         kind = SUPPORTED_ARCHITECTURES[arch]
+        _check_math_keys(d, arch)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] < 1:
                 raise ValueError(f"config.json: {key} must be a positive int, got {d.get(key)!r}")
@@ -125,14 +195,20 @@ class ModelConfig:
             raise ValueError(f"head_dim={head_dim} is outside the attention kernels' range [16, 256]")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r} (SwiGLU with silu only)")
-        theta, scaling = _rope_from_dict(d)
+        gemma = kind in ("gemma2", "gemma3")
+        act = (d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
+            d.get("hidden_act", "silu")
+        wanted = ("gelu_pytorch_tanh",) if gemma else ("silu", "swish")
+        if act not in wanted:
+            raise ValueError(f"unsupported hidden_act {act!r} for {arch} (implemented: {', '.join(wanted)})")
+        (theta, scaling), local = _rope_from_dict(d, arch, per_layer_type=kind == "gemma3")
         attn_bias = bool(d.get("attention_bias", False))
         sliding = d.get("sliding_window")
-        if kind == "llama" or (kind == "qwen2" and not d.get("use_sliding_window", False)):
-            sliding = None  # transformers' Llama ignores the key; Qwen2 slides only when told to
+        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3") and not d.get("use_sliding_window")):
+            sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
+        extra = _family_fields(kind, d, head_dim)
+        if local is not None and sliding:
+            extra.update(local_rope_theta=local[0], local_rope_scaling=local[1])
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -149,12 +225,14 @@ class ModelConfig:
             qkv_bias=True if kind == "qwen2" else attn_bias,
             o_bias=False if kind == "qwen2" else attn_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
             sliding_window=int(sliding) if sliding else None,
             layer_types=_layer_types(d, kind) if sliding else (),
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             initializer_range=float(d.get("initializer_range", 0.02)),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **extra,
         )
 
     # ------------------------------------------------------------------ derived
@@ -177,18 +255,23 @@ class ModelConfig:
         layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
 
-    def inv_freq(self) -> torch.Tensor:
+    def inv_freq(self, local: bool = False, max_len: int = 0) -> torch.Tensor:
         """RoPE inverse frequencies ``[D/2]`` fp32 on the CPU, with the configured scaling (as transformers
-        computes them)."""
+        computes them); ``local``: the sliding layers' (``local_rope_theta``) where they differ;
+        ``max_len``: the longest sequence served (longrope's choice of factors, see the module docstring)."""
+        theta, scaling = (self.local_rope_theta, self.local_rope_scaling) if local else \
+            (self.rope_theta, self.rope_scaling)
         d = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
-        kind = self.rope_scaling.get("rope_type", "default")
-        if kind == "linear":
-            inv = inv / self.rope_scaling["factor"]
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+        kind = scaling.get("rope_type", "default")
+        if kind == "longrope":
+            long = max_len > scaling["original_max_position_embeddings"]
+            inv = inv / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        elif kind == "linear":
+            inv = inv / scaling["factor"]
         elif kind == "llama3":
-            s = self.rope_scaling
-            factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-            old_len = s["original_max_position_embeddings"]
+            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old_len = scaling["original_max_position_embeddings"]
             low_wavelen, high_wavelen = old_len / low, old_len / high
             wavelen = 2 * math.pi / inv
             scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -198,17 +281,79 @@ class ModelConfig:
             inv = torch.where(is_medium, smoothed, scaled)
         return inv
 
+    def rope_attention_factor(self, local: bool = False) -> float:
+        """The factor on RoPE's cos and sin (longrope's ``attention_factor``; 1 otherwise)."""
+        scaling = self.local_rope_scaling if local else self.rope_scaling
+        return float(scaling.get("attention_factor", 1.0))
+
+
+def _architecture(d: dict) -> str:
+    """The supported architecture ``d`` names (``architectures``, else ``model_type``); a
+    ``model_type`` of another family is refused (a relabelled checkpoint)."""
+    archs = d.get("architectures") or []
+    for a in archs:
+        if a in REFUSED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {a}: {REFUSED_ARCHITECTURES[a]}")
+    arch = next((a for a in archs if a in FAMILIES), None)
+    model_type = d.get("model_type")
+    if arch is None and not archs:
+        arch = MODEL_TYPE_TO_ARCH.get(model_type or "")
+    if arch is None:
+        name = ", ".join(archs) if archs else f"model_type={model_type!r}"
+        raise ValueError(f"unsupported architecture {name}; supported: {', '.join(FAMILIES)}")
+    if model_type and model_type not in FAMILIES[arch].model_types:
+        raise ValueError(f"config.json: model_type={model_type!r} does not belong to architecture {arch} "
+                         f"(expected {' or '.join(map(repr, FAMILIES[arch].model_types))}): a checkpoint of "
+                         "another family relabelled, whose math this architecture would get wrong")
+    return arch
+
+
+def _check_math_keys(d: dict, arch: str) -> None:
+    """Refuse a key of :data:`MATH_KEYS` with a non-neutral value that ``arch`` does not implement."""
+    implemented = FAMILIES[arch].keys
+    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    for key, neutral in MATH_KEYS.items():
+        value = d.get(key, params.get(key))
+        if key not in implemented and not any(value is n or (n is not None and value == n) for n in neutral):
+            raise ValueError(f"config.json: {key}={value!r} changes the model's math and is not implemented "
+                             f"for {arch} (pagedflash would compute another model)")
+
+
+def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
+    """The :class:`ModelConfig` fields beyond a Llama's that family ``kind`` sets from ``d``."""
+    if kind == "qwen3":
+        return dict(qk_norm="head")
+    if kind == "olmo2":
+        return dict(qk_norm="projection")
+    if kind == "granite":
+        scale = d.get("attention_multiplier")  # transformers: the softmax scale itself; None: 1/sqrt(D)
+        return dict(embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
+                    residual_multiplier=float(d.get("residual_multiplier") or 1.0),
+                    logits_scaling=float(d.get("logits_scaling") or 1.0),
+                    attention_scale=None if scale is None else float(scale))
+    if kind in ("gemma2", "gemma3"):
+        scalar = d.get("query_pre_attn_scalar") or head_dim
+        return dict(qk_norm="head" if kind == "gemma3" else "", norm_offset=1.0,
+                    embedding_multiplier=float(d["hidden_size"]) ** 0.5, attention_scale=float(scalar) ** -0.5,
+                    attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+                    final_softcap=float(d.get("final_logit_softcapping") or 0.0))
+    return {}
+
 
 def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
-    """Which layers slide, as transformers decides: ``layer_types`` when given; for Qwen2 the layers
-    from ``max_window_layers`` on; otherwise every layer (returned as ``()``)."""
+    """Which layers slide, as transformers decides: ``layer_types`` when given; else for Qwen2/3 the
+    layers from ``max_window_layers`` on, for Gemma 2 every other layer (the first slides), for Gemma 3
+    all but every ``sliding_window_pattern``-th; otherwise every layer (returned as ``()``)."""
     n = d["num_hidden_layers"]
     types = d.get("layer_types")
     if types is None:
-        if kind != "qwen2":
-            return ()
-        first = d.get("max_window_layers", 28)  # transformers' Qwen2Config default
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+        if kind in ("qwen2", "qwen3"):
+            first = d.get("max_window_layers", 28)  # transformers' Qwen2Config default
+            return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+        if kind in ("gemma2", "gemma3"):
+            every = 2 if kind == "gemma2" else int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+            return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
+        return ()
     kinds = ("full_attention", "sliding_attention")
     if len(types) != n or any(t not in kinds for t in types):
         raise ValueError(f"config.json: layer_types must name one of {kinds} for each of the {n} layers, "
@@ -224,25 +369,69 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_from_dict(d: dict) -> tuple[float, dict]:
-    """(theta, scaling dict) from either ``rope_parameters`` or ``rope_theta``/``rope_scaling``."""
+def _rope_from_dict(d: dict, arch: str, *, per_layer_type: bool):
+    """``((theta, scaling), local)`` from ``rope_parameters`` or ``rope_theta``/``rope_scaling``:
+    ``local`` the sliding layers' ``(theta, scaling)`` where ``per_layer_type`` (Gemma 3: rope_parameters
+    keyed by layer type, or the older ``rope_local_base_freq``), else None. Per-layer-type parameters
+    for another family are refused."""
     params = d.get("rope_parameters") or {}
-    if params and not isinstance(params.get("rope_theta", 0.0), (int, float)):
-        raise ValueError("per-layer rope_parameters are not supported")
-    scaling = dict(d.get("rope_scaling") or {})
-    scaling.update({k: v for k, v in params.items() if k != "rope_theta"})
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
+    by_type = {k: v for k, v in params.items() if isinstance(v, dict)}
+    if by_type:
+        if not per_layer_type:
+            raise ValueError(f"config.json: rope_parameters per layer type ({', '.join(by_type)}) are not "
+                             f"implemented for {arch}, which has one RoPE")
+        if set(by_type) - {"full_attention", "sliding_attention"} or "full_attention" not in by_type:
+            raise ValueError(f"config.json: rope_parameters keyed by layer type must give 'full_attention' "
+                             f"(and 'sliding_attention'), got {sorted(by_type)}")
+        full = _one_rope(by_type["full_attention"], {}, d)
+        local = by_type.get("sliding_attention")
+        return full, (_one_rope(local, {}, d) if local is not None else full)
+    full = _one_rope(params, d.get("rope_scaling") or {}, d)
+    if per_layer_type:
+        return full, (float(d.get("rope_local_base_freq") or 10000.0), {})
+    return full, None
+
+
+def _one_rope(params: dict, scaling: dict, d: dict) -> tuple[float, dict]:
+    """(theta, scaling dict) of one RoPE: ``params`` (rope_parameters' spelling) over ``scaling``."""
+    scaling = dict(scaling)
+    scaling.update({k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")})
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)):
+        raise ValueError(f"config.json: rope_theta must be a number, got {theta!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if kind == "default":
-        return theta, {}
+        return float(theta), {}
     scaling["rope_type"] = kind
     if kind == "llama3":
         scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if scaling.get(key) is None:
                 raise ValueError(f"llama3 RoPE scaling needs {key!r}")
+    elif kind == "longrope":
+        _longrope(scaling, d)
     elif "factor" not in scaling:
         raise ValueError(f"{kind} RoPE scaling needs 'factor'")
-    return theta, scaling
+    return float(theta), scaling
+
+
+def _longrope(scaling: dict, d: dict) -> None:
+    """Complete and check a longrope ``scaling`` in place, as transformers reads it: the factor lists,
+    ``original_max_position_embeddings``, and ``attention_factor`` (default from ``factor``, itself by
+    default ``max_position_embeddings / original_max_position_embeddings``)."""
+    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError("longrope RoPE scaling needs 'original_max_position_embeddings'")
+    scaling["original_max_position_embeddings"] = int(original)
+    half = (d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]) // 2
+    for key in ("short_factor", "long_factor"):
+        value = scaling.get(key)
+        if not isinstance(value, (list, tuple)) or len(value) != half:
+            raise ValueError(f"longrope RoPE scaling needs {key!r}: {half} numbers (head_dim / 2), got {value!r}")
+    factor = scaling.get("factor") or (d.get("max_position_embeddings") or original) / original
+    if scaling.get("attention_factor") is None:
+        scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -1,7 +1,8 @@
 """The decoder's steps around attention, each run by a kernel of :mod:`pagedflash.ops` on a GPU and
 by the same math in PyTorch elsewhere (the ops' references, :mod:`pagedflash.reference`, cast to the
 model's dtype): residual add + RMSNorm, RoPE in place, SiLU-and-multiply, greedy argmax, and the
-single-row projections of batch-1 decode with the norm or SiLU fused in front.
+single-row projections of batch-1 decode with the norm or SiLU fused in front. GeGLU (Gemma) runs in
+PyTorch on every device.
 
 Why kernels: in plain PyTorch these are ~40 small launches per layer, and a batch-1 decode step of a
 16-layer model would spend more time launching them than reading the weights. Why PyTorch off the
@@ -46,6 +47,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_kernels(gate_up):
         return activation.silu_mul(gate_up)
     return reference.silu_mul_ref(gate_up).to(gate_up.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]`` (Gemma's GeGLU), in
+    PyTorch everywhere (no kernel yet)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

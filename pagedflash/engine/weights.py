@@ -1,8 +1,15 @@
 """Build the model and fill it: from a local Hugging Face directory (``*.safetensors``, sharded through
 ``model.safetensors.index.json`` or not, HF tensor names) or with seeded random weights.
 
-Every HF tensor is shape-checked against the slot it fills; a missing or mis-shaped tensor raises a
-``ValueError`` naming it. Tensors the model does not use (``rotary_emb.inv_freq``, ...) are ignored.
+Strict: every HF tensor is shape-checked against the slot it fills, and a missing or mis-shaped
+tensor raises a ``ValueError`` naming it; so does a tensor the model does not use (a q/k norm of a
+relabelled checkpoint, say), except the few that carry nothing the model lacks: ``rotary_emb.inv_freq``
+(recomputed from the config), K/V cache scales (:func:`read_kv_scales` reads them), and
+``lm_head.weight`` of a model with tied embeddings.
+
+Gemma's norms scale by ``1 + w``: the loader stores ``w + ModelConfig.norm_offset`` (see
+:mod:`pagedflash.engine.models.common`). Phi-3's checkpoints hold ``qkv_proj`` and ``gate_up_proj``
+already fused; each rank reads its rows of each part.
 
 A tensor-parallel rank fills only its shard (:mod:`pagedflash.engine.parallel` says which rows and
 columns): from a checkpoint it reads just those slices (safetensors ``get_slice``), never a whole
@@ -22,13 +29,24 @@ from dataclasses import dataclass
 import torch
 
 from pagedflash.engine.config import ModelConfig
-from pagedflash.engine.model import CausalLM
+from pagedflash.engine.models import CausalLM, model_class
 from pagedflash.engine.parallel import Collectives, ShardSizes
 
 # fused parameter -> the HF projections stacked (in this order) on its output dim
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _ROW_PARALLEL = ("o_proj", "down_proj")  # split on the input dim; the all-reduce sums their outputs
 _VOCAB = ("embed_tokens", "lm_head")
+_FUSED_IN_CHECKPOINT = ("Phi3ForCausalLM",)  # architectures whose checkpoints hold qkv_proj/gate_up_proj
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    """Whether the checkpoint tensor ``name`` may go unused (see the module docstring)."""
+    return (name.endswith("rotary_emb.inv_freq") or _KV_SCALE.search(name) is not None
+            or (name == "lm_head.weight" and config.tie_word_embeddings))
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
 
 
 @dataclass(frozen=True)
@@ -62,8 +80,10 @@ def build_model(config: ModelConfig, *, max_len: int, dtype: torch.dtype, device
     """An uninitialized model (or this rank's shard of it, with its group ``comm``) with parameters
     in ``dtype`` on ``device`` (RoPE tables stay fp32)."""
     with _default_dtype(dtype), torch.device(device):
-        model = CausalLM(config, max_len, shard, comm)
-    model.rotary_emb.to(device)  # fp32 tables built on the CPU
+        model = model_class(config)(config, max_len, shard, comm)
+    for rope in (model.rotary_emb, model.rotary_emb_local):
+        if rope is not None:
+            rope.to(device)  # fp32 tables built on the CPU
     return model.eval().requires_grad_(False)
 
 
@@ -75,6 +95,10 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
     prefix = ".".join(parts[:-2])
     d = config.head_dim
+    if module in ("q_norm", "k_norm") and config.qk_norm == "projection":  # this rank's heads of it
+        if module == "q_norm":
+            return [Piece(name, 0, shard.rank * shard.num_heads * d, shard.num_heads * d, 0, config.q_size)]
+        return [Piece(name, 0, shard.kv_head_start * d, shard.num_kv_heads * d, 0, config.kv_size)]
     if module in _FUSED:
         if module == "qkv_proj":
             q, kv = shard.num_heads * d, shard.num_kv_heads * d
@@ -87,6 +111,8 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
         for hf, (start, length, full) in zip(_FUSED[module], spans):
             out.append(Piece(f"{prefix}.{hf}.{kind}", 0, start, length, offset, full, fused))
             offset, fused = offset + length, fused + full
+        if config.architecture in _FUSED_IN_CHECKPOINT:  # the same rows, read from the one fused tensor
+            return [Piece(name, 0, p.fused_offset + p.start, p.length, p.offset, fused) for p in out]
         return out
     if module in _ROW_PARALLEL and kind == "weight":
         local = param.shape[1]
@@ -140,18 +166,24 @@ def load_weights(model: CausalLM, path: str) -> None:
     from safetensors import safe_open
 
     wanted: dict[str, list[tuple[torch.Tensor, Piece]]] = {}
+    other_ranks: set[str] = set()  # tensors of the model that this rank does not read (row-parallel biases)
     for name, param in model.named_parameters():  # a tied lm_head appears once, as embed_tokens
         parts = pieces(name, param, model.config, model.shard)
         if not _covers(param, parts):
             param.zero_()
+        if not parts:
+            other_ranks.add(name)
         for piece in parts:
             wanted.setdefault(piece.hf_name, []).append((param, piece))
     loaded: set[str] = set()
+    unused: list[str] = []
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
                 targets = wanted.get(hf_name)
                 if not targets:
+                    if hf_name not in other_ranks and not _ignored(hf_name, model.config):
+                        unused.append(hf_name)
                     continue
                 tensor = f.get_slice(hf_name)
                 shape = tuple(tensor.get_shape())
@@ -164,10 +196,19 @@ def load_weights(model: CausalLM, path: str) -> None:
                     part = tensor[piece.start : end] if piece.dim == 0 else tensor[:, piece.start : end]
                     param.narrow(piece.dim, piece.offset, piece.length).copy_(part)
                 loaded.add(hf_name)
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise ValueError(f"{path!r}: checkpoint tensors that {model.config.architecture} does not use: "
+                         f"{', '.join(map(repr, unused[:3]))}{more} (a checkpoint of another architecture, "
+                         "or math this engine does not implement)")
     missing = [n for n in wanted if n not in loaded]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"weights missing from {path!r}: {missing[0]!r}{more}")
+    if model.config.norm_offset:
+        for name, param in model.named_parameters():
+            if _is_norm(name):
+                param.add_(model.config.norm_offset)
 
 
 @torch.no_grad()
@@ -182,7 +223,7 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if _is_norm(name):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()

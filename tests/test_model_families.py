@@ -1,0 +1,109 @@
+"""Each decoder family of :mod:`pagedflash.engine.models` against transformers' own class: a tiny
+random model (2 layers, fp32, eager attention) saved with ``save_pretrained``, its norms and biases
+perturbed so that they matter, windows shorter than the prompts. Prompt logits and greedy tokens
+(through chunked prefill and paged decode) must equal transformers', on one rank and (the families
+whose weights shard in their own way: OLMo 2's q/k norms, Phi-3's fused tensors) on two."""
+
+import pytest
+import torch
+from helpers import ON_GPU, TWO_GPUS
+
+from pagedflash.engine import LLM, ModelConfig, SamplingParams
+from pagedflash.engine.config import FAMILIES
+from pagedflash.engine.models import MODELS
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+
+# family -> (config class, model class, config overrides)
+FAMILY_CASES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=3.0, attention_multiplier=0.15, residual_multiplier=0.6, logits_scaling=2.5)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=5, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                        "rope_theta": 1000000.0}})),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5)),
+    # every prompt longer than original_max_position_embeddings: transformers takes the long factors
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        original_max_position_embeddings=4,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2, 2.5, 3, 4],
+                         "long_factor": [1.0, 1.5, 2, 3, 4, 6, 8, 12]})),
+}
+
+
+def save_family(path, family, seed=0, **extra):
+    """A tiny random transformers model of ``family`` saved to ``path``; returns it (eval, fp32)."""
+    cfg_name, model_name, overrides = FAMILY_CASES[family]
+    cfg = getattr(transformers, cfg_name)(**{**TINY, **overrides, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():  # norms start at one (Gemma: zero) and biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n):
+    ids, out = torch.tensor([prompt]), []
+    for _ in range(n):
+        tok = int(model(ids).logits[0, -1].argmax())
+        out.append(tok)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out
+
+
+def prompts_of(lengths, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_every_architecture_has_a_model_class():
+    assert set(MODELS) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CASES))
+def test_family_matches_transformers(tmp_path, family):
+    hf = save_family(tmp_path, family)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.family == family.split("-")[0]
+    # chunked prefill (8-token chunks), prompts longer than every window, small pages
+    llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, max_num_batched_tokens=8)
+    prompts = prompts_of([19, 6], seed=3)
+    with torch.no_grad():
+        for p, got in zip(prompts, llm.prompt_logits(prompts)):
+            torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+
+
+@pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+@pytest.mark.parametrize("family, kv_heads", [("olmo2", 1), ("olmo2", 2), ("phi3", 2)],
+                         ids=["olmo2-kv-replicated", "olmo2-kv-split", "phi3-fused"])
+def test_two_ranks_match_transformers(tmp_path, family, kv_heads):
+    """Two ranks (gloo on the CPU): OLMo 2's q/k norms over the whole projection sum their mean
+    square over the ranks (a replicated KV head counted once), Phi-3's fused tensors split per part."""
+    hf = save_family(tmp_path, family, num_key_value_heads=kv_heads)
+    prompts = prompts_of([11, 5], seed=4)
+    with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
+             page_size=4, num_blocks=24) as llm:
+        assert llm.model.shard.num_kv_heads == 1
+        logits = llm.prompt_logits(prompts)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    with torch.no_grad():
+        for p, got in zip(prompts, logits):
+            torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in prompts]
