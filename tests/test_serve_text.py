@@ -111,3 +111,22 @@ def test_model_dir_tokenizer_config(tok, tmp_path):
     assert loaded.encode(TEXT) == tok.encode(TEXT)
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         TextTokenizer.from_model_dir(str(tmp_path / "missing"))
+
+
+CHATML = ("{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}{{ {'a': 'é'} | tojson }}")
+
+
+@pytest.mark.parametrize("template", [CHATML, None], ids=["chatml", "tiny-default"])
+def test_chat_template_renders_as_transformers_does(tok, template):
+    transformers = pytest.importorskip("transformers")
+    ours = TextTokenizer(tok.tok, bos_token="<s>", eos_token="</s>", chat_template=template or tok.chat_template)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tok, bos_token="<s>", eos_token="</s>")
+    hf.chat_template = ours.chat_template
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "ok"}]
+    for add in (True, False):
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        assert ours.render_chat(messages, add_generation_prompt=add) == want

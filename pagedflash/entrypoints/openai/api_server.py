@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if args.max_queue is not None and args.max_queue < 0:
-        ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_queue is not None and args.max_queue < 1:
+        ap.error(f"--max-queue must be >= 1 (a new request waits until a step admits it), got {args.max_queue}")
     if args.shutdown_timeout < 0:
         ap.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return args
