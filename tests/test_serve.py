@@ -396,9 +396,12 @@ def test_queue_full_is_a_503():
         s.stop()
 
 
-def test_api_key():
-    s = LiveServer("--api-key", "sesame")
+def test_api_key_and_a_request_larger_than_the_pool():
+    s = LiveServer("--api-key", "sesame", "--num-gpu-blocks-override", "8")  # 8 pages of 16 tokens
     try:
+        r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 200}, headers={"Authorization": "Bearer sesame"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the engine's refusal
+        assert "KV pages" in r.json()["error"]["message"]
         body = {"prompt": [1, 2], "max_tokens": 1}
         assert s.post("/v1/completions", body).status_code == 401
         r = s.post("/v1/completions", body, headers={"Authorization": "Bearer wrong"})

@@ -197,16 +197,21 @@ class EngineLoop:
                         self._call(sub.loop, self._resolve, sub.future, None, EngineClosedError("the server shut down"))
                     self._publish()
                     return
-                outcomes = [self._admit(sub) for sub in pending]
-                self._publish()  # first: a submitter told "admitted" must find itself counted
-                for sub, ids, error in outcomes:
-                    self._call(sub.loop, self._resolve, sub.future, ids, error)
+                outcomes = [self._admit(sub) for sub in pending]  # never raises
+                try:
+                    self._publish()  # first: a submitter told "admitted" must find itself counted
+                finally:
+                    for sub, ids, error in outcomes:
+                        self._call(sub.loop, self._resolve, sub.future, ids, error)
                 if llm.has_unfinished_requests():
                     self._step()
             except Exception:  # a bug here must not end the loop: log it, fail what is in flight
                 logger.exception("engine loop error")
                 self._fail(list(self._live), "internal error in the engine loop", "error")
-            self._publish()
+            try:
+                self._publish()
+            except Exception:
+                logger.exception("engine loop: publishing the counts failed")
 
     def _has_work(self) -> bool:
         try:
@@ -223,13 +228,19 @@ class EngineLoop:
     def _admit(self, sub: _Submission) -> tuple[_Submission, list[int] | None, Exception | None]:
         """Add the submission's prompts (all or none); what to tell the submitter."""
         ids = []
-        for i, prompt in enumerate(sub.prompts):
-            try:
+        try:
+            for prompt in sub.prompts:
                 ids.append(self.llm.add_request(prompt, sub.params))
-            except (TypeError, ValueError) as e:
+        except Exception as e:
+            try:
                 for rid in ids:
                     self.llm.abort_request(rid)
-                return sub, None, RequestRejected(i, e)
+            except Exception:
+                logger.exception("abort_request failed after a failed admission")
+            if isinstance(e, (TypeError, ValueError)):
+                return sub, None, RequestRejected(len(ids), e)
+            logger.exception("add_request failed")
+            return sub, None, RuntimeError(f"the engine could not take the request: {type(e).__name__}: {e}")
         for i, (rid, prompt) in enumerate(zip(ids, sub.prompts)):
             self._live[rid] = _Live(sub.queue, sub.loop, i, sub.arrival)
             if self.metrics is not None:
