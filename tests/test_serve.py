@@ -466,3 +466,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_command_errors(tmp_path, capsys):
+    assert api_server.main([str(tmp_path / "missing"), "--port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert api_server.main(["--port", "0", "--chat-template", "no-such-file"]) == 2
+    assert "--chat-template: expected a file or a Jinja template" in capsys.readouterr().err
+    taken = api_server.bind("127.0.0.1", 0)
+    try:
+        assert api_server.main(["--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+    finally:
+        taken.close()
+    with pytest.raises(SystemExit):
+        api_server.parse_args(["--max-queue", "0"])

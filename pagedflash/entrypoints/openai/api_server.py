@@ -338,13 +338,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # first: a taken port is reported before a model loads
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"pagedflash serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     try:
         state = build_state(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"pagedflash serve: {e}", file=sys.stderr)
+        sock.close()
         return 2
     app = build_app(state, api_key=args.api_key)
-    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"pagedflash serve: {state.model_name} on http://{host}:{port} (max_model_len {state.max_model_len})",
           flush=True)
