@@ -199,7 +199,8 @@ class EngineLoop:
                     return
                 outcomes = [self._admit(sub) for sub in pending]  # never raises
                 try:
-                    self._publish()  # first: a submitter told "admitted" must find itself counted
+                    if pending:  # first: a submitter told "admitted" must find itself counted
+                        self._publish(counts_only=True)
                 finally:
                     for sub, ids, error in outcomes:
                         self._call(sub.loop, self._resolve, sub.future, ids, error)
@@ -309,15 +310,15 @@ class EngineLoop:
         for loop, batch in events.items():
             self._call(loop, _deliver, batch)
 
-    def _publish(self) -> None:
-        """Counts for admission control and the metrics' gauges and counters."""
+    def _publish(self, counts_only: bool = False) -> None:
+        """Counts for admission control, and (unless ``counts_only``) the metrics' gauges and counters."""
         llm = self.llm
         scheduler, bm = llm.scheduler, llm.block_manager
         with self._cond:
             self._num_waiting = len(scheduler.waiting)
             self._num_unfinished = len(self._live)
         m = self.metrics
-        if m is None:
+        if m is None or counts_only:
             return
         m.running.set(len(scheduler.running))
         m.waiting.set(len(scheduler.waiting))
