@@ -32,9 +32,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference():
-    """fp32 log-softmax ``[len(ids), vocab]`` of every position of ``ids`` (position ``i`` predicts token ``i + 1``)."""
+    """fp32 log-softmax ``[len(ids), vocab]`` at every position of each of ``seqs`` (position ``i``
+    predicts token ``i + 1``), from one packed prefill."""
     llm = engine(page_size=8, num_blocks=64, enable_prefix_caching=False)
-    return lambda ids: llm.prompt_logits([ids])[0].log_softmax(-1)
+    return lambda seqs: [logits.log_softmax(-1) for logits in llm.prompt_logits(seqs)]
 
 
 def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int, what: str) -> None:
@@ -48,61 +49,67 @@ def check_entry(entry: dict, token: int, ref_row: torch.Tensor, k: int, what: st
         assert abs(v - ref_row[t].item()) <= ATOL, f"{what}: token {t}: {v} vs {ref_row[t].item()}"
 
 
-def check_output(out, params: SamplingParams, reference) -> None:
-    prompt, gen = out.prompt_token_ids, out.token_ids
-    ref = reference(prompt + gen)
-    if params.logprobs is None:
-        assert out.logprobs is None
-    else:
-        assert len(out.logprobs) == len(gen)
-        for j, (t, entry) in enumerate(zip(gen, out.logprobs)):
-            check_entry(entry, t, ref[len(prompt) - 1 + j], params.logprobs, f"request {out.index} token {j}")
-    if params.prompt_logprobs is None:
-        assert out.prompt_logprobs is None
-    else:
-        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-        for i in range(1, len(prompt)):
-            check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], params.prompt_logprobs,
-                        f"request {out.index} prompt token {i}")
+def check_outputs(outs, params: list[SamplingParams], reference) -> None:
+    refs = reference([o.prompt_token_ids + o.token_ids for o in outs])
+    for out, p, ref in zip(outs, params, refs):
+        prompt, gen = out.prompt_token_ids, out.token_ids
+        if p.logprobs is None:
+            assert out.logprobs is None
+        else:
+            assert len(out.logprobs) == len(gen)
+            for j, (t, entry) in enumerate(zip(gen, out.logprobs)):
+                check_entry(entry, t, ref[len(prompt) - 1 + j], p.logprobs, f"request {out.index} token {j}")
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+            for i in range(1, len(prompt)):
+                check_entry(out.prompt_logprobs[i], prompt[i], ref[i - 1], p.prompt_logprobs,
+                            f"request {out.index} prompt token {i}")
 
 
-SHARED = tokens(16, 100)  # two full pages of 8
-PROMPTS = [SHARED + tokens(5, 1), tokens(13, 2), SHARED + tokens(3, 3), tokens(1, 4), tokens(9, 5)]
+SHARED = tokens(8, 100)  # two full pages of 4
+PROMPTS = [SHARED + tokens(3, 1), tokens(7, 2), SHARED + tokens(2, 3), tokens(1, 4), tokens(4, 5)]
 PARAMS = [
-    SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3),
-    SamplingParams(max_tokens=5, temperature=0.8, top_k=10, top_p=0.9, seed=11, ignore_eos=True, logprobs=2),
-    SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0),  # hits SHARED: recomputed
+    SamplingParams(max_tokens=4, ignore_eos=True, logprobs=5, prompt_logprobs=3),
+    SamplingParams(max_tokens=4, temperature=0.8, top_k=10, top_p=0.9, seed=11, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0),  # hits SHARED: recomputed
     SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0, prompt_logprobs=MAX_LOGPROBS),  # 1-token prompt
-    SamplingParams(max_tokens=5, ignore_eos=True),  # asks for none
+    SamplingParams(max_tokens=4, ignore_eos=True),  # asks for none
 ]
+ENGINE = dict(page_size=4, num_blocks=64, max_num_batched_tokens=8)  # 8 tokens a step: chunked prefill
 
 
-@pytest.mark.parametrize("run_ahead", [True, False], ids=["run_ahead", "synchronous"])
-def test_logprobs_equal_log_softmax_of_the_reference(reference, run_ahead):
-    """Chunked prefill (12 tokens a step), prefix hits of a request asking for prompt logprobs,
-    seeded sampling (values before temperature and filtering), k = 0 and the largest k; and the
-    tokens equal those of the same requests without logprobs."""
-    llm = engine(page_size=8, num_blocks=64, max_num_batched_tokens=12)
-    llm.run_ahead.enabled = run_ahead
-    llm.generate([SHARED + [7]], SamplingParams(max_tokens=1))  # leaves SHARED's pages in the prefix cache
-    outs = llm.generate(PROMPTS, PARAMS)
-    for out, params in zip(outs, PARAMS):
-        assert out.finish_reason == "length"
-        check_output(out, params, reference)
-    assert outs[2].num_cached_tokens == 0  # its prompt was computed whole (for its logprobs)
-    assert len(outs[3].logprobs[0]) == 1  # k = 0: the sampled token's entry only
-    plain = engine(page_size=8, num_blocks=64, max_num_batched_tokens=12).generate(
+def warm(llm: LLM) -> LLM:
+    """Leave SHARED's pages in the prefix cache."""
+    llm.generate([SHARED + [7]], SamplingParams(max_tokens=1))
+    return llm
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return warm(engine(**ENGINE)).generate(PROMPTS, PARAMS)
+
+
+def test_logprobs_equal_log_softmax_of_the_reference(generated, reference):
+    """Chunked prefill, prefix hits of a request asking for prompt logprobs, seeded sampling (values
+    before temperature and filtering), k = 0 and the largest k; the tokens equal those of the same
+    requests without logprobs."""
+    assert all(o.finish_reason == "length" for o in generated)
+    check_outputs(generated, PARAMS, reference)
+    assert generated[2].num_cached_tokens == 0  # its prompt was computed whole (for its logprobs)
+    assert len(generated[3].logprobs[0]) == 1  # k = 0: the sampled token's entry only
+    plain = warm(engine(**ENGINE)).generate(
         PROMPTS, [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                  seed=p.seed, ignore_eos=True) for p in PARAMS])
-    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in generated] == [o.token_ids for o in plain]
+    assert plain[2].num_cached_tokens == 8
 
 
-def test_streamed_entries_equal_the_final_output():
+def test_streamed_entries_equal_the_final_output(generated):
     """``new_logprobs`` aligned with ``new_token_ids`` step by step, the cumulative ``logprobs``,
     and ``prompt_logprobs`` in the first output only; equal to ``generate``'s on a twin engine."""
-    config = dict(page_size=4, num_blocks=64, max_num_batched_tokens=10)
-    final = engine(**config).generate(PROMPTS, PARAMS)
-    llm = engine(**config)
+    llm = warm(engine(**ENGINE))
     ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     streamed = {i: [] for i in ids}
     prompt_entries = {}
@@ -118,7 +125,7 @@ def test_streamed_entries_equal_the_final_output():
                 assert out.prompt_logprobs is None
             else:
                 prompt_entries[out.request_id] = out.prompt_logprobs
-    for i, out in zip(ids, final):
+    for i, out in zip(ids, generated):
         assert streamed[i] == (out.logprobs or [])
         assert prompt_entries[i] == out.prompt_logprobs
 
@@ -127,25 +134,24 @@ def test_one_token_chunks_in_decode_steps_and_shared_pages_not_written(reference
     """A budget of 2 tokens a step: the second request's prompt goes one token a step next to the first
     one's decode row (decode-only steps, the decode path's logits), over pages it hit in the prefix
     cache, which must stay as they were (made different here from what a recompute would write)."""
-    llm = engine(page_size=4, num_blocks=32, max_num_batched_tokens=2)
-    prompt = SHARED + tokens(3, 7)
-    llm.generate([SHARED + [9]], SamplingParams(max_tokens=1))
+    llm = warm(engine(page_size=4, num_blocks=32, max_num_batched_tokens=2))
+    prompt = SHARED + tokens(2, 7)
     table, cached = llm.block_manager.allocate("probe", prompt)  # the pages SHARED hit, then given back
     llm.block_manager.free("probe")
-    assert cached == 16
-    pages = table[1:4]  # the first page stays clean, so that its positions' entries can be checked
+    assert cached == 8
+    page = table[1]  # the first page stays clean, so that its positions' entries can be checked
     kv = llm.kv_cache.kv
-    poisoned = kv[:, :, pages] * 1.5  # what the cache holds from here on; a write would change it back
-    kv[:, :, pages] = poisoned
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1),
-              SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=4)]
+    poisoned = kv[:, :, page] * 1.5  # what the cache holds from here on; a write would change it back
+    kv[:, :, page] = poisoned
+    params = [SamplingParams(max_tokens=7, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=4)]
     outs = llm.generate([tokens(2, 8), prompt], params)
-    assert torch.equal(kv[:, :, pages], poisoned), "a page shared from the prefix cache was written"
-    check_output(outs[0], params[0], reference)
+    assert torch.equal(kv[:, :, page], poisoned), "a page shared from the prefix cache was written"
+    check_outputs(outs[:1], params[:1], reference)
     # the recomputed positions read the cached K/V: those of the clean first page give prompt tokens
-    # 1..3 the reference's entries; the others have the right shape
-    ref = reference(prompt)
-    for i in range(1, 4):
+    # 1..4 the reference's entries; the others have the right shape
+    ref = reference([prompt])[0]
+    for i in range(1, 5):
         check_entry(outs[1].prompt_logprobs[i], prompt[i], ref[i - 1], 4, f"prompt token {i}")
     assert len(outs[1].prompt_logprobs) == len(prompt) and all(len(e) in (4, 5) for e in outs[1].prompt_logprobs[1:])
 
@@ -153,13 +159,12 @@ def test_one_token_chunks_in_decode_steps_and_shared_pages_not_written(reference
 def test_preemption_keeps_every_entry(reference):
     """A pool too small for the four requests together: preempted requests recompute, and their
     entries are neither lost nor doubled."""
-    prompts = [tokens(n, 20 + n) for n in (12, 14, 10, 15)]
-    params = [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=1)] * 4
-    llm = engine(page_size=8, num_blocks=4, max_num_batched_tokens=64)
+    prompts = [tokens(n, 20 + n) for n in (6, 7, 5, 8)]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)] * 4
+    llm = engine(page_size=4, num_blocks=4, max_num_batched_tokens=32)  # each alone fits in 3 pages
     outs = llm.generate(prompts, params)
     assert llm.last_stats["preemptions"] > 0
-    for out in outs:
-        check_output(out, params[0], reference)
+    check_outputs(outs, params, reference)
 
 
 def test_no_logprob_work_without_rows_asking(monkeypatch):
@@ -170,13 +175,13 @@ def test_no_logprob_work_without_rows_asking(monkeypatch):
     ahead = []
     launch_ahead = llm.runner.launch_ahead
     monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(batch) or launch_ahead(batch))
-    out = llm.generate([tokens(5, 30)], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    out = llm.generate([tokens(3, 30)], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert out.logprobs is None and out.prompt_logprobs is None and ahead
     monkeypatch.undo()
     ahead.clear()
     monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(batch) or launch_ahead(batch))
-    again = llm.generate([tokens(5, 30)], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1))[0]
-    assert again.token_ids == out.token_ids and len(again.logprobs) == 8 and not ahead
+    again = llm.generate([tokens(3, 30)], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))[0]
+    assert again.token_ids == out.token_ids and len(again.logprobs) == 6 and not ahead
 
 
 @pytest.mark.parametrize("kwargs, field", [
