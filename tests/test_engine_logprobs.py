@@ -6,11 +6,13 @@ given token always in the dict, then the top ``k`` of the reference; through chu
 decode steps, one-token prefill chunks inside decode steps, prefix-cache hits (recomputed, the
 shared pages never written) and preemption. Streaming step outputs carry the same entries; rows
 asking for logprobs change no token; bad ``k`` values raise naming the field; steps without
-logprob rows do no logprob work and keep running ahead.
+logprob rows do no logprob work and keep running ahead; two tensor-parallel ranks give one rank's
+entries.
 """
 
 import pytest
 import torch
+from helpers import ON_GPU, TWO_GPUS
 
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine import logprobs as logprobs_mod
@@ -199,3 +201,26 @@ def test_bad_k_raises_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         llm.add_request([5, 6], params)
     assert llm.generate([[5, 6]], params)[0].error.startswith(field)
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+def test_two_ranks_give_one_ranks_entries():
+    """Tensor parallelism: the logits are gathered on every rank and rank 0 computes the entries."""
+    config = {**TINY_LLAMA, "num_hidden_layers": 1}
+    kwargs = dict(device="cuda" if ON_GPU else "cpu", dtype=torch.float32, page_size=4, num_blocks=16)
+    prompts = [tokens(6, 40), tokens(3, 41)]
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True, logprobs=0)]
+    with LLM(config, **kwargs) as llm:
+        ref = llm.generate(prompts, params)
+    with LLM(config, tensor_parallel_size=2, **kwargs) as llm:
+        outs = llm.generate(prompts, params)
+    for got, want in zip(outs, ref):
+        assert got.token_ids == want.token_ids
+        for name in ("logprobs", "prompt_logprobs"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None) and len(a or []) == len(b or [])
+            for x, y in zip(a or [], b or []):
+                assert (x is None and y is None) or (
+                    list(x) == list(y) and all(abs(x[t] - y[t]) <= ATOL for t in x)), f"{name}: {x} vs {y}"
