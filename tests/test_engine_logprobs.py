@@ -171,7 +171,8 @@ def test_preemption_keeps_every_entry(reference):
 
 def test_no_logprob_work_without_rows_asking(monkeypatch):
     """Without rows asking, no step gathers logprobs and greedy decode runs ahead; a request asking
-    for logprobs makes its steps synchronous (nothing launched ahead while it decodes alone)."""
+    for logprobs makes its steps synchronous (nothing launched ahead while it decodes alone), one
+    asking for prompt logprobs only runs ahead once they are computed."""
     llm = engine(page_size=4, num_blocks=64)
     monkeypatch.setattr(logprobs_mod, "gather", lambda *a: pytest.fail("logprobs gathered for a step without them"))
     ahead = []
@@ -184,6 +185,9 @@ def test_no_logprob_work_without_rows_asking(monkeypatch):
     monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(batch) or launch_ahead(batch))
     again = llm.generate([tokens(3, 30)], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))[0]
     assert again.token_ids == out.token_ids and len(again.logprobs) == 6 and not ahead
+    prompt_only = llm.generate([tokens(3, 30)], SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=1))[0]
+    assert prompt_only.token_ids == out.token_ids and len(prompt_only.prompt_logprobs) == 3
+    assert ahead, "decode steps after the prompt's entries did not run ahead"
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -53,7 +53,7 @@ class LogprobPlan:
 
 def plan(batch, vocab_size: int) -> LogprobPlan | None:
     """What ``batch`` (a :class:`~pagedflash.engine.scheduler.Batch`) computes for logprobs, or None
-    when no row asks for any."""
+    when it computes none (a request's decode steps after its prompt logprobs keep their run-ahead)."""
     if not any(row.seq.asks_logprobs for row in batch.rows):
         return None
     out = LogprobPlan()
@@ -75,7 +75,7 @@ def plan(batch, vocab_size: int) -> LogprobPlan | None:
                 out.prompt_positions += range(packed + first - row.start, packed + last - row.start)
                 out.prompt_targets += seq.token_ids[first + 1 : last + 1]
         packed += row.num_tokens
-    return out
+    return out if out.sampled or out.prompt or out.unwritten else None
 
 
 def gather(logits: torch.Tensor, rows: list[int], targets: torch.Tensor, k: int) -> torch.Tensor:

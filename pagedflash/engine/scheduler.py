@@ -11,6 +11,9 @@ Each step packs, under a budget of ``max_num_batched_tokens`` tokens and ``max_n
    does not share a page that a prefill chunk of this step completes: admitted a step later, it
    hits that page instead of computing it a second time.
 
+A request asking for ``prompt_logprobs`` is admitted at the first prompt position whose entry is
+missing even where its pages are prefix-cache hits (:mod:`pagedflash.engine.logprobs`).
+
 Pages come from :class:`pagedflash.cache.BlockManager`. A sequence's tokens count as computed,
 and their full pages join the prefix cache (``BlockManager.commit``), only in :meth:`postprocess`,
 after the forward that wrote their K/V has completed. A step that fails before that changes no
@@ -131,6 +134,8 @@ class Scheduler:
                 self.bm.commit(seq.seq_id, row.end)
             if logprobs is not None and i in logprobs.prompt:
                 seq.prompt_logprobs += logprobs.prompt[i]
+                if len(seq.prompt_logprobs) == seq.num_prompt_tokens and seq.logprobs is None:
+                    seq.asks_logprobs = False  # its prompt entries are complete; it needs no more
             if token is None:
                 continue
             seq.token_ids.append(token)

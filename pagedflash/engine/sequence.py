@@ -132,7 +132,7 @@ class Sequence:
         # logprobs: one entry per generated token; prompt_logprobs: one per prompt token covered so far
         self.logprobs = [] if params.logprobs is not None else None
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
-        self.asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
+        self.asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None  # entries missing
         self.generator = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
