@@ -5,7 +5,8 @@ chunks of ``tokens_per_chunk``, ``itl_s`` apart per chunk, the last chunk with `
 then a usage chunk (``choices: []``) and ``data: [DONE]``. ``usage_per_chunk`` adds running usage to
 every chunk (vLLM's continuous usage stats). A request whose ``max_tokens`` equals
 ``fail_max_tokens`` gets HTTP 500. Prompt tokens: the length of a token-id list, else the words of
-the text. It records each request's arrival time and the most requests in flight at once.
+the text. It records each request's arrival time and the requests in flight as it arrived (itself
+included), and the most in flight at once.
 ``GET /health``, ``GET /v1/models`` (one model, ``standin``). TCP_NODELAY on every connection.
 
 Run as a script (``python tests/openai_standin.py --host 127.0.0.1 --port N [--ttft-ms X]
@@ -59,6 +60,7 @@ class Handler(BaseHTTPRequestHandler):
             s.bodies.append(body)
             s.auth.append(self.headers.get("Authorization"))
             s.inflight += 1
+            s.inflight_at_arrival.append(s.inflight)
             s.max_inflight = max(s.max_inflight, s.inflight)
         try:
             self._complete(body)
@@ -108,6 +110,7 @@ class StandIn(ThreadingHTTPServer):
         self.arrivals: list[float] = []
         self.bodies: list[dict] = []
         self.auth: list[str | None] = []  # each request's Authorization header
+        self.inflight_at_arrival: list[int] = []
         self.inflight = self.max_inflight = 0
 
     @property

@@ -14,7 +14,7 @@ import pytest
 from openai_standin import StandIn
 
 from pagedflash import cli
-from pagedflash.bench import loadgen, online, online_offline
+from pagedflash.bench import loadgen, loadgen_procs, online, online_offline
 
 STANDIN = Path(__file__).with_name("openai_standin.py")
 TOKENS = loadgen.TokenSpace(100)
@@ -196,11 +196,48 @@ def test_sweep_writes_json_markdown_and_plot(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_client_processes_split_a_point(tmp_path, monkeypatch):
+    """--client-processes 2: the same counts as one process, the cap held across both, seeded send
+    times kept; a client process killed during the last point fails its share of the requests."""
+    class KillsInTheLastPoint(loadgen_procs.ClientPool):
+        points = 0
+
+        def _collect(self, workers, deadlines, kind, since):
+            if kind == "results":
+                type(self).points += 1
+                if self.points == 4:
+                    self.procs[1].kill()
+            return super()._collect(workers, deadlines, kind, since)
+
+    monkeypatch.setattr(loadgen_procs, "ClientPool", KillsInTheLastPoint)
+    argv = ["--vocab-size", "64", "--num-prompts", "9", "--input-len", "4", "--output-len", "3", "--num-warmups", "0",
+            "--request-rates", "20,inf", "--max-concurrency", "3,9", "--save-requests"]
+    rows = {}
+    for procs in (2, 1):
+        with StandIn(ttft_s=0.05, itl_s=0.01) as server:
+            rc = online.main([*argv, "--base-url", server.url, "--out", str(tmp_path / str(procs)),
+                              "--client-processes", str(procs)])
+        assert rc == (1 if procs == 2 else 0)
+        rows[procs] = json.loads((tmp_path / str(procs) / "online.json").read_text())["tables"]["runs"]["rows"]
+        assert max(server.inflight_at_arrival[:18]) == 3  # the points capped at 3 (shares 2 + 1)
+    keys = ("completed", "failed", "input_tokens", "output_tokens", "short_outputs")
+    assert [[r[k] for k in keys] for r in rows[2][:3]] == [[r[k] for k in keys] for r in rows[1][:3]] == [[9, 0, 36, 27, 0]] * 3
+    for r in rows[2][:3]:
+        assert 50 <= r["ttft_p50_ms"] < 200 and 8 < r["itl_p50_ms"] < 60 and 0 < r["client_cpu_pct"] < 400
+    last = rows[2][3]  # process 1 held requests 1, 3, 5, 7
+    assert (last["completed"], last["failed"]) == (5, 4) and "client process 1 exited" in last["first_error"]
+    detail = json.loads((tmp_path / "2" / "online_requests.json").read_text())
+    sent = [r["start"] for r in detail[2]["requests"]]  # rate 20, cap 9: nothing waits for a slot
+    want = loadgen.arrival_offsets(9, 20.0, seed=2)  # point i draws with --seed + i
+    assert all(-0.002 < x - y < 0.1 for x, y in zip(sent, want)), (sent, want)
+
+
 def test_bad_arguments_exit_2(tmp_path, capsys):
     assert online.main(["--quick", "--out", str(tmp_path)]) == 2  # token ids without a vocabulary
     assert "--vocab-size" in capsys.readouterr().err
     for argv in (["--dataset", "sharegpt"], ["--goodput", "ttft"], ["--request-rates", "1,0"],
-                 ["--max-concurrency", "0"], ["--input-len", "a:b"], ["--extra-body", "[1]"]):
+                 ["--max-concurrency", "0"], ["--input-len", "a:b"], ["--extra-body", "[1]"],
+                 ["--client-processes", "0"]):
         with pytest.raises(SystemExit) as e:
             online.main(argv)
         assert e.value.code == 2

@@ -328,18 +328,28 @@ def completion_payload(req: Request, *, model: str, ignore_eos: bool, temperatur
 async def run_load(requests: Sequence[Request], *, base_url: str, model: str, rate: float = math.inf,
                    max_concurrency: int | None = None, seed: int = 0, timeout: float = 600.0,
                    api_key: str | None = None, ignore_eos: bool = True, temperature: float = 0.0,
-                   extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
+                   extra_body: dict | None = None, offsets: Sequence[float] | None = None,
+                   start_at=None) -> tuple[list[RequestResult], float]:
     """Send ``requests`` at Poisson ``rate`` (``inf``: all at once), at most ``max_concurrency`` in
-    flight. Returns the results in request order and the run's duration (the first send to the last
-    completion), in seconds. Every request ends within ``timeout`` seconds of being sent."""
+    flight. Returns the results in request order and the run's duration (the start to the last
+    completion), in seconds. Every request ends within ``timeout`` seconds of being sent.
+    ``offsets`` (seconds after the start, one per request) replaces the draw from ``rate`` and
+    ``seed``; ``start_at``, called once the client is built, returns the start as a
+    ``time.monotonic()`` value (client processes share one; default: now)."""
     if max_concurrency is not None:
         _check_count("max_concurrency", max_concurrency)
-    offsets = arrival_offsets(len(requests), rate, seed)
+    offsets = arrival_offsets(len(requests), rate, seed) if offsets is None else list(offsets)
+    if len(offsets) != len(requests):
+        raise ValueError(f"offsets: one per request expected, got {len(offsets)} for {len(requests)} requests")
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with http_client(timeout=timeout, connections=max_concurrency or len(requests)) as client:
-        start = time.perf_counter()
+        if start_at is None:
+            start = time.perf_counter()
+        else:
+            at = start_at()
+            start = time.perf_counter() + (at - time.monotonic())
 
         async def one(req: Request, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))

@@ -9,7 +9,10 @@ that are not counted. Reported per point: request, input and output token throug
 ITL and end-to-end latency (mean, p50, p90, p99, ms); goodput (requests/s that met every bound of
 ``--goodput``, vLLM's option). Files under ``--out``: ``<name>.json`` (every figure, the arguments),
 ``<name>.md`` (tables), ``<name>.png`` (latency against achieved load, for two or more points) and,
-with ``--save-requests``, ``<name>_requests.json`` (each request's timings).
+with ``--save-requests``, ``<name>_requests.json`` (each request's timings). ``--client-processes
+N`` sends each point from N client processes (:mod:`pagedflash.bench.loadgen_procs`; each caps its
+share of ``--max-concurrency``), for when one process's CPU (the ``client CPU %`` column, the
+busiest process's) nears 100 %.
 
 ``--launch-server [ARGS...]`` (the last option: everything after it goes to the server) starts
 ``python -m pagedflash serve ARGS --host 127.0.0.1 --port <free>`` (``--server-command`` names
@@ -42,7 +45,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pagedflash.bench import loadgen
+from pagedflash.bench import loadgen, loadgen_procs
 from pagedflash.bench.report import Table, _jsonable, plot, print_summary, print_table, write_results
 
 DATASETS = ("random", "shared-prefix", "sharegpt")
@@ -110,6 +113,8 @@ def _parser() -> argparse.ArgumentParser:
     a("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s (inf: all at once)")
     a("--request-rates", type=_rates, default=None, help="a sweep, e.g. 1,2,4,inf (overrides --request-rate)")
     a("--max-concurrency", type=_concurrencies, default=None, help="requests in flight at most (a comma list sweeps)")
+    a("--client-processes", type=int, default=1, help="client processes sending each point's requests (raise it "
+      "when client CPU %% nears 100; each caps its share of --max-concurrency)")
     a("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLO for goodput, e.g. ttft:500 tpot:50 (e2el too)")
     a("--num-warmups", type=int, default=1, help="uncounted requests before each point")
     a("--timeout", type=float, default=600.0, help="seconds per request; a slower one fails")
@@ -140,6 +145,8 @@ def _resolve(args, p: argparse.ArgumentParser) -> None:
         p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.dataset == "sharegpt" and args.dataset_path is None:
         p.error("--dataset sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+    if args.client_processes < 1:
+        p.error(f"--client-processes must be >= 1, got {args.client_processes}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
@@ -335,24 +342,31 @@ def _run_points(args, workloads, warmups) -> list[dict]:
     args.model = model
     kw = dict(base_url=args.base_url, model=model, timeout=args.timeout, api_key=args.api_key,
               ignore_eos=not args.no_ignore_eos, temperature=args.temperature, extra_body=args.extra_body)
-    runs = []
-    for i, ((rate, cap), requests) in enumerate(zip(_points(args), workloads)):
-        if warmups:
-            results, _ = asyncio.run(loadgen.run_load(warmups, rate=math.inf, max_concurrency=cap, **kw))
-            if bad := [r.error for r in results if not r.ok]:
-                print(f"bench online: warmup failed: {bad[0]}", file=sys.stderr)
-        cpu = time.process_time()
-        results, duration = asyncio.run(loadgen.run_load(requests, rate=rate, max_concurrency=cap,
-                                                         seed=args.seed + i, **kw))
-        s = loadgen.summarize(results, duration, args.slo)
-        s["client_cpu_pct"] = 100 * (time.process_time() - cpu) / duration  # near 100: the client limits
-        runs.append(dict(rate=rate, max_concurrency=cap, summary=s, results=results))
-        print(f"rate {rate:g} req/s, concurrency {cap or '-'}: {s['completed']}/{len(results)} done in "
-              f"{duration:.2f} s, {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
-              f"TTFT p50 {_ms(s['ttft_p50_ms'])}, TPOT p50 {_ms(s['tpot_p50_ms'])}", flush=True)
-        if s["failed"]:
-            print(f"  {s['failed']} failed; first: {s['first_error']}", file=sys.stderr)
-    return runs
+    pool = loadgen_procs.ClientPool(args.client_processes) if args.client_processes > 1 else None
+    try:
+        return [_run_point(args, i, rate, cap, requests, warmups, pool, kw)
+                for i, ((rate, cap), requests) in enumerate(zip(_points(args), workloads))]
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _run_point(args, i, rate, cap, requests, warmups, pool, kw) -> dict:
+    if warmups:  # in this process: they warm the server, not the client processes' connections
+        results, _, _ = loadgen_procs.run_point(warmups, max_concurrency=cap, **kw)
+        if bad := [r.error for r in results if not r.ok]:
+            print(f"bench online: warmup failed: {bad[0]}", file=sys.stderr)
+    results, duration, cpu_pct = loadgen_procs.run_point(requests, pool=pool, rate=rate, seed=args.seed + i,
+                                                         max_concurrency=cap, **kw)
+    s = loadgen.summarize(results, duration, args.slo)
+    s["client_cpu_pct"] = cpu_pct  # near 100: the client limits (raise --client-processes)
+    print(f"rate {rate:g} req/s, concurrency {cap or '-'}: {s['completed']}/{len(results)} done in "
+          f"{duration:.2f} s, {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
+          f"TTFT p50 {_ms(s['ttft_p50_ms'])}, TPOT p50 {_ms(s['tpot_p50_ms'])}, client CPU {cpu_pct:.0f} %",
+          flush=True)
+    if s["failed"]:
+        print(f"  {s['failed']} failed; first: {s['first_error']}", file=sys.stderr)
+    return dict(rate=rate, max_concurrency=cap, summary=s, results=results)
 
 
 def _ms(x) -> str:
@@ -411,8 +425,9 @@ def _report(args, runs, offline) -> None:
             f"{'ignore_eos' if not args.no_ignore_eos else 'EOS allowed'}")
     slo = ", ".join(f"{k} <= {v:g} ms" for k, v in args.slo.items())
     runs_table = Table("runs", f"Online: {what}", columns, rows,
-                       note="ms: milliseconds; TPOT = (e2e - TTFT) / (output tokens - 1); client CPU %: this "
-                            "process's CPU time over the run's (near 100, the client limits what is measured)"
+                       note="ms: milliseconds; TPOT = (e2e - TTFT) / (output tokens - 1); client CPU %: the busiest "
+                            "client process's CPU time over the run's (near 100, the client limits what is "
+                            "measured: raise --client-processes)"
                             + (f"; goodput: requests/s meeting {slo}" if slo else "")
                             + ("; online/offline: output tok/s over the offline engine's on the same requests "
                                "(the server's overhead where it is saturated, rate inf); ITL x offline: ITL p50 "
