@@ -327,11 +327,9 @@ async def completion_response(gen: Generation, receive, model: str) -> p.Complet
 async def completion_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
     rid, created = new_id("cmpl"), int(time.time())
 
-    def chunk(choices, usage=None):
-        body = p.CompletionResponse(id=rid, created=created, model=model, choices=choices)
-        if include_usage:
-            body.usage = usage
-        return _sse(body)
+    def chunk(choices, usage=None):  # built without validation: every value is the server's own
+        return _sse(p.CompletionResponse.model_construct(id=rid, created=created, model=model, choices=choices,
+                                                         usage=usage))
 
     tok, asked = gen.state.tokenizer, gen.params.logprobs is not None
     offsets = [0] * len(gen.prompts)
@@ -341,8 +339,8 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool) ->
             if asked:
                 logprobs = completion_logprobs(tok, d.logprobs or [], offsets[d.index])
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
-            yield chunk([p.CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                                            logprobs=logprobs)])
+            yield chunk([p.CompletionChoice.model_construct(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                                                            logprobs=logprobs)])
         if include_usage:
             yield chunk([], gen.usage())
     except APIError as e:
@@ -364,19 +362,17 @@ async def chat_response(gen: Generation, receive, model: str) -> p.ChatCompletio
 async def chat_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
     rid, created = new_id("chatcmpl"), int(time.time())
 
-    def chunk(choices, usage=None):
-        body = p.ChatCompletionChunk(id=rid, created=created, model=model, choices=choices)
-        if include_usage:
-            body.usage = usage
-        return _sse(body)
+    def chunk(choices, usage=None):  # built without validation: every value is the server's own
+        return _sse(p.ChatCompletionChunk.model_construct(id=rid, created=created, model=model, choices=choices,
+                                                          usage=usage))
 
     try:
         yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
         k = gen.params.logprobs
         async for d in gen.deltas():
             logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
-            yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(content=d.text), logprobs=logprobs,
-                                           finish_reason=d.finish_reason)])
+            yield chunk([p.ChatChunkChoice.model_construct(index=0, delta=p.DeltaMessage.model_construct(content=d.text),
+                                                           logprobs=logprobs, finish_reason=d.finish_reason)])
         if include_usage:
             yield chunk([], gen.usage())
     except APIError as e:
