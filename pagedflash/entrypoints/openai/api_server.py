@@ -106,7 +106,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     metrics = EngineMetrics(name)
     engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue)
     return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, max_model_len=llm.max_model_len,
-                       vocab_size=llm.config.vocab_size)
+                       vocab_size=llm.config.vocab_size, pool_tokens=llm.num_blocks * llm.page_size)
 
 
 def build_app(state: ServerState, *, api_key: str | None = None):

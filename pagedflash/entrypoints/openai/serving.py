@@ -54,6 +54,7 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
+    pool_tokens: int | None = None  # tokens the KV pool holds (None: no limit below max_model_len)
 
 
 # ------------------------------------------------------------------ validation
@@ -87,8 +88,9 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
         logprobs, logprobs_field = request.logprobs, "logprobs"
     room = state.max_model_len - prompt_len
     max_tokens = getattr(request, max_tokens_field)
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens is None:  # the room left, in the model's length and in the whole pool
+        fits = min(room, state.pool_tokens - prompt_len + 1) if state.pool_tokens else room
+        max_tokens = max(1, fits if default_max_tokens is None else min(default_max_tokens, fits))
     elif max_tokens >= 1 and prompt_len + max_tokens > state.max_model_len:
         raise bad_request(f"{max_tokens_field}={max_tokens} with a prompt of {prompt_len} tokens exceeds the model's "
                           f"maximum context length {state.max_model_len} (at most {room} can be generated)",
