@@ -397,12 +397,12 @@ def test_queue_full_is_a_503():
 
 
 def test_api_key_and_a_request_larger_than_the_pool():
-    s = LiveServer("--api-key", "sesame", "--num-gpu-blocks-override", "8")  # 8 pages of 16 tokens
+    s = LiveServer("--api-key", "sesame", "--num-gpu-blocks-override", "8", "--block-size", "4")  # 32 tokens
     try:
         r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 200}, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the engine's refusal
         assert "KV pages" in r.json()["error"]["message"]
-        r = s.post("/v1/completions", {"prompt": [5] * 125, "ignore_eos": True}, headers={"Authorization": "Bearer sesame"})
+        r = s.post("/v1/completions", {"prompt": [5] * 29, "ignore_eos": True}, headers={"Authorization": "Bearer sesame"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4  # the default: what the pool holds
         body = {"prompt": [1, 2], "max_tokens": 1}
         assert s.post("/v1/completions", body).status_code == 401
