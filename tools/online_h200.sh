@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The HTTP server's figures in one device call: a random Llama-3.2-1B-shaped model with a full-vocab
+# tokenizer (tools/random_model.py), then `bench online --launch-server` against `pagedflash serve`
+# on it, each run followed by the offline engine on the same requests (the overhead ratio), and the
+# offline batch-1 ITL of `bench serve --sections itl` in the same call.
+#   RUNS="itl conc64 prefix sweep" bash tools/online_h200.sh      (results in $OUT/online.tgz)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
+R=${R:-bench_results}; mkdir -p $R
+M=${MODEL:-/tmp/pagedflash_model_1b}
+[ -f $M/config.json ] || python3 tools/random_model.py $M > $R/model.log 2>&1 || { tail $R/model.log; exit 1; }
+online() {  # name, then bench online's arguments
+  local name=$1 t0=$SECONDS; shift
+  timeout ${T_online:-240} python3 -m pagedflash bench online --out $R --result-name $name "$@" > $R/online_$name.log 2>&1
+  echo "== $name rc=$? $((SECONDS - t0)) s"
+  grep -E "^\| (inf|[0-9])|^summary|offline:" $R/online_$name.log | tail -${TAIL:-8}
+}
+for run in ${RUNS:-itl conc64 prefix sweep}; do
+  case $run in
+    itl) online itl --input-len 1024 --output-len 256 --num-prompts 8 --max-concurrency 1 --num-warmups 2 \
+           --launch-server $M
+         timeout 150 python3 -m pagedflash bench serve --sections itl --out $R > $R/serve_itl.log 2>&1
+         grep -E "ITL|itl" $R/serve_itl.log | tail -6 ;;
+    conc64) online conc64 --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
+              ${CLIENT_ARGS:-} --launch-server $M ;;
+    prefix) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
+              --output-len 32 --num-prompts 64 --num-warmups 2 --no-offline --launch-server $M
+            online prefix_off --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
+              --output-len 32 --num-prompts 64 --num-warmups 2 --no-offline --launch-server $M \
+              --no-enable-prefix-caching ;;
+    sweep) online sweep --input-len 100:1024 --output-len 100:512 --num-prompts 128 --request-rates 4,8,16,32,inf \
+             --no-offline --launch-server $M ;;
+  esac
+done
+tar czf $OUT/online.tgz $R
