@@ -215,6 +215,8 @@ class Generation:
                     reason = "stop"
                 if reason is not None:
                     text += detok.finish()
+                    if detok.stopped:  # the rest of the text, released at the end, held a match
+                        reason = "stop"
                     self.finish_reason[i] = reason
                     left -= 1
                 if taken or reason is not None:  # one chunk per step with tokens: load generators time them
