@@ -107,3 +107,33 @@ def test_two_ranks_match_transformers(tmp_path, family, kv_heads):
         for p, got in zip(prompts, logits):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in prompts]
+
+
+def test_kernel_path_and_decode_graphs_match_transformers(tmp_path, monkeypatch):
+    """The GPU path under the interpreter, on Gemma 3 (the family that uses the most of it): the
+    kernels of pagedflash.ops (norms on q/k heads, RoPE tables per layer type, the fused single-row
+    projections after (1 + w) norms) and the decode-graph body (logits softcapped into the static
+    buffer), replayed eagerly. Gemma 3's attn_logit_softcapping is ignored, as transformers does."""
+    from pagedflash.engine import layers
+    from pagedflash.engine import runner as runner_mod
+
+    class EagerReplay:
+        def __init__(self, body):
+            self.body = body
+
+        def replay(self):
+            self.body()
+
+    monkeypatch.setattr(layers, "FORCE_KERNELS", True)
+    monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (EagerReplay(body), pool))
+    hf = save_family(tmp_path, "gemma3", seed=1, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=16)
+    llm.runner.capture_graphs()
+    prompts = prompts_of([9, 4], seed=5)
+    with torch.no_grad():
+        for p, got in zip(prompts, llm.prompt_logits(prompts)):
+            torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [hf_greedy(hf, p, 3) for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.generate([prompts[0]], params)[0].token_ids == want[0]  # batch 1: the fused single-row path

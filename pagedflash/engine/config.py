@@ -335,7 +335,8 @@ def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
         scalar = d.get("query_pre_attn_scalar") or head_dim
         return dict(qk_norm="head" if kind == "gemma3" else "", norm_offset=1.0,
                     embedding_multiplier=float(d["hidden_size"]) ** 0.5, attention_scale=float(scalar) ** -0.5,
-                    attn_softcap=float(d.get("attn_logit_softcapping") or 0.0),
+                    # transformers' Gemma 3 reads attn_logit_softcapping and never applies it
+                    attn_softcap=float(d.get("attn_logit_softcapping") or 0.0) if kind == "gemma2" else 0.0,
                     final_softcap=float(d.get("final_logit_softcapping") or 0.0))
     return {}
 
