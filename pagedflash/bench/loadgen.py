@@ -21,7 +21,8 @@ the first request at 0), or all at once for ``inf``; :func:`run_load` can also c
 flight (``max_concurrency``). A request's clock starts when it is sent, after any wait for a
 concurrency slot.
 
-Per request (:class:`RequestResult`), from the SSE stream of ``POST /v1/completions`` with
+Per request (:class:`RequestResult`), from the SSE stream of ``POST /v1/completions`` (read as raw
+bytes through :func:`~pagedflash.bench.loadgen_http.connection_pool`, the events split here) with
 ``stream_options.include_usage``, each chunk timed when its bytes are read (chunks that arrive in
 one read share its time): TTFT (send to the first chunk that carries a token), the gaps between
 chunks (ITL; a chunk carrying ``k`` tokens counts as ``k`` gaps of ``gap / k``, as SGLang's
@@ -39,10 +40,11 @@ import asyncio
 import json
 import math
 import random
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from pagedflash.bench.loadgen_http import connection_pool
 
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names (ms in reports and SLOs)
 PERCENTILES = (50, 90, 99)
@@ -260,14 +262,15 @@ def _on_data(result: RequestResult, body: bytes, now: float, t0: float, clock: l
     return False
 
 
-async def _stream(client, url: str, payload: dict, headers: dict, result: RequestResult, t0: float) -> None:
+async def _stream(pool, url: str, payload: dict, headers: dict, result: RequestResult, t0: float) -> None:
     """Events are timed when their bytes arrive: lines that came in one read share its time."""
-    async with client.stream("POST", url, json=payload, headers=headers) as resp:
-        if resp.status_code != 200:
-            result.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
+    hdrs = [(b"Content-Type", b"application/json"), *((k.encode(), v.encode()) for k, v in headers.items())]
+    async with pool.stream("POST", url, headers=hdrs, content=json.dumps(payload).encode()) as resp:
+        if resp.status != 200:
+            result.error = f"HTTP {resp.status}: {_error_text(await resp.aread())}"
             return
         clock, pending, over = [t0, 0], b"", False
-        async for piece in resp.aiter_bytes():
+        async for piece in resp.aiter_stream():
             now = time.perf_counter()
             lines = (pending + piece).split(b"\n")
             pending = lines.pop()
@@ -287,14 +290,14 @@ async def _stream(client, url: str, payload: dict, headers: dict, result: Reques
             result.output_tokens = int(clock[1])
 
 
-async def send_request(client, url: str, payload: dict, headers: dict, *, timeout: float,
+async def send_request(pool, url: str, payload: dict, headers: dict, *, timeout: float,
                        prompt_len: int, run_start: float) -> RequestResult:
     """Send one streaming completion and time it; never raises (failures are in the result)."""
     result = RequestResult(prompt_tokens=prompt_len, expected_tokens=payload.get("max_tokens", 0))
     t0 = time.perf_counter()
     result.start = t0 - run_start
     try:
-        await asyncio.wait_for(_stream(client, url, payload, headers, result, t0), timeout)
+        await asyncio.wait_for(_stream(pool, url, payload, headers, result, t0), timeout)
     except asyncio.TimeoutError:
         result.ok, result.error = False, f"timed out after {timeout:g} s"
     except Exception as e:  # noqa: BLE001  (a connection error or a malformed chunk fails this request only)
@@ -302,18 +305,6 @@ async def send_request(client, url: str, payload: dict, headers: dict, *, timeou
     if not result.ok:
         result.e2el = time.perf_counter() - t0
     return result
-
-
-def http_client(*, timeout: float, connections: int | None = None):
-    """An ``httpx.AsyncClient`` with TCP_NODELAY and no pool limit below ``connections`` in flight
-    (httpx's default of 100 would queue requests in the client and count the wait as TTFT)."""
-    try:
-        import httpx
-    except ImportError as e:
-        raise ImportError("bench online needs httpx: pip install httpx (or the 'serve' extra)") from e
-    transport = httpx.AsyncHTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(transport=transport, limits=limits, timeout=httpx.Timeout(timeout))
 
 
 def completion_payload(req: Request, *, model: str, ignore_eos: bool, temperature: float = 0.0,
@@ -344,7 +335,7 @@ async def run_load(requests: Sequence[Request], *, base_url: str, model: str, ra
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with http_client(timeout=timeout, connections=max_concurrency or len(requests)) as client:
+    async with connection_pool(base_url, connections=max_concurrency or len(requests)) as pool:
         if start_at is None:
             start = time.perf_counter()
         else:
@@ -356,10 +347,10 @@ async def run_load(requests: Sequence[Request], *, base_url: str, model: str, ra
             payload = completion_payload(req, model=model, ignore_eos=ignore_eos, temperature=temperature,
                                          extra=extra_body)
             if slots is None:
-                return await send_request(client, url, payload, headers, timeout=timeout,
+                return await send_request(pool, url, payload, headers, timeout=timeout,
                                           prompt_len=req.prompt_len, run_start=start)
             async with slots:
-                return await send_request(client, url, payload, headers, timeout=timeout,
+                return await send_request(pool, url, payload, headers, timeout=timeout,
                                           prompt_len=req.prompt_len, run_start=start)
 
         results = await asyncio.gather(*(one(r, o) for r, o in zip(requests, offsets)))
