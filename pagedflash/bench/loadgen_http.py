@@ -3,10 +3,10 @@ installed with it) whose ``http://`` connections are plain asyncio streams.
 
 Why not ``httpx.AsyncClient``: per streamed chunk it costs more client CPU than the server under test
 spends. Its reads go through anyio (a cancel scope and exception mapping per read) and its response
-layers (decoders, chunker, request context) run for every piece. Streaming 4,000 chunks from 8
-concurrent streams (tests/openai_standin.py, 2 ms apart, one chunk per read) took about 180 us of
-client CPU per chunk through httpx and about 105 us through this pool on a contended 2-core machine
-(three runs each, interleaved). Each request is bounded by the caller's ``asyncio.wait_for``, so
+layers (decoders, chunker, request context) run for every piece. Client CPU per chunk against
+tests/openai_standin.py on a contended 2-core machine (three interleaved runs each): 8 streams of
+500 chunks 2 ms apart (one chunk a read) 205-222 us through httpx, 101-118 us through this pool; 64
+streams of 400 chunks 5 ms apart (chunks sharing reads) 26-47 us and 16-25 us. Each request is bounded by the caller's ``asyncio.wait_for``, so
 reads and writes here take no timeout of their own. ``https://`` URLs use httpcore's default
 backend (TLS through anyio).
 """
