@@ -1,0 +1,169 @@
+"""The server's engine loop on a stand-in engine whose steps take no device time: it sleeps when
+idle (no busy loop), a client that reads nothing holds up no step, admission is all or nothing,
+and ``--max-queue`` counts what waits. The real engine behind HTTP is tests/test_serve.py's."""
+
+import asyncio
+import os
+import threading
+import time
+import types
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from pagedflash.engine.sampling import SamplingParams  # noqa: E402
+from pagedflash.engine.sequence import RequestOutput  # noqa: E402
+from pagedflash.entrypoints.openai.engine_loop import EngineLoop, QueueFullError, RequestRejected  # noqa: E402
+from pagedflash.entrypoints.openai.metrics import EngineMetrics  # noqa: E402
+
+
+class StandInLLM:
+    """add_request / step / abort_request / has_unfinished_requests as the LLM has them; each step
+    gives every request one token (``max_num_seqs`` at a time, the rest wait) after ``step_s``."""
+
+    def __init__(self, step_s=0.001, max_num_seqs=64):
+        self.step_s, self.max_num_seqs = step_s, max_num_seqs
+        self.requests = {}
+        self.num_ids = 0
+        self.steps = 0
+        self.scheduler = types.SimpleNamespace(waiting=[], running=[], num_preemptions=0)
+        self.block_manager = types.SimpleNamespace(num_free_blocks=100,
+                                                   stats=types.SimpleNamespace(queried_tokens=0, hit_tokens=0))
+        self.num_blocks = 100
+
+    def add_request(self, ids, params):
+        if not ids:
+            raise ValueError("prompt is empty")
+        self.num_ids += 1
+        self.requests[self.num_ids] = (list(ids), params, [])
+        self.scheduler.waiting.append(self.num_ids)
+        return self.num_ids
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def abort_request(self, rid):
+        for q in (self.scheduler.waiting, self.scheduler.running):
+            if rid in q:
+                q.remove(rid)
+        return self.requests.pop(rid, None) is not None
+
+    def step(self):
+        time.sleep(self.step_s)
+        self.steps += 1
+        s = self.scheduler
+        while s.waiting and len(s.running) < self.max_num_seqs:
+            s.running.append(s.waiting.pop(0))
+        outs = []
+        for rid in list(s.running):
+            ids, params, gen = self.requests[rid]
+            gen.append(7)
+            done = len(gen) >= params.max_tokens
+            outs.append(RequestOutput(rid, [7], done, "length" if done else None, 0, ids + gen, len(ids)))
+            if done:
+                self.abort_request(rid)
+        return outs
+
+
+@pytest.fixture
+def loop_and_engine():
+    llm = StandInLLM()
+    engine = EngineLoop(llm, metrics=EngineMetrics("m"))
+    engine.start()
+    yield engine, llm
+    engine.stop()
+    assert not engine.alive
+
+
+async def drain(queue, until_finished=1):
+    events, finished = [], 0
+    while finished < until_finished:
+        event = await asyncio.wait_for(queue.get(), 30)
+        events.append(event)
+        finished += event[0] == "error" or event[3] is not None
+    return events
+
+
+def thread_cpu_seconds(native_id):
+    """User + system CPU time of one thread of this process (Linux /proc)."""
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread CPU time from Linux /proc")
+def test_idle_loop_sleeps(loop_and_engine):
+    engine, llm = loop_and_engine
+
+    async def one():
+        queue = asyncio.Queue()
+        await engine.submit([[1, 2]], SamplingParams(max_tokens=3), queue)
+        return await drain(queue)
+
+    assert [e[2] for e in asyncio.run(one())] == [[7], [7], [7]]
+    steps, cpu = llm.steps, thread_cpu_seconds(engine._thread.native_id)
+    time.sleep(1.0)
+    assert llm.steps == steps  # no step without work
+    assert thread_cpu_seconds(engine._thread.native_id) - cpu < 0.05  # asleep, not polling
+
+
+def test_a_client_that_reads_nothing_holds_up_no_step(loop_and_engine):
+    engine, llm = loop_and_engine
+
+    async def two():
+        slow, fast = asyncio.Queue(), asyncio.Queue()
+        await engine.submit([[1]], SamplingParams(max_tokens=200), slow)
+        await engine.submit([[2]], SamplingParams(max_tokens=50), fast)
+        events = await drain(fast)  # the slow one's queue is never read meanwhile
+        return events, slow.qsize()
+
+    events, unread = asyncio.run(two())
+    assert sum(len(e[2]) for e in events) == 50
+    assert unread >= 50  # its tokens kept coming, waiting in its own queue
+
+
+def test_admission_is_all_or_nothing_and_max_queue_counts_waiting():
+    llm = StandInLLM(step_s=0.05, max_num_seqs=1)
+    engine = EngineLoop(llm, max_queue=2)
+    engine.start()
+    try:
+        async def run():
+            queue = asyncio.Queue()
+            with pytest.raises(RequestRejected) as info:  # the second prompt is bad: neither runs
+                await engine.submit([[1], []], SamplingParams(max_tokens=5), queue)
+            assert info.value.index == 1 and "empty" in str(info.value)
+            assert not llm.requests
+            await engine.submit([[1]], SamplingParams(max_tokens=100), queue)
+            for _ in range(2):  # its second token: the counts published after its first step are out
+                await asyncio.wait_for(queue.get(), 30)
+            ids = await engine.submit([[2], [3]], SamplingParams(max_tokens=100), queue)  # two wait
+            with pytest.raises(QueueFullError, match="2 requests are waiting"):
+                await engine.submit([[4]], SamplingParams(max_tokens=1), queue)
+            engine.abort(ids)
+            deadline = time.monotonic() + 30
+            while True:  # room again once the loop applied the aborts and published the counts
+                try:
+                    return await engine.submit([[4]], SamplingParams(max_tokens=1), asyncio.Queue())
+                except QueueFullError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+
+        asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+def test_stop_fails_what_is_in_flight(loop_and_engine):
+    engine, llm = loop_and_engine
+
+    async def run():
+        queue = asyncio.Queue()
+        await engine.submit([[1]], SamplingParams(max_tokens=10_000), queue)
+        await asyncio.wait_for(queue.get(), 30)
+        threading.Thread(target=engine.stop).start()
+        events = await drain(queue)
+        return events[-1]
+
+    last = asyncio.run(run())
+    assert last[0] == "error" and "shut down" in last[2]
+    assert not llm.requests
