@@ -1,7 +1,7 @@
 """Each decoder family of :mod:`pagedflash.engine.models` against transformers' own class: a tiny
 random model (2 layers, fp32, eager attention) saved with ``save_pretrained``, its norms and biases
 perturbed so that they matter, windows shorter than the prompts. Prompt logits and greedy tokens
-(through chunked prefill and paged decode) must equal transformers', on one rank and (the families
+(through chunked prefill, paged decode and prefix-cache hits) must equal transformers', on one rank and (the families
 whose weights shard in their own way: OLMo 2's q/k norms, Phi-3's fused tensors) on two."""
 
 import pytest
@@ -88,6 +88,9 @@ def test_family_matches_transformers(tmp_path, family):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    longer = prompts[0] + outs[0].token_ids  # its first pages from the prefix cache
+    again = llm.generate([longer], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert llm.last_stats["prefix_cache_hit_rate"] > 0 and again.token_ids == hf_greedy(hf, longer, 2)
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
