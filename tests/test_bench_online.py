@@ -222,7 +222,8 @@ def test_client_processes_split_a_point(tmp_path, monkeypatch):
         rows[procs] = json.loads((tmp_path / str(procs) / "online.json").read_text())["tables"]["runs"]["rows"]
         assert max(server.inflight_at_arrival[:18]) == 3  # the points capped at 3 (shares 2 + 1)
     keys = ("completed", "failed", "input_tokens", "output_tokens", "short_outputs")
-    assert [[r[k] for k in keys] for r in rows[2][:3]] == [[r[k] for k in keys] for r in rows[1][:3]] == [[9, 0, 36, 27, 0]] * 3
+    counts = {procs: [[r[k] for k in keys] for r in rows[procs][:3]] for procs in rows}
+    assert counts[2] == counts[1] == [[9, 0, 36, 27, 0]] * 3
     for r in rows[2][:3]:
         assert 50 <= r["ttft_p50_ms"] < 200 and 8 < r["itl_p50_ms"] < 60 and 0 < r["client_cpu_pct"] < 400
     last = rows[2][3]  # process 1 held requests 1, 3, 5, 7

@@ -130,8 +130,14 @@ class ClientPool:
                 self._end(w)
         return got
 
-    def run(self, requests: Sequence[loadgen.Request], offsets: Sequence[float], *,
-            max_concurrency: int | None = None, timeout: float = 600.0, **kw) -> tuple[list[loadgen.RequestResult], float, float]:
+    def _send(self, w: int, obj) -> None:
+        try:
+            self.conns[w].send(obj)
+        except OSError:  # it died: _collect sees its sentinel and fails its share
+            pass
+
+    def run(self, requests: Sequence[loadgen.Request], offsets: Sequence[float], *, max_concurrency: int | None = None,
+            timeout: float = 600.0, **kw) -> tuple[list[loadgen.RequestResult], float, float]:
         """``requests`` sent at ``offsets`` over the pool: (results in request order, duration,
         the busiest process's CPU seconds)."""
         n = len(requests)
@@ -144,12 +150,12 @@ class ClientPool:
         asked = time.monotonic()
         for w, idx in enumerate(shares):
             job = dict(kw, timeout=timeout, max_concurrency=caps[w], offsets=[offsets[i] for i in idx])
-            self.conns[w].send(([requests[i] for i in idx], job))
+            self._send(w, ([requests[i] for i in idx], job))
         msgs = self._collect(range(p), dict.fromkeys(range(p), asked + self.start_timeout), "ready", asked)
         started = [w for w in range(p) if msgs[w][0] == "ready"]
         start = time.monotonic() + START_MARGIN_S
         for w in started:
-            self.conns[w].send(start)
+            self._send(w, start)
         deadlines = {w: start + max(offsets[i] for i in shares[w]) + 60.0
                      + math.ceil(len(shares[w]) / (caps[w] or len(shares[w]))) * timeout for w in started}
         msgs |= self._collect(started, deadlines, "results", start)

@@ -32,7 +32,6 @@ is printed and kept in the JSON), 2 for bad arguments or a server that did not c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
