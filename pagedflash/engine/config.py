@@ -251,9 +251,13 @@ class ModelConfig:
         return not self.layer_types or self.layer_types[layer] == "sliding_attention"
 
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + h
+        """Parameters of the family's model (norms and biases included; a tied head once), counted on
+        the meta device: nothing is allocated."""
+        from pagedflash.engine.models import model_class
+
+        with torch.device("meta"):
+            model = model_class(self)(self, 1)
+        return sum(p.numel() for p in model.parameters())
 
     def inv_freq(self, local: bool = False, max_len: int = 0) -> torch.Tensor:
         """RoPE inverse frequencies ``[D/2]`` fp32 on the CPU, with the configured scaling (as transformers
