@@ -140,3 +140,14 @@ def test_kernel_path_and_decode_graphs_match_transformers(tmp_path, monkeypatch)
     want = [hf_greedy(hf, p, 3) for p in prompts]
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.generate([prompts[0]], params)[0].token_ids == want[0]  # batch 1: the fused single-row path
+
+
+def test_fp8_kv_cache_with_softcap_and_windows(tmp_path):
+    """Gemma 2 over an fp8 (e4m3, scale 1) K/V pool: the softcapped, windowed attention reads the
+    quantized cache; logits within fp8's rounding of transformers' (3 mantissa bits on K and V)."""
+    hf = save_family(tmp_path, "gemma2")
+    llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, kv_cache_dtype="fp8")
+    prompt = prompts_of([19], seed=3)[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(llm.prompt_logits([prompt])[0].cpu(), want, rtol=0, atol=0.25)
