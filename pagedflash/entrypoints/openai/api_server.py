@@ -5,7 +5,8 @@ or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One
 (:mod:`.engine_loop`) runs the engine; the handlers (:mod:`.serving`) only validate, tokenize,
 detokenize and format. Without ``MODEL_DIR`` the tiny random Llama
 (:data:`~pagedflash.engine.config.TINY_LLAMA`) with the tiny tokenizer is served, so the server
-starts on any machine (on a CPU under the Triton interpreter: slow, for tests and trials).
+starts on any machine (on a CPU under the Triton interpreter: slow, for tests and trials). With
+``--engine-process`` the loop runs in a child process (:mod:`.engine_process`) instead of a thread.
 
 Streams: each accepted connection gets TCP_NODELAY, so a small event is sent at once. SIGTERM or
 SIGINT: new requests get 503 and the listening socket closes; requests in flight finish, or are
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="requests waiting for admission at most; more get 503 (default: no limit)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds to let requests in flight finish before aborting them")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="run the engine loop in a child process (the HTTP process keeps tokenizing, "
+                         "detokenizing and streaming; no GIL shared with the engine's host work)")
     engine = ap.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-model-len", type=int, default=None)
@@ -70,20 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_state(args: argparse.Namespace) -> ServerState:
-    """Load the engine and tokenizer; the engine loop is built, not started."""
+def build_llm(args: argparse.Namespace):
+    """The :class:`~pagedflash.engine.LLM` the options describe (built in the engine process with
+    ``--engine-process``)."""
     import torch
 
     from pagedflash.engine.config import TINY_LLAMA
     from pagedflash.engine.llm import LLM
-    from pagedflash.entrypoints.openai.engine_loop import EngineLoop
-    from pagedflash.entrypoints.openai.metrics import EngineMetrics
-    from pagedflash.entrypoints.openai.tokenizer import TextTokenizer, load_chat_template
 
-    if args.model is not None and not os.path.isdir(args.model):
-        raise FileNotFoundError(f"model directory {args.model!r} does not exist (nothing is fetched from a hub)")
-    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
-    on_gpu = torch.cuda.is_available()
     kwargs = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
                   kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                   enable_prefix_caching=args.enable_prefix_caching, page_size=args.block_size,
@@ -91,22 +89,49 @@ def build_state(args: argparse.Namespace) -> ServerState:
                   cuda_graphs=not args.enforce_eager, seed=args.seed)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.model is not None:
+        return LLM(args.model, **kwargs)
+    if not torch.cuda.is_available():  # the engine demo's CPU sizes: the interpreter is slow
+        kwargs.setdefault("max_num_batched_tokens", 256)
+        kwargs["num_blocks"] = kwargs["num_blocks"] or 256
+    return LLM(TINY_LLAMA, **kwargs)
+
+
+def engine_limits(llm) -> dict:
+    """The served model's limits that :class:`ServerState` holds, from the engine."""
+    return dict(max_model_len=llm.max_model_len, vocab_size=llm.config.vocab_size,
+                pool_tokens=llm.num_blocks * llm.page_size)
+
+
+def build_state(args: argparse.Namespace) -> ServerState:
+    """Load the engine (in a process of its own with ``args.engine_process``) and the tokenizer; the
+    engine loop is built, not started."""
+    from pagedflash.engine.config import TINY_LLAMA
+    from pagedflash.entrypoints.openai.engine_loop import EngineLoop
+    from pagedflash.entrypoints.openai.metrics import EngineMetrics
+    from pagedflash.entrypoints.openai.tokenizer import TextTokenizer, load_chat_template
+
+    if args.model is not None and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"model directory {args.model!r} does not exist (nothing is fetched from a hub)")
+    chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     if args.model is None:
-        if not on_gpu:  # the engine demo's CPU sizes: the interpreter is slow
-            kwargs.setdefault("max_num_batched_tokens", 256)
-            kwargs["num_blocks"] = kwargs["num_blocks"] or 256
-        llm = LLM(TINY_LLAMA, **kwargs)
         tokenizer = (TextTokenizer.from_model_dir(args.tokenizer, chat_template=chat_template) if args.tokenizer
                      else TextTokenizer.tiny(TINY_LLAMA["vocab_size"], chat_template=chat_template))
         name = args.served_model_name or TINY_MODEL_NAME
     else:
         tokenizer = TextTokenizer.from_model_dir(args.tokenizer or args.model, chat_template=chat_template)
-        llm = LLM(args.model, **kwargs)
         name = args.served_model_name or args.model
     metrics = EngineMetrics(name)
-    engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue)
-    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, max_model_len=llm.max_model_len,
-                       vocab_size=llm.config.vocab_size, pool_tokens=llm.num_blocks * llm.page_size)
+    if getattr(args, "engine_process", False):
+        from pagedflash.entrypoints.openai.engine_process import EngineProcess
+
+        engine = EngineProcess(args, metrics=metrics, max_queue=args.max_queue)
+        limits = engine.limits
+    else:
+        llm = build_llm(args)
+        engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue)
+        limits = engine_limits(llm)
+    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, **limits)
 
 
 def build_app(state: ServerState, *, api_key: str | None = None):

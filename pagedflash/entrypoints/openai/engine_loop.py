@@ -78,6 +78,27 @@ def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
         queue.put_nowait(event)
 
 
+def check_admission(accepting: bool, waiting: int, num_prompts: int, max_queue: int | None) -> None:
+    """Raise :class:`EngineClosedError` or :class:`QueueFullError` if ``num_prompts`` more may not wait
+    for admission behind ``waiting``."""
+    if not accepting:
+        raise EngineClosedError("the server is shutting down")
+    if max_queue is not None and waiting + num_prompts > max_queue:
+        raise QueueFullError(f"{waiting} requests are waiting for admission and the server queues at most "
+                             f"{max_queue} (--max-queue); retry later")
+
+
+def resolve(future: asyncio.Future, ids: list[int] | None, error: Exception | None, abort) -> None:
+    """On the event loop: an admission's outcome; a submitter that left meanwhile gets its ids aborted."""
+    if future.cancelled():
+        if ids:
+            abort(ids)
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(ids)
+
+
 class EngineLoop:
     """Runs ``llm``'s steps in a thread of its own.
 
@@ -157,26 +178,20 @@ class EngineLoop:
         prompt of the submission runs). Cancelled while waiting, the prompts are aborted."""
         loop = asyncio.get_running_loop()
         sub = _Submission(prompts, params, queue, loop, loop.create_future())
-        with self._cond:
-            if not self._accepting:
-                raise EngineClosedError("the server is shutting down")
-            waiting = self._num_waiting + sum(len(s.prompts) for s in self._pending)
-            if self.max_queue is not None and waiting + len(prompts) > self.max_queue:
-                raise QueueFullError(f"{waiting} requests are waiting for admission and the server queues at most "
-                                     f"{self.max_queue} (--max-queue); retry later")
-            self._pending.append(sub)
-            self._cond.notify()
+        self._enqueue(sub)
         return await sub.future
 
+    def _enqueue(self, sub: _Submission) -> None:
+        """Queue ``sub`` for the loop (any thread); the admission's outcome goes to ``sub.future``
+        through ``sub.loop.call_soon_threadsafe``."""
+        with self._cond:
+            waiting = self._num_waiting + sum(len(s.prompts) for s in self._pending)
+            check_admission(self._accepting, waiting, len(sub.prompts), self.max_queue)
+            self._pending.append(sub)
+            self._cond.notify()
+
     def _resolve(self, future: asyncio.Future, ids: list[int] | None, error: Exception | None) -> None:
-        """On the event loop: the admission's outcome; a submitter that left meanwhile gets its ids aborted."""
-        if future.cancelled():
-            if ids:
-                self.abort(ids)
-        elif error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(ids)
+        resolve(future, ids, error, self.abort)
 
     # ------------------------------------------------------------------ loop thread
     def _run(self) -> None:

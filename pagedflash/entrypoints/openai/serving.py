@@ -49,7 +49,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class ServerState:
     """What the handlers share: the engine loop, the tokenizer, and the served model's limits."""
 
-    engine: EngineLoop
+    engine: EngineLoop  # or an EngineProcess (``--engine-process``): the same interface
     tokenizer: TextTokenizer
     model_name: str
     max_model_len: int
