@@ -36,6 +36,7 @@ def server_state(server_args: list[str], max_num_seqs: int | None = None):
     from pagedflash.entrypoints.openai.api_server import build_state, parse_args
 
     args = parse_args(server_args)
+    args.engine_process = False  # the offline engine runs here, whatever process the server gave it
     if max_num_seqs:
         args.max_num_seqs = min(args.max_num_seqs, max_num_seqs)
     return build_state(args)
