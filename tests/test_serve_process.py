@@ -112,8 +112,11 @@ def test_concurrent_streams_equal_offline_generate_and_metrics_count(server):
     server.assert_pool_whole()
 
 
-def test_engine_refusal_then_a_dead_engine_process_fails_requests_and_the_health_check():
-    s = ProcessServer("--num-gpu-blocks-override", "8", "--block-size", "4")  # a pool of 32 tokens
+def test_refusals_then_a_dead_engine_process_fails_requests_and_the_health_check():
+    """The engine's refusal (a 400) and --max-queue (a 503) across the pipe; then the child is killed:
+    the running request gets a 500, the queued stream an error event, /health and new requests 503."""
+    s = ProcessServer("--num-gpu-blocks-override", "8", "--block-size", "4",  # a pool of 32 tokens
+                      "--max-num-seqs", "1", "--max-queue", "1")
     try:
         r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 200})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the engine's RequestRejected
@@ -129,7 +132,14 @@ def test_engine_refusal_then_a_dead_engine_process_fails_requests_and_the_health
         while s.metrics()[("pagedflash:generation_tokens_total", frozenset())] == 0:  # running
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        s.state.engine.process.kill()
+        body = {"prompt": [9, 10], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as waiting:
+            assert waiting.status_code == 200  # admitted to the engine's queue behind the running one
+            r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+            s.state.engine.process.kill()
+            lines = [line for line in waiting.iter_lines() if line.startswith("data:")]
+        assert "engine process died" in lines[-2] and lines[-1] == "data: [DONE]"
         t.join(TIMEOUT)
         assert result["r"].status_code == 500 and "engine process died" in result["r"].json()["error"]["message"]
         assert httpx.get(s.url + "/health", timeout=TIMEOUT).status_code == 503
