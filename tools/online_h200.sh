@@ -23,6 +23,8 @@ for run in ${RUNS:-itl conc64 prefix sweep}; do
          grep -E "ITL|itl" $R/serve_itl.log | tail -6 ;;
     conc64) online conc64 --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
               ${CLIENT_ARGS:-} --launch-server $M ;;
+    conc64p) online conc64p --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
+               ${CLIENT_ARGS:-} --no-offline --launch-server $M --engine-process ;;
     prefix) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
               --output-len 32 --num-prompts 64 --num-warmups 2 --no-offline --launch-server $M
             online prefix_off --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
