@@ -101,8 +101,9 @@ def round_to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
 @triton.jit
 def to_fp8(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr, DTYPE: tl.constexpr):
     """fp32 ``x`` as fp8 ``DTYPE`` by :func:`round_to_fp8`'s rule (the same arguments), bit-exact on
-    every backend: NaN is stored as the format's NaN bits with ``x``'s sign (``0x7F``/``0xFF``, what
-    PyTorch's cast stores), which the interpreter's own cast does not (it stores 384.0 in e4m3fn)."""
+    every backend: NaN is stored as the format's NaN code with ``x``'s sign bit (``0x7F``/``0xFF``,
+    as PyTorch's cast stores it), which the interpreter's own cast does not (it stores 384.0 in
+    e4m3fn). GPU arithmetic before the store may already have dropped a NaN's sign."""
     bits = round_to_fp8(x, MANT, EMIN, MAX).to(DTYPE).to(tl.uint8, bitcast=True)
     nan = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8) | 0x7F
     return tl.where(x != x, nan, bits).to(DTYPE, bitcast=True)
