@@ -177,3 +177,20 @@ def test_prompt_logits_checks_prompts():
     with pytest.raises(ValueError, match=r"prompts\[0\]: prompt is empty"):
         llm.prompt_logits([[]])
     assert llm.block_manager.num_free_blocks == 8
+
+
+def test_parameters_changed_after_add_request_do_not_reach_the_request():
+    """A request runs with the SamplingParams it was checked with: changing the object (or its
+    stop_token_ids list) afterwards changes nothing, and no step fails halfway."""
+    llm = engine(num_blocks=16)
+    want = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
+    params = SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=[])
+    request = llm.add_request(PROMPTS[1], params)
+    params.logprobs, params.max_tokens, params.temperature = 2, 1, 1.0
+    params.stop_token_ids.append(want[0])
+    got = []
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.request_id == request and out.new_logprobs is None
+            got += out.new_token_ids
+    assert got == want

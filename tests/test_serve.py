@@ -176,8 +176,11 @@ def test_stop_strings_and_stop_token_ids(server):
     base = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, **GREEDY).choices[0].text
     stop = next((base[i:i + 2] for i in range(1, len(base) - 1) if "\ufffd" not in base[i:i + 2]), None)
     if stop is not None:
+        e2e = ("pagedflash:e2e_request_latency_seconds_count", frozenset())
+        before = server.wait_idle()[e2e]
         cut = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, stop=[stop], **GREEDY)
         assert cut.choices[0].text == base[:base.find(stop)] and cut.choices[0].finish_reason == "stop"
+        assert server.wait_idle()[e2e] == before + 1  # a request a stop string ended is timed too
         streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, stop=stop, stream=True, **GREEDY)
         assert "".join(c.choices[0].text for c in streamed) == base[:base.find(stop)]
     # a stop token id ends the request with it (its token counted): every id stops at the first
@@ -383,6 +386,8 @@ def test_metrics_in_prometheus_format_count_exactly(server):
 def test_queue_full_is_a_503():
     s = LiveServer("--max-num-seqs", "1", "--max-queue", "1")
     try:
+        r = s.post("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 1})  # can never fit: no retry
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         body = {"prompt": [9, 10], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as running:
             next(line for line in running.iter_lines() if line.startswith("data:"))  # admitted and running

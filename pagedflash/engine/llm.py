@@ -26,6 +26,7 @@ engine. ``close()`` (or ``with LLM(...) as llm``) stops the processes; so does g
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import os
@@ -335,6 +336,9 @@ class LLM:
         return next(self._ids)
 
     def _enqueue(self, ids: list[int], params: SamplingParams, arrival: float) -> Sequence:
+        # a copy: the request runs with the parameters it was checked with, whatever the caller changes later
+        params = copy.copy(params)
+        params.stop_token_ids = tuple(params.stop_token_ids)
         seq = Sequence(self._new_id(), ids, params, arrival, self.device)
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq

@@ -42,9 +42,10 @@ class EngineClosedError(RuntimeError):
 
 
 class RequestRejected(ValueError):
-    """``add_request`` refused prompt ``index`` of a submission (the message says why)."""
+    """``add_request`` refused prompt ``index`` of a submission, or (``index`` None) the submission is
+    refused as a whole; the message says why."""
 
-    def __init__(self, index: int, error: Exception):
+    def __init__(self, index: int | None, error: Exception):
         super().__init__(str(error))
         self.index = index
         self.error = error
@@ -83,6 +84,9 @@ def check_admission(accepting: bool, waiting: int, num_prompts: int, max_queue: 
     for admission behind ``waiting``."""
     if not accepting:
         raise EngineClosedError("the server is shutting down")
+    if max_queue is not None and num_prompts > max_queue:  # a retry can never fit: the client's error
+        raise RequestRejected(None, ValueError(f"prompt: a batch of {num_prompts} prompts is more than the "
+                                            f"{max_queue} requests the server queues (--max-queue)"))
     if max_queue is not None and waiting + num_prompts > max_queue:
         raise QueueFullError(f"{waiting} requests are waiting for admission and the server queues at most "
                              f"{max_queue} (--max-queue); retry later")
@@ -264,11 +268,15 @@ class EngineLoop:
         return sub, ids, None
 
     def _apply_aborts(self, aborts: list[tuple[int, str]]) -> None:
+        now = time.perf_counter()
         for rid, reason in aborts:
-            if self._live.pop(rid, None) is not None:
+            live = self._live.pop(rid, None)
+            if live is not None:
                 self.llm.abort_request(rid)
                 if self.metrics is not None:
                     self.metrics.finished[reason].inc()
+                    if reason == "stop":  # a stop string ended it: a finished request, timed like the others
+                        self.metrics.e2e.observe(now - live.arrival)
 
     def _fail(self, request_ids: list[int], message: str, reason: str) -> None:
         """Abort these requests and send each an ``error`` event."""

@@ -190,7 +190,7 @@ class Generation:
         except EngineClosedError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
         except RequestRejected as e:
-            param = "prompt" if len(self.prompts) == 1 else f"prompt[{e.index}]"
+            param = "prompt" if len(self.prompts) == 1 or e.index is None else f"prompt[{e.index}]"
             raise bad_request(str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
