@@ -167,3 +167,32 @@ def test_stop_fails_what_is_in_flight(loop_and_engine):
     last = asyncio.run(run())
     assert last[0] == "error" and "shut down" in last[2]
     assert not llm.requests
+
+
+def test_an_engine_that_closed_itself_makes_the_loop_unhealthy(loop_and_engine):
+    """A step raising WorkerError (a tensor-parallel rank died; the engine closed itself): every
+    request in flight gets an error, the loop refuses new ones and reports itself not alive
+    (``/health`` 503) instead of answering each later request with a 500."""
+    from pagedflash.engine.workers import WorkerError
+    from pagedflash.entrypoints.openai.engine_loop import EngineClosedError
+
+    engine, llm = loop_and_engine
+
+    async def run():
+        a, b = asyncio.Queue(), asyncio.Queue()
+        await engine.submit([[1]], SamplingParams(max_tokens=10_000), a)
+        await asyncio.wait_for(a.get(), 30)
+
+        def dead():
+            raise WorkerError("tensor-parallel rank 1 died")
+
+        llm.step = dead
+        await engine.submit([[2]], SamplingParams(max_tokens=10_000), b)
+        events = [await drain(q) for q in (a, b)]
+        with pytest.raises(EngineClosedError):
+            await engine.submit([[3]], SamplingParams(max_tokens=1), asyncio.Queue())
+        return events
+
+    events = asyncio.run(run())
+    assert all(e[-1][0] == "error" and "rank 1 died" in e[-1][2] for e in events)
+    assert not engine.alive and not engine.accepting

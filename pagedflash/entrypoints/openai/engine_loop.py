@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedflash.engine.sampling import SamplingParams
+from pagedflash.engine.workers import WorkerError
 
 logger = logging.getLogger("pagedflash.serve")
 
@@ -122,6 +123,7 @@ class EngineLoop:
         self._pending: list[_Submission] = []
         self._aborts: list[tuple[int, str]] = []
         self._accepting = True
+        self._engine_closed = False  # the engine closed itself after a failure (WorkerError)
         self._stopping = False
         self._num_waiting = 0  # the engine's waiting queue after the loop's last visit (under _cond)
         self._num_unfinished = 0  # requests in the engine after the loop's last visit (under _cond)
@@ -171,7 +173,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._engine_closed
 
     # ------------------------------------------------------------------ event loop
     async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
@@ -301,7 +303,12 @@ class EngineLoop:
             outputs = llm.step()
         except Exception as e:
             logger.exception("step failed; failing the requests it was running")
-            running = [seq.seq_id for seq in llm.scheduler.running if seq.seq_id in self._live]
+            if isinstance(e, WorkerError):  # the engine closed itself (a tensor-parallel rank died): no more
+                with self._cond:           # requests (503), /health unhealthy, the rest fail below
+                    self._accepting = False
+                    self._engine_closed = True
+            running = [] if self._engine_closed else [seq.seq_id for seq in llm.scheduler.running
+                                                      if seq.seq_id in self._live]
             self._fail(running or list(self._live), f"the engine step failed: {type(e).__name__}: {e}", "error")
             return
         now = time.perf_counter()
