@@ -118,3 +118,20 @@ def snapshot(bm: BlockManager):
         {s: (list(q.token_ids), list(q.block_table), q.num_committed) for s, q in bm._seqs.items()},
         (bm.stats.queried_tokens, bm.stats.hit_tokens),
     )
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n):
+    """``n`` greedy tokens of a transformers model after ``prompt``, one full forward per token."""
+    ids, out = torch.tensor([prompt]), []
+    for _ in range(n):
+        tok = int(model(ids).logits[0, -1].argmax())
+        out.append(tok)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return out
+
+
+def prompts_of(lengths, seed=0, vocab=128, low=0):
+    """Seeded random prompts of these lengths, ids in ``[low, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -8,6 +8,7 @@ graph decode equal to eager decode.
 
 import pytest
 import torch
+from helpers import hf_greedy, prompts_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,21 +49,6 @@ def llama(tmp_path_factory):
 def qwen2(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2")
     return path, save_tiny(path, "qwen2", seed=1, tie_word_embeddings=True)
-
-
-@torch.no_grad()
-def hf_greedy(model, prompt, n):
-    ids, out = torch.tensor([prompt]), []
-    for _ in range(n):
-        tok = int(model(ids).logits[0, -1].argmax())
-        out.append(tok)
-        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
-    return out
-
-
-def prompts_of(lengths, seed=0, vocab=128):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -437,11 +437,14 @@ def test_nodelay_is_set_on_accepted_sockets():
         sock.close()
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0():
-    proc = subprocess.Popen([sys.executable, "-m", "pagedflash", "serve", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def serve_process(*args, timeout=120.0):
+    """``python -m pagedflash serve --port 0 *args`` in a subprocess, once ``/health`` answers 200:
+    (the process, its URL). Its output is read in a thread (the pipe never fills)."""
+    proc = subprocess.Popen([sys.executable, "-m", "pagedflash", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         url = None
         while url is None and time.monotonic() < deadline:
             line = proc.stdout.readline()
@@ -449,11 +452,20 @@ def test_sigterm_drains_in_flight_requests_and_exits_0():
             if " on http://" in line:
                 url = line.split(" on ")[1].split()[0]
         assert url is not None
-        drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # keep the pipe empty
-        drain.start()
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
         while httpx.get(url + "/health", timeout=TIMEOUT).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0():
+    proc, url = serve_process()
+    try:
         body = {"prompt": [11, 12], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:

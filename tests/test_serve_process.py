@@ -7,13 +7,11 @@ errors, SIGTERM drain), plus a child that dies.
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
-from test_serve import GREEDY, MODEL, TIMEOUT, LiveServer, finished, httpx, openai
+from test_serve import GREEDY, MODEL, TIMEOUT, LiveServer, finished, httpx, openai, serve_process
 
 from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.engine.llm import LLM
@@ -175,22 +173,9 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the engine process through /proc")
 def test_sigterm_drains_then_stops_the_engine_process():
-    proc = subprocess.Popen([sys.executable, "-m", "pagedflash", "serve", "--port", "0", "--engine-process"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = serve_process("--engine-process")
     children = []
     try:
-        deadline = time.monotonic() + 120
-        url = None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "server exited before listening"
-            if " on http://" in line:
-                url = line.split(" on ")[1].split()[0]
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-        while httpx.get(url + "/health", timeout=TIMEOUT).status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         children = _children(proc.pid)
         assert children, "no engine process"
         body = {"prompt": [11, 12], "max_tokens": 5, "ignore_eos": True, "temperature": 0, "stream": True,
