@@ -61,6 +61,18 @@ def test_every_architecture_has_a_model_class():
 
 
 @pytest.mark.parametrize("family", list(FAMILY_CASES))
+def test_every_family_builds_under_another_device(tmp_path, family):
+    """The model builds under a device context other than the CPU (the meta device here, as
+    ``num_parameters`` builds it; a GPU when serving): RoPE tables made on the CPU whatever device
+    is current (longrope's factor tensor followed the context and failed the build on the GPU)."""
+    save_family(tmp_path, family)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.num_parameters() > 0
+    with torch.device("meta"):
+        assert config.inv_freq(max_len=64).device.type == "cpu"
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CASES))
 def test_family_matches_transformers(tmp_path, family):
     hf = save_family(tmp_path, family)
     config = ModelConfig.from_pretrained(tmp_path)

@@ -266,11 +266,14 @@ class ModelConfig:
         theta, scaling = (self.local_rope_theta, self.local_rope_scaling) if local else \
             (self.rope_theta, self.rope_scaling)
         d = self.head_dim
-        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+        # on the CPU whatever device is current (the model is built under its device, or meta)
+        base = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d)
+        inv = 1.0 / base
         kind = scaling.get("rope_type", "default")
-        if kind == "longrope":
+        if kind == "longrope":  # 1 / (factor * base), in transformers' order of operations
             long = max_len > scaling["original_max_position_embeddings"]
-            inv = inv / torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+            factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+            inv = 1.0 / (factors * base)
         elif kind == "linear":
             inv = inv / scaling["factor"]
         elif kind == "llama3":
@@ -428,7 +431,8 @@ def _longrope(scaling: dict, d: dict) -> None:
     """Complete and check a longrope ``scaling`` in place, as transformers reads it: the factor lists,
     ``original_max_position_embeddings``, and ``attention_factor`` (default from ``factor``, itself by
     default ``max_position_embeddings / original_max_position_embeddings``)."""
-    original = scaling.get("original_max_position_embeddings") or d.get("original_max_position_embeddings")
+    # the config's own key first, as transformers reads it
+    original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     if not original:
         raise ValueError("longrope RoPE scaling needs 'original_max_position_embeddings'")
     scaling["original_max_position_embeddings"] = int(original)
