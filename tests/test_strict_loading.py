@@ -87,13 +87,22 @@ def test_neutral_values_and_implemented_keys_load():
         ModelConfig.from_dict({**TINY, "architectures": ["GraniteForCausalLM"], "query_pre_attn_scalar": 256})
 
 
-@pytest.mark.parametrize("scaling", ["yarn", "dynamic", "su"])
+@pytest.mark.parametrize("scaling", ["yarn", "dynamic"])
 def test_unsupported_rope_scalings_fail_by_name(scaling):
     params = {"rope_type": scaling, "factor": 4.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match=f"unsupported RoPE scaling '{scaling}'"):
         ModelConfig.from_dict({**LLAMA, "rope_parameters": params})
     with pytest.raises(ValueError, match=f"unsupported RoPE scaling '{scaling}'"):
         ModelConfig.from_dict({**LLAMA, "rope_scaling": {"type": scaling, "factor": 4.0}})
+
+
+def test_su_is_longrope():
+    """``su``, longrope's first name (Phi-3-128k's configs), loads as longrope (transformers does)."""
+    half = ModelConfig.from_dict(LLAMA).head_dim // 2
+    scaling = {"type": "su", "short_factor": [1.0] * half, "long_factor": [2.0] * half,
+               "original_max_position_embeddings": 16}
+    config = ModelConfig.from_dict({**LLAMA, "rope_scaling": scaling})
+    assert config.rope_scaling["rope_type"] == "longrope"
 
 
 def test_per_layer_rope_only_where_the_family_has_it():

@@ -410,6 +410,8 @@ def _one_rope(params: dict, scaling: dict, d: dict) -> tuple[float, dict]:
     if not isinstance(theta, (int, float)):
         raise ValueError(f"config.json: rope_theta must be a number, got {theta!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "su":  # longrope's first name (Phi-3-128k's configs), as transformers reads it
+        kind = "longrope"
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if kind == "default":
