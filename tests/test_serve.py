@@ -36,10 +36,11 @@ MODEL = api_server.TINY_MODEL_NAME
 
 
 class LiveServer:
-    """An in-process server on a free loopback port (uvicorn in a thread)."""
+    """An in-process server on a free loopback port (uvicorn in a thread), its engine loop a thread
+    (``--no-engine-process``: the tests reach into the engine) unless ``argv`` says otherwise."""
 
     def __init__(self, *argv):
-        args = api_server.parse_args(["--port", "0", *argv])
+        args = api_server.parse_args(["--port", "0", "--no-engine-process", *argv])
         self.state = api_server.build_state(args)
         app = api_server.build_app(self.state, api_key=args.api_key)
         self.server = api_server.make_server(app, log_level="warning")
@@ -464,7 +465,7 @@ def serve_process(*args, timeout=120.0):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0():
-    proc, url = serve_process()
+    proc, url = serve_process("--no-engine-process")
     try:
         body = {"prompt": [11, 12], "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}

@@ -4,6 +4,8 @@
 # on it, each run followed by the offline engine on the same requests (the overhead ratio), and the
 # offline batch-1 ITL of `bench serve --sections itl` in the same call.
 #   RUNS="itl conc64 prefix sweep" bash tools/online_h200.sh      (results in $OUT/online.tgz)
+# PREFIX_WARMUPS sets the shared-prefix runs' warm-up count (64: the point's own shape).
+# SERVER_ARGS adds options to every server it launches (--engine-process).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
 R=${R:-bench_results}; mkdir -p $R
@@ -18,20 +20,25 @@ online() {  # name, then bench online's arguments
 for run in ${RUNS:-itl conc64 prefix sweep}; do
   case $run in
     itl) online itl --input-len 1024 --output-len 256 --num-prompts 8 --max-concurrency 1 --num-warmups 2 \
-           --launch-server $M
+           --launch-server $M ${SERVER_ARGS:-}
          timeout 150 python3 -m pagedflash bench serve --sections itl --out $R > $R/serve_itl.log 2>&1
          grep -E "ITL|itl" $R/serve_itl.log | tail -6 ;;
+    itlp) online itlp --input-len 1024 --output-len 256 --num-prompts 8 --max-concurrency 1 --num-warmups 2 \
+            --no-offline --launch-server $M ${SERVER_ARGS:-} --engine-process ;;
     conc64) online conc64 --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
-              ${CLIENT_ARGS:-} --launch-server $M ;;
+              ${CLIENT_ARGS:-} --launch-server $M ${SERVER_ARGS:-} ;;
     conc64p) online conc64p --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
-               ${CLIENT_ARGS:-} --no-offline --launch-server $M --engine-process ;;
+               ${CLIENT_ARGS:-} --no-offline --launch-server $M ${SERVER_ARGS:-} --engine-process ;;
+    prefixon) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
+              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-} ;;
     prefix) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
-              --output-len 32 --num-prompts 64 --num-warmups 2 --no-offline --launch-server $M
+              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-}
             online prefix_off --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
-              --output-len 32 --num-prompts 64 --num-warmups 2 --no-offline --launch-server $M \
+              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-} \
               --no-enable-prefix-caching ;;
     sweep) online sweep --input-len 100:1024 --output-len 100:512 --num-prompts 128 --request-rates 4,8,16,32,inf \
-             --no-offline --launch-server $M ;;
+             --no-offline --launch-server $M ${SERVER_ARGS:-} ;;
   esac
 done
-tar czf $OUT/online.tgz $R
+[ "$R" = bench_results ] && a=online || a=$R
+tar czf $OUT/$a.tgz $R

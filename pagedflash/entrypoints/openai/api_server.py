@@ -1,12 +1,12 @@
 """``pagedflash serve [MODEL_DIR]``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
-or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One engine loop thread
-(:mod:`.engine_loop`) runs the engine; the handlers (:mod:`.serving`) only validate, tokenize,
+or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One engine loop runs the
+engine, in a child process by default (:mod:`.engine_process`: the engine's host work shares no GIL
+with the HTTP handlers) or, with ``--no-engine-process``, in a thread (:mod:`.engine_loop`); the handlers (:mod:`.serving`) only validate, tokenize,
 detokenize and format. Without ``MODEL_DIR`` the tiny random Llama
 (:data:`~pagedflash.engine.config.TINY_LLAMA`) with the tiny tokenizer is served, so the server
-starts on any machine (on a CPU under the Triton interpreter: slow, for tests and trials). With
-``--engine-process`` the loop runs in a child process (:mod:`.engine_process`) instead of a thread.
+starts on any machine (on a CPU under the Triton interpreter: slow, for tests and trials).
 
 Streams: each accepted connection gets TCP_NODELAY, so a small event is sent at once. SIGTERM or
 SIGINT: new requests get 503 and the listening socket closes; requests in flight finish, or are
@@ -50,9 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="requests waiting for admission at most; more get 503 (default: no limit)")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds to let requests in flight finish before aborting them")
-    ap.add_argument("--engine-process", action="store_true",
+    ap.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                     help="run the engine loop in a child process (the HTTP process keeps tokenizing, "
-                         "detokenizing and streaming; no GIL shared with the engine's host work)")
+                         "detokenizing and streaming; no GIL shared with the engine's host work); "
+                         "--no-engine-process: in a thread of the HTTP process")
     engine = ap.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-model-len", type=int, default=None)
