@@ -8,8 +8,15 @@ Checks split in two kinds:
 - *structural* (dtype, device, rank, shape, strides): always on, cost nothing on the device;
 - *value* checks that must read int32 metadata from the device (``cu_seqlens`` monotone and
   matching the totals, page ids inside the pool, lengths within the cache): they synchronize with
-  the device, so they are skipped during CUDA-graph capture and can be turned off for hot loops
-  with :func:`set_value_checks` (a serving engine that builds its own metadata does this).
+  the device (a read waits for every kernel queued before it), so they are a debug mode, off by
+  default: :func:`set_value_checks` / :func:`value_checks`, or ``PAGEDFLASH_VALUE_CHECKS=1`` in the
+  environment. They are skipped during CUDA-graph capture and ``torch.compile`` tracing.
+
+Without them the kernels check the metadata they read: a row whose metadata is invalid (a length
+past the cache, a page id outside the pool, ``cu_seqlens`` not increasing, a slot or position out
+of range) reads and writes nothing outside the tensors given, gets NaN output (and LSE), and
+records the fault in a small per-device buffer (:func:`fault_buffer`); :func:`raise_if_invalid`
+reads it (one synchronization, when the caller chooses) and raises the error naming the argument.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import numbers
 import operator
+import os
+import threading
 
 import torch
 
@@ -29,7 +38,7 @@ MAX_WINDOW = 2**30
 MIN_SOFTCAP = 2.0**-126  # fp32's smallest normal number
 _FP32_MAX = torch.finfo(torch.float32).max
 
-_value_checks = True
+_value_checks = os.environ.get("PAGEDFLASH_VALUE_CHECKS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class FlashAttnValueError(ValueError, RuntimeError):
@@ -367,3 +376,79 @@ def check_sinks(sinks, *, num_heads: int, device) -> torch.Tensor | None:
     if value_checks_enabled(sinks) and bool((torch.isnan(sinks) | torch.isposinf(sinks)).any()):
         raise ValueError(f"sinks: expected finite logits (or -inf for none), got {sinks.tolist()}")
     return sinks
+
+
+# ---------------------------------------------------------------- metadata faults found by kernels
+
+# Fault codes: the index of a fault's entry in the fault buffer. A kernel that finds one stores the
+# largest index (sequence, token) at which it did (tl.atomic_max; -1 = none).
+FAULT_CU_SEQLENS_Q, FAULT_CU_SEQLENS_K, FAULT_SEQLENS_K, FAULT_BLOCK_TABLE, FAULT_SLOT_MAPPING, FAULT_POSITIONS = range(6)
+NUM_FAULTS = 6
+_FAULTS = {
+    FAULT_CU_SEQLENS_Q: ("cu_seqlens_q", "sequence",
+                         "expected non-decreasing offsets from 0 to the number of packed query tokens"),
+    FAULT_CU_SEQLENS_K: ("cu_seqlens_k", "sequence",
+                         "expected non-decreasing offsets from 0 to the number of packed keys (paged: "
+                         "lengths within the block table's pages)"),
+    FAULT_SEQLENS_K: ("cache_seqlens", "sequence",
+                      "expected lengths (seqused_k; with new k/v, cache_seqlens + S_new) in [0, the cache "
+                      "capacity: S_max, or block_table columns x page_size]"),
+    FAULT_BLOCK_TABLE: ("block_table", "sequence", "page ids must be in [0, num_blocks)"),
+    FAULT_SLOT_MAPPING: ("slot_mapping", "token", "slots must be < num_blocks * page_size (negative: not written)"),
+    FAULT_POSITIONS: ("positions", "token", "expected values in [0, rows of cos/sin)"),
+}
+_fault_buffers: dict[torch.device, torch.Tensor] = {}
+_fault_lock = threading.Lock()
+
+
+def fault_buffer(device) -> torch.Tensor:
+    """The int32 ``[NUM_FAULTS]`` buffer on ``device`` where kernels record invalid metadata (entry
+    ``code``: -1, or the largest sequence or token index with that fault). Made at the device's first
+    launch and never replaced, so a CUDA graph that captured its address keeps reporting into it."""
+    device = _indexed(device)
+    buf = _fault_buffers.get(device)
+    if buf is None:
+        with _fault_lock:
+            buf = _fault_buffers.get(device)
+            if buf is None:
+                buf = torch.full((NUM_FAULTS,), -1, dtype=torch.int32, device=device)
+                _fault_buffers[device] = buf
+    return buf
+
+
+def _indexed(device) -> torch.device:
+    """``device`` with its index ("cuda" is the current CUDA device), as tensors name theirs."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def invalid_metadata(device=None, *, clear: bool = True) -> list[str]:
+    """The faults recorded since the last clear on ``device`` (every device with a buffer if None),
+    one message each, naming the argument, the rule and the last offending sequence or token. Reads
+    the buffers: waits for the kernels queued before it."""
+    devices = list(_fault_buffers) if device is None else [_indexed(device)]
+    messages = []
+    for dev in devices:
+        buf = _fault_buffers.get(dev)
+        if buf is None:
+            continue
+        values = buf.tolist()
+        if clear and any(v >= 0 for v in values):
+            buf.fill_(-1)
+        for code, index in enumerate(values):
+            if index >= 0:
+                name, unit, rule = _FAULTS[code]
+                messages.append(f"{name}: {rule}; a kernel on {dev} found {unit} {index} invalid "
+                                f"(its output rows are NaN; pagedflash.validate.value_checks(True) checks on the host "
+                                f"before launching and names the values)")
+    return messages
+
+
+def raise_if_invalid(device=None) -> None:
+    """Raise ``ValueError`` if a kernel found invalid metadata since the last call (then clear the
+    record). One synchronization: call it where a loop may wait (after a step, in a test)."""
+    messages = invalid_metadata(device)
+    if messages:
+        raise ValueError("invalid metadata: " + "; ".join(messages))

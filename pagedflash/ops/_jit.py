@@ -153,3 +153,10 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     out = (o_a * (w_a / denom)[:, None] + o_b * (w_b / denom)[:, None])
     lse = tl.where(empty, NEG_INF, m_safe + tl.log2(denom) * LN2)
     return out, lse
+
+
+@triton.jit
+def report_fault(Faults, code: tl.constexpr, index, bad):
+    """Record metadata fault ``code`` (:data:`pagedflash.validate.NUM_FAULTS` entries) at ``index``
+    (a sequence or token; scalars or matching blocks) where ``bad``."""
+    tl.atomic_max(Faults + code + index * 0, index, mask=bad)
