@@ -10,6 +10,14 @@ One kernel, two ways to name where each token goes:
 
 A contiguous cache ``[B, S_max, Hkv, D]`` is addressed as ``B`` pages of ``S_max`` slots.
 
+Any metadata values are safe: a token whose destination is invalid writes nothing and the kernel
+records the fault in :func:`pagedflash.validate.fault_buffer` (read by
+:func:`pagedflash.validate.raise_if_invalid`): a slot ``>= num_blocks * page_size`` as
+``slot_mapping`` at the token's index; a position ``cache_seqlens[b] + t`` outside ``[0, S_max)``
+(paged: ``[0, block_table columns * page_size)``) as ``cache_seqlens`` at row ``b``, and then no
+token of that row is written; a page id outside ``[0, num_blocks)`` as ``block_table`` at row ``b``. The host reads no metadata values
+unless the debug mode (:func:`pagedflash.validate.value_checks`) is on.
+
 An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``) stores ``saturate(k / k_scale[head])`` rounded to
 nearest, ties to even (:func:`pagedflash.ops._jit.round_to_fp8`): saturated at the format's largest
 finite value, never NaN from finite input; NaN is stored as NaN (the format's bits, with its sign,
@@ -29,16 +37,25 @@ from pagedflash.ops import _jit, custom_ops
 from pagedflash.ops.utils import cdiv, head_stride, next_pow2
 
 
-@triton.jit(do_not_specialize=["stride_tb", "new_per_row"])  # vary per call: no recompiles
+# fault codes (pagedflash.validate) as the kernel's constants
+_FAULT_SLOT: tl.constexpr = tl.constexpr(validate.FAULT_SLOT_MAPPING)
+_FAULT_SEQLENS: tl.constexpr = tl.constexpr(validate.FAULT_SEQLENS_K)
+_FAULT_TABLE: tl.constexpr = tl.constexpr(validate.FAULT_BLOCK_TABLE)
+
+
+@triton.jit(do_not_specialize=["stride_tb", "new_per_row", "capacity", "num_pages"])  # vary per call: no recompiles
 def _write_kv_kernel(
     K, V,  # new tokens: [T, Hkv, D] (slots) or [B, S_new, Hkv, D] (append)
     KCache, VCache,  # [num_pages, page_size, Hkv, D]
     Slots,  # [T] int64 (BY_SLOT)
     CacheSeqlens,  # [B] int32 (append)
     BlockTable,  # [B, max_blocks] int32 (append, PAGED)
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate.fault_buffer
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_cp, stride_cs, stride_ch,
     stride_tb, new_per_row, num_heads,
+    capacity,  # slots a token may go to: num_pages * page_size (slots), S_max or max_blocks * page_size (append)
+    num_pages,  # pages of the pool (PAGED append)
     KScale, VScale,  # [Hkv] fp32, or one value with stride 0 (HAS_K_SCALE / HAS_V_SCALE)
     stride_ks, stride_vs,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -46,13 +63,18 @@ def _write_kv_kernel(
     QUANTIZE: tl.constexpr, FP8_MANT: tl.constexpr, FP8_EMIN: tl.constexpr, FP8_MAX: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
 ):
+    """One token's heads per program. A token whose destination is invalid writes nothing and
+    records its fault: a slot at or past ``capacity`` at its token index (a negative slot is padding);
+    a row whose positions ``cache_seqlens[b] + [0, new_per_row)`` leave ``[0, capacity)`` (none of
+    its tokens written), or a page id outside ``[0, num_pages)``, at its row."""
     i = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     if BY_SLOT:
         slot = tl.load(Slots + i)
-        if slot < 0:
-            return
+        _jit.report_fault(Faults, _FAULT_SLOT, i, slot >= capacity)
+        ok = (slot >= 0) & (slot < capacity)
+        slot = tl.where(ok, slot, 0)
         page = slot // PAGE_SIZE
         offset = slot % PAGE_SIZE
         src_row = i.to(tl.int64) * stride_kt
@@ -60,15 +82,23 @@ def _write_kv_kernel(
     else:
         b = i // new_per_row
         t = i % new_per_row
-        pos = tl.load(CacheSeqlens + b) + t
+        seqlen = tl.load(CacheSeqlens + b).to(tl.int64)  # int64: no wrap past int32
+        ok = (seqlen >= 0) & (seqlen + new_per_row <= capacity)  # the whole row fits, or none of it is written
+        _jit.report_fault(Faults, _FAULT_SEQLENS, b, ~ok)
+        pos = tl.where(ok, seqlen + t, 0)
         if PAGED:
-            page = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE).to(tl.int64)
+            page = tl.load(BlockTable + b.to(tl.int64) * stride_tb + pos // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+            page_ok = (page >= 0) & (page < num_pages)
+            _jit.report_fault(Faults, _FAULT_TABLE, b, ok & ~page_ok)
+            ok = ok & page_ok
+            page = tl.where(ok, page, 0)
         else:
             page = b.to(tl.int64)
         offset = pos % PAGE_SIZE
         src_row = b.to(tl.int64) * stride_kb + t * stride_kt
         src_row_v = b.to(tl.int64) * stride_vb + t * stride_vt
-    mask = (heads[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
+    # an invalid token masks every head (a scalar bool broadcast into a block mask fails in the interpreter)
+    mask = (heads[:, None] < tl.where(ok, num_heads, 0)) & (offs_d[None, :] < HEAD_DIM)
     dst = page * stride_cp + offset * stride_cs + heads[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(K + src_row + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + src_row_v + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
@@ -105,24 +135,33 @@ def _launch(k, v, k_cache, v_cache, *, tokens, slots=None, cache_seqlens=None, b
     dummy = k_cache
     quantize = validate.is_fp8(k_cache.dtype)
     fmt = fp8_format(k_cache.dtype) if quantize else dict(FP8_MANT=0, FP8_EMIN=0, FP8_MAX=0.0)
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    if slots is not None:
+        capacity = num_pages * page_size
+    elif block_table is not None:
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = page_size  # a contiguous cache: one page of S_max slots per row
     _write_kv_kernel[(tokens, cdiv(hkv, block_h))](
         k, v, k_cache, v_cache,
         slots if slots is not None else dummy,
         cache_seqlens if cache_seqlens is not None else dummy,
         block_table if block_table is not None else dummy,
+        validate.fault_buffer(k_cache.device),
         *ks, *vs, *k_cache.stride()[:3],
-        block_table.stride(0) if block_table is not None else 0, new_per_row, hkv,
+        block_table.stride(0) if block_table is not None else 0, new_per_row, hkv, capacity, num_pages,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         head_stride(k_scale), head_stride(v_scale),
-        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_H=block_h,
+        PAGE_SIZE=page_size, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_H=block_h,
         BY_SLOT=slots is not None, PAGED=block_table is not None, QUANTIZE=quantize, **fmt,
         HAS_K_SCALE=k_scale is not None, HAS_V_SCALE=v_scale is not None, num_warps=4,
     )
 
 
 def append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table=None, *, k_scale=None, v_scale=None) -> None:
-    """Write k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (validated by the caller;
-    quantized by ``k_scale``/``v_scale`` into an fp8 cache)."""
+    """Write k/v ``[B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + t`` (shapes checked by the
+    caller; quantized by ``k_scale``/``v_scale`` into an fp8 cache). A token whose position or page
+    is invalid is not written; the fault is recorded (module docstring)."""
     _launch(k, v, k_cache, v_cache, tokens=k.shape[0] * k.shape[1], cache_seqlens=cache_seqlens,
             block_table=block_table, new_per_row=k.shape[1], k_scale=k_scale, v_scale=v_scale)
 
@@ -136,7 +175,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
             fp32, or fp8 (``float8_e4m3fn``/``float8_e5m2``), which stores
             ``saturate(k / k_scale[head])`` rounded to nearest.
         slot_mapping: int64 ``[T]``; ``slot = block_id * page_size + offset``; a negative slot skips
-            its token (padding).
+            its token (padding); a slot ``>= num_blocks * page_size`` is not written and recorded as
+            a fault (:func:`pagedflash.validate.raise_if_invalid` raises for it), or, with
+            :func:`pagedflash.validate.value_checks` on, refused on the host before anything is written.
         k_scale, v_scale: fp8 caches only: fp32 ``[]``/``[1]`` (per tensor) or ``[Hkv]`` (per KV head),
             the values attention later takes as ``k_descale``/``v_descale``; None means 1.
     """
