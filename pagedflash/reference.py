@@ -276,3 +276,31 @@ def rms_norm_gemv_ref(x, weight, bias=None, *, norm_weight, eps, residual=None):
 def silu_mul_gemv_ref(gate_up, weight, bias=None):
     """``gemv_ref(silu(gate) * up)`` for one row ``gate_up [1, 2k]``, the product rounded to its dtype."""
     return gemv_ref(_rounded(silu_mul_ref(gate_up), gate_up.dtype), weight, bias)
+
+
+def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, total_q, total_k=0, max_seqlen_q,
+                            num_blocks=0, page_size=0):
+    """Each sequence's ``(start, end)`` query and key rows as :func:`pagedflash.ops.metadata.varlen_bounds`
+    gives them, ``(0, 0)`` where its metadata is invalid, and the set of invalid sequences:
+    ``(pairs_q, pairs_k, invalid)``, host lists."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    batch = len(cq) - 1
+    pairs_q, pairs_k, invalid = [], [], set()
+    for b in range(batch):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        q_prev, q_next = (cq[b - 1] if b else 0), (cq[b + 2] if b < batch - 1 else total_q)
+        k_prev, k_next = (ck[b - 1] if b else 0), (ck[b + 2] if b < batch - 1 else 2**31 - 1)
+        ok = q_prev <= q0 and 0 <= q0 <= q1 <= min(q_next, total_q) and q1 - q0 <= max_seqlen_q
+        ok = ok and (b > 0 or q0 == 0) and (b < batch - 1 or q1 == total_q)
+        ok = ok and k_prev <= k0 and 0 <= k0 <= k1 <= k_next and (b > 0 or k0 == 0)
+        if block_table is None:
+            ok = ok and k1 <= total_k and (b < batch - 1 or k1 == total_k)
+        else:
+            pages = block_table.shape[1]
+            ok = ok and k1 - k0 <= pages * page_size
+            ok = ok and all(0 <= i < num_blocks for i in block_table[b, : -(-(k1 - k0) // page_size)].tolist())
+        pairs_q.append((q0, q1) if ok else (0, 0))
+        pairs_k.append((k0, k1) if ok else (0, 0))
+        if not ok:
+            invalid.add(b)
+    return pairs_q, pairs_k, invalid

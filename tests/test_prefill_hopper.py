@@ -787,3 +787,48 @@ def test_a_compiled_call_follows_the_routing_too(monkeypatch):
     torch.compile(lambda q, k, v, out: flash_attn_func(q, k, v, causal=True, out=out), fullgraph=True,
                   backend="aot_eager")(q, k, v, out)
     assert calls == [True] and torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("fault", ["lengths", "page id"])
+def test_gluon_invalid_metadata_gives_nan_rows_and_a_fault(gluon, paged, fault):
+    # value checks off (the default): the host reads nothing; the sequence whose metadata is invalid
+    # gets NaN rows and LSE, the others are exact, and raise_if_invalid names the argument
+    from pagedflash import validate
+
+    if fault == "page id" and not paged:
+        pytest.skip("page ids are paged metadata")
+    dtype, d, hq, hkv = torch.bfloat16, 128, 4, 2
+    lens_q, lens_k = [300, 200, 130], [700, 900, 130]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = randn(int(cu_q[-1]), hq, d, dtype=dtype)
+    if paged:
+        k, v, table = make_pool(lens_k, 64, hkv, d, dtype)
+    else:
+        k, v, table = randn(int(cu_k[-1]), hkv, d, dtype=dtype), randn(int(cu_k[-1]), hkv, d, dtype=dtype), None
+    want, want_lse = (ref.paged_varlen_attention_ref(q, k, v, cu_q, cu_k, table, causal=True) if paged
+                      else ref.varlen_attention_ref(q, k, v, cu_q, cu_k, causal=True))
+    bad_cu_k = cu_k
+    if fault == "lengths":  # sequence 1's keys end past the packed keys / the block table's pages
+        bad_cu_k = cu_k.clone()
+        bad_cu_k[2] = cu_k[1] + (table.shape[1] * 64 + 1 if paged else int(cu_k[-1]))
+    else:  # a page id outside the pool in sequence 1's pages
+        table = table.clone()
+        table[1, 3] = k.shape[0] + 5
+    validate.invalid_metadata()
+    with validate.value_checks(False):
+        got, lse = _through_gluon(q, k, v, cu_q, bad_cu_k, max(lens_q), max(lens_k), causal=True, return_lse=True,
+                                  block_table=table)
+    rows = slice(int(cu_q[1]), int(cu_q[2]))
+    assert got[rows].isnan().all() and lse[:, rows].isnan().all()
+    others = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+    others[rows] = False
+    if fault == "lengths":  # the next sequence starts at sequence 1's bad end: invalid too
+        others[int(cu_q[2]):] = False
+    assert_close(got[others], want[others], dtype)
+    assert_close(lse[:, others], want_lse[:, others], torch.float16, name="lse")
+    name = "block_table" if fault == "page id" else "cu_seqlens_k"
+    with pytest.raises(ValueError, match=name):
+        validate.raise_if_invalid()

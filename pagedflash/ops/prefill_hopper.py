@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from pagedflash.ops import metadata
 from pagedflash.ops import prefill_hopper_kernel as kernel
 from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention import ensure_tma_allocator
@@ -239,10 +240,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         operands = (*_descriptors((q, k, v), plan.descs), None, None, None, None, None)
     else:
         ensure_tma_allocator()  # the kernel's descriptors live in Triton's global scratch
+        # each sequence's (start, end) rows, (0, 0) where its metadata is invalid (NaN rows, a fault)
+        pairs = metadata.varlen_bounds(varlen[0], varlen[1], block_table, out, lse, total_k=k.shape[0],
+                                       max_seqlen_q=varlen[2], num_blocks=k.shape[0], page_size=k.shape[1])
         if block_table is None:  # the packed tensors themselves
-            operands = (q, k, v, None, None, None, *varlen[:2])
+            operands = (q, k, v, None, None, None, *pairs)
         else:  # host descriptors over the caches' pages, and the caches for the last pages'
-            operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *varlen[:2])
+            operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *pairs)
     q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
     try:
         kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q,

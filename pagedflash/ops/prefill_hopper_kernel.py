@@ -393,8 +393,9 @@ if UNAVAILABLE is None:
         (:func:`_schedule`). Dense: descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes
         (Q: ``BM // 2`` rows, K/V: ``BN``), ``Kc``/``Vc``/``BlockTable``/``CuQ``/``CuK`` None and the
         token strides unused. ``VARLEN``: q/k/v are the packed ``[total, H, D]`` tensors themselves with
-        their token and head strides, ``Sq``/``Sk`` the longest lengths, and ``cu_seqlens`` say where
-        each sequence is. ``PAGE`` (with ``VARLEN``; 0: not paged): K/V are the caches ``Kc``/``Vc``
+        their token and head strides, ``Sq``/``Sk`` the longest lengths, and ``CuQ``/``CuK`` each
+        sequence's ``(start, end)`` rows (int32 ``[B, 2]``, :func:`pagedflash.ops.metadata.varlen_bounds`:
+        ``(0, 0)`` for a sequence with invalid metadata, which the kernel then skips). ``PAGE`` (with ``VARLEN``; 0: not paged): K/V are the caches ``Kc``/``Vc``
         (``[blocks, PAGE, Hkv, D]``; token strides within a page, block strides), ``k_desc``/``v_desc``
         host descriptors over them with ``[1, CHUNK, 1, D]`` boxes, ``BlockTable`` each sequence's pages
         (strides by sequence and by page). ``qk_scale`` = softmax scale x log2(e). ``KV8`` (with

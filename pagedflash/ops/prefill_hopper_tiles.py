@@ -70,17 +70,18 @@ def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, 
 
 @gluon.jit
 def _sequence(b, Sq, Sk, CuQ, CuK, VARLEN: gl.constexpr):
-    """``(first query token, queries, first key token, keys)`` of sequence ``b``: from the
-    ``cu_seqlens`` with ``VARLEN``, else ``(0, Sq, 0, Sk)``."""
+    """``(first query token, queries, first key token, keys)`` of sequence ``b``: with ``VARLEN``
+    from its ``(start, end)`` pairs (``[B, 2]``, :func:`pagedflash.ops.metadata.varlen_bounds`:
+    ``(0, 0)`` for a sequence whose metadata is invalid), else ``(0, Sq, 0, Sk)``."""
     q_start = 0
     k_start = 0
     sq = Sq
     sk = Sk
     if VARLEN:
-        q_start = gl.load(CuQ + b)
-        sq = gl.load(CuQ + b + 1) - q_start
-        k_start = gl.load(CuK + b)
-        sk = gl.load(CuK + b + 1) - k_start
+        q_start = gl.load(CuQ + 2 * b)
+        sq = gl.load(CuQ + 2 * b + 1) - q_start
+        k_start = gl.load(CuK + 2 * b)
+        sk = gl.load(CuK + 2 * b + 1) - k_start
     return q_start, sq, k_start, sk
 
 @gluon.jit
