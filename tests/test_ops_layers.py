@@ -12,6 +12,7 @@ import torch
 from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
 
 from pagedflash import reference as ref
+from pagedflash import validate
 from pagedflash.ops import activation, gemv, norm, rope, sampling
 
 GPU_DTYPES = [torch.bfloat16, torch.float16]
@@ -228,7 +229,12 @@ def _errors():
     yield lambda: call(num_heads=4), ValueError, r"x: expected rows of at least num_heads \* head_dim = 80"
     yield lambda: call(positions=pos.float()), TypeError, r"positions: expected dtype in"
     yield lambda: call(positions=pos[:1]), ValueError, r"positions: expected shape \(2,\)"
-    yield lambda: call(positions=torch.tensor([0, 16], device=DEVICE)), ValueError, r"positions: expected values in \[0, 16\)"
+
+    def debug_call(**kw):  # the positions' range is read on the host in the debug mode only
+        with validate.value_checks(True):
+            call(**kw)
+
+    yield lambda: debug_call(positions=torch.tensor([0, 16], device=DEVICE)), ValueError, r"positions: expected values in \[0, 16\)"
     yield lambda: call(cos=cos.half()), TypeError, r"cos: expected dtype in \['torch.float32'\]"
     yield lambda: call(sin=randn(16, 10)), ValueError, r"sin: expected shape \(\*, 20\)"
     yield lambda: call(sin=randn(15, 20)), ValueError, r"sin: expected the shape of cos"
@@ -257,9 +263,10 @@ def test_bad_input_is_refused_by_name(case):
 
 
 def test_rope_refusal_changes_nothing():
+    """In the debug mode (tests/test_write_faults.py: by default, such rows become NaN)."""
     x = randn(2, 40)
     before = x.clone()
-    with pytest.raises(ValueError, match="positions"):
+    with validate.value_checks(True), pytest.raises(ValueError, match="positions"):
         rope.rope_(x, torch.tensor([0, 99], device=DEVICE), randn(16, 20), randn(16, 20), num_heads=2, head_dim=20)
     assert torch.equal(x, before)
 
@@ -285,8 +292,7 @@ def test_a_signature_checked_once_still_refuses_other_inputs():
 def test_cached_plans_keep_refusing_what_the_checks_refuse(monkeypatch):
     """Plan keys carry the types of the call's ints (``True == 1`` would share a plan), ``out`` may not
     share memory with an input (addresses: checked every call), a module constant a plan depends on
-    is part of its key, and the operator route checks the RoPE positions' range too."""
-    from pagedflash import validate
+    is part of its key, and in the debug mode the operator route checks the RoPE positions' range too."""
     from pagedflash.ops import custom_ops
 
     qkv, pos, table = randn(2, 40), torch.tensor([0, 5], device=DEVICE), randn(16, 20)
@@ -296,7 +302,7 @@ def test_cached_plans_keep_refusing_what_the_checks_refuse(monkeypatch):
             rope.rope_(qkv, pos, table, table, num_heads=2.0, head_dim=20)
     previous = custom_ops.dispatch_eager(True)
     try:
-        with pytest.raises(ValueError, match=r"positions: expected values in \[0, 16\)"):
+        with validate.value_checks(True), pytest.raises(ValueError, match=r"positions: expected values in \[0, 16\)"):
             rope.rope_(qkv, torch.tensor([0, 16], device=DEVICE), table, table, num_heads=2, head_dim=20)
     finally:
         custom_ops.dispatch_eager(previous)

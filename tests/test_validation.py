@@ -154,8 +154,8 @@ def test_write_kv_cache_rejects():
     write_kv_cache(k, v, k_cache, v_cache, slots)
     with pytest.raises(TypeError, match="slot_mapping: expected dtype torch.int64"):
         write_kv_cache(k, v, k_cache, v_cache, slots.int())
-    with pytest.raises(ValueError, match="slot_mapping: slots must be < num_blocks \\* page_size = 16"):
-        write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 16, 1], device=DEVICE))
+    with validate.value_checks(True), pytest.raises(ValueError, match="slot_mapping: slots must be < num_blocks \\* page_size = 16"):
+        write_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 16, 1], device=DEVICE))  # the debug mode's host check
     with pytest.raises(ValueError, match="slot_mapping: expected shape \\(3,\\)"):
         write_kv_cache(k, v, k_cache, v_cache, slots[:2])
     with pytest.raises(ValueError, match="k: expected shape \\[T, 2, 32\\]"):

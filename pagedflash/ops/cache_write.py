@@ -36,7 +36,6 @@ from pagedflash import validate
 from pagedflash.ops import _jit, custom_ops
 from pagedflash.ops.utils import cdiv, head_stride, next_pow2
 
-
 # fault codes (pagedflash.validate) as the kernel's constants
 _FAULT_SLOT: tl.constexpr = tl.constexpr(validate.FAULT_SLOT_MAPPING)
 _FAULT_SEQLENS: tl.constexpr = tl.constexpr(validate.FAULT_SEQLENS_K)

@@ -11,10 +11,13 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import custom_ops
+from pagedflash.ops import _jit, custom_ops
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 HEADS_PER_PROGRAM = 16
+
+
+_FAULT_POSITIONS: tl.constexpr = tl.constexpr(validate.FAULT_POSITIONS)
 
 
 @triton.jit
@@ -22,17 +25,24 @@ def _rope_kernel(
     X,  # [T, >= num_heads * 2 * HALF], row stride stride_t
     Cos, Sin,  # [max_len, 2 * HALF] fp32, contiguous; only the first HALF of a row is read
     Pos,  # [T] int32/int64
-    stride_t, num_heads,
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate.fault_buffer
+    stride_t, num_heads, max_len,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
+    """A position outside ``[0, max_len)`` reads no table row: its cos/sin are NaN, so are the row's
+    rotated heads, and the fault is recorded at the token's index."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
     d_ok = d < HALF
     mask = (heads[:, None] < num_heads) & d_ok[None, :]
     pos = tl.load(Pos + t).to(tl.int64)
-    c = tl.load(Cos + pos * (2 * HALF) + d, mask=d_ok, other=0.0)[None, :]
-    s = tl.load(Sin + pos * (2 * HALF) + d, mask=d_ok, other=0.0)[None, :]
+    ok = (pos >= 0) & (pos < max_len)
+    _jit.report_fault(Faults, _FAULT_POSITIONS, tl.program_id(0), ~ok)
+    pos = tl.where(ok, pos, 0)
+    row_ok = d < tl.where(ok, HALF, 0)  # (a scalar bool broadcast into a block mask fails in the interpreter)
+    c = tl.load(Cos + pos * (2 * HALF) + d, mask=row_ok, other=float("nan"))[None, :]
+    s = tl.load(Sin + pos * (2 * HALF) + d, mask=row_ok, other=float("nan"))[None, :]
     p = X + t * stride_t + heads[:, None] * (2 * HALF) + d[None, :]
     x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -60,13 +70,15 @@ def _check(x, positions, cos, sin, num_heads, head_dim) -> None:
     validate.check_no_grad(x=x)
 
 
-def _plan(x, positions, cos, sin, num_heads, head_dim) -> Launch:
-    """Check the operands (all the checks read is in the plan's key) and work out the launch."""
+def _plan(x, positions, cos, sin, num_heads, head_dim) -> tuple[Launch, torch.Tensor]:
+    """Check the operands (all the checks read is in the plan's key) and work out the launch; with
+    it, the fault buffer of x's device (in the key)."""
     _check(x, positions, cos, sin, num_heads, head_dim)
     t = x.shape[0]
     block_h = min(HEADS_PER_PROGRAM, next_pow2(num_heads))
-    return Launch(_rope_kernel, (t, cdiv(num_heads, block_h)) if t else None,
-                  dict(HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2)))
+    launch = Launch(_rope_kernel, (t, cdiv(num_heads, block_h)) if t else None,
+                    dict(HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2)))
+    return launch, validate.fault_buffer(x.device)
 
 
 _PLANS = PlanCache()
@@ -74,8 +86,8 @@ _PLANS = PlanCache()
 
 def _launch(x, positions, cos, sin, num_heads, head_dim) -> None:
     key = _PLANS.key(x, positions, cos, sin, extra=(num_heads, head_dim))
-    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, positions, cos, sin, num_heads, head_dim))
-    plan(x, cos, sin, positions, x.stride(0), num_heads)
+    launch, faults = _PLANS.get(key) or _PLANS.add(key, _plan(x, positions, cos, sin, num_heads, head_dim))
+    launch(x, cos, sin, positions, faults, x.stride(0), num_heads, cos.shape[0])
 
 
 _op = custom_ops.implement("rope_", _launch)
@@ -87,10 +99,14 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
     x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
     each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
-    second half repeats its first, which is all that is read). ``D = head_dim``, even. With value
-    checks on (the default) every call checks its inputs and reads the positions' range from the
-    device; with them off (engines), the checks of shapes, dtypes and devices run on a call
-    signature's first call, and at trace time under ``torch.compile``."""
+    second half repeats its first, which is all that is read). ``D = head_dim``, even.
+
+    By default the checks of shapes, dtypes and devices run on a call signature's first call (and at
+    trace time under ``torch.compile``), and no value is read on the host: a position outside
+    ``[0, max_len)`` reads no table row, makes the row's rotated heads NaN and is recorded as a
+    ``positions`` fault (:func:`pagedflash.validate.raise_if_invalid`). With value checks on
+    (:func:`pagedflash.validate.value_checks`, the debug mode) every call checks its inputs and reads
+    the positions' range from the device, refusing bad ones before anything is written."""
     if custom_ops.via_operator() or validate.value_checks_enabled():
         _check(x, positions, cos, sin, num_heads, head_dim)  # (the range check below reads valid tensors)
         if positions.numel() and validate.value_checks_enabled(positions):
