@@ -1,12 +1,18 @@
 """Write a servable model directory with random weights: ``python tools/random_model.py OUT [--shape S]``.
 
 ``OUT`` gets what ``pagedflash serve OUT`` (or any Hugging Face loader) reads: ``config.json`` and
-``model.safetensors`` (transformers' own init, as ``bench serve`` writes them: bf16 on a GPU, fp32
-on the CPU), a ``tokenizer.json`` in which every id of the vocabulary decodes to a word of its own
+``model.safetensors`` (written by transformers' own class for the shape's architecture, with its
+init, as ``bench serve`` writes them: bf16 on a GPU, fp32 on the CPU), a ``tokenizer.json`` in which every id of the vocabulary decodes to a word of its own
 (``w<id>``; the model's BOS and EOS ids are its special tokens), and a ``tokenizer_config.json``
 with a plain chat template. Random weights generate random ids from the whole vocabulary, so a
 tokenizer that covered only part of it would stream empty deltas: this one gives every token a
 streamed chunk, which is what a load generator timing inter-token latency needs.
+
+Shapes: Llama-3.2-1B, Llama-3-8B, Gemma-2-2B and Qwen3-1.7B (the published configs) and ``tiny``
+(a 2-layer Llama). ``--tiny`` keeps the shape's family and its switches (windows, softcaps, q/k
+norms) at ``tiny``'s sizes (a window of 16, BOS/EOS ids moved into the small vocabulary): a model
+the CPU runs in seconds. ``--set KEY=VALUE`` (repeatable; VALUE read as JSON, else a string)
+overrides a key of the architecture's transformers config, e.g. ``--set num_hidden_layers=4``.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import os
 import torch
 
 from pagedflash.bench.serve import _write_random_model
-from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, TINY_LLAMA
+from pagedflash.engine.config import GEMMA_2_2B, LLAMA_3_2_1B, LLAMA_3_8B, QWEN3_1_7B, TINY_LLAMA
 
-SHAPES = {"tiny": TINY_LLAMA, "llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B}
+SHAPES = {"tiny": TINY_LLAMA, "llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B, "gemma-2-2b": GEMMA_2_2B,
+          "qwen3-1.7b": QWEN3_1_7B}
+TINY_WINDOW = 16
 CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -39,20 +47,66 @@ def word_tokenizer(vocab_size: int, bos: int, eos: int):
     return tok
 
 
+def tiny(cfg: dict) -> dict:
+    """``cfg``'s family and switches at :data:`TINY_LLAMA`'s sizes (a sliding window of
+    :data:`TINY_WINDOW`, Gemma's query scale at the head dim as the real ones have it, token ids
+    past the small vocabulary replaced by ``tiny``'s BOS 1 and EOS 2)."""
+    out = {**cfg, **{k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type", "eos_token_id")}}
+    if out.get("sliding_window"):
+        out["sliding_window"] = TINY_WINDOW
+    if "query_pre_attn_scalar" in out:
+        out["query_pre_attn_scalar"] = out["head_dim"]
+    for key, small in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
+        if isinstance(out.get(key), int) and out[key] >= out["vocab_size"]:
+            out[key] = small
+    out.setdefault("eos_token_id", 2)
+    return out
+
+
+def with_overrides(cfg: dict, items: list[str]) -> dict:
+    """``cfg`` with ``KEY=VALUE`` overrides; each KEY must be a field of the architecture's
+    transformers config class."""
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.for_model(cfg["model_type"])
+    fields = hf_cfg.to_dict()
+    out = dict(cfg)
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
+        if key not in fields or key in ("architectures", "model_type"):
+            raise ValueError(f"--set: {key!r} is not a settable field of {type(hf_cfg).__name__}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the directory to write (created; files in it are replaced)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    ap.add_argument("--tiny", action="store_true", help="the shape's family at tiny sizes (CPU tests)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (VALUE as JSON, else a string); repeatable")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     cfg = SHAPES[args.shape]
+    if args.tiny:
+        cfg = tiny(cfg)
+    try:
+        cfg = with_overrides(cfg, args.set)
+    except ValueError as e:
+        ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     _write_random_model(cfg, args.out, torch.cuda.is_available(), args.seed)
     bos, eos = cfg.get("bos_token_id", 1), cfg["eos_token_id"]
     word_tokenizer(cfg["vocab_size"], bos, eos).save(os.path.join(args.out, "tokenizer.json"))
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}, f, indent=1)
-    print(f"random {args.shape} model in {args.out}")
+    print(f"random {args.shape}{' (tiny)' if args.tiny else ''} model in {args.out}")
     return 0
 
 

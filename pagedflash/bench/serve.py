@@ -2,7 +2,9 @@
 
 Model: a Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32/8 heads, head dim 64, intermediate
 8192, vocab 128256, llama3 RoPE), random weights in bf16, written once to a temp directory so the
-engine and transformers load the very same tensors. Sections (``--sections``, default all):
+engine and transformers load the very same tensors; ``--model DIR`` serves a directory instead (any
+supported family; ``tools/random_model.py`` writes random ones of other shapes). Sections
+(``--sections``, default all):
 
 - ``throughput``: 256 requests, prompt and output lengths uniform in 100..1024, ignore_eos. Output
   tokens/s of the engine against transformers' continuous batching (``init_continuous_batching``,
@@ -15,7 +17,11 @@ engine and transformers load the very same tensors. Sections (``--sections``, de
   prompts are prefilled once beforehand, so the timed run serves them from the prefix cache and the
   whole batch decodes together; the median gap after every request has its first token is
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
-  read, over 4.8 TB/s) divided by the measured gap. Target: batch 1 at 1K with graphs >= 50%.
+  read, over 4.8 TB/s) divided by the measured gap. The weights count every parameter once but an
+  untied input embedding (its lookup reads a row per token; the LM head, tied or not, reads the
+  whole ``[vocab, hidden]`` matrix); the KV read counts each layer's cached tokens, at most the
+  window in a sliding-window layer. A context longer than the model's maximum length is skipped.
+  Target: batch 1 at 1K with graphs >= 50%.
 - ``longctx``: 32 requests of 16K-token prompts, 256 output tokens each, ignore_eos, with the KV
   cache in the model's dtype and in fp8 (``kv_cache_dtype="fp8_e4m3"``, scales 1.0): output tokens/s,
   the steady decode gap once every request decodes, the pool each gets from the same memory, and
@@ -247,6 +253,10 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
         _warm(llm, config, rng)
         for batch in w["itl_batches"]:
             for ctx in w["itl_contexts"]:
+                if ctx + w["itl_tokens"] > llm.max_model_len:
+                    print(f"itl: context {ctx} skipped (the model's maximum length is {llm.max_model_len})",
+                          flush=True)
+                    continue
                 prompts = [_tokens(rng, config, ctx) for _ in range(batch)]
                 # prefill once, so that the timed run finds the prompts in the prefix cache: all
                 # requests then start decoding in the same step and decode together to the end
@@ -254,7 +264,7 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                 outs = llm.generate(prompts, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 gaps = _steady_gaps(outs)
                 itl = statistics.median(gaps)
-                bound_s = _bound_s(weight_bytes, kv_bytes, batch * (ctx + w["itl_tokens"] / 2))
+                bound_s = _bound_s(weight_bytes, batch * _kv_read(config, kv_bytes, ctx + w["itl_tokens"] / 2))
                 fwd_ms = _graph_ms(llm, batch) if graphs else None
                 rows.append(dict(graphs="on" if graphs else "off", batch=batch, context=ctx, itl_ms=1e3 * itl,
                                  itl_mean_ms=1e3 * statistics.mean(gaps), tok_s=batch / itl, bound_ms=1e3 * bound_s,
@@ -269,7 +279,9 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                  {"graphs": "CUDA graphs", "batch": "batch", "context": "context", "itl_ms": "ITL ms",
                   "itl_mean_ms": "mean ms", "tok_s": "tok/s", "bound_ms": "bound ms", "pct_bound": "% of bound",
                   "fwd_ms": "graph ms", "rest_ms": "rest ms"},
-                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB + KV read) / {HBM_TBPS} TB/s; "
+                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB + KV read"
+                            f"{', sliding layers at most their window' if config.sliding_window else ''}) "
+                            f"/ {HBM_TBPS} TB/s; "
                             "graph ms: GPU time of one replay of the decode graph (forward, LM head, greedy "
                             "argmax); rest = ITL - graph: the host's step work and the token read; "
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
@@ -289,7 +301,7 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) ->
         s = llm.last_stats
         gaps = _steady_gaps(outs)
         weight_bytes, kv_bytes = _bytes_read(config, {**engine_kw, "kv_cache_dtype": kv}, on_gpu)
-        bound_ms = 1e3 * _bound_s(weight_bytes, kv_bytes, n * (ctx + out / 2))
+        bound_ms = 1e3 * _bound_s(weight_bytes, n * _kv_read(config, kv_bytes, ctx + out / 2))
         itl_ms = 1e3 * statistics.median(gaps)
         # The run's last steps decode only the requests that started last (chunked prefill staggers
         # them), so its graph state is not a full step. Two more tokens of the same prompts, found in
@@ -368,7 +380,8 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
                 llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
                 outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 itl = statistics.median(_steady_gaps(outs))
-                bound_s = _bound_s(weight_bytes, kv_bytes, w["tp_context"] + w["itl_tokens"] / 2, gpus=size)
+                bound_s = _bound_s(weight_bytes, _kv_read(config, kv_bytes, w["tp_context"] + w["itl_tokens"] / 2),
+                                   gpus=size)
                 llm.generate([p for p, _ in requests],
                              [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests], use_tqdm=True)
                 s = llm.last_stats
@@ -407,18 +420,31 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _bound_s(weight_bytes: int, kv_bytes: int, kv_tokens: float, gpus: int = 1) -> float:
-    """A decode step's bandwidth bound: the weights and ``kv_tokens`` cached tokens' K/V read once,
-    spread over ``gpus`` GPUs at ``HBM_TBPS`` each."""
-    return (weight_bytes + kv_tokens * kv_bytes) / (gpus * HBM_TBPS * 1e12)
+def _bound_s(weight_bytes: int, kv_read: float, gpus: int = 1) -> float:
+    """A decode step's bandwidth bound: the weights and ``kv_read`` bytes of K/V read once, spread
+    over ``gpus`` GPUs at ``HBM_TBPS`` each."""
+    return (weight_bytes + kv_read) / (gpus * HBM_TBPS * 1e12)
 
 
 def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
-    """(weight bytes, KV bytes per cached token) a decode step reads: the model in bf16 on the GPU
-    (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with ``--kv-cache-dtype``."""
+    """(weight bytes, KV bytes per cached token and layer) a decode step reads: the model in bf16 on
+    the GPU (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with
+    ``--kv-cache-dtype``. Every parameter is read once per step, but for an untied input embedding:
+    its lookup reads one row per token, while the LM head reads its whole ``[vocab, hidden]`` matrix
+    (a tied embedding is that matrix, counted once)."""
     itemsize = 2 if on_gpu else 4
     kv_itemsize = itemsize if engine_kw.get("kv_cache_dtype", "auto") == "auto" else 1
-    return config.num_parameters() * itemsize, 2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_itemsize
+    params = config.num_parameters()
+    if not config.tie_word_embeddings:
+        params -= config.vocab_size * config.hidden_size
+    return params * itemsize, 2 * config.num_kv_heads * config.head_dim * kv_itemsize
+
+
+def _kv_read(config, kv_bytes: int, context: float) -> float:
+    """K/V bytes one sequence of ``context`` cached tokens reads in a decode step over all layers
+    (``kv_bytes`` per token and layer): a sliding-window layer reads at most its window."""
+    window = config.sliding_window or context
+    return kv_bytes * sum(min(context, window) if config.is_sliding(i) else context for i in range(config.num_layers))
 
 
 def _tokens(rng: random.Random, config, n: int) -> list[int]:
@@ -451,15 +477,22 @@ def _steady_gaps(outs) -> list[float]:
 
 
 def _write_random_model(cfg: dict, path: str, on_gpu: bool, seed: int) -> str:
-    """Random weights (transformers' own init) saved as safetensors: both sides load this directory."""
+    """Random weights saved as safetensors by transformers' own class for ``cfg``'s architecture
+    (its config class and init; bf16 on the GPU, fp32 on the CPU): both sides load this directory,
+    which is laid out as a real checkpoint of that family."""
     import transformers
 
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    hf_cfg.architectures = ["LlamaForCausalLM"]
+    arch = cfg["architectures"][0]
+    hf_cfg = transformers.AutoConfig.for_model(
+        cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    hf_cfg.architectures = [arch]
     torch.manual_seed(seed)
     dev = "cuda" if on_gpu else "cpu"
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    if type(model).__name__ != arch:
+        raise ValueError(f"architectures {cfg['architectures']!r}: transformers built {type(model).__name__} "
+                         f"for model_type {cfg['model_type']!r}")
     model.to(dev).save_pretrained(path)
     del model
     free_memory()

@@ -109,6 +109,21 @@ TINY_LLAMA = {
     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "eos_token_id": 2,
 }
+GEMMA_2_2B = {  # google/gemma-2-2b's config (the families' serve figures)
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_theta": 10000.0, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
+QWEN3_1_7B = {  # Qwen/Qwen3-1.7B's config
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "rope_theta": 1000000.0, "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
 
 
 @dataclass
