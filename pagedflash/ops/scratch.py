@@ -26,9 +26,16 @@ MAX_BUFFERS = 16
 REUSE = True  # False: a fresh tensor on every call (as before reuse)
 CPU = False  # reuse for CPU tensors too (the overhead bench's CPU mode times the GPU's host path)
 
-_local = threading.local()
+
+class _Local(threading.local):
+    off = 0  # no_reuse() depth
+    buffers: dict | None = None  # key -> tensors, oldest first
+
+
+_local = _Local()
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton launches on
-_capturing = torch.cuda.is_current_stream_capturing
+# torch.cuda.is_current_stream_capturing's body, called directly (reached only for CUDA tensors)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def _stream(index: int) -> int:
@@ -37,27 +44,34 @@ def _stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def _fresh(specs, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+
+
 def buffers(specs: tuple[tuple[tuple[int, ...], torch.dtype], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """Uninitialized tensors of ``specs`` (``(shape, dtype)`` pairs) that the caller's kernels fill
     before they read them."""
+    local = _local
     kind = device.type
-    if getattr(_local, "off", 0):
-        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-    if kind == "cuda" and REUSE and not _capturing():
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    if kind == "cuda":
+        if local.off or not REUSE or _capturing():
+            return _fresh(specs, device)
+        index = device.index
+        if index is None:
+            index = torch.cuda.current_device()
         key = (specs, index, _stream(index))
-    elif kind == "cpu" and REUSE and CPU:
+    elif kind == "cpu" and CPU and REUSE and not local.off:
         key = (specs, -1, 0)
     else:
-        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-    kept = getattr(_local, "buffers", None)
+        return _fresh(specs, device)
+    kept = local.buffers
     if kept is None:
-        kept = _local.buffers = {}
+        kept = local.buffers = {}
     found = kept.get(key)
     if found is None:
         if len(kept) >= MAX_BUFFERS:
             del kept[next(iter(kept))]
-        found = kept[key] = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+        found = kept[key] = _fresh(specs, device)
     return found
 
 
@@ -69,7 +83,7 @@ def clear() -> None:
 @contextlib.contextmanager
 def no_reuse():
     """Fresh buffers for every launch inside the block (this thread)."""
-    _local.off = getattr(_local, "off", 0) + 1
+    _local.off += 1
     try:
         yield
     finally:
