@@ -832,3 +832,22 @@ def test_gluon_invalid_metadata_gives_nan_rows_and_a_fault(gluon, paged, fault):
     name = "block_table" if fault == "page id" else "cu_seqlens_k"
     with pytest.raises(ValueError, match=name):
         validate.raise_if_invalid()
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("paged", [False, True])
+def test_gluon_relaunches_through_its_fast_handle(gluon, paged):
+    # a signature's second call goes through the plan's fast handle (pagedflash.ops.fastlaunch), with
+    # the same results, and the fast path stays on (a failed handle would turn it off for the process)
+    from pagedflash.ops import fastlaunch
+
+    if not fastlaunch.enabled() or fastlaunch._detect() is not None:
+        pytest.skip(f"fast launch: {fastlaunch.status()}")
+    for _ in range(3):
+        if paged:
+            _check_paged([300, 100], [700, 900], 64, 4, 2, 128, torch.bfloat16, True)
+        else:
+            _check_varlen([300, 200], [300, 200], 4, 2, 128, torch.bfloat16, True)
+    assert fastlaunch.enabled(), fastlaunch.status()
+    assert any(plan.slot.handle is not None for plan in prefill_hopper._PLANS.values())

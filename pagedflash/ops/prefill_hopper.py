@@ -11,6 +11,11 @@ operands. :func:`pagedflash.flash_attn_varlen_func` over packed K/V or a paged c
 which never changes a result. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes
 the portable kernel, which stays the tested fallback.
 
+A varlen launch is preceded by :func:`pagedflash.ops.metadata.varlen_bounds`, which checks the
+``cu_seqlens`` and page ids on the device and hands the kernel each sequence's rows, none for an
+invalid sequence (NaN output, a recorded fault). A signature's launches after its first go through
+the plan's fast handle (:mod:`pagedflash.ops.fastlaunch`), as the portable kernel's do.
+
 Measured on an H200 (bf16, 16K tokens a launch, Hq·D = 2048, against the portable kernel and cuDNN
 in the same run): docs/performance.md, v20, v22 (persistent), v23 (varlen, paged), v24 (fp8 K/V) and v25 (two loaders,
 fp16 dots for fp8 K/V, launches of fewer work items than SMs).
@@ -23,7 +28,7 @@ import warnings
 
 import torch
 
-from pagedflash.ops import metadata
+from pagedflash.ops import fastlaunch, metadata
 from pagedflash.ops import prefill_hopper_kernel as kernel
 from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention import ensure_tma_allocator
@@ -160,7 +165,7 @@ def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -
 class _Plan:
     """A launch for one call signature: what does not depend on the tensors' addresses."""
 
-    __slots__ = ("grid", "consts", "options", "ints", "descs", "failed")
+    __slots__ = ("grid", "grid3", "consts", "options", "ints", "int_values", "descs", "failed", "slot")
 
 
 _PLANS = PlanCache()
@@ -198,8 +203,11 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
             plan.descs = tuple((list(t.shape), list(t.stride()), kv_block, kv_layout) for t in (k, v))
     ints.update(Sq=sq, Sk=sk, Hq=hq, B=batch, GROUP=hq // hkv)
     plan.ints = ints
+    plan.int_values = tuple(ints.values())  # the kernel's int parameters, in its order (INT_ARGS)
     n_m = cdiv(sq, BLOCK_M)
     plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk),)
+    plan.grid3 = (plan.grid[0], 1, 1)
+    plan.slot = fastlaunch.Slot()
     plan.consts, plan.options = consts, options
     plan.failed = False
     return plan
@@ -227,9 +235,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     with a warning)."""
     global launches
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
+    # everything a launch specializes on (refusal() has made q, k, v 16-byte aligned), so that the
+    # plan's fast handle (pagedflash.ops.fastlaunch) only relaunches the kernel compiled for it
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
-           return_lse, sizes, None if block_table is None else block_table.stride(),
-           *((None,) if t is None else (t.numel(), t.stride()) for t in (k_descale, v_descale)))
+           return_lse, sizes, out.data_ptr() % 16, None if block_table is None else
+           (block_table.stride(), block_table.data_ptr() % 16),
+           *((None,) if t is None else (t.numel(), t.stride(), t.data_ptr() % 16) for t in (k_descale, v_descale)))
     plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table,
                                                          k_descale, v_descale))
     if plan.failed:
@@ -248,10 +259,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         else:  # host descriptors over the caches' pages, and the caches for the last pages'
             operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *pairs)
     q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
+    args = (q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q, cu_k, k_descale, v_descale,
+            sm_scale * LOG2E.value, *plan.int_values)
     try:
-        kernel.prefill_kernel[plan.grid](q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q,
-                                         cu_k, k_descale, v_descale, sm_scale * LOG2E.value, **plan.ints,
-                                         **plan.consts, **plan.options)
+        if not fastlaunch.run(plan.slot, kernel.prefill_kernel, plan.grid3, args):
+            compiled = kernel.prefill_kernel[plan.grid](*args[:13], **plan.ints, **plan.consts, **plan.options)
+            fastlaunch.bind(plan.slot, kernel.prefill_kernel, compiled, plan.consts)
     except kernel.COMPILE_ERRORS as e:
         warnings.warn(f"pagedflash: the Gluon prefill kernel failed to compile ({type(e).__name__}: "
                       f"{str(e)[:200]}); this signature takes the portable kernel", stacklevel=4)
