@@ -87,7 +87,9 @@ def status() -> str:
 
 
 class _Handle:
-    """Calls one compiled kernel's launcher directly with a fixed grid's worth of arguments."""
+    """One compiled kernel's launcher with what it takes besides a call's grid and arguments: the
+    launch is ``launcher(*grid, stream, function, metadata, None, None, None, *args, *tail)``, in
+    :func:`run`, which also decides whether the handle applies."""
 
     __slots__ = ("fn", "compiled", "launcher", "function", "metadata", "tail", "device", "debug")
 
@@ -100,21 +102,6 @@ class _Handle:
         self.tail = tail  # the constexpr values, in parameter order (they follow every runtime argument)
         self.device = device
         self.debug = debug
-
-    def usable(self, fn) -> bool:
-        return (fn is self.fn and not fn.pre_run_hooks and _knobs.debug == self.debug
-                and _no_hook(_knobs.launch_enter_hook) and _no_hook(_knobs.launch_exit_hook)
-                and _driver[0]() == self.device)
-
-    def __call__(self, grid, args: tuple) -> None:
-        stream = _driver[1](self.device)
-        self.launcher(grid[0], grid[1], grid[2], stream, self.function, self.metadata, None, None, None,
-                      *args, *self.tail)
-
-
-def _no_hook(hook) -> bool:
-    """A launch hook that does nothing: None, or 3.6's default, a chain of no hooks."""
-    return hook is None or (type(hook) is _HookChain and not hook.calls)
 
 
 def _detect() -> str | None:
@@ -195,12 +182,24 @@ def _compiled_shape(compiled) -> str | None:
 
 def run(slot: Slot, fn, grid: tuple[int, int, int], args: tuple) -> bool:
     """Launch ``fn`` over ``grid`` (three ints) through ``slot``'s handle; False (nothing launched) when there is
-    none or it does not apply to this call, and the caller launches publicly."""
+    none or it does not apply to this call (module doc), and the caller launches publicly."""
     handle = slot.handle
-    if handle is None or not _enabled or not handle.usable(fn):
+    if handle is None or not _enabled or fn is not handle.fn or fn.pre_run_hooks:
+        return False
+    knobs = _knobs
+    enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
+    # a hook that does nothing: None, or 3.6's default, a chain of no hooks
+    if ((enter is not None and (type(enter) is not _HookChain or enter.calls))
+            or (leave is not None and (type(leave) is not _HookChain or leave.calls))
+            or knobs.debug != handle.debug):
+        return False
+    device = handle.device
+    getters = _driver
+    if getters[0]() != device:
         return False
     try:
-        handle(grid, args)
+        handle.launcher(grid[0], grid[1], grid[2], getters[1](device), handle.function, handle.metadata, None, None,
+                        None, *args, *handle.tail)
     except Exception as e:  # noqa: BLE001  (any failure: the public path, for good)
         _disable(f"a fast launch failed ({type(e).__name__}: {e})")
         warnings.warn(f"pagedflash: {_off_reason}; using triton's public launch from now on", stacklevel=3)
