@@ -213,10 +213,14 @@ def implement(name: str, launch: Callable) -> Callable:
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     op = getattr(torch.ops.pagedflash, name).default
 
-    def call(*args):
-        if via_operator():
+    def call(*args):  # via_operator() and on_device_of() inline: this runs on every eager call
+        if _eager_via_ops or torch.compiler.is_compiling():
             return op(*args)
-        return on_device_of(args[0], launch, args)
+        first = args[0]
+        if first.is_cuda and _several_gpus():
+            with on_device(first.get_device()):
+                return launch(*args)
+        return launch(*args)
 
     call.__name__ = call.__qualname__ = name
     return call
@@ -238,7 +242,19 @@ def _check_out(q: torch.Tensor, out: torch.Tensor) -> None:
 
 def on_device_of(first: torch.Tensor, launch: Callable, args: tuple):
     """``launch(*args)`` with ``first``'s GPU current (with one GPU visible it always is)."""
-    if first.is_cuda and torch.cuda.device_count() > 1:
+    if first.is_cuda and _several_gpus():
         with on_device(first.get_device()):
             return launch(*args)
     return launch(*args)
+
+
+_gpus: int | None = None  # visible GPUs, counted at the first call with a GPU tensor
+
+
+def _several_gpus() -> bool:
+    """Whether more than one GPU is visible. Asked only once a GPU tensor exists, when CUDA is
+    initialized and the count is fixed for the process."""
+    global _gpus
+    if _gpus is None:
+        _gpus = torch.cuda.device_count()
+    return _gpus > 1
