@@ -304,3 +304,57 @@ def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, tot
         if not ok:
             invalid.add(b)
     return pairs_q, pairs_k, invalid
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+def moe_route_ref(router_logits, top_k, *, scoring="softmax", renormalize=True, bias=None):
+    """Each token's ``top_k`` experts by a full descending sort: ``(weights fp32 [T, top_k], ids
+    int32 [T, top_k])``. ``"softmax"``: softmax over E, the k largest, renormalized to sum 1 if
+    ``renormalize``; ``"topk_softmax"``: the k largest logits, softmax over them. ``bias [E]`` is
+    added to the logits first."""
+    logits = router_logits.float() if bias is None else router_logits.float() + bias.float()
+    if scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        order = probs.argsort(dim=-1, descending=True, stable=True)[:, :top_k]
+        weights = probs.gather(1, order)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        order = logits.argsort(dim=-1, descending=True, stable=True)[:, :top_k]
+        weights = torch.softmax(logits.gather(1, order), dim=-1)
+    return weights, order.to(torch.int32)
+
+
+def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu", w13_bias=None, w2_bias=None,
+                  alpha=1.702, limit=7.0):
+    """``sum_j topk_weights[t, j] * expert_e(hidden[t])`` with ``e = topk_ids[t, j]``, one expert at a
+    time in fp32: ``expert_e(x) = act(x W_gate^T + b_gate, x W_up^T + b_up) W2[e]^T + b2[e]`` (w13
+    ``[E, 2I, H]`` gate rows then up rows, w2 ``[E, H, I]``), the activation rounded to hidden's dtype.
+    ``"silu"``: ``silu(g) * u``; ``"swigluoai"``: ``g = min(g, limit)``, ``u = clamp(u, -limit,
+    limit)``, ``(u + 1) * g * sigmoid(alpha * g)``. A token with an id outside ``[0, E)`` gets NaN.
+    Returns fp32 ``[T, H]``."""
+    x = hidden.float()
+    E, I = w13.shape[0], w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gate_up = x[tok] @ w13[e].float().t()
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e].float()
+        g, u = gate_up[:, :I], gate_up[:, I:]
+        if activation == "silu":
+            h = torch.nn.functional.silu(g) * u
+        else:
+            g = g.clamp(max=limit)
+            u = u.clamp(-limit, limit)
+            h = (u + 1) * g * torch.sigmoid(alpha * g)
+        y = _rounded(h, hidden.dtype) @ w2[e].float().t()
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    invalid = ((topk_ids < 0) | (topk_ids >= E)).any(dim=-1)
+    return torch.where(invalid[:, None], float("nan"), out)

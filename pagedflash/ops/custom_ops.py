@@ -167,6 +167,19 @@ for _name, _fake in (("flash_attn_func", _fake_dense), ("flash_attn_varlen_func"
                      ("silu_mul", _fake_silu_mul), ("argmax", _fake_argmax), ("gemv", _fake_gemv)):
     torch.library.register_fake(f"pagedflash::{_name}", _fake, lib=_lib)
 
+# fused_moe (pagedflash.ops.moe.fused_moe): writes out
+_SCHEMAS["fused_moe"] = ("(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+                         "Tensor? w13_bias, Tensor? w2_bias, int activation, float alpha, float limit, "
+                         "Tensor(a!) out) -> ()")
+_lib.define("fused_moe" + _SCHEMAS["fused_moe"])
+
+
+def _fake_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, alpha, limit, out):
+    return None
+
+
+torch.library.register_fake("pagedflash::fused_moe", _fake_fused_moe, lib=_lib)
+
 _eager_via_ops = os.environ.get("PAGEDFLASH_EAGER_OPS", "0") == "1"
 
 
