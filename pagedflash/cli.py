@@ -4,10 +4,11 @@
     pagedflash serve [MODEL_DIR] [ARGS...]   the OpenAI-compatible HTTP server (needs the serve extra)
     pagedflash bench prefill|decode|paged    one benchmark: tables on stdout, JSON + PNG under --out
     pagedflash bench overhead                host time per eager call, ours and SDPA's (CPU too)
+    pagedflash bench moe                     the fused MoE layer against a per-expert loop and its bounds
     pagedflash bench serve [ARGS...]         the serving benchmark (extra ARGS go to it)
     pagedflash bench online [ARGS...]        HTTP load on an OpenAI-compatible server (ARGS go to it)
     pagedflash bench tune [ARGS...]          launch-choice sweep (developer tool, ARGS go to it)
-    pagedflash bench all                     prefill, decode, paged, overhead, serve in turn
+    pagedflash bench all                     prefill, decode, paged, overhead, moe, serve in turn
 
 Benchmarks need a CUDA GPU; ``--quick`` runs tiny shapes anywhere (on a CPU under the Triton
 interpreter, in seconds) to check the plumbing, not to produce figures. Exit status: 0 all passed,
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-KERNEL_BENCHES = ("prefill", "decode", "paged", "overhead")
+KERNEL_BENCHES = ("prefill", "decode", "paged", "overhead", "moe")
 CPU_BENCHES = ("overhead", "online")  # meaningful without a GPU, no --quick needed
 FORWARDED = ("serve", "tune", "online")  # modules with their own main(argv); extra arguments go to them
 BENCHES = (*KERNEL_BENCHES, *FORWARDED, "all")

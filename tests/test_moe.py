@@ -1,0 +1,238 @@
+"""The fused MoE layer (pagedflash.ops.moe) against its fp32 references (moe_route_ref, fused_moe_ref).
+
+Under the interpreter: decode sizes (T = 1, 3, 17, 64) and a prefill size (T = 300), 8 experts with
+top 2 and 16 with top 4, hidden and intermediate sizes that are no multiple of any block; every
+tensor a view into a NaN-padded buffer with a NaN expert after the last, so a load past a row, a
+column or an expert shows as NaN; outputs from NaN-poisoned ``torch.empty``. Compiled on a GPU
+(``-m gpu``): bf16 at the same sizes and the Qwen3-30B-A3B / GPT-OSS-20B layer shapes.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
+
+from pagedflash import reference as ref
+from pagedflash import validate
+from pagedflash.ops import custom_ops, moe
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+H, I = 88, 40  # not multiples of any block (BK 64/128, BN 32/64/128)
+
+
+def padded(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """``t`` as a view into a NaN buffer: every dim ``pad`` longer (an extra expert, row, column)."""
+    buf = torch.full([n + pad for n in t.shape], float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[tuple(slice(0, n) for n in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def make_layer(E, h, i, dtype, activation):
+    """Weights scaled so that the activations stay of order one; NaN-padded views."""
+    w13 = padded(randn(E, 2 * i, h, dtype=torch.float32).div(h ** 0.5).to(dtype))
+    w2 = padded(randn(E, h, i, dtype=torch.float32).div(i ** 0.5).to(dtype))
+    biases = {}
+    if activation == "swigluoai":
+        biases = dict(w13_bias=padded(randn(E, 2 * i, dtype=dtype)), w2_bias=padded(randn(E, h, dtype=dtype)))
+    return w13, w2, biases
+
+
+def make_ids(T, E, k, how):
+    """Expert ids ``[T, k]`` (distinct per token): ``routed`` from random logits, ``all`` every expert
+    hit (round robin), ``some_empty`` only the first half of the experts."""
+    if how == "routed":
+        return moe.route(randn(T, E), k)
+    if how == "all":
+        ids_ = (torch.arange(T * k, device=DEVICE).view(T, k) + torch.arange(T, device=DEVICE)[:, None]) % E
+    else:
+        ids_ = torch.stack([torch.randperm(E // 2, device=DEVICE)[:k] for _ in range(T)])
+    weights = torch.softmax(randn(T, k), dim=-1)
+    return weights, ids_.to(torch.int32)
+
+
+def check_moe(T, E, k, dtype, activation, how, *, h=H, i=I):
+    x = padded(randn(T, h, dtype=dtype))
+    w13, w2, biases = make_layer(E, h, i, dtype, activation)
+    weights, ids_ = make_ids(T, E, k, how)
+    got = moe.fused_moe(x, w13, w2, weights, ids_, activation=activation, **biases)
+    assert got.shape == (T, h) and got.dtype == dtype
+    assert_close(got, ref.fused_moe_ref(x, w13, w2, weights, ids_, activation=activation, **biases), dtype)
+    return x, w13, w2, weights, ids_, biases, got
+
+
+# (T, E, k, activation, ids): decode sizes on both groupings (T = 1 and 3 with E = 16, k = 4 direct;
+# the rest sorted), prefill T = 300 on both expert counts
+CASES = [
+    (1, 16, 4, "silu", "routed"),
+    (1, 8, 2, "swigluoai", "routed"),
+    (3, 16, 4, "swigluoai", "some_empty"),
+    (3, 8, 2, "silu", "all"),
+    (17, 16, 4, "silu", "all"),
+    (17, 8, 2, "swigluoai", "some_empty"),
+    (64, 8, 2, "silu", "some_empty"),
+    (64, 16, 4, "swigluoai", "routed"),
+    (300, 8, 2, "swigluoai", "all"),
+    (300, 16, 4, "silu", "some_empty"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("T,E,k,activation,how", CASES, ids=lambda v: str(v))
+def test_fused_moe(T, E, k, activation, how, dtype):
+    check_moe(T, E, k, dtype, activation, how)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
+def test_both_groupings_agree(monkeypatch, direct):
+    """The same call through each grouping form (forced tiles), duplicates of an expert in one token
+    included; results match the reference and are bit-identical across calls."""
+    monkeypatch.setattr(moe, "TILES", moe.Tiles(direct, 16, 32, 32, 32, 4, 2, 2))
+    x, w13, w2, _ = randn(5, H), *make_layer(4, H, I, torch.float32, "silu")
+    weights = torch.softmax(randn(5, 3), dim=-1)
+    ids_ = torch.tensor([[0, 0, 1], [3, 2, 1], [1, 1, 1], [2, 0, 3], [3, 3, 0]], dtype=torch.int32, device=DEVICE)
+    got = moe.fused_moe(x, w13, w2, weights, ids_)
+    assert_close(got, ref.fused_moe_ref(x, w13, w2, weights, ids_), torch.float32)
+    assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids_))
+
+
+def test_align_layout():
+    """Grouped slots: each expert's pairs in pair order, runs padded to the block, pad = P, invalid
+    ids in a run of their own (expert E), blocks past the end -1."""
+    ids_ = torch.tensor([[2, 0], [2, 5], [-1, 2]], dtype=torch.int32, device=DEVICE)  # E = 4: 5, -1 invalid
+    sorted_ids, block_expert = moe._align(ids_, 4, 2, 7)
+    assert sorted_ids.tolist() == [1, 6, 0, 2, 5, 6, 3, 4, 6, 6, 6, 6, 6, 6]
+    assert block_expert.tolist() == [0, 2, 2, 4, -1, -1, -1]
+
+
+@pytest.mark.parametrize("T", [1, 17], ids=["direct", "sorted"])
+def test_invalid_ids_give_nan_rows(T):
+    """Value checks off: an id outside [0, E) reads no weight (the next expert in memory is NaN, and
+    so would be a read past it), its token's row is NaN and every other row is right; the debug mode
+    refuses the call on the host, naming the argument."""
+    E, k = 8, 2
+    x, (w13, w2, biases) = randn(T, H), make_layer(E, H, I, torch.float32, "swigluoai")
+    weights, ids_ = make_ids(T, E, k, "routed")
+    bad_rows = [0] if T == 1 else [0, 5, 16]
+    for row, value in zip(bad_rows, [E, -1, 2**31 - 1]):
+        ids_[row, row % k] = value
+    got = moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
+    want = ref.fused_moe_ref(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
+    assert got[bad_rows].isnan().all()
+    good = [t for t in range(T) if t not in bad_rows]
+    assert_close(got[good], want[good], torch.float32)
+    with validate.value_checks(True), pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, 8\)"):
+        moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
+
+
+def test_out_and_operator():
+    """``out`` (a strided view) is written and returned; the operator path (dispatcher) gives the same
+    bits; an ``out`` that overlaps an input is refused; T = 0 returns an empty result."""
+    x, (w13, w2, _), (weights, ids_) = randn(6, H), make_layer(8, H, I, torch.float32, "silu"), make_ids(6, 8, 2, "routed")
+    out = padded(torch.zeros(6, H, device=DEVICE))
+    assert moe.fused_moe(x, w13, w2, weights, ids_, out=out) is out
+    assert_close(out, ref.fused_moe_ref(x, w13, w2, weights, ids_), torch.float32)
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids_), out)
+    finally:
+        custom_ops.dispatch_eager(previous)
+    with pytest.raises(ValueError, match="out: shares memory with hidden"):
+        moe.fused_moe(x, w13, w2, weights, ids_, out=x)
+    empty = moe.fused_moe(x[:0], w13, w2, weights[:0], ids_[:0])
+    assert empty.shape == (0, H)
+
+
+def test_fake_kernel():
+    """The operator under fake tensors (what torch.compile traces): no kernel runs, ``out`` keeps its
+    fake shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w13, w2 = torch.empty(4, 16), torch.empty(8, 64, 16), torch.empty(8, 16, 32)
+        weights, ids_, out = torch.empty(4, 2), torch.empty(4, 2, dtype=torch.int32), torch.empty(4, 16)
+        torch.ops.pagedflash.fused_moe(x, w13, w2, weights, ids_, None, None, 0, 1.702, 7.0, out)
+        assert out.shape == (4, 16)
+
+
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("topk_softmax", True)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_route(scoring, renormalize, with_bias):
+    logits = randn(37, 16, dtype=torch.float16) * 3
+    bias = randn(16) if with_bias else None
+    weights, ids_ = moe.route(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)
+    want_w, want_ids = ref.moe_route_ref(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)
+    assert weights.dtype == torch.float32 and ids_.dtype == torch.int32 and ids_.shape == (37, 4)
+    assert torch.equal(ids_, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    if scoring == "topk_softmax" or renormalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(37, device=DEVICE))
+
+
+def _bad_calls():
+    x, (w13, w2, b), (w, i) = randn(3, 16), make_layer(4, 16, 8, torch.float32, "swigluoai"), make_ids(3, 4, 2, "routed")
+
+    def call(**kw):
+        args = dict(hidden=x, w13=w13, w2=w2, topk_weights=w, topk_ids=i) | kw
+        return lambda: moe.fused_moe(args.pop("hidden"), args.pop("w13"), args.pop("w2"), args.pop("topk_weights"),
+                                     args.pop("topk_ids"), **args)
+
+    yield call(hidden=x[0]), ValueError, r"hidden: expected a 2-D tensor"
+    yield call(hidden=x.long()), TypeError, r"hidden: expected dtype in"
+    yield call(w13=w13[:, :, :8]), ValueError, r"w13: expected shape \(\*, \*, 16\)"
+    yield call(w13=w13[:, :15]), ValueError, r"w13: expected \[E, 2I, H\] .* even 2I"
+    yield call(w2=w2[:, :, :4]), ValueError, r"w2: expected shape \(4, 16, 8\)"
+    yield call(w2=w2.half()), TypeError, r"w2: expected dtype torch.float32 \(the dtype of hidden\)"
+    yield call(topk_weights=w.half()), TypeError, r"topk_weights: expected dtype in \['torch.float32'\]"
+    yield call(topk_weights=torch.ones(3, 5, device=DEVICE)), ValueError, r"topk_weights: expected between 1 and E = 4"
+    yield call(topk_ids=i.float()), TypeError, r"topk_ids: expected dtype in"
+    yield call(topk_ids=i[:, :1]), ValueError, r"topk_ids: expected shape \(3, 2\)"
+    yield call(w13_bias=b["w13_bias"]), ValueError, r"w13_bias, w2_bias: expected both or neither"
+    yield call(**b), ValueError, r"w13_bias: expert biases go with activation='swigluoai'"
+    yield call(activation="gelu"), ValueError, r"activation: expected one of"
+    yield call(activation="swigluoai", limit=float("inf")), ValueError, r"limit: expected a finite number"
+    yield call(out=torch.zeros(3, 15, device=DEVICE)), ValueError, r"out: expected shape \(3, 16\)"
+    yield lambda: moe.route(x, 0), ValueError, r"top_k: expected an int in \[1, 16\]"
+    yield lambda: moe.route(x, 17), ValueError, r"top_k: expected an int in \[1, 16\]"
+    yield lambda: moe.route(x, 2, scoring="sigmoid"), ValueError, r"scoring: expected one of"
+    yield lambda: moe.route(x, 2, bias=randn(15)), ValueError, r"bias: expected shape \(16,\)"
+    yield lambda: moe.route(x.long(), 2), TypeError, r"router_logits: expected dtype in"
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_input_validation(case):
+    calls = list(_bad_calls())
+    assert len(calls) == 20
+    fn, error, match = calls[case]
+    with pytest.raises(error, match=match):
+        fn()
+
+
+def test_bench_quick(tmp_path):
+    """``pagedflash bench moe --quick``: the benchmark's plumbing on tiny shapes (checked, not timed)."""
+    from pagedflash import cli
+
+    assert cli.main(["bench", "moe", "--quick", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "moe.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="compiled GPU run")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
+@pytest.mark.parametrize("T,E,k,activation,how", CASES, ids=lambda v: str(v))
+def test_fused_moe_gpu(T, E, k, activation, how, dtype):
+    check_moe(T, E, k, dtype, activation, how)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("T", [1, 4, 16, 64, 1000])
+@pytest.mark.parametrize("shape", ["qwen3_30b_a3b", "gpt_oss_20b"])
+def test_fused_moe_gpu_real_shapes(T, shape):
+    """The benchmark's layer shapes in bf16 (fewer experts than the models, the same H and I)."""
+    h, i, E, k, activation = {"qwen3_30b_a3b": (2048, 768, 32, 8, "silu"),
+                              "gpt_oss_20b": (2880, 2880, 16, 4, "swigluoai")}[shape]
+    check_moe(T, E, k, torch.bfloat16, activation, "routed", h=h, i=i)
