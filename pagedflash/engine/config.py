@@ -4,7 +4,8 @@ Face config.
 Accepted sources: a local model directory (its ``config.json``), a ``transformers`` config object, or
 a plain dict with HF keys. Both RoPE spellings are read: the older ``rope_theta`` + ``rope_scaling``
 and the newer ``rope_parameters`` (Gemma 3's keyed by layer type). Supported RoPE types:
-``default``, ``linear``, ``llama3``, ``longrope``; any other fails the load by name. ``longrope``
+``default``, ``linear``, ``llama3``, ``longrope``, ``yarn`` (GPT-OSS; static, as transformers computes
+it); any other fails the load by name. ``longrope``
 (Phi-3): transformers switches from the short to the long factors once a forward's sequence is
 longer than ``original_max_position_embeddings``; the engine takes one set for every position, the
 long one when its ``max_model_len`` passes that length (then equal to transformers on sequences
@@ -14,7 +15,12 @@ Strict reading: the architecture (``architectures``) picks a family (:data:`FAMI
 that asks for math the family does not do is refused, naming the key: a key of :data:`MATH_KEYS` set
 to a value other than its neutral one that the family does not implement (Granite's multipliers or
 Gemma's softcaps under ``LlamaForCausalLM``, say), a ``model_type`` of another family, per-layer RoPE
-parameters where the family has one RoPE, an activation other than the family's.
+parameters where the family has one RoPE, an activation other than the family's, a
+GPT-OSS ``quantization_config`` (MXFP4 experts: see :func:`_gpt_oss_fields`).
+
+Mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields: the router
+(:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation and
+biases, and which layers are dense (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,11 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
     "Gemma2ForCausalLM": Family("gemma2", ("gemma2",), _GEMMA_KEYS),
     "Gemma3ForCausalLM": Family("gemma3", ("gemma3_text",), _GEMMA_KEYS | {"rope_local_base_freq"}),
     "Phi3ForCausalLM": Family("phi3", ("phi3",)),
+    "MixtralForCausalLM": Family("mixtral", ("mixtral",), frozenset({"num_local_experts", "num_experts"})),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
+    "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 SUPPORTED_ARCHITECTURES = {arch: fam.name for arch, fam in FAMILIES.items()}
 MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.model_types}
 # architectures refused with a reason of their own
@@ -81,8 +91,16 @@ MATH_KEYS = {
     "num_experts": (None, 0),
     "num_local_experts": (None, 0),
     "n_routed_experts": (None, 0),
+    "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE's shared expert (Qwen3-MoE has none)
+    "n_shared_experts": (None, 0),
+    "routed_scaling_factor": (None, 1, 1.0),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+# transformers' RoPE theta when a config gives none
+_DEFAULT_THETA = {"mixtral": 1000000.0, "gpt_oss": 150000.0}
+# GPT-OSS's RoPE when a config gives none (transformers' GptOssConfig default)
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
 
 # Configs (HF keys) used by the demo, the serve benchmark and the GPU tests.
 LLAMA_3_2_1B = {
@@ -160,6 +178,18 @@ class ModelConfig:
     logits_scaling: float = 1.0  # LM logits divided by this (Granite)
     local_rope_theta: float | None = None  # sliding layers' RoPE theta when it differs (Gemma 3)
     local_rope_scaling: dict = field(default_factory=dict)
+    attention_sinks: bool = False  # a learned sink logit per query head (GPT-OSS)
+    # mixture of experts (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's; a dense layer's is intermediate_size
+    moe_scoring: str = "softmax"  # pagedflash.ops.moe.route's scoring: "softmax" or "topk_softmax" (GPT-OSS)
+    moe_renormalize: bool = True  # the top-k softmax weights divided by their sum
+    moe_activation: str = "silu"  # fused_moe's: "silu" or "swigluoai" (GPT-OSS's clamped SwiGLU)
+    moe_bias: bool = False  # router and expert biases (GPT-OSS)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE)
 
     @property
     def family(self) -> str:
@@ -216,10 +246,14 @@ class ModelConfig:
         wanted = ("gelu_pytorch_tanh",) if gemma else ("silu", "swish")
         if act not in wanted:
             raise ValueError(f"unsupported hidden_act {act!r} for {arch} (implemented: {', '.join(wanted)})")
-        (theta, scaling), local = _rope_from_dict(d, arch, per_layer_type=kind == "gemma3")
-        attn_bias = bool(d.get("attention_bias", False))
+        if kind == "gpt_oss" and not d.get("rope_parameters") and not d.get("rope_scaling"):
+            d = {**d, "rope_scaling": _GPT_OSS_ROPE}
+        (theta, scaling), local = _rope_from_dict(d, arch, per_layer_type=kind == "gemma3",
+                                                  default_theta=_DEFAULT_THETA.get(kind, 10000.0))
+        attn_bias = bool(d.get("attention_bias", kind == "gpt_oss"))  # GptOssConfig's default: True
         sliding = d.get("sliding_window")
-        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3") and not d.get("use_sliding_window")):
+        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen3_moe")
+                                                     and not d.get("use_sliding_window")):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
         if local is not None and sliding:
@@ -258,6 +292,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within ``sliding_window`` (every layer, unless ``layer_types`` says)."""
@@ -301,12 +339,34 @@ class ModelConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
             inv = torch.where(is_medium, smoothed, scaled)
+        elif kind == "yarn":
+            inv = _yarn_inv_freq(base, d, theta, scaling)
         return inv
 
     def rope_attention_factor(self, local: bool = False) -> float:
         """The factor on RoPE's cos and sin (longrope's ``attention_factor``; 1 otherwise)."""
         scaling = self.local_rope_scaling if local else self.rope_scaling
         return float(scaling.get("attention_factor", 1.0))
+
+
+def _yarn_inv_freq(base: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's inverse frequencies (``base``: ``theta ** (2i / dim)``), as transformers computes them:
+    interpolated (divided by ``factor``) below the ``beta_slow`` rotations of the original context,
+    extrapolated (kept) above ``beta_fast``, a linear ramp between."""
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * base)) * (1 - extrapolation) + (1.0 / base) * extrapolation
 
 
 def _architecture(d: dict) -> str:
@@ -353,6 +413,8 @@ def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
                     residual_multiplier=float(d.get("residual_multiplier") or 1.0),
                     logits_scaling=float(d.get("logits_scaling") or 1.0),
                     attention_scale=None if scale is None else float(scale))
+    if kind in MOE_FAMILIES:
+        return _moe_fields(kind, d)
     if kind in ("gemma2", "gemma3"):
         scalar = d.get("query_pre_attn_scalar") or head_dim
         return dict(qk_norm="head" if kind == "gemma3" else "", norm_offset=1.0,
@@ -361,6 +423,47 @@ def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
                     attn_softcap=float(d.get("attn_logit_softcapping") or 0.0) if kind == "gemma2" else 0.0,
                     final_softcap=float(d.get("final_logit_softcapping") or 0.0))
     return {}
+
+
+def _positive_int(d: dict, key: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json: {key} must be a positive int, got {value!r}")
+    return value
+
+
+def _moe_fields(kind: str, d: dict) -> dict:
+    """The mixture-of-experts fields of Mixtral, Qwen3-MoE and GPT-OSS, as transformers reads them:
+    Mixtral softmax then renormalized top-k, SiLU experts of ``intermediate_size``; Qwen3-MoE the same
+    with ``norm_topk_prob`` (renormalize or not) and experts of ``moe_intermediate_size``, dense MLPs in
+    ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``, q/k norm per head;
+    GPT-OSS top-k of the logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
+    experts_key = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
+    n = d["num_hidden_layers"]
+    fields = dict(num_experts=_positive_int(d, experts_key, d.get(experts_key)),
+                  num_experts_per_tok=_positive_int(d, "num_experts_per_tok", d.get("num_experts_per_tok")),
+                  moe_intermediate_size=d["intermediate_size"])
+    if fields["num_experts_per_tok"] > fields["num_experts"]:
+        raise ValueError(f"config.json: num_experts_per_tok={fields['num_experts_per_tok']} is more than "
+                         f"{experts_key}={fields['num_experts']}")
+    if kind == "qwen3_moe":
+        fields.update(qk_norm="head", moe_renormalize=bool(d.get("norm_topk_prob", False)),
+                      moe_intermediate_size=_positive_int(d, "moe_intermediate_size", d.get("moe_intermediate_size")))
+        step = _positive_int(d, "decoder_sparse_step", d.get("decoder_sparse_step", 1))
+        only = d.get("mlp_only_layers") or []
+        if not isinstance(only, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < n for i in only):
+            raise ValueError(f"config.json: mlp_only_layers must list layer indices in [0, {n}), got {only!r}")
+        fields["dense_layers"] = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    elif kind == "gpt_oss":
+        quant = d.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"config.json: quantization_config (quant_method={method!r}) is not loaded for "
+                             "GptOssForCausalLM: dequantize the MXFP4 experts to bf16 first (transformers: "
+                             "Mxfp4Config(dequantize=True), then save_pretrained)")
+        fields.update(attention_sinks=True, moe_scoring="topk_softmax", moe_renormalize=False,
+                      moe_activation="swigluoai", moe_bias=True,
+                      swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
+    return fields
 
 
 def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
@@ -373,8 +476,8 @@ def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
         if kind in ("qwen2", "qwen3"):
             first = d.get("max_window_layers", 28)  # transformers' Qwen2Config default
             return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
-        if kind in ("gemma2", "gemma3"):
-            every = 2 if kind == "gemma2" else int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        if kind in ("gemma2", "gemma3", "gpt_oss"):  # GPT-OSS: as Gemma 2, the first layer slides
+            every = 2 if kind in ("gemma2", "gpt_oss") else int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
             return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
         return ()
     kinds = ("full_attention", "sliding_attention")
@@ -392,11 +495,13 @@ def _as_id_tuple(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_from_dict(d: dict, arch: str, *, per_layer_type: bool):
+def _rope_from_dict(d: dict, arch: str, *, per_layer_type: bool, default_theta: float = 10000.0):
     """``((theta, scaling), local)`` from ``rope_parameters`` or ``rope_theta``/``rope_scaling``:
     ``local`` the sliding layers' ``(theta, scaling)`` where ``per_layer_type`` (Gemma 3: rope_parameters
     keyed by layer type, or the older ``rope_local_base_freq``), else None. Per-layer-type parameters
-    for another family are refused."""
+    for another family are refused. ``default_theta``: the family's theta when the config gives none."""
+    if "rope_theta" not in d:
+        d = {**d, "rope_theta": default_theta}
     params = d.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise ValueError(f"config.json: rope_parameters must be an object, got {params!r}")
@@ -439,9 +544,36 @@ def _one_rope(params: dict, scaling: dict, d: dict) -> tuple[float, dict]:
                 raise ValueError(f"llama3 RoPE scaling needs {key!r}")
     elif kind == "longrope":
         _longrope(scaling, d)
+    elif kind == "yarn":
+        _yarn(scaling, d)
     elif "factor" not in scaling:
         raise ValueError(f"{kind} RoPE scaling needs 'factor'")
     return float(theta), scaling
+
+
+def _yarn(scaling: dict, d: dict) -> None:
+    """Complete a yarn ``scaling`` in place, as transformers' ``_compute_yarn_parameters`` reads it:
+    ``original_max_position_embeddings`` (the config's own key first, else the scaling's, else
+    ``max_position_embeddings``), ``factor`` (default: their ratio), ``attention_factor`` (default:
+    ``0.1 ln(factor) + 1``, or the ratio of two such terms with ``mscale`` and ``mscale_all_dim``),
+    ``beta_fast`` 32, ``beta_slow`` 1, ``truncate`` True."""
+    original = (d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+                or d.get("max_position_embeddings"))
+    if not original:
+        raise ValueError("yarn RoPE scaling needs 'original_max_position_embeddings'")
+    scaling["original_max_position_embeddings"] = int(original)
+    factor = scaling.get("factor") or (d.get("max_position_embeddings") or original) / original
+    scaling["factor"] = float(factor)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("attention_factor") is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        scaling["attention_factor"] = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    scaling["beta_fast"] = float(scaling.get("beta_fast") or 32)
+    scaling["beta_slow"] = float(scaling.get("beta_slow") or 1)
+    scaling["truncate"] = bool(scaling.get("truncate", True))
 
 
 def _longrope(scaling: dict, d: dict) -> None:

@@ -1,8 +1,9 @@
 """The decoder's steps around attention, each run by a kernel of :mod:`pagedflash.ops` on a GPU and
 by the same math in PyTorch elsewhere (the ops' references, :mod:`pagedflash.reference`, cast to the
 model's dtype): residual add + RMSNorm, RoPE in place, SiLU-and-multiply, greedy argmax, and the
-single-row projections of batch-1 decode with the norm or SiLU fused in front. GeGLU (Gemma) runs in
-PyTorch on every device.
+single-row projections of batch-1 decode with the norm or SiLU fused in front, and a mixture of
+experts' routing and expert MLPs (:mod:`pagedflash.ops.moe`). GeGLU (Gemma) runs in PyTorch on every
+device.
 
 Why kernels: in plain PyTorch these are ~40 small launches per layer, and a batch-1 decode step of a
 16-layer model would spend more time launching them than reading the weights. Why PyTorch off the
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedflash import reference
-from pagedflash.ops import activation, gemv, norm, rope, sampling
+from pagedflash.ops import activation, gemv, moe, norm, rope, sampling
 
 FORCE_KERNELS: bool | None = None  # None: kernels on a GPU, PyTorch elsewhere; tests force either
 
@@ -54,6 +55,23 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     PyTorch everywhere (no kernel yet)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize: bool):
+    """``(topk_weights fp32 [T, k], topk_ids int32 [T, k])`` of ``router_logits [T, E]``
+    (:func:`pagedflash.ops.moe.route`)."""
+    if use_kernels(router_logits):
+        return moe.route(router_logits, top_k, scoring=scoring, renormalize=renormalize)
+    return reference.moe_route_ref(router_logits, top_k, scoring=scoring, renormalize=renormalize)
+
+
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The experts' weighted sum ``[T, H]`` in ``hidden``'s dtype (:func:`pagedflash.ops.moe.fused_moe`;
+    ``kwargs``: its activation, biases, alpha and limit)."""
+    if use_kernels(hidden):
+        return moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, **kwargs)
+    return reference.fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **kwargs).to(hidden.dtype)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

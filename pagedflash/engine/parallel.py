@@ -7,7 +7,9 @@ Megatron-style, as vLLM and nano-vllm split a Llama. Rank ``r`` of ``N`` holds:
   KV head, replicated on ``N/Hkv`` ranks (vLLM's rule). ``qkv_proj`` holds those rows of q, k and v
   (column-parallel), ``o_proj`` the matching input columns (row-parallel);
 - MLP: rows ``[r I/N, (r+1) I/N)`` of gate and up (column-parallel), the same columns of down
-  (row-parallel);
+  (row-parallel); a mixture of experts likewise within every expert (``moe_intermediate_size``: rows
+  of each expert's gate and up, columns of its down; the router whole, the experts' down biases on
+  rank 0), so that one all-reduce sums the layer as for a dense MLP;
 - vocabulary: rows ``[r Vr, min((r+1) Vr, V))`` of the embedding and the LM head, ``Vr = ceil(V/N)``;
   the last rank pads its shard with zero rows to ``Vr``, so every rank's logits have one shape;
 - norms and RoPE tables whole; the biases of ``o_proj``/``down_proj`` on rank 0 only (zero
@@ -56,6 +58,9 @@ def check_tensor_parallel_size(config, size, device: torch.device) -> int:
                          "other (KV heads are split across ranks, or replicated when there are fewer than ranks)")
     if inter % size:
         raise ValueError(f"tensor_parallel_size={size} must divide intermediate_size={inter}")
+    moe_inter = getattr(config, "moe_intermediate_size", 0)
+    if moe_inter % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide each expert's intermediate size {moe_inter}")
     if config.vocab_size <= (size - 1) * -(-config.vocab_size // size):
         raise ValueError(f"tensor_parallel_size={size} leaves a rank without vocabulary rows "
                          f"(vocab_size={config.vocab_size})")
@@ -92,6 +97,7 @@ class ShardSizes:
     intermediate_size: int  # MLP rows on this rank
     vocab_per_rank: int  # rows of this rank's embedding / LM head shard (zero-padded on the last rank)
     vocab_size: int  # the model's
+    moe_intermediate_size: int = 0  # each expert's MLP rows on this rank (0: no experts)
 
     @classmethod
     def of(cls, config, rank: int = 0, size: int = 1) -> ShardSizes:
@@ -99,7 +105,8 @@ class ShardSizes:
         group = config.num_heads // config.num_kv_heads  # query heads per KV head
         return cls(rank=rank, size=size, num_heads=heads, num_kv_heads=kv_heads,
                    kv_head_start=rank * heads // group, intermediate_size=config.intermediate_size // size,
-                   vocab_per_rank=-(-config.vocab_size // size), vocab_size=config.vocab_size)
+                   vocab_per_rank=-(-config.vocab_size // size), vocab_size=config.vocab_size,
+                   moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) // size)
 
     def own_kv_heads(self, per_layer):
         """This rank's part of per-layer K/V-head values (an fp8 pool's scales): of each layer's entry,

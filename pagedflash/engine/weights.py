@@ -11,6 +11,13 @@ Gemma's norms scale by ``1 + w``: the loader stores ``w + ModelConfig.norm_offse
 :mod:`pagedflash.engine.models.common`). Phi-3's checkpoints hold ``qkv_proj`` and ``gate_up_proj``
 already fused; each rank reads its rows of each part.
 
+Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``experts.w13 [E, 2 I, H]``,
+``experts.w2 [E, H, I]`` and GPT-OSS's biases): Mixtral's per-expert ``experts.{e}.w1/w3/w2.weight``
+and Qwen3-MoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows;
+GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
+``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
+de-interleaved and transposed. A rank reads its rows of each expert.
+
 A tensor-parallel rank fills only its shard (:mod:`pagedflash.engine.parallel` says which rows and
 columns): from a checkpoint it reads just those slices (safetensors ``get_slice``), never a whole
 tensor; with random weights it draws each tensor as one GPU would (so the model is the same for
@@ -37,6 +44,9 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 _ROW_PARALLEL = ("o_proj", "down_proj")  # split on the input dim; the all-reduce sums their outputs
 _VOCAB = ("embed_tokens", "lm_head")
 _FUSED_IN_CHECKPOINT = ("Phi3ForCausalLM",)  # architectures whose checkpoints hold qkv_proj/gate_up_proj
+# per-expert checkpoint tensors of (gate, up, down), by architecture
+_EXPERT_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2"),
+                 "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:
@@ -63,6 +73,9 @@ class Piece:
     offset: int
     full: int
     fused_offset: int = 0
+    index: int | None = None  # the piece fills ``param[index]`` (an expert) instead of ``param``
+    convert: object = None  # the read slice -> the whole (indexed) parameter; None: copied as is
+    hf_shape: tuple[int, ...] | None = None  # the HF tensor's shape when not the parameter's
 
 
 @contextmanager
@@ -95,6 +108,10 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
     prefix = ".".join(parts[:-2])
     d = config.head_dim
+    if module == "experts":
+        return _expert_pieces(prefix, kind, param, config, shard)
+    if kind == "sinks":  # one per query head: this rank's heads
+        return [Piece(name, 0, shard.rank * shard.num_heads, shard.num_heads, 0, config.num_heads)]
     if module in ("q_norm", "k_norm") and config.qk_norm == "projection":  # this rank's heads of it
         if module == "q_norm":
             return [Piece(name, 0, shard.rank * shard.num_heads * d, shard.num_heads * d, 0, config.q_size)]
@@ -125,9 +142,60 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
     return [Piece(name, 0, 0, param.shape[0], 0, param.shape[0])]
 
 
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's interleaved gate/up ``[..., 2 n]`` (gate at even positions) -> gate then up."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def _gate_up_rows(x: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's ``gate_up_proj`` slice ``[E, H, 2 n]`` (interleaved) -> ``w13 [E, 2 n, H]``."""
+    return _deinterleave(x).transpose(1, 2)
+
+
+def _down_rows(x: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's ``down_proj`` slice ``[E, n, H]`` -> ``w2 [E, H, n]``."""
+    return x.transpose(1, 2)
+
+
+def _expert_pieces(prefix: str, kind: str, param: torch.Tensor, config: ModelConfig, shard: ShardSizes):
+    """Where the expert parameter ``{prefix}.experts.{kind}`` comes from (see the module docstring)."""
+    e, h, full = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    i = shard.moe_intermediate_size
+    start = shard.rank * i
+    base = f"{prefix}.experts"
+    names = _EXPERT_NAMES.get(config.architecture)
+    if names is not None:
+        gate, up, down = names
+        if kind == "w13":
+            return [Piece(f"{base}.{x}.{hf}.weight", 0, start, i, offset, full, index=x)
+                    for x in range(e) for hf, offset in ((gate, 0), (up, i))]
+        if kind == "w2":
+            return [Piece(f"{base}.{x}.{down}.weight", 1, start, i, 0, full, index=x) for x in range(e)]
+        raise ValueError(f"{config.architecture} has no expert parameter {kind!r}")
+    # GPT-OSS: one tensor per kind, gate and up interleaved
+    if kind == "w13":
+        return [Piece(f"{base}.gate_up_proj", 2, 2 * start, 2 * i, 0, 2 * full, convert=_gate_up_rows,
+                      hf_shape=(e, h, 2 * full))]
+    if kind == "w13_bias":
+        return [Piece(f"{base}.gate_up_proj_bias", 1, 2 * start, 2 * i, 0, 2 * full, convert=_deinterleave,
+                      hf_shape=(e, 2 * full))]
+    if kind == "w2":
+        return [Piece(f"{base}.down_proj", 1, start, i, 0, full, convert=_down_rows, hf_shape=(e, full, h))]
+    # w2_bias: added once, by rank 0; other ranks read none of it (a piece of length 0, zero)
+    return [Piece(f"{base}.down_proj_bias", 0, 0, e if shard.rank == 0 else 0, 0, e, hf_shape=(e, h))]
+
+
 def _covers(param: torch.Tensor, parts: list[Piece]) -> bool:
-    """Whether ``parts`` (all along one dim) fill the whole parameter."""
-    return bool(parts) and sum(p.length for p in parts) == param.shape[parts[0].dim]
+    """Whether ``parts`` (all along one dim, of the parameter or of each of its entries) fill the
+    whole parameter."""
+    if not parts:
+        return False
+    first = parts[0]
+    if first.convert is not None:
+        return True
+    if first.index is None:
+        return sum(p.length for p in parts) == param.shape[first.dim]
+    return sum(p.length for p in parts) == param.shape[0] * param.shape[first.dim + 1]
 
 
 def _hf_shape(param: torch.Tensor, piece: Piece) -> tuple[int, ...]:
@@ -188,13 +256,19 @@ def load_weights(model: CausalLM, path: str) -> None:
                 tensor = f.get_slice(hf_name)
                 shape = tuple(tensor.get_shape())
                 for param, piece in targets:
-                    want = _hf_shape(param, piece)
+                    target = param if piece.index is None else param[piece.index]
+                    want = piece.hf_shape or _hf_shape(target, piece)
                     if shape != want:
                         raise ValueError(f"weight {hf_name!r} in {os.path.basename(file)} has shape {shape}, "
                                          f"expected {want}")
-                    end = piece.start + piece.length
-                    part = tensor[piece.start : end] if piece.dim == 0 else tensor[:, piece.start : end]
-                    param.narrow(piece.dim, piece.offset, piece.length).copy_(part)
+                    if piece.length == 0:
+                        continue
+                    span = (slice(None),) * piece.dim + (slice(piece.start, piece.start + piece.length),)
+                    part = tensor[span]
+                    if piece.convert is not None:
+                        target.copy_(piece.convert(part))
+                    else:
+                        target.narrow(piece.dim, piece.offset, piece.length).copy_(part)
                 loaded.add(hf_name)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
@@ -225,10 +299,12 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         if _is_norm(name):
             param.fill_(1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):  # experts' w13_bias / w2_bias too
             param.zero_()
         elif model.comm.size == 1:
             param.copy_(torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32) * std)
+        elif name.endswith(("experts.w13", "experts.w2")):
+            param.copy_(_expert_shard(name, gen, model.config, model.shard, device) * std)
         else:
             parts = pieces(name, param, model.config, model.shard)
             full = torch.randn(_one_rank_shape(param, parts), generator=gen, device=device, dtype=torch.float32)
@@ -236,6 +312,17 @@ def init_random_weights(model: CausalLM, seed: int = 0) -> None:
             for p in parts:
                 src = full.narrow(p.dim, p.fused_offset + p.start, p.length)
                 param.narrow(p.dim, p.offset, p.length).copy_(src * std)
+
+
+def _expert_shard(name: str, gen: torch.Generator, config: ModelConfig, shard: ShardSizes, device) -> torch.Tensor:
+    """This rank's part of the one-rank model's expert parameter ``name`` (``w13`` or ``w2``), drawn whole."""
+    e, h, full, i = config.num_experts, config.hidden_size, config.moe_intermediate_size, shard.moe_intermediate_size
+    start = shard.rank * i
+    if name.endswith("w13"):
+        whole = torch.randn((e, 2 * full, h), generator=gen, device=device, dtype=torch.float32)
+        return torch.cat([whole[:, start : start + i], whole[:, full + start : full + start + i]], dim=1)
+    whole = torch.randn((e, h, full), generator=gen, device=device, dtype=torch.float32)
+    return whole[:, :, start : start + i]
 
 
 # K/V cache scales of fp8-calibrated checkpoints, under the names vLLM reads: compressed-tensors'

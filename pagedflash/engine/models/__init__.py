@@ -9,6 +9,7 @@ from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.models.common import AttentionMetadata, CausalLM
 from pagedflash.engine.models.gemma import GemmaForCausalLM
 from pagedflash.engine.models.llama import LlamaForCausalLM
+from pagedflash.engine.models.moe import GptOssForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
 from pagedflash.engine.models.olmo2 import Olmo2ForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
@@ -21,6 +22,9 @@ MODELS: dict[str, type[CausalLM]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

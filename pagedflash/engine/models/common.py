@@ -98,7 +98,8 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """This rank's heads (all of them with one rank), with the layer's own window, softcap, softmax
     scale and RoPE (``local_rope``: the sliding layers' own tables) and, where the family has them,
-    q/k norms before RoPE (``ModelConfig.qk_norm``)."""
+    q/k norms before RoPE (``ModelConfig.qk_norm``) and a learned sink logit per head (``sinks``,
+    fp32 whatever the model's dtype, as the kernels take it: GPT-OSS)."""
 
     def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes, comm: Collectives):
         super().__init__()
@@ -120,6 +121,7 @@ class Attention(nn.Module):
             self.k_norm = ProjectionNorm(self.kv_size, config.rms_norm_eps, comm)
         elif config.qk_norm:
             raise ValueError(f"qk_norm must be '', 'head' or 'projection', got {config.qk_norm!r}")
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if config.attention_sinks else None
         self.kv_scales = (None, None)  # (k_scale, v_scale) of an fp8 cache: CausalLM.bind_kv_scales
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
@@ -149,7 +151,8 @@ class Attention(nn.Module):
         o = flash_attn_varlen_func(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             softmax_scale=self.scale, causal=True, window_size=self.window, softcap=self.softcap,
-            block_table=meta.block_tables, num_splits=meta.num_splits, k_descale=k_scale, v_descale=v_scale,
+            block_table=meta.block_tables, num_splits=meta.num_splits, sinks=self.sinks,
+            k_descale=k_scale, v_descale=v_scale,
         )
         return layers.linear(o.reshape(t, self.q_size), self.o_proj)
 

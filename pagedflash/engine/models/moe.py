@@ -1,0 +1,116 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen3-MoE and GPT-OSS. The pre-norm block of Llama,
+``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and ``E`` expert MLPs of
+which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fused_moe``).
+
+- Mixtral: Mistral's attention (a sliding window when configured); softmax over the experts, top-k,
+  renormalized; SiLU-gated experts without biases.
+- Qwen3-MoE: Qwen3's attention (RMSNorm over each q and k head); top-k renormalized only with
+  ``norm_topk_prob``; dense MLP layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
+- GPT-OSS: q/k/v/o biases, a learned sink logit per head, a 128-token window on alternate layers,
+  YaRN RoPE; a router with a bias, top-k of its logits then softmax over those k; experts with biases
+  and the clamped SwiGLU (``(up + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``,
+  ``up = clamp(up, -limit, limit)``).
+
+Expert weights are held as ``w13 [E, 2 I, H]`` (each expert's gate rows, then its up rows) and
+``w2 [E, H, I]``, GPT-OSS's biases as ``w13_bias [E, 2 I]`` and ``w2_bias [E, H]``;
+:mod:`pagedflash.engine.weights` reads them from each family's checkpoint layout. Tensor parallelism: each
+rank holds rows ``[r I/N, (r+1) I/N)`` of every expert's gate and up and those columns of its down,
+the router whole, ``w2_bias`` on rank 0; the layer's output is summed by one all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedflash.engine import layers
+from pagedflash.engine.config import ModelConfig
+from pagedflash.engine.models.common import MLP, Attention, CausalLM, RMSNorm
+from pagedflash.engine.parallel import Collectives, ShardSizes
+
+
+class Experts(nn.Module):
+    """This rank's part of the ``E`` expert MLPs (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSizes):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, shard.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i)) if config.moe_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(e, h)) if config.moe_bias else None
+        self.activation = config.moe_activation
+        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return layers.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation="silu")
+        return layers.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation=self.activation,
+                                w13_bias=self.w13_bias, w2_bias=self.w2_bias, alpha=self.alpha, limit=self.limit)
+
+
+class SparseMoE(nn.Module):
+    """Router and experts; ``forward(x [T, H]) -> [T, H]``, this rank's part of the sum. The router
+    carries its checkpoint's name (``gate``; GPT-OSS: ``router``)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardSizes, router_name: str = "gate"):
+        super().__init__()
+        self.router_name = router_name
+        setattr(self, router_name, nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias))
+        self.experts = Experts(config, shard)
+        self.top_k, self.scoring, self.renormalize = config.num_experts_per_tok, config.moe_scoring, config.moe_renormalize
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = layers.linear(x, getattr(self, self.router_name))
+        weights, ids = layers.moe_route(logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize)
+        return self.experts(x, weights, ids)
+
+
+class MoeDecoderLayer(nn.Module):
+    """Pre-norm block with a mixture of experts (or, in a Qwen3-MoE dense layer, a dense MLP) under
+    the checkpoint's name for it (``moe_name``)."""
+
+    moe_name = "mlp"
+    router_name = "gate"
+
+    def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes, comm: Collectives):
+        super().__init__()
+        self.comm = comm
+        self.self_attn = Attention(config, layer, shard, comm)
+        self.sparse = config.is_moe(layer)
+        mlp = SparseMoE(config, shard, self.router_name) if self.sparse else MLP(config, shard)
+        setattr(self, self.moe_name, mlp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rope, meta, kv_cache):
+        """As :class:`~pagedflash.engine.models.llama.LlamaDecoderLayer`: ``(mlp_out, residual)``, the
+        outputs of ``o_proj`` and of the MLP summed over the ranks."""
+        attn, mlp = self.self_attn, getattr(self, self.moe_name)
+        qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
+        h = self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache))
+        if self.sparse:
+            h, residual = self.post_attention_layernorm(h, residual)
+            return self.comm.all_reduce(mlp(h)), residual
+        gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return self.comm.all_reduce(mlp(gate_up)), residual
+
+
+class MixtralDecoderLayer(MoeDecoderLayer):
+    moe_name = "block_sparse_moe"
+
+
+class GptOssDecoderLayer(MoeDecoderLayer):
+    router_name = "router"
+
+
+class MixtralForCausalLM(CausalLM):
+    layer_class = MixtralDecoderLayer
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    layer_class = MoeDecoderLayer
+
+
+class GptOssForCausalLM(CausalLM):
+    layer_class = GptOssDecoderLayer

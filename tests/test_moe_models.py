@@ -1,0 +1,126 @@
+"""The mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) against transformers' own classes: a
+tiny random model (2 layers, 4 experts of which 2 per token, fp32, eager attention) saved with
+``save_pretrained``, its norms, biases and sinks perturbed so that they matter. Prompt logits and
+greedy tokens (chunked prefill, paged decode) must equal transformers'; GPT-OSS's prompts are longer
+than its window; one family on two ranks (gloo); configs the engine does not implement refused by name."""
+
+import json
+
+import pytest
+import torch
+from helpers import ON_GPU, TWO_GPUS, hf_greedy, prompts_of
+
+from pagedflash.engine import LLM, ModelConfig, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1, num_experts_per_tok=2)
+
+# family -> (config class, model class, config overrides)
+MOE_CASES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=7)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)),
+    # layer 1 dense (mlp_only_layers), top-k weights not renormalized
+    "qwen3_moe-dense": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1])),
+    # a 5-token window on layer 0; YaRN (transformers' default for GPT-OSS) over a short original context
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=4, sliding_window=5, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
+}
+
+
+def save_moe(path, family, seed=0, **extra):
+    """A tiny random transformers model of ``family`` saved to ``path``; returns it (eval, fp32)."""
+    cfg_name, model_name, overrides = MOE_CASES[family]
+    cfg = getattr(transformers, cfg_name)(**{**TINY, **overrides, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():  # norms start at one, biases at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias", "sinks")):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+def check_against_transformers(llm, hf, prompts, n=4):
+    with torch.no_grad():
+        for p, got in zip(prompts, llm.prompt_logits(prompts)):
+            torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, n) for p in prompts]
+
+
+@pytest.mark.parametrize("family", list(MOE_CASES))
+def test_moe_family_matches_transformers(tmp_path, family):
+    hf = save_moe(tmp_path, family)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.family == family.split("-")[0] and config.num_experts == 4
+    assert config.dense_layers == ((1,) if family == "qwen3_moe-dense" else ())
+    # chunked prefill (8-token chunks), prompts longer than the windows, small pages
+    llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, max_num_batched_tokens=8)
+    check_against_transformers(llm, hf, prompts_of([19, 6], seed=3, low=3))
+
+
+def test_yarn_tables_equal_transformers(tmp_path):
+    """YaRN's inverse frequencies and attention factor as transformers computes them, truncated or not."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for truncate in (False, True):
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": truncate, "original_max_position_embeddings": 64}
+        hf_cfg = transformers.GptOssConfig(**{**TINY, "num_local_experts": 4, "rope_parameters": rope})
+        inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+        config = ModelConfig.from_hf_config(hf_cfg)
+        torch.testing.assert_close(config.inv_freq(), inv, rtol=0, atol=0)
+        assert config.rope_attention_factor() == pytest.approx(factor)
+
+
+@pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+def test_two_ranks_match_transformers(tmp_path):
+    """Two ranks (gloo on the CPU), GPT-OSS: each expert's intermediate rows split (its interleaved
+    gate/up de-interleaved per rank), sinks per rank's heads, the experts' down bias added once."""
+    hf = save_moe(tmp_path, "gpt_oss")
+    with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
+             page_size=4, num_blocks=24) as llm:
+        assert llm.model.shard.moe_intermediate_size == TINY["intermediate_size"] // 2
+        check_against_transformers(llm, hf, prompts_of([11, 5], seed=4, low=3), n=3)
+
+
+def _edit_config(path, **changes):
+    cfg_file = path / "config.json"
+    d = json.loads(cfg_file.read_text())
+    d.update(changes)
+    cfg_file.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("family, changes, match", [
+    # a Qwen3-MoE checkpoint relabelled as dense Qwen3: its experts are math Qwen3 does not do
+    ("qwen3_moe", dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3"), "num_local_experts=4"),
+    ("qwen3_moe", dict(architectures=["MixtralForCausalLM"]), "model_type='qwen3_moe'"),
+    ("qwen3_moe", dict(shared_expert_intermediate_size=32), "shared_expert_intermediate_size=32"),
+    ("mixtral", dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+    ("gpt_oss", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
+    ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
+])
+def test_unsupported_configs_refused_by_name(tmp_path, family, changes, match):
+    save_moe(tmp_path, family)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ValueError, match=match):
+        LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=8)
+
+
+def test_relabelled_checkpoint_refused_by_tensor(tmp_path):
+    """A Qwen3-MoE checkpoint whose config is rewritten as Mixtral's: its expert tensors are not
+    Mixtral's, and the load names them."""
+    save_moe(tmp_path, "qwen3_moe", moe_intermediate_size=64)
+    _edit_config(tmp_path, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4)
+    with pytest.raises(ValueError, match="does not use: .*(gate_proj|up_proj|down_proj|q_norm|k_norm)"):
+        LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=8)
