@@ -121,8 +121,9 @@ def check_no_grad(**tensors) -> None:
 
 def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+        strides = t.stride()
+        if strides[-1] != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {strides}")
 
 
 def check_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_axis: int = -2) -> tuple[int, int]:
