@@ -66,8 +66,9 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if cu_seqlens_k is None else (cu_seqlens_k.dtype, cu_seqlens_k.data_ptr() & 15),
             None if seqused_k is None else (seqused_k.dtype, seqused_k.data_ptr() & 15),
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
-            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config, _per_head(sinks),
-            _per_head(k_descale), _per_head(v_descale),
+            batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
+            None if sinks is None else _per_head(sinks), None if k_descale is None else _per_head(k_descale),
+            None if v_descale is None else _per_head(v_descale),
             launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA)
 
 
