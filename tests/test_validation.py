@@ -1,4 +1,7 @@
-"""Bad input gets a clear error naming the argument, before any launch."""
+"""Bad input gets a clear error naming the argument, before any launch. Metadata values (cu_seqlens,
+cache_seqlens, page ids) are checked on the host only in the debug mode (``validate.value_checks(True)``),
+which the tests of those checks turn on; test_metadata_faults.py covers the default, where the kernels
+check them."""
 
 import numpy as np
 import pytest
@@ -91,7 +94,7 @@ def _varlen(**over):
     ],
 )
 def test_varlen_rejects(over, exc, match):
-    with pytest.raises(exc, match=match):
+    with validate.value_checks(True), pytest.raises(exc, match=match):
         _varlen(**over)
 
 
@@ -128,21 +131,23 @@ def test_kvcache_rejects(over, exc, match):
     if exc is None:
         _paged(**over)  # control: a valid variant passes
         return
-    with pytest.raises(exc, match=match):
+    with validate.value_checks(True), pytest.raises(exc, match=match):
         _paged(**over)
 
 
 def test_contiguous_cache_rejects_too_long():
     q, k_cache, v_cache = randn(2, 1, 4, 32), randn(2, 10, 2, 32), randn(2, 10, 2, 32)
-    with pytest.raises(ValueError, match="cache_seqlens: cache_seqlens \\+ S_new = 11 exceeds"):
-        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([3, 11]))
+    with validate.value_checks(True):
+        with pytest.raises(ValueError, match="cache_seqlens: cache_seqlens \\+ S_new = 11 exceeds"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([3, 11]))
     with pytest.raises(ValueError, match="k_cache: expected batch 2"):
         flash_attn_with_kvcache(q, k_cache[:1], v_cache[:1], cache_seqlens=i32([3, 1]))
 
 
 def test_paged_varlen_table_too_short():
     k_cache, v_cache = randn(6, 4, 2, 32), randn(6, 4, 2, 32)
-    with pytest.raises(ValueError, match="block_table: sequence 1 has 9 tokens but the table holds 2 pages"):
+    match = "block_table: sequence 1 has 9 tokens but the table holds 2 pages"
+    with validate.value_checks(True), pytest.raises(ValueError, match=match):
         flash_attn_varlen_func(randn(3, 4, 32), k_cache, v_cache, i32([0, 1, 3]), i32([0, 5, 14]), 2, 9,
                                causal=True, block_table=i32([[0, 1], [2, 3]]))
 
@@ -173,12 +178,13 @@ def test_scale_and_sink_values_are_checked_only_with_value_checks_on():
     q, cache = randn(1, 1, 4, 32), randn(1, 8, 2, 32).to(torch.float8_e4m3fn)
     zero, nan = torch.zeros(2, device=DEVICE), torch.full((4,), float("nan"), device=DEVICE)
     call = lambda **kw: flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=8, **kw)  # noqa: E731
-    with pytest.raises(ValueError, match=r"k_descale: expected finite values > 0, got \[0.0, 0.0\]"):
-        call(k_descale=zero)
-    with pytest.raises(ValueError, match="sinks: expected finite logits"):
-        call(sinks=nan)
-    with pytest.raises(RuntimeError, match="v_descale: expected finite values > 0"):
-        fa.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=8, v_descale=zero)
+    with validate.value_checks(True):
+        with pytest.raises(ValueError, match=r"k_descale: expected finite values > 0, got \[0.0, 0.0\]"):
+            call(k_descale=zero)
+        with pytest.raises(ValueError, match="sinks: expected finite logits"):
+            call(sinks=nan)
+        with pytest.raises(RuntimeError, match="v_descale: expected finite values > 0"):
+            fa.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=8, v_descale=zero)
     with validate.value_checks(False):
         call(k_descale=zero, sinks=nan)  # no value read: the kernel runs on what it is given
         with pytest.raises(ValueError, match=r"k_descale: expected shape \[\] or \[1\] \(per tensor\) or \[2\]"):

@@ -25,6 +25,12 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
 The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
 unmasked tiles in the middle (no mask arithmetic, no bounds on loads), masked tiles at the end (the
 causal diagonal and the ragged end of the sequence). Every load is bounded by the sequence length.
+
+Metadata values are the kernel's to check (the host reads none): every program checks the offsets
+of ``cu_seqlens_q`` (its grid is laid out from them), its sequence's ``cu_seqlens_k`` or
+``seqused_k`` against the tensors' bounds, and each page id as it is fetched. Invalid metadata
+gives NaN output rows and LSE (reading no key, or page 0 in place of an id outside the pool) and a
+record in :func:`pagedflash.validate.fault_buffer`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedflash import validate
 from pagedflash.ops import _jit, combine, fastlaunch, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
@@ -60,16 +67,22 @@ def _find_seq(CuSeqlensQ, pid, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _pages(BlockTable, b, stride_tb, start_n, seqlen_k, offs_n, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _pages(BlockTable, b, stride_tb, start_n, seqlen_k, offs_n, num_blocks, PAGE_SIZE: tl.constexpr,
+           BLOCK_N: tl.constexpr):
     """Block-table entries of the key tile at ``start_n``: one scalar when the tile lies inside one
     page, else one per key (``[BLOCK_N]``); 0 for a tile or keys past the sequence (never loaded).
     Bounded by the sequence, not by the range being walked: keys of a range's last tile past its
-    end are loaded (and masked in the scores), so they must come from their own page."""
+    end are loaded (and masked in the scores), so they must come from their own page.
+
+    Returns ``(ids, bad)``: an id outside ``[0, num_blocks)`` is flagged in ``bad`` and replaced by
+    0, so that no address leaves the pool (the rows that read it end NaN)."""
     if PAGE_SIZE % BLOCK_N == 0:
-        return tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
+        blk = tl.load(BlockTable + b * stride_tb + start_n // PAGE_SIZE, mask=start_n < seqlen_k, other=0)
     else:
         pos = start_n + offs_n
-        return tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=pos < seqlen_k, other=0)
+        blk = tl.load(BlockTable + b * stride_tb + pos // PAGE_SIZE, mask=pos < seqlen_k, other=0)
+    bad = blk.to(tl.uint32, bitcast=True) >= num_blocks.to(tl.uint32)  # one compare: negative ids wrap high
+    return tl.where(bad, 0, blk), bad
 
 
 @triton.jit
@@ -84,9 +97,9 @@ def _kv_offsets(pos, blk, b, k_row0, stride_b, stride_t, PAGED: tl.constexpr, PA
 
 @triton.jit
 def _attend_range(
-    acc, l_i, m_i, q, K, V, lo, hi,
+    acc, l_i, m_i, page_bad, q, K, V, lo, hi,
     b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-    BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt,
+    BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
     offs_n, offs_d, d_ok,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -96,9 +109,13 @@ def _attend_range(
     pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
     loads the copy engine bounds by the sequence itself (zero fill past the end), or over the page
     pool's ``[num_blocks * page_size, D]`` rows, a tile never crossing a page; there the masked
-    tiles zero the values of slots past the sequence (their keys are masked by the scores)."""
+    tiles zero the values of slots past the sequence (their keys are masked by the scores).
+
+    ``page_bad`` (paged) accumulates whether a page id fetched was outside the pool (read as page 0
+    instead): a scalar, or ``[BLOCK_N]`` when tiles span pages; per tile one compare and one OR."""
     if PAGED:  # the table entries of the first tile; each step fetches the next tile's ahead of use
-        blk_next = _pages(BlockTable, b, stride_tb, lo, seqlen_k, offs_n, PAGE_SIZE, BLOCK_N)
+        blk_next, bad = _pages(BlockTable, b, stride_tb, lo, seqlen_k, offs_n, num_blocks, PAGE_SIZE, BLOCK_N)
+        page_bad = page_bad | bad
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_ok = pos < seqlen_k
@@ -107,7 +124,9 @@ def _attend_range(
         blk = 0
         if PAGED:  # a load issued a whole tile before its use: the K/V addresses never wait on it
             blk = blk_next
-            blk_next = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, seqlen_k, offs_n, PAGE_SIZE, BLOCK_N)
+            blk_next, bad = _pages(BlockTable, b, stride_tb, start_n + BLOCK_N, seqlen_k, offs_n, num_blocks,
+                                   PAGE_SIZE, BLOCK_N)
+            page_bad = page_bad | bad
         if USE_TMA:
             if PAGED:  # the tile's first pool row
                 row = blk * PAGE_SIZE + start_n % PAGE_SIZE
@@ -143,14 +162,40 @@ def _attend_range(
         if FP8_CVT:  # fp8 V converted here, before its move into the dot's operand layout
             v = _jit.fp8_to_f16(v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, page_bad
 
 
 # Integer arguments that change from call to call in a serving loop. Triton would otherwise compile a
 # variant per "== 1 / divisible by 16 / other" state of each (a second-long stall mid-request); none
 # of them feeds an address whose alignment matters.
 _RUNTIME_INTS = ["batch", "seqlen_q", "seqlen_k", "num_q_tiles", "num_splits", "stride_tb", "window_left",
-                 "window_right"]
+                 "window_right", "total_q", "max_seqlen_q", "kv_limit", "min_seqused_k", "num_blocks"]
+
+_FAULT_Q: tl.constexpr = tl.constexpr(validate.FAULT_CU_SEQLENS_Q)
+_FAULT_CU_K: tl.constexpr = tl.constexpr(validate.FAULT_CU_SEQLENS_K)
+_FAULT_SEQUSED: tl.constexpr = tl.constexpr(validate.FAULT_SEQLENS_K)
+_FAULT_PAGES: tl.constexpr = tl.constexpr(validate.FAULT_BLOCK_TABLE)
+_CU_CHUNK: tl.constexpr = tl.constexpr(128)  # cu_seqlens_q entries checked per load
+INT32_MAX = 2**31 - 1
+_INT32_MAX: tl.constexpr = tl.constexpr(INT32_MAX)
+
+
+@triton.jit
+def _offsets_fault(Cu, batch, total, max_len, CHUNK: tl.constexpr):
+    """-1 when ``Cu[0..batch]`` are the offsets of ``batch`` sequences packed into ``total`` rows
+    (from 0, non-decreasing, to ``total``, none longer than ``max_len``), else the last sequence that
+    breaks the rule. The varlen grid (:func:`_find_seq`) maps programs onto rows only for such
+    offsets, so every program checks them all (``batch + 1`` int32, in chunks of ``CHUNK``)."""
+    worst = batch * 0 - 1
+    for c in range(0, batch, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        in_batch = i < batch
+        lo = tl.load(Cu + i, mask=in_batch, other=0)
+        hi = tl.load(Cu + i + 1, mask=in_batch, other=0)
+        bad = in_batch & ((hi < lo) | (hi - lo > max_len))  # hi - lo: both >= 0 once the offsets are ordered from 0
+        worst = tl.maximum(worst, tl.max(tl.where(bad, i, -1), 0))
+    worst = tl.where(tl.load(Cu) != 0, tl.maximum(worst, 0), worst)
+    return tl.where(tl.load(Cu + batch) != total, batch - 1, worst)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -179,6 +224,11 @@ def _attention_kernel(
     Sinks,  # [Hq] fp32 (HAS_SINKS)
     KDescale, VDescale,  # [Hkv] fp32, or one value with stride 0 (HAS_K_DESCALE / HAS_V_DESCALE)
     stride_sink, stride_kds, stride_vds,
+    Faults,  # int32 [NUM_FAULTS]: validate.fault_buffer of q's device
+    total_q, max_seqlen_q,  # packed query rows and the longest sequence allowed (VARLEN_Q)
+    kv_limit,  # packed keys (VARLEN_K dense); else the KV capacity of a sequence (S_max, or table columns x page)
+    min_seqused_k,  # the least valid seqused_k (HAS_SEQUSED: the keys appended just before)
+    num_blocks,  # pages in the pool (PAGED)
     GROUP: tl.constexpr, G_PACK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, SPLIT_KV: tl.constexpr,
     VARLEN_Q: tl.constexpr, VARLEN_K: tl.constexpr, HAS_SEQUSED: tl.constexpr, PAGED: tl.constexpr,
@@ -191,13 +241,18 @@ def _attention_kernel(
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
 
-    # --- which sequence and which tile of its queries
+    # --- which sequence and which tile of its queries. Invalid cu_seqlens_q (see _offsets_fault):
+    # program p covers rows [p * BLOCK_Q, (p + 1) * BLOCK_Q) of the output, which it makes NaN.
+    q_ok = tl.full([], 1, tl.int1)
     if VARLEN_Q:
-        b = _find_seq(CuSeqlensQ, pid_q, batch, BLOCK_Q)
-        q_start = tl.load(CuSeqlensQ + b)
-        seqlen_q = tl.load(CuSeqlensQ + b + 1) - q_start
-        tile = pid_q - (q_start // BLOCK_Q + b)
+        q_fault = _offsets_fault(CuSeqlensQ, batch, total_q, max_seqlen_q, _CU_CHUNK)
+        q_ok = q_fault < 0
+        b = tl.where(q_ok, _find_seq(CuSeqlensQ, pid_q, batch, BLOCK_Q), 0)
+        q_start = tl.where(q_ok, tl.load(CuSeqlensQ + b), 0)
+        seqlen_q = tl.where(q_ok, tl.load(CuSeqlensQ + b + 1), total_q) - q_start
+        tile = tl.where(q_ok, pid_q - (q_start // BLOCK_Q + b), pid_q)
         tok_base = q_start
+        _jit.report_fault(Faults, _FAULT_Q, q_fault, (q_fault >= 0) & (pid_q == 0) & (pid_h == 0) & (split == 0))
     else:
         b = pid_q // num_q_tiles
         tile = pid_q % num_q_tiles
@@ -206,12 +261,33 @@ def _attention_kernel(
     q0 = tile * BLOCK_Q
     if q0 >= seqlen_q:
         return
+
+    # --- the sequence's keys; invalid metadata: no key read, NaN rows and a fault (reported once per
+    # sequence, by its first program)
+    first = q_ok & (tile == 0) & (pid_h == 0) & (split == 0)
     k_row0 = b * 0
-    if VARLEN_K:
+    k_ok = q_ok
+    if VARLEN_K:  # ordered offsets, and ordered with the neighbours' (else key ranges overlap)
         k_row0 = tl.load(CuSeqlensK + b)
-        seqlen_k = tl.load(CuSeqlensK + b + 1) - k_row0
+        k_end = tl.load(CuSeqlensK + b + 1)
+        k_prev = tl.load(CuSeqlensK + b - 1, mask=b > 0, other=0)
+        k_next = tl.load(CuSeqlensK + b + 2, mask=b < batch - 1, other=_INT32_MAX)
+        cu_k_ok = (k_prev <= k_row0) & (k_row0 >= 0) & (k_row0 <= k_end) & (k_end <= k_next)
+        cu_k_ok = cu_k_ok & ((b > 0) | (k_row0 == 0))
+        if PAGED:  # lengths within the table's pages
+            cu_k_ok = cu_k_ok & (k_end - k_row0 <= kv_limit)
+        else:  # rows within the packed keys, all of them used
+            cu_k_ok = cu_k_ok & (k_end <= kv_limit) & ((b < batch - 1) | (k_end == kv_limit))
+        _jit.report_fault(Faults, _FAULT_CU_K, b, first & (cu_k_ok == 0))
+        k_ok = k_ok & cu_k_ok
+        seqlen_k = k_end - k_row0
     if HAS_SEQUSED:
         seqlen_k = tl.load(SequsedK + b)
+        used_ok = (seqlen_k >= min_seqused_k) & (seqlen_k <= kv_limit)
+        _jit.report_fault(Faults, _FAULT_SEQUSED, b, first & (used_ok == 0))
+        k_ok = k_ok & used_ok
+    seqlen_k = tl.where(k_ok, seqlen_k, 0)
+    k_row0 = tl.where(k_ok, k_row0, 0)
     delta = seqlen_k - seqlen_q
 
     # --- rows of this tile: (query token, query head) pairs; heads of one KV group packed
@@ -291,22 +367,26 @@ def _attention_kernel(
     else:
         k_src = K
         v_src = V
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+    if PAGED and PAGE_SIZE % BLOCK_N != 0:  # one flag per key of a tile (its keys span pages)
+        page_bad = offs_n < 0
+    else:
+        page_bad = pid_q < 0
+    acc, l_i, m_i, page_bad = _attend_range(
+        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
+    acc, l_i, m_i, page_bad = _attend_range(
+        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+    acc, l_i, m_i, page_bad = _attend_range(
+        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
         True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
     )
     if HAS_SINKS:  # per row's query head (rows of a packed tile belong to different heads)
@@ -317,6 +397,14 @@ def _attention_kernel(
     out, lse = _jit.finalize(m_i, l_i, acc)
     if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
         out = out * tl.load(VDescale + kvh * stride_vds)
+    valid = k_ok
+    if PAGED:
+        if PAGE_SIZE % BLOCK_N != 0:
+            page_bad = tl.max(page_bad.to(tl.int32), 0) > 0
+        _jit.report_fault(Faults, _FAULT_PAGES, b, page_bad)
+        valid = valid & (page_bad == 0)
+    out = tl.where(valid, out, float("nan"))  # a split's NaN partial makes the combined row NaN
+    lse = tl.where(valid, lse, float("nan"))
 
     # --- write the tile: final output, or this split's partial state
     out_mask = row_ok[:, None] & d_ok[None, :]
@@ -429,16 +517,24 @@ def attention_forward(
     sinks: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    min_seqused_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the attention kernel on validated inputs (public functions validate first).
 
     q is ``[B, Sq, Hq, D]`` (dense) or ``[total_q, Hq, D]`` (with ``cu_seqlens_q``); k/v are
     ``[B, Sk, Hkv, D]``, ``[total_k, Hkv, D]`` (with ``cu_seqlens_k``) or pages
-    ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). Returns ``(out, lse)``; out has q's
+    ``[num_blocks, page_size, Hkv, D]`` (with ``block_table``). ``min_seqused_k``: the least valid
+    entry of ``seqused_k`` (the keys appended just before). Returns ``(out, lse)``; out has q's
     shape and dtype (written into ``out`` when given: checked by the public functions, not here),
     lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``). ``sinks``: fp32
     ``[Hq]`` attention-sink logits, or None. ``k_descale``/``v_descale``: fp32 ``[Hkv]`` or one value
     (``[]``/``[1]``) by which stored K/V are multiplied (fp8 caches), or None.
+
+    Metadata values are checked by the kernel, not here (nothing is read from the device): a
+    sequence whose ``cu_seqlens``, ``seqused_k`` or page ids are invalid reads and writes nothing
+    outside the tensors, gets NaN rows (and LSE), and is recorded in
+    :func:`pagedflash.validate.fault_buffer` (invalid ``cu_seqlens_q``: every row NaN, since rows
+    cannot be told apart).
 
     The launch plan (tiles, split count, grid, the kernel's integer arguments) is computed once per
     signature (:mod:`pagedflash.ops.attention_plan`) and reused, as are the split partials
@@ -472,12 +568,17 @@ def attention_forward(
     else:
         out_part = lse_part = out  # unused
     dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)
+    if block_table is not None:  # the kernel's bounds for metadata values
+        kv_limit, num_blocks = min(block_table.shape[1] * k.shape[1], INT32_MAX), k.shape[0]
+    else:
+        kv_limit, num_blocks = k.shape[0] if cu_seqlens_k is not None else k.shape[1], 0
     args = (q, k, v, out, dummy if lse is None else lse, out_part, lse_part,
             dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
             dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
             *plan.ints, sm_scale, softcap, left, right,
             dummy if sinks is None else sinks, dummy if k_descale is None else k_descale,
-            dummy if v_descale is None else v_descale, *plan.head_strides)
+            dummy if v_descale is None else v_descale, *plan.head_strides, validate.fault_buffer(device),
+            q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit, min_seqused_k, num_blocks)
     _launch(plan, args)
     if plan.part_shapes is not None:
         if plan.combine is None:

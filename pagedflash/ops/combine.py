@@ -38,7 +38,9 @@ def _combine_kernel(
     """One (token, head) per program. All split LSEs are read at once and the partial outputs with
     them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait on each other
     (a split-by-split merge would pay the memory latency once per split). The split count is a
-    runtime argument: no recompile per count."""
+    runtime argument: no recompile per count. A NaN partial (a split that found invalid metadata)
+    gives a NaN output and LSE: its weight ``exp(NaN - m)`` is NaN whatever the max ``m`` is, and
+    reaches ``total``."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)

@@ -34,16 +34,18 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | No
 def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
             softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None, k_descale=None,
             v_descale=None):
+    s_new = 0
     if k is not None and k.numel():  # appended in q's dtype, or quantized by the descales into an fp8 cache
         append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table, k_scale=k_descale, v_scale=v_descale)
-        cache_seqlens = cache_seqlens + k.shape[1]
+        s_new = k.shape[1]
+        cache_seqlens = cache_seqlens + s_new  # int32: a sum past 2^31 wraps negative, which the kernel refuses
     if q.numel() == 0:  # a batch of 0: nothing to attend
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     return attention_forward(
         q, k_cache, v_cache, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
-        return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale,
+        return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale, min_seqused_k=s_new,
     )[1]
 
 
@@ -94,6 +96,12 @@ def flash_attn_with_kvcache(
     Returns:
         out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32. A batch of 0 gives
         empty tensors.
+
+    Shapes, dtypes and host ints are checked here; the values of ``cache_seqlens`` and
+    ``block_table`` only in the debug mode (:func:`pagedflash.validate.value_checks`). Otherwise the
+    kernel checks them: a row whose length (with the new keys) is negative or past the capacity, or
+    whose keys use a page id outside ``[0, num_blocks)``, gets NaN output and LSE and is recorded
+    for :func:`pagedflash.validate.raise_if_invalid`.
     """
     validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
     device = q.device

@@ -171,6 +171,14 @@ def flash_attn_varlen_func(
 
     Returns:
         out ``[total_q, Hq, D]``; with ``return_lse`` also lse ``[Hq, total_q]`` fp32.
+
+    Shapes, dtypes and host ints are checked here; the values of ``cu_seqlens_q/k`` and
+    ``block_table`` only in the debug mode (:func:`pagedflash.validate.value_checks`). Otherwise the
+    kernels check them: a sequence whose offsets are out of order, or past ``q``'s or ``k``'s rows or
+    its block table's pages, or longer than ``max_seqlen_q``, or whose keys use a page id outside
+    ``[0, num_blocks)``, gets NaN rows and LSE (invalid ``cu_seqlens_q``: every row, in the portable
+    kernel, whose grid is laid out from it); each fault is recorded for
+    :func:`pagedflash.validate.raise_if_invalid`.
     """
     paged = block_table is not None
     _check_common(q, k, v, q_ndim=3, kv_ndim=4 if paged else 3, fp8_kv=True)
