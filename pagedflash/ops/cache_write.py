@@ -13,9 +13,10 @@ A contiguous cache ``[B, S_max, Hkv, D]`` is addressed as ``B`` pages of ``S_max
 Any metadata values are safe: a token whose destination is invalid writes nothing and the kernel
 records the fault in :func:`pagedflash.validate.fault_buffer` (read by
 :func:`pagedflash.validate.raise_if_invalid`): a slot ``>= num_blocks * page_size`` as
-``slot_mapping`` at the token's index; a position ``cache_seqlens[b] + t`` outside ``[0, S_max)``
-(paged: ``[0, block_table columns * page_size)``) as ``cache_seqlens`` at row ``b``, and then no
-token of that row is written; a page id outside ``[0, num_blocks)`` as ``block_table`` at row ``b``. The host reads no metadata values
+``slot_mapping`` at the token's index; a row whose positions ``cache_seqlens[b] + t`` leave
+``[0, S_max)`` (paged: ``[0, block_table columns * page_size)``) as ``cache_seqlens`` at row ``b``,
+and none of the row's tokens is written; a page id outside ``[0, num_blocks)`` as ``block_table``
+at row ``b`` (the tokens bound for that page are not written). The host reads no metadata values
 unless the debug mode (:func:`pagedflash.validate.value_checks`) is on.
 
 An fp8 cache (``float8_e4m3fn``, ``float8_e5m2``) stores ``saturate(k / k_scale[head])`` rounded to
