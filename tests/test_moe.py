@@ -95,13 +95,18 @@ def test_both_groupings_agree(monkeypatch, direct):
     assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids_))
 
 
-def test_align_layout():
-    """Grouped slots: each expert's pairs in pair order, runs padded to the block, pad = P, invalid
-    ids in a run of their own (expert E), blocks past the end -1."""
+def test_grouping_layout(monkeypatch):
+    """Grouped slots: each expert's pairs in one run padded to the block (any order within it), pad
+    slots P, invalid ids in a run of their own (expert E), blocks past the end -1."""
+    monkeypatch.setattr(moe, "TILES", moe.Tiles(False, 2, 32, 32, 32, 4, 2, 1))
     ids_ = torch.tensor([[2, 0], [2, 5], [-1, 2]], dtype=torch.int32, device=DEVICE)  # E = 4: 5, -1 invalid
-    sorted_ids, block_expert = moe._align(ids_, 4, 2, 7)
-    assert sorted_ids.tolist() == [1, 6, 0, 2, 5, 6, 3, 4, 6, 6, 6, 6, 6, 6]
-    assert block_expert.tolist() == [0, 2, 2, 4, -1, -1, -1]
+    x, w13, w2, _ = randn(3, 16), *make_layer(4, 16, 8, torch.float32, "silu")
+    plan = moe._plan(x, w13, w2, torch.ones(3, 2, device=DEVICE), ids_, None, None, moe.SILU, None)
+    assert plan.num_blocks == 6  # cdiv(P + min(E + 1, P) * (BM - 1), BM): E runs and one of invalid ids
+    sorted_ids, block_expert = moe._group(plan, ids_, 6, 4, 2, *ids_.stride())
+    assert block_expert.tolist() == [0, 2, 2, 4, -1, -1]
+    runs = [sorted(sorted_ids[a:b].tolist()) for a, b in [(0, 2), (2, 6), (6, 8), (8, 12)]]
+    assert runs == [[1, 6], [0, 2, 5, 6], [3, 4], [6] * 4]
 
 
 @pytest.mark.parametrize("T", [1, 17], ids=["direct", "sorted"])

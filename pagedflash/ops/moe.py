@@ -20,9 +20,9 @@ Grouping (which pairs a block of rows holds) has two forms, chosen on the host f
 - *direct* (few pairs, decode): block ``m`` is pair ``m`` alone; its expert id is read by the kernel.
   No grouping launch at all; an expert picked by two pairs is read twice (from L2 when the programs
   run together). ``T = 1`` always has distinct experts.
-- *sorted*: pairs ordered by expert (:func:`_align`, torch ops on the device), each expert's run
+- *sorted*: pairs grouped by expert (:func:`_group`: three small kernels), each expert's run
   padded to a multiple of ``BM``; block ``m`` holds ``BM`` slots of one expert (pad slots hold the
-  sentinel ``P``). The padded length is bounded on the host by ``P + min(E, P) * (BM - 1)``; blocks
+  sentinel ``P``). The padded length is bounded on the host by ``P + min(E + 1, P) * (BM - 1)``; blocks
   past the device's true end have expert ``-1`` and their programs return at once, so empty experts
   cost one early exit per program slot.
 
@@ -200,6 +200,72 @@ def _sum_k_kernel(
     tl.store(Out + t * stride_o + cols, acc.to(Out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1):
+    """Pair ``p``'s run: its expert id, or ``E`` for an id outside ``[0, E)``."""
+    e = tl.load(Ids + (p // top_k) * stride_id0 + (p % top_k) * stride_id1, mask=ok, other=0).to(tl.int64)
+    return tl.where((e >= 0) & (e < E), e, E)
+
+
+@triton.jit
+def _count_kernel(
+    Ids,  # [T, k] expert ids
+    Counts,  # [BLOCK_E] int32, zeroed: pairs per run (E + 1 runs)
+    P, E, top_k, stride_id0, stride_id1,
+    BLOCK: tl.constexpr,
+):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    tl.atomic_add(Counts + _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1), 1, mask=ok)
+
+
+@triton.jit
+def _offsets_kernel(
+    Counts,  # [BLOCK_E] int32 from _count_kernel
+    Cursor,  # [BLOCK_E] int32: each run's first slot (for _scatter_kernel)
+    SortedIds,  # [num_blocks * BM]: pad slots written here (P)
+    BlockExpert,  # [num_blocks] int32: each block's run, -1 past the last
+    P, E, num_blocks,
+    BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """One program: runs padded to BM, each block's run, and the pad slots (disjoint from the slots
+    _scatter_kernel fills, so the two need no ordering)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(Counts + e)
+    padded = (counts + (BM - 1)) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(Cursor + e, starts)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blk = b0 + tl.arange(0, BLOCK_B)
+        blk_ok = blk < num_blocks
+        s0 = blk * BM
+        run = tl.sum((ends[None, :] <= s0[:, None]).to(tl.int32), 1)  # empty runs end where the next starts
+        in_run = e[None, :] == run[:, None]
+        start = tl.sum(tl.where(in_run, starts[None, :], 0), 1)
+        count = tl.sum(tl.where(in_run, counts[None, :], 0), 1)
+        tl.store(BlockExpert + blk, tl.where(run <= E, run, -1), mask=blk_ok)
+        slot = s0[:, None] + tl.arange(0, BM)[None, :]
+        pad = slot - start[:, None] >= count[:, None]
+        tl.store(SortedIds + slot, tl.full([BLOCK_B, BM], 0, tl.int32) + P, mask=pad & blk_ok[:, None])
+
+
+@triton.jit
+def _scatter_kernel(
+    Ids,  # [T, k] expert ids
+    Cursor,  # [BLOCK_E] int32 from _offsets_kernel: the next free slot of each run
+    SortedIds,  # [num_blocks * BM]: each pair's id in a slot of its run
+    P, E, top_k, stride_id0, stride_id1,
+    BLOCK: tl.constexpr,
+):
+    """Slots within a run are taken in any order (atomics): a pair's result does not depend on which
+    row of its expert's blocks it occupies, so the layer's output is still reproducible."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = p < P
+    slot = tl.atomic_add(Cursor + _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1), 1, mask=ok)
+    tl.store(SortedIds + slot, p, mask=ok)
+
+
 # ---------------------------------------------------------------- launch choices
 
 
@@ -239,29 +305,6 @@ def tiles(T: int, top_k: int, E: int) -> Tiles:
         return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
     bm = 128 if T * top_k >= 256 * E else 64
     return Tiles(False, bm, 64, 128, 64, 8 if bm == 128 else 4, 3, 8)
-
-
-def _align(ids: torch.Tensor, E: int, bm: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert, on the device without a host sync: ``(sorted_ids int32 [num_blocks *
-    bm], block_expert int32 [num_blocks])``. Expert ``e``'s pairs (in pair order) fill a run of
-    slots padded to a multiple of ``bm``; ids outside ``[0, E)`` form one more run, expert ``E``;
-    pad slots hold ``P``; blocks past the last run have expert ``-1``."""
-    flat = ids.reshape(-1)
-    P = flat.numel()
-    bucket = torch.where((flat >= 0) & (flat < E), flat, E).long()
-    counts = torch.zeros(E + 1, dtype=torch.long, device=flat.device).scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts + (bm - 1)) // bm * bm
-    ends = padded.cumsum(0)
-    order = torch.sort(bucket, stable=True).indices
-    by_bucket = bucket[order]
-    first = counts.cumsum(0) - counts  # unpadded start of each run
-    dest = (ends - padded)[by_bucket] + torch.arange(P, device=flat.device) - first[by_bucket]
-    sorted_ids = torch.full((num_blocks * bm,), P, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(num_blocks, device=flat.device) * bm
-    run = torch.searchsorted(ends, starts, right=True)  # the run a block starts in; E + 1 past the end
-    block_expert = torch.where(run <= E, run, -1).to(torch.int32)
-    return sorted_ids, block_expert
 
 
 # ---------------------------------------------------------------- host
@@ -307,6 +350,10 @@ def _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activatio
 class _Plan(NamedTuple):
     tiles: Tiles
     num_blocks: int  # row blocks: pairs (direct) or the padded bound / bm (sorted)
+    block_e: int  # lanes of the grouping kernels' per-run vectors (E + 1 runs)
+    count: Launch  # grouping (sorted): pairs per run
+    offsets: Launch  # grouping: run starts, block experts, pad slots
+    scatter: Launch  # grouping: pairs into their runs' slots
     gate_up: Launch
     down: Launch
     sum_k: Launch
@@ -319,7 +366,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
     t = tiles(T, k, E)
-    num_blocks = P if t.direct else cdiv(P + min(E, P) * (t.bm - 1), t.bm)
+    num_blocks = P if t.direct else cdiv(P + min(E + 1, P) * (t.bm - 1), t.bm)  # runs: E, invalid ids
     consts = dict(HAS_BIAS=w13_bias is not None, SORTED=not t.direct,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", BM=t.bm, BK=t.bk,
                   GROUP_M=t.group_m)
@@ -331,7 +378,14 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
                   dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2), **opts)
     block_h = min(1024, next_pow2(H))
     sum_k = Launch(_sum_k_kernel, None if nothing else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
-    return _Plan(t, num_blocks, gate_up, down, sum_k)
+    group = nothing or t.direct
+    block_p = min(1024, next_pow2(P))
+    block_e = max(4, next_pow2(E + 1))
+    count = Launch(_count_kernel, None if group else (cdiv(P, block_p),), dict(BLOCK=block_p))
+    offsets = Launch(_offsets_kernel, None if group else (1,),
+                     dict(BM=t.bm, BLOCK_E=block_e, BLOCK_B=max(1, min(32, 4096 // block_e))))
+    scatter = Launch(_scatter_kernel, None if group else (cdiv(P, block_p),), dict(BLOCK=block_p))
+    return _Plan(t, num_blocks, block_e, count, offsets, scatter, gate_up, down, sum_k)
 
 
 _PLANS = PlanCache()
@@ -350,15 +404,15 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
     t = plan.tiles
+    id0, id1 = topk_ids.stride()
     if t.direct:
         sorted_ids = block_expert = topk_ids  # unread
     else:
-        sorted_ids, block_expert = _align(topk_ids, E, t.bm, plan.num_blocks)
+        sorted_ids, block_expert = _group(plan, topk_ids, P, E, k, id0, id1)
     inter = torch.empty((P, I), dtype=hidden.dtype, device=hidden.device)
     part = torch.empty((P, H), dtype=torch.float32, device=hidden.device)
     b13 = w13 if w13_bias is None else w13_bias
     b2 = w2 if w2_bias is None else w2_bias
-    id0, id1 = topk_ids.stride()
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
@@ -366,6 +420,22 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
               P, H, I, E, k, plan.num_blocks,
               w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
     plan.sum_k(part, out, H, k, out.stride(0))
+
+
+def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert, three launches and a memset on the device, no host sync:
+    ``(sorted_ids int32 [num_blocks * BM], block_expert int32 [num_blocks])``. Expert ``e``'s pairs
+    fill a run of slots padded to a multiple of BM (in any order within it); ids outside ``[0, E)``
+    form one more run, expert ``E``; pad slots hold ``P``; blocks past the last run have expert -1."""
+    bm, dev = plan.tiles.bm, topk_ids.device
+    counts = torch.zeros(2 * plan.block_e, dtype=torch.int32, device=dev)
+    cursor = counts[plan.block_e:]
+    sorted_ids = torch.empty(plan.num_blocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(plan.num_blocks, dtype=torch.int32, device=dev)
+    plan.count(topk_ids, counts, P, E, k, id0, id1)
+    plan.offsets(counts, cursor, sorted_ids, block_expert, P, E, plan.num_blocks)
+    plan.scatter(topk_ids, cursor, sorted_ids, P, E, k, id0, id1)
+    return sorted_ids, block_expert
 
 
 def _check_ids(topk_ids: torch.Tensor, E: int) -> None:
