@@ -159,6 +159,23 @@ def test_fake_kernel():
         assert out.shape == (4, 16)
 
 
+def test_compiled_is_bit_identical():
+    """route + fused_moe under ``torch.compile(fullgraph=True)``: no graph break, the eager bits;
+    the operator passes ``torch.library.opcheck`` (schema, fake, mutation of out)."""
+    x, (w13, w2, biases), logits = randn(5, H), make_layer(8, H, I, torch.float32, "swigluoai"), randn(5, 8)
+
+    def layer(x, logits):
+        weights, ids_ = moe.route(logits, 2, scoring="topk_softmax")
+        return moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x, logits), layer(x, logits))
+    weights, ids_ = moe.route(logits, 2)
+    torch.library.opcheck(torch.ops.pagedflash.fused_moe.default,
+                          (x, w13, w2, weights, ids_, biases["w13_bias"], biases["w2_bias"], moe.SWIGLUOAI, 1.702, 7.0,
+                           torch.zeros(5, H, device=DEVICE)))
+
+
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("topk_softmax", True)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_route(scoring, renormalize, with_bias):
