@@ -129,8 +129,6 @@ def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
         bound_ms = nbytes / (HBM_TBPS * 1e12) * 1e3
         row.update(active_mb=nbytes / 1e6, bound_ms=bound_ms,
                    pct_bound=ours.show(lambda ms: 100 * bound_ms / ms))
-    del weights
-    free_memory()
     return row, [ours, loop]
 
 
@@ -152,6 +150,7 @@ def main(cfg: Config) -> int:
             row, ours = case(name, T, spec)
             table.rows.append(row)
             bad += failures(ours)
+            free_memory()
     print_table(table)
     summary = {"failures": bad}
     for name in spec["shapes"]:
