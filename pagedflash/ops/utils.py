@@ -147,6 +147,39 @@ class Launch:
             fastlaunch.launch(self.slot, self.kernel, self.grid, args, self.consts, **self.options)
 
 
+_SCALAR_TYPES = frozenset((type(None), bool, int, float))
+
+
+def checked_signature(tensors: tuple, scalars: tuple) -> tuple | None:
+    """The key under which a public function may keep the outcome of its input checks for these
+    arguments: every property of ``tensors`` its checks read (type, shape, strides, dtype, device,
+    whether autograd tracks it; None entries allowed) and ``scalars`` with their types (None, bool,
+    int, float, or tuples of them, so that ``True``, ``1`` and ``1.0`` differ). None, and the checks
+    run, when a scalar is of another type (a tensor's value may change), an argument that should be
+    a tensor is not one, value checks are on (they read values) or ``torch.compile`` traces."""
+    if torch.compiler.is_compiling() or validate.value_checks_enabled():
+        return None
+    key = []
+    for e in scalars:
+        kind = type(e)
+        if kind is tuple:
+            if any(type(x) not in _SCALAR_TYPES for x in e):
+                return None
+            e = tuple((type(x), x) for x in e)
+        elif kind not in _SCALAR_TYPES:
+            return None
+        key.append((kind, e))
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif isinstance(t, torch.Tensor):
+            key.append((type(t), t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
+        else:
+            return None
+    return tuple(key)
+
+
 class PlanCache(dict):
     """An op's launch plans by call signature (:meth:`key`): the op's input checks and launch
     numbers are worked out on a signature's first call only, as the plans depend on nothing else.
