@@ -24,9 +24,12 @@ or local, else every query at ``cache_seqlens``; a window side at least the cach
 ``seqlen_k`` (``S_max``, or ``block_table`` columns x page size) is unbounded, so it does not make
 the call local; ``rotary_cos``/``rotary_sin`` hold at least ``seqlen_k`` rows. flash-attn reads past
 the table when a causal or local call's query rows outrun it (more queries than new keys in a nearly
-full cache); pagedflash raises instead (the check reads ``cache_seqlens`` from the device, so it is
-skipped, like every value check, under CUDA-graph capture or ``set_value_checks(False)``, where such
-rows take the table's last row). Two values differ from flash-attn's:
+full cache); pagedflash gives such rows NaN output and records a ``positions`` fault
+(:func:`pagedflash.validate.raise_if_invalid`), and in the debug mode
+(:func:`pagedflash.validate.value_checks`, which reads ``cache_seqlens`` from the device) raises
+before launching. ``cache_batch_idx`` values are checked as a one-column block table (a row outside
+``k_cache`` is a ``block_table`` fault) unless the debug mode checks them first. Two values differ
+from flash-attn's:
 a query row that sees no key has LSE ``-inf`` (flash-attn 2 writes ``+inf``; both are "empty" to
 :func:`pagedflash.merge_attn_states`), and ``S_dmask`` is None, as in flash-attn 2.6 (2.7 returns an
 empty tensor).
@@ -211,7 +214,9 @@ def _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens, capacity: int) ->
 
 
 def _rotary_positions(q, k, cache_seqlens, rows: int, capacity: int, causal: bool, window_size):
-    """Rows of rotary_cos/sin for q ``[B, Sq]`` and the new k ``[B, S_new]``, by flash-attn 2's rule (module doc)."""
+    """Rows of rotary_cos/sin for q ``[B, Sq]`` and the new k ``[B, S_new]``, by flash-attn 2's rule
+    (module doc), clamped into the table, and which query rows' positions were outside it ``[B, Sq]``
+    (None where none can be: with valid lengths only causal or local rows past the new keys can)."""
     batch, sq = q.shape[:2]
     base = (torch.full((batch, 1), cache_seqlens, device=q.device) if isinstance(cache_seqlens, int)
             else cache_seqlens.long()[:, None])
@@ -223,10 +228,21 @@ def _rotary_positions(q, k, cache_seqlens, rows: int, capacity: int, causal: boo
             how = f"query row {sq - 1} at cache_seqlens + {sq - 1}" if per_row else "the queries at cache_seqlens"
             raise ValueError(f"rotary_cos: {rows} positions, but this {'causal or local ' if per_row else ''}call "
                              f"rotates {how} = position {last}")
-    q_pos = base + (torch.arange(sq, device=q.device) if per_row else 0)
+    q_pos = (base + (torch.arange(sq, device=q.device) if per_row else 0)).expand(batch, sq)
     k_pos = base + torch.arange(k.shape[1], device=q.device)
-    # rows past the table: refused above or, for k, by the cache's bound; left unchecked they take its last row
-    return q_pos.expand(batch, sq).clamp(0, rows - 1), k_pos.clamp(0, rows - 1)
+    # positions outside the table: refused above; unchecked, a query row's becomes NaN (the caller's),
+    # a new key's means cache_seqlens outside the cache, where nothing is written and attention is NaN
+    outside = (q_pos < 0) | (q_pos >= rows) if per_row and sq > k.shape[1] else None
+    return q_pos.clamp(0, rows - 1), k_pos.clamp(0, rows - 1), outside
+
+
+def _poison_rows(q: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """q ``[B, Sq, H, D]`` with the rows ``bad`` ``[B, Sq]`` NaN (so are their outputs), the last
+    such token (``b * Sq + i``) recorded as a ``positions`` fault, without reading ``bad`` on the host."""
+    fault = validate.fault_buffer(q.device).narrow(0, validate.FAULT_POSITIONS, 1)
+    token = torch.arange(bad.numel(), device=bad.device, dtype=torch.int32).view(bad.shape)
+    fault.copy_(torch.maximum(fault, torch.where(bad, token, -1).amax().reshape(1)))
+    return q.masked_fill(bad[:, :, None, None], float("nan"))
 
 
 @_runtime_errors
@@ -254,8 +270,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             validate.check_tensor("block_table", block_table, ndim=2, device=q.device)
         capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)  # flash-attn's seqlen_k
         _check_rotary(rotary_cos, rotary_sin, q, k, cache_seqlens, capacity)
-        q_pos, k_pos = _rotary_positions(q, k, cache_seqlens, rotary_cos.shape[0], capacity, causal, window_size)
+        q_pos, k_pos, q_outside = _rotary_positions(q, k, cache_seqlens, rotary_cos.shape[0], capacity, causal,
+                                                    window_size)
         q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        if q_outside is not None:
+            q = _poison_rows(q, q_outside)
         k = apply_rotary(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
     if cache_batch_idx is not None:
         if block_table is not None:

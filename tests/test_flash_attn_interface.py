@@ -10,6 +10,7 @@ from helpers import DEVICE, DTYPES, assert_close, cu_seqlens, ids, randn
 import pagedflash
 from pagedflash import flash_attn_interface as fa
 from pagedflash import reference as ref
+from pagedflash import validate
 
 DTYPE = DTYPES[-1]
 # flash-attn 2.6+'s parameter lists (flash_attn/flash_attn_interface.py), in order
@@ -187,10 +188,11 @@ def _bad_call(case):
     ("batch idx with pages", ValueError, "cache_batch_idx: not supported with block_table"),
 ])
 def test_kvcache_rejects(case, error, match):
-    with pytest.raises(error, match=match):
-        _bad_call(case)()
-    with pytest.raises(RuntimeError, match=match):  # what code written for flash-attn catches
-        _bad_call(case)()
+    with validate.value_checks(True):  # cache_batch_idx's values: the debug mode's
+        with pytest.raises(error, match=match):
+            _bad_call(case)()
+        with pytest.raises(RuntimeError, match=match):  # what code written for flash-attn catches
+            _bad_call(case)()
 
 
 def test_kvcache_rotary_with_batch_idx_int_lengths_and_a_window():
@@ -310,11 +312,13 @@ def test_kvcache_rotary_positions_are_flash_attns(mode, layout, interleaved):
     assert_close(out, want, DTYPE)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the interpreter, on the NaN query rows
 def test_kvcache_rotary_queries_at_cache_seqlens_in_a_full_cache():
     """The issue's case (flash-attn's test_flash_attn_kvcache: batch 1, seqlen_q 128, a cache of 128, D 32,
     rotary_fraction 0.5, fewer new keys than queries): neither causal nor local, every query rotates
     at cache_seqlens, so a table as long as the cache is enough (pagedflash asked for cache_seqlens +
-    seqlen_q rows and refused it). Causal, the query rows would run past the table: a clear error."""
+    seqlen_q rows and refused it). Causal, the query rows would run past the table: those rows get NaN
+    and a positions fault, or in the debug mode a clear error."""
     sq, s_new, s_max, d, rotary_dim = 128, 5, 128, 32, 16
     angles, cos, sin = _rotary_tables(s_max, rotary_dim)
     lens = torch.tensor([s_max - s_new - 10], dtype=torch.int32, device=DEVICE)
@@ -329,9 +333,21 @@ def test_kvcache_rotary_queries_at_cache_seqlens_in_a_full_cache():
     want = ref.kvcache_attention_ref(_rotate_ref(q, angles, q_pos, False), k_ref, v_ref, lens + s_new, causal=False)[0]
     assert_close(out, want, DTYPE)
 
+    validate.invalid_metadata()  # earlier tests' records
+    out = fa.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, cos, sin, lens, causal=True,
+                                     rotary_interleaved=False)
+    inside = s_max - int(lens[0])  # query rows 0 .. inside - 1 rotate at positions inside the table
+    q_pos = _fa2_rotary_positions(lens, sq, s_new, s_max, True, (-1, -1))[0].clamp(max=s_max - 1)  # rows past: unused
+    want = ref.kvcache_attention_ref(_rotate_ref(q, angles, q_pos, False), k_ref, v_ref, lens + s_new, causal=True)[0]
+    assert_close(out[:, :inside], want[:, :inside], DTYPE)
+    assert bool(out[:, inside:].isnan().all())  # the others NaN, and the fault recorded
+    with pytest.raises(ValueError, match=f"positions: expected values in .* found token {sq - 1} invalid"):
+        validate.raise_if_invalid()
+
     k_before = k_cache.clone()
-    with pytest.raises(ValueError, match="rotary_cos: 128 positions, but this causal or local call rotates query row "
-                                         "127 at cache_seqlens \\+ 127 = position 240"):
+    with validate.value_checks(True), pytest.raises(
+            ValueError, match="rotary_cos: 128 positions, but this causal or local call rotates query row "
+                              "127 at cache_seqlens \\+ 127 = position 240"):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, causal=True)
     assert torch.equal(k_cache, k_before)  # refused before anything was written
 

@@ -23,8 +23,9 @@ FAR = 10**6  # int poison: as an offset, length or page id, out of every range h
 NAN = float("nan")
 
 
-# the interpreter's max over a split's NaN partials (the combine) warns; on the GPU nothing does
-pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
+# the interpreter's numpy warns on the NaN it computes (a split's NaN partials, a descale of inf)
+pytestmark = [pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 @pytest.fixture(autouse=True)
@@ -257,6 +258,25 @@ def test_kvcache(kind, paged, s_new, num_splits):
         block_table=None if table is None else wide_table(table), num_splits=num_splits, return_lse=True,
         out=out[PAD:-PAD])
     check(out, lse.transpose(0, -1), ref_out, ref_lse.transpose(0, -1), bad, dtype, fault)
+
+
+def test_descales_not_finite_and_positive_give_nan_rows():
+    """fp8 caches: a descale of 0, below 0, inf or NaN would give plausible numbers (a key descale of
+    0: uniform attention); the rows of that KV head's query heads are NaN instead, the others exact."""
+    q = randn(2, 1, HQ, D)
+    k_cache, v_cache = (randn(2, 8, HKV, D).to(torch.float8_e4m3fn) for _ in range(2))
+    want, want_lse = reference.kvcache_attention_ref(q, reference.dequantize_ref(k_cache),
+                                                     reference.dequantize_ref(v_cache), [5, 8])
+    good, group = torch.ones(HKV, device=DEVICE), HQ // HKV
+    for bad in (0.0, -1.0, float("inf"), NAN):
+        scale = torch.tensor([1.0, bad], device=DEVICE)
+        for descales in (dict(k_descale=scale, v_descale=good), dict(k_descale=good, v_descale=scale)):
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([5, 8]), return_lse=True,
+                                               **descales)
+            assert bool(out[:, :, group:].isnan().all()) and bool(lse[:, group:].isnan().all())
+            assert_close(out[:, :, :group], want[:, :, :group], torch.float32)
+            assert_close(lse[:, :group], want_lse[:, :group], torch.float32, name="lse")
+    assert validate.invalid_metadata() == []  # not metadata: no record, the NaN rows say it
 
 
 def test_value_checks_on_raise_on_the_host_before_launching():

@@ -330,8 +330,11 @@ def _attention_kernel(
         s_hi = hi
 
     # --- stream K/V
+    scales_ok = q_ok  # descales finite and > 0 (else the rows are NaN: a zero would give plausible numbers)
     if HAS_K_DESCALE:  # scores of stored keys times this head's descale are the real scores
-        sm_scale = sm_scale * tl.load(KDescale + kvh * stride_kds)
+        k_descale = tl.load(KDescale + kvh * stride_kds)
+        scales_ok = scales_ok & (k_descale > 0) & (k_descale < float("inf"))
+        sm_scale = sm_scale * k_descale
     if K.dtype.element_ty.is_fp8() and Q.dtype.element_ty == tl.bfloat16:
         # fp8 K/V under bf16 queries: both dots run in fp16, to which GPUs convert fp8 pairs in one
         # instruction (to bf16: three, and decode is then bound by the conversions; docs/performance.md
@@ -396,8 +399,10 @@ def _attention_kernel(
         m_i, l_i, acc = _jit.add_sink(m_i, l_i, acc, sink)
     out, lse = _jit.finalize(m_i, l_i, acc)
     if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
-        out = out * tl.load(VDescale + kvh * stride_vds)
-    valid = k_ok
+        v_descale = tl.load(VDescale + kvh * stride_vds)
+        scales_ok = scales_ok & (v_descale > 0) & (v_descale < float("inf"))
+        out = out * v_descale
+    valid = k_ok & scales_ok
     if PAGED:
         if PAGE_SIZE % BLOCK_N != 0:
             page_bad = tl.max(page_bad.to(tl.int32), 0) > 0
@@ -488,6 +493,14 @@ def _launch(plan: Plan, args: tuple) -> None:
 
 
 _PLANS = PlanCache(maxsize=4096)  # plans by signature (plan_key); a serving loop repeats a few
+_FAULT_BUFFERS: dict[torch.device, torch.Tensor] = {}  # validate.fault_buffer by q.device (one dict lookup)
+
+
+def _faults(device: torch.device) -> torch.Tensor:
+    buf = _FAULT_BUFFERS.get(device)
+    if buf is None:
+        buf = _FAULT_BUFFERS[device] = validate.fault_buffer(device)
+    return buf
 
 
 def clear_plans() -> None:
@@ -577,7 +590,7 @@ def attention_forward(
             dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
             *plan.ints, sm_scale, softcap, left, right,
             dummy if sinks is None else sinks, dummy if k_descale is None else k_descale,
-            dummy if v_descale is None else v_descale, *plan.head_strides, validate.fault_buffer(device),
+            dummy if v_descale is None else v_descale, *plan.head_strides, _faults(device),
             q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit, min_seqused_k, num_blocks)
     _launch(plan, args)
     if plan.part_shapes is not None:
