@@ -103,6 +103,45 @@ def test_two_ranks_match_transformers(tmp_path):
         check_against_transformers(llm, hf, prompts_of([11, 5], seed=4, low=3), n=3)
 
 
+def save_mxfp4(path, seed=0, **extra):
+    """A tiny GPT-OSS whose experts are random MXFP4 blocks and scales, saved as GPT-OSS's quantized
+    checkpoints are (``*_blocks`` / ``*_scales``, ``quantization_config``); returns transformers' model
+    holding them dequantized by transformers' own ``convert_moe_packed_tensors``."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = save_moe(path, "gpt_oss", seed=seed, **extra)
+    cfg = hf.config
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    tensors = load_file(path / "model.safetensors")
+    for layer in range(cfg.num_hidden_layers):
+        experts = hf.model.layers[layer].mlp.experts
+        for proj, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(121, 124, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+            getattr(experts, proj).data = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(path, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    return hf
+
+
+@pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+def test_mxfp4_experts_dequantized_at_load(tmp_path):
+    """GPT-OSS's MXFP4 experts dequantized at load as transformers does, on two ranks: each rank's
+    interleaved gate/up rows of the blocks, and the down blocks holding its 48 columns of 96 (rank 1
+    starts 16 columns into a block)."""
+    hf = save_mxfp4(tmp_path, intermediate_size=96)
+    assert ModelConfig.from_pretrained(tmp_path).moe_quant == "mxfp4"
+    with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
+             page_size=4, num_blocks=24) as llm:
+        check_against_transformers(llm, hf, prompts_of([9, 4], seed=6, low=3), n=3)
+
+
 def _edit_config(path, **changes):
     cfg_file = path / "config.json"
     d = json.loads(cfg_file.read_text())
@@ -116,7 +155,7 @@ def _edit_config(path, **changes):
     ("qwen3_moe", dict(architectures=["MixtralForCausalLM"]), "model_type='qwen3_moe'"),
     ("qwen3_moe", dict(shared_expert_intermediate_size=32), "shared_expert_intermediate_size=32"),
     ("mixtral", dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
-    ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+    ("gpt_oss", dict(quantization_config={"quant_method": "bitsandbytes"}), "quant_method='bitsandbytes'"),
     ("gpt_oss", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
     ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
 ])

@@ -16,7 +16,7 @@ that asks for math the family does not do is refused, naming the key: a key of :
 to a value other than its neutral one that the family does not implement (Granite's multipliers or
 Gemma's softcaps under ``LlamaForCausalLM``, say), a ``model_type`` of another family, per-layer RoPE
 parameters where the family has one RoPE, an activation other than the family's, a
-GPT-OSS ``quantization_config`` (MXFP4 experts: see :func:`_gpt_oss_fields`).
+GPT-OSS ``quantization_config`` other than MXFP4 experts (:func:`_moe_fields`).
 
 Mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields: the router
 (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation and
@@ -190,6 +190,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE)
+    moe_quant: str = ""  # the checkpoint's expert weights: "" as the model's, "mxfp4" (GPT-OSS; dequantized at load)
 
     @property
     def family(self) -> str:
@@ -457,9 +458,13 @@ def _moe_fields(kind: str, d: dict) -> dict:
         quant = d.get("quantization_config")
         if quant is not None:
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"config.json: quantization_config (quant_method={method!r}) is not loaded for "
-                             "GptOssForCausalLM: dequantize the MXFP4 experts to bf16 first (transformers: "
-                             "Mxfp4Config(dequantize=True), then save_pretrained)")
+            if method != "mxfp4":
+                raise ValueError(f"config.json: quantization_config with quant_method={method!r} is not loaded "
+                                 "for GptOssForCausalLM (implemented: 'mxfp4' experts, dequantized at load)")
+            for key in ("hidden_size", "intermediate_size"):
+                if d[key] % 32:
+                    raise ValueError(f"config.json: {key}={d[key]} is not a multiple of 32, the MXFP4 block")
+            fields["moe_quant"] = "mxfp4"
         fields.update(attention_sinks=True, moe_scoring="topk_softmax", moe_renormalize=False,
                       moe_activation="swigluoai", moe_bias=True,
                       swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))

@@ -16,7 +16,10 @@ Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``expe
 and Qwen3-MoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows;
 GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
 ``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
-de-interleaved and transposed. A rank reads its rows of each expert.
+de-interleaved and transposed. A rank reads its rows of each expert. GPT-OSS's MXFP4 experts
+(``quantization_config.quant_method == "mxfp4"``: ``gate_up_proj_blocks/_scales`` and
+``down_proj_blocks/_scales``, 32 4-bit values and one power-of-two exponent per block, out-major)
+are dequantized at load, as transformers' ``convert_moe_packed_tensors`` does.
 
 A tensor-parallel rank fills only its shard (:mod:`pagedflash.engine.parallel` says which rows and
 columns): from a checkpoint it reads just those slices (safetensors ``get_slice``), never a whole
@@ -76,6 +79,7 @@ class Piece:
     index: int | None = None  # the piece fills ``param[index]`` (an expert) instead of ``param``
     convert: object = None  # the read slice -> the whole (indexed) parameter; None: copied as is
     hf_shape: tuple[int, ...] | None = None  # the HF tensor's shape when not the parameter's
+    scales: str | None = None  # MXFP4: the scales tensor of these blocks (the same slice is read of it)
 
 
 @contextmanager
@@ -173,6 +177,8 @@ def _expert_pieces(prefix: str, kind: str, param: torch.Tensor, config: ModelCon
             return [Piece(f"{base}.{x}.{down}.weight", 1, start, i, 0, full, index=x) for x in range(e)]
         raise ValueError(f"{config.architecture} has no expert parameter {kind!r}")
     # GPT-OSS: one tensor per kind, gate and up interleaved
+    if config.moe_quant == "mxfp4" and kind in ("w13", "w2"):
+        return [_mxfp4_piece(base, kind, config, shard)]
     if kind == "w13":
         return [Piece(f"{base}.gate_up_proj", 2, 2 * start, 2 * i, 0, 2 * full, convert=_gate_up_rows,
                       hf_shape=(e, h, 2 * full))]
@@ -183,6 +189,37 @@ def _expert_pieces(prefix: str, kind: str, param: torch.Tensor, config: ModelCon
         return [Piece(f"{base}.down_proj", 1, start, i, 0, full, convert=_down_rows, hf_shape=(e, full, h))]
     # w2_bias: added once, by rank 0; other ranks read none of it (a piece of length 0, zero)
     return [Piece(f"{base}.down_proj_bias", 0, 0, e if shard.rank == 0 else 0, 0, e, hf_shape=(e, h))]
+
+
+MXFP4_BLOCK = 32  # values per MXFP4 block (16 bytes of two 4-bit values) and per exponent
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``blocks`` uint8 ``[..., G, 16]`` (low nibble first) and ``scales`` uint8 ``[..., G]``
+    (exponent + 127) -> fp32 ``[..., 32 G]``: ``value * 2 ** (scale - 127)``."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    blocks = blocks.to(torch.uint8)
+    out = torch.stack([lut[(blocks & 0x0F).int()], lut[(blocks >> 4).int()]], dim=-1).flatten(-2)
+    out = torch.ldexp(out, (scales.to(torch.int32) - 127)[..., None])
+    return out.flatten(-2)
+
+
+def _mxfp4_piece(base: str, kind: str, config: ModelConfig, shard: ShardSizes) -> Piece:
+    """GPT-OSS's MXFP4 experts, out-major: ``gate_up_proj_blocks [E, 2 I, H / 32, 16]`` (gate and up
+    rows interleaved; this rank's rows, de-interleaved) and ``down_proj_blocks [E, H, I / 32, 16]``
+    (the blocks holding this rank's columns, narrowed to them once dequantized)."""
+    e, h, full, i = config.num_experts, config.hidden_size, config.moe_intermediate_size, shard.moe_intermediate_size
+    start = shard.rank * i
+    if kind == "w13":
+        return Piece(f"{base}.gate_up_proj_blocks", 1, 2 * start, 2 * i, 0, 2 * full,
+                     convert=lambda x: _deinterleave(x.transpose(1, 2)).transpose(1, 2),
+                     hf_shape=(e, 2 * full, h // MXFP4_BLOCK, 16), scales=f"{base}.gate_up_proj_scales")
+    first, last = start // MXFP4_BLOCK, -(-(start + i) // MXFP4_BLOCK)
+    skip = start - first * MXFP4_BLOCK
+    return Piece(f"{base}.down_proj_blocks", 2, first, last - first, 0, full // MXFP4_BLOCK,
+                 convert=lambda x: x.narrow(2, skip, i), hf_shape=(e, h, full // MXFP4_BLOCK, 16),
+                 scales=f"{base}.down_proj_scales")
 
 
 def _covers(param: torch.Tensor, parts: list[Piece]) -> bool:
@@ -245,12 +282,19 @@ def load_weights(model: CausalLM, path: str) -> None:
             wanted.setdefault(piece.hf_name, []).append((param, piece))
     loaded: set[str] = set()
     unused: list[str] = []
-    for file in _safetensors_files(path):
+    files = _safetensors_files(path)
+    companions = {piece.scales for targets in wanted.values() for _, piece in targets if piece.scales}
+    where: dict[str, str] = {}  # a companion tensor -> its file
+    if companions:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                where.update((name, file) for name in f.keys() if name in companions)
+    for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
                 targets = wanted.get(hf_name)
                 if not targets:
-                    if hf_name not in other_ranks and not _ignored(hf_name, model.config):
+                    if hf_name not in other_ranks and hf_name not in companions and not _ignored(hf_name, model.config):
                         unused.append(hf_name)
                     continue
                 tensor = f.get_slice(hf_name)
@@ -265,6 +309,9 @@ def load_weights(model: CausalLM, path: str) -> None:
                         continue
                     span = (slice(None),) * piece.dim + (slice(piece.start, piece.start + piece.length),)
                     part = tensor[span]
+                    if piece.scales is not None:
+                        part = dequantize_mxfp4(part, _read_companion(piece.scales, where, want[:-1], span, path))
+                        loaded.add(piece.scales)
                     if piece.convert is not None:
                         target.copy_(piece.convert(part))
                     else:
@@ -283,6 +330,20 @@ def load_weights(model: CausalLM, path: str) -> None:
         for name, param in model.named_parameters():
             if _is_norm(name):
                 param.add_(model.config.norm_offset)
+
+
+def _read_companion(name: str, where: dict[str, str], shape: tuple[int, ...], span: tuple, path: str):
+    """The ``span`` of tensor ``name`` (MXFP4 scales), checked to have ``shape``."""
+    from safetensors import safe_open
+
+    if name not in where:
+        raise ValueError(f"weights missing from {path!r}: {name!r}")
+    with safe_open(where[name], framework="pt", device="cpu") as f:
+        tensor = f.get_slice(name)
+        if tuple(tensor.get_shape()) != shape:
+            raise ValueError(f"weight {name!r} in {os.path.basename(where[name])} has shape "
+                             f"{tuple(tensor.get_shape())}, expected {shape}")
+        return tensor[span]
 
 
 @torch.no_grad()
