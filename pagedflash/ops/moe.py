@@ -284,26 +284,29 @@ class Tiles(NamedTuple):
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
-DECODE_MAX_TOKENS = 64  # up to here the decode tiles (weight-bandwidth bound); beyond, the prefill tiles
+DECODE_MAX_TOKENS = 64  # up to here, or while experts average <= 16 rows, the decode tiles
 
 
 def tiles(T: int, top_k: int, E: int) -> Tiles:
-    """Launch choices from the host's shapes (no device value):
+    """Launch choices from the host's shapes (no device value); ``rows = T * top_k / E`` is the
+    average number of rows an expert gets:
 
     - direct grouping for one token (its experts are distinct) or while pairs are at most a quarter
       of the experts (few experts picked twice), else sorted;
-    - decode (``T <= DECODE_MAX_TOKENS``): 16-row blocks (the smallest ``tl.dot``), 32-wide column
-      blocks so that even one token spreads each expert's weight over many programs, 128-deep
-      reduction steps, 4 stages to keep enough weight bytes in flight;
-    - prefill: 64-row blocks (128 once an expert averages 256 rows or more), 64 gate + 64 up columns
-      and 128 down columns, 64-deep steps, 3 stages, 8 warps on the wide tiles.
+    - decode (``T <= DECODE_MAX_TOKENS`` or ``rows <= 16``: weight-bandwidth bound): 16-row blocks
+      (the smallest ``tl.dot``), 32-wide column blocks so that even one token spreads each expert's
+      weight over many programs, 128-deep reduction steps, 4 stages to keep weight bytes in flight;
+    - prefill: 64-row blocks (128 from 256 rows per expert), 64 gate + 64 up columns and 128 down
+      columns, 64-deep steps, 3 stages, 8 warps on the 128-row tiles; programs grouped 8 row blocks
+      at a time over the column blocks (L2 reuse of the rows).
     Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, :data:`TILES` the override."""
     if TILES is not None:
         return TILES
     direct = T == 1 or T * top_k * 4 <= E
-    if T <= DECODE_MAX_TOKENS:
+    rows = T * top_k / E
+    if T <= DECODE_MAX_TOKENS or rows <= 16:
         return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
-    bm = 128 if T * top_k >= 256 * E else 64
+    bm = 128 if rows >= 256 else 64
     return Tiles(False, bm, 64, 128, 64, 8 if bm == 128 else 4, 3, 8)
 
 
