@@ -11,7 +11,8 @@ everywhere else).
 
 The decoder's other kernels (used by :mod:`pagedflash.engine`): ``norm`` (RMSNorm with the residual
 add), ``rope`` (rotary embedding in place), ``activation`` (SiLU-and-multiply), ``sampling`` (greedy
-argmax), ``gemv`` (single-row projections with the norm or SiLU fused in front).
+argmax), ``gemv`` (single-row projections with the norm or SiLU fused in front), ``moe`` (routing and
+the fused mixture-of-experts layer).
 
 ``utils``: host helpers every launcher shares (cdiv, next_pow2, SM count, compute capability, the
 interpreter flag, operand checks).

@@ -20,6 +20,7 @@ operator                        public function                                m
 ``argmax``                      :func:`pagedflash.ops.sampling.argmax`         —
 ``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
                                 forms (``rms_norm_gemv``, ``silu_mul_gemv``)
+``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`           ``out``
 =============================== ============================================== ============================
 
 The operators take the arguments the public functions have already checked and normalized
