@@ -189,6 +189,7 @@ def _bad_calls():
 
     yield call(hidden=x[0]), ValueError, r"hidden: expected a 2-D tensor"
     yield call(hidden=x.long()), TypeError, r"hidden: expected dtype in"
+    yield call(hidden=x[:, :0]), ValueError, r"hidden: expected at least one column"
     yield call(w13=w13[:, :, :8]), ValueError, r"w13: expected shape \(\*, \*, 16\)"
     yield call(w13=w13[:, :15]), ValueError, r"w13: expected \[E, 2I, H\] .* even 2I"
     yield call(w2=w2[:, :, :4]), ValueError, r"w2: expected shape \(4, 16, 8\)"
@@ -209,10 +210,10 @@ def _bad_calls():
     yield lambda: moe.route(x.long(), 2), TypeError, r"router_logits: expected dtype in"
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", range(21))
 def test_input_validation(case):
     calls = list(_bad_calls())
-    assert len(calls) == 20
+    assert len(calls) == 21
     fn, error, match = calls[case]
     with pytest.raises(error, match=match):
         fn()

@@ -316,6 +316,8 @@ def tiles(T: int, top_k: int, E: int) -> Tiles:
 def _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, out) -> None:
     check_operand("hidden", hidden, (None, None))
     T, H = hidden.shape
+    if H < 1:
+        raise ValueError(f"hidden: expected at least one column (H), got shape {tuple(hidden.shape)}")
     check_operand("w13", w13, (None, None, H), like=("hidden", hidden))
     E, two_i = w13.shape[0], w13.shape[1]
     if E < 1 or two_i < 2 or two_i % 2:
