@@ -85,7 +85,7 @@ def test_fused_moe(T, E, k, activation, how, dtype):
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
 def test_both_groupings_agree(monkeypatch, direct):
     """The same call through each grouping form (forced tiles), duplicates of an expert in one token
-    included; results match the reference and are bit-identical across calls."""
+    included; results match the reference and are bit-identical across calls and id dtypes."""
     monkeypatch.setattr(moe, "TILES", moe.Tiles(direct, 16, 32, 32, 32, 4, 2, 2))
     x, w13, w2, _ = randn(5, H), *make_layer(4, H, I, torch.float32, "silu")
     weights = torch.softmax(randn(5, 3), dim=-1)
@@ -93,6 +93,7 @@ def test_both_groupings_agree(monkeypatch, direct):
     got = moe.fused_moe(x, w13, w2, weights, ids_)
     assert_close(got, ref.fused_moe_ref(x, w13, w2, weights, ids_), torch.float32)
     assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids_))
+    assert torch.equal(got, moe.fused_moe(x, w13, w2, weights, ids_.long()))  # int64 ids too
 
 
 def test_grouping_layout(monkeypatch):
