@@ -61,6 +61,7 @@ def test_moe_family_matches_transformers(tmp_path, family):
     config = ModelConfig.from_pretrained(tmp_path)
     assert config.family == family and config.num_experts == 4
     assert config.dense_layers == ((0,) if family == "qwen3_moe" else ())
+    assert config.num_parameters() == sum(p.numel() for p in hf.parameters())  # built on the meta device
     # chunked prefill (8-token chunks), prompts longer than the windows, small pages
     llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, max_num_batched_tokens=8)
     check_against_transformers(llm, hf, prompts_of([13, 5], seed=3, low=3))
@@ -93,13 +94,16 @@ def test_qwen3_moe_dense_layers():
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-def test_two_ranks_match_transformers(tmp_path):
-    """Two ranks (gloo on the CPU), GPT-OSS: each expert's intermediate rows split (its interleaved
-    gate/up de-interleaved per rank), sinks per rank's heads, the experts' down bias added once."""
-    hf = save_moe(tmp_path, "gpt_oss")
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_two_ranks_match_transformers(tmp_path, family):
+    """Two ranks (gloo on the CPU): each expert's intermediate rows split; GPT-OSS: its interleaved
+    gate/up de-interleaved per rank, sinks per rank's heads, the experts' down bias added once;
+    Qwen3-MoE: per-expert tensors, q/k norms, a dense layer beside the experts."""
+    hf = save_moe(tmp_path, family)
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
              page_size=4, num_blocks=24) as llm:
-        assert llm.model.shard.moe_intermediate_size == TINY["intermediate_size"] // 2
+        assert llm.model.shard.moe_intermediate_size == hf.config.to_dict().get(
+            "moe_intermediate_size", TINY["intermediate_size"]) // 2
         check_against_transformers(llm, hf, prompts_of([11, 5], seed=4, low=3), n=3)
 
 
