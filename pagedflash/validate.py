@@ -398,6 +398,12 @@ _FAULTS = {
     FAULT_SLOT_MAPPING: ("slot_mapping", "token", "slots must be < num_blocks * page_size (negative: not written)"),
     FAULT_POSITIONS: ("positions", "token", "expected values in [0, rows of cos/sin)"),
 }
+# what a kernel did with the rows of a fault (a cache write skips them; attention and RoPE make them NaN)
+_FAULT_EFFECT = dict.fromkeys(range(NUM_FAULTS), "its output rows are NaN")
+_FAULT_EFFECT[FAULT_SLOT_MAPPING] = "its keys and values were not written"
+_FAULT_EFFECT[FAULT_SEQLENS_K] = "its output rows are NaN; a cache append wrote none of its tokens"
+_FAULT_EFFECT[FAULT_BLOCK_TABLE] = ("its output rows are NaN; a cache write skipped its tokens bound for an "
+                                    "invalid page")
 _fault_buffers: dict[torch.device, torch.Tensor] = {}
 _fault_lock = threading.Lock()
 
@@ -406,6 +412,9 @@ def fault_buffer(device) -> torch.Tensor:
     """The int32 ``[NUM_FAULTS]`` buffer on ``device`` where kernels record invalid metadata (entry
     ``code``: -1, or the largest sequence or token index with that fault). Made at the device's first
     launch and never replaced, so a CUDA graph that captured its address keeps reporting into it."""
+    buf = _fault_buffers.get(device)  # a tensor's device: found at once
+    if buf is not None:
+        return buf
     device = _indexed(device)
     buf = _fault_buffers.get(device)
     if buf is None:
@@ -442,7 +451,7 @@ def invalid_metadata(device=None, *, clear: bool = True) -> list[str]:
             if index >= 0:
                 name, unit, rule = _FAULTS[code]
                 messages.append(f"{name}: {rule}; a kernel on {dev} found {unit} {index} invalid "
-                                f"(its output rows are NaN; pagedflash.validate.value_checks(True) checks on the host "
+                                f"({_FAULT_EFFECT[code]}; pagedflash.validate.value_checks(True) checks on the host "
                                 f"before launching and names the values)")
     return messages
 
