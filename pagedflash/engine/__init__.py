@@ -1,8 +1,8 @@
 """A small serving engine on pagedflash's kernels and paged cache (in the spirit of nano-vllm).
 
 - :class:`LLM` loads a model of a supported family (:mod:`pagedflash.engine.models`: Llama, Mistral,
-  Qwen2/3, Granite, Phi-3, OLMo 2, Gemma 2/3; a local HF directory, strictly, or a config with random
-  weights) and runs continuous batching with chunked prefill and prefix caching: :meth:`LLM.generate` to
+  Qwen2/3, Granite, Phi-3, OLMo 2, Gemma 2/3, and the mixtures of experts Mixtral, Qwen3-MoE, GPT-OSS;
+  a local HF directory, strictly, or a config with random weights) and runs continuous batching with chunked prefill and prefix caching: :meth:`LLM.generate` to
   completion, or one step at a time (:meth:`LLM.add_request`, :meth:`LLM.step`, for streaming).
 - :class:`SamplingParams` says how each request generates; :class:`RequestOutput` is what a step
   produced for a request, :class:`GenerationOutput` the result of ``generate``.
