@@ -130,6 +130,21 @@ def test_invalid_ids_give_nan_rows(T):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
+def test_invalid_ids_are_recorded(monkeypatch):
+    """Where validate has a fault code for topk_ids, the last bad token is recorded there (the code
+    of ``positions`` stands in for it here) and the plan that reports is a separate one."""
+    x, (w13, w2, _), (weights, ids_) = randn(3, H), make_layer(4, H, I, torch.float32, "silu"), make_ids(3, 4, 2, "routed")
+    ids_[1, 0] = 9
+    validate.invalid_metadata(DEVICE)  # clear
+    moe.fused_moe(x, w13, w2, weights, ids_)
+    assert validate.invalid_metadata(DEVICE) == [] or hasattr(validate, "FAULT_TOPK_IDS")
+    monkeypatch.setattr(validate, "FAULT_TOPK_IDS", validate.FAULT_POSITIONS, raising=False)
+    got = moe.fused_moe(x, w13, w2, weights, ids_)
+    assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
+    assert validate.fault_buffer(DEVICE)[validate.FAULT_POSITIONS].item() == 1
+    validate.invalid_metadata(DEVICE)  # clear
+
+
 def test_out_and_operator():
     """``out`` (a strided view) is written and returned; the operator path (dispatcher) gives the same
     bits; an ``out`` that overlaps an input is refused; T = 0 returns an empty result."""
@@ -169,7 +184,8 @@ def test_compiled_is_bit_identical():
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("topk_softmax", True)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_route(scoring, renormalize, with_bias):
-    logits = randn(37, 16, dtype=torch.float16) * 3
+    # fp16 logits, distinct in each row (a tie would let either expert win)
+    logits = (torch.stack([torch.randperm(16, device=DEVICE) for _ in range(37)]) * 0.5 - 4).to(torch.float16)
     bias = randn(16) if with_bias else None
     weights, ids_ = moe.route(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)
     want_w, want_ids = ref.moe_route_ref(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)

@@ -28,7 +28,8 @@ Grouping (which pairs a block of rows holds) has two forms, chosen on the host f
 
 Invalid expert ids (outside ``[0, E)``, possible only with value checks off: the debug mode
 :func:`pagedflash.validate.value_checks` refuses them on the host) read no weight: their pair's
-contribution is NaN, so the token's output row is NaN. Pad rows of a block read ``x``'s row 0 (or the
+contribution is NaN, so the token's output row is NaN, and the token is recorded in the fault
+buffer once :mod:`pagedflash.validate` has a code for it (:func:`_fault_code`). Pad rows of a block read ``x``'s row 0 (or the
 intermediate's) and are never stored; every ragged edge along ``H`` and ``I`` is masked.
 """
 
@@ -42,6 +43,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
+from pagedflash.ops._jit import report_fault
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 SCORINGS = ("softmax", "topk_softmax")
@@ -142,9 +144,10 @@ def _down_kernel(
     TopkW,  # [T, k] fp32 routing weights
     SortedIds, BlockExpert, Ids,  # as in _gate_up_kernel
     Part,  # [P, H] fp32: each pair's weighted expert output
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT >= 0)
     P, H, I, E, top_k, num_m,
     stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
-    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     num_n = tl.cdiv(H, BN)
@@ -160,6 +163,9 @@ def _down_kernel(
     out_mask = row_ok[:, None] & n_ok[None, :]
     if (e < 0) | (e >= E):  # an invalid expert id: no weight read, the pair's contribution is NaN
         tl.store(p_out, tl.full([BM, BN], float("nan"), tl.float32), mask=out_mask)
+        if FAULT >= 0:
+            if pid_n == 0:
+                report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
         return
     safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)
     w_n = offs_n % H
@@ -380,7 +386,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
                      dict(consts, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13), **opts)
     down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
-                  dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2), **opts)
+                  dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code()), **opts)
     block_h = min(1024, next_pow2(H))
     sum_k = Launch(_sum_k_kernel, None if nothing else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
     group = nothing or t.direct
@@ -398,7 +404,8 @@ _PLANS = PlanCache()
 
 def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, alpha: float,
             limit: float, out) -> None:
-    key = _PLANS.key(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, out, extra=(activation, TILES))
+    key = _PLANS.key(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, out,
+                     extra=(activation, TILES, _fault_code()))
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
                                                     activation, out))
     if validate.value_checks_enabled(topk_ids):
@@ -421,7 +428,8 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
-    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part,
+    faults = validate.fault_buffer(hidden.device) if plan.down.consts["FAULT"] >= 0 else part
+    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, faults,
               P, H, I, E, k, plan.num_blocks,
               w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
     plan.sum_k(part, out, H, k, out.stride(0))
@@ -441,6 +449,13 @@ def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) ->
     plan.offsets(counts, cursor, sorted_ids, block_expert, P, E, plan.num_blocks)
     plan.scatter(topk_ids, cursor, sorted_ids, P, E, k, id0, id1)
     return sorted_ids, block_expert
+
+
+def _fault_code() -> int:
+    """The fault buffer's entry for invalid expert ids: ``validate.FAULT_TOPK_IDS`` once validate
+    defines it (then :func:`pagedflash.validate.raise_if_invalid` names topk_ids and the last bad
+    token); -1 until then (the rows are NaN, nothing is recorded)."""
+    return getattr(validate, "FAULT_TOPK_IDS", -1)
 
 
 def _check_ids(topk_ids: torch.Tensor, E: int) -> None:
