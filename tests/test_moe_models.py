@@ -190,3 +190,27 @@ def test_kernel_path_matches_transformers(tmp_path, monkeypatch):
     llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=16)
     prompt = prompts_of([7], seed=5, low=3)[0]  # longer than the window
     check_against_transformers(llm, hf, [prompt], n=3)
+
+
+def test_random_experts_shard_as_one_rank():
+    """Random weights (the benchmarks' models) on two ranks are the one-rank model's: each rank's
+    w13 holds its rows of every expert's gate and of its up, w2 those columns, sinks its heads."""
+    from pagedflash.engine.parallel import Collectives, ShardSizes
+    from pagedflash.engine.weights import build_model, init_random_weights
+
+    config = ModelConfig.from_dict({**TINY, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                                    "num_local_experts": 4, "sliding_window": 5})
+    kw = dict(max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+    whole = build_model(config, **kw)
+    init_random_weights(whole, seed=3)
+    i = config.moe_intermediate_size // 2
+    for rank in range(2):
+        part = build_model(config, shard=ShardSizes.of(config, rank, 2), comm=Collectives(2), **kw)
+        init_random_weights(part, seed=3)
+        for layer, one in zip(part.model.layers, whole.model.layers):
+            rows = slice(rank * i, (rank + 1) * i)
+            gate, up = one.mlp.experts.w13.chunk(2, dim=1)
+            assert torch.equal(layer.mlp.experts.w13, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+            assert torch.equal(layer.mlp.experts.w2, one.mlp.experts.w2[:, :, rows])
+            assert torch.equal(layer.mlp.router.weight, one.mlp.router.weight)
+            assert torch.equal(layer.self_attn.sinks, one.self_attn.sinks[rank * 2 : rank * 2 + 2])
