@@ -383,8 +383,9 @@ def check_sinks(sinks, *, num_heads: int, device) -> torch.Tensor | None:
 
 # Fault codes: the index of a fault's entry in the fault buffer. A kernel that finds one stores the
 # largest index (sequence, token) at which it did (tl.atomic_max; -1 = none).
-FAULT_CU_SEQLENS_Q, FAULT_CU_SEQLENS_K, FAULT_SEQLENS_K, FAULT_BLOCK_TABLE, FAULT_SLOT_MAPPING, FAULT_POSITIONS = range(6)
-NUM_FAULTS = 6
+(FAULT_CU_SEQLENS_Q, FAULT_CU_SEQLENS_K, FAULT_SEQLENS_K, FAULT_BLOCK_TABLE, FAULT_SLOT_MAPPING, FAULT_POSITIONS,
+ FAULT_TOPK_IDS) = range(7)
+NUM_FAULTS = 7
 _FAULTS = {
     FAULT_CU_SEQLENS_Q: ("cu_seqlens_q", "sequence",
                          "expected non-decreasing offsets from 0 to the number of packed query tokens"),
@@ -397,6 +398,7 @@ _FAULTS = {
     FAULT_BLOCK_TABLE: ("block_table", "sequence", "page ids must be in [0, num_blocks)"),
     FAULT_SLOT_MAPPING: ("slot_mapping", "token", "slots must be < num_blocks * page_size (negative: not written)"),
     FAULT_POSITIONS: ("positions", "token", "expected values in [0, rows of cos/sin)"),
+    FAULT_TOPK_IDS: ("topk_ids", "token", "expected expert ids in [0, E) (E = w13's first dim)"),
 }
 # what a kernel did with the rows of a fault (a cache write skips them; attention and RoPE make them NaN)
 _FAULT_EFFECT = dict.fromkeys(range(NUM_FAULTS), "its output rows are NaN")

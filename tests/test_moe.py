@@ -130,19 +130,18 @@ def test_invalid_ids_give_nan_rows(T):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
-def test_invalid_ids_are_recorded(monkeypatch):
-    """Where validate has a fault code for topk_ids, the last bad token is recorded there (the code
-    of ``positions`` stands in for it here) and the plan that reports is a separate one."""
+def test_invalid_ids_are_recorded():
+    """The last token with an expert id outside [0, E) is recorded; raise_if_invalid names topk_ids
+    and clears the record."""
     x, (w13, w2, _), (weights, ids_) = randn(3, H), make_layer(4, H, I, torch.float32, "silu"), make_ids(3, 4, 2, "routed")
     ids_[1, 0] = 9
     validate.invalid_metadata(DEVICE)  # clear
-    moe.fused_moe(x, w13, w2, weights, ids_)
-    assert validate.invalid_metadata(DEVICE) == [] or hasattr(validate, "FAULT_TOPK_IDS")
-    monkeypatch.setattr(validate, "FAULT_TOPK_IDS", validate.FAULT_POSITIONS, raising=False)
     got = moe.fused_moe(x, w13, w2, weights, ids_)
     assert got[1].isnan().all() and not got[[0, 2]].isnan().any()
-    assert validate.fault_buffer(DEVICE)[validate.FAULT_POSITIONS].item() == 1
-    validate.invalid_metadata(DEVICE)  # clear
+    assert validate.fault_buffer(DEVICE)[validate.FAULT_TOPK_IDS].item() == 1
+    with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, E\).*token 1"):
+        validate.raise_if_invalid(DEVICE)
+    validate.raise_if_invalid(DEVICE)
 
 
 def test_out_and_operator():

@@ -29,7 +29,7 @@ Grouping (which pairs a block of rows holds) has two forms, chosen on the host f
 Invalid expert ids (outside ``[0, E)``, possible only with value checks off: the debug mode
 :func:`pagedflash.validate.value_checks` refuses them on the host) read no weight: their pair's
 contribution is NaN, so the token's output row is NaN, and the token is recorded in the fault
-buffer once :mod:`pagedflash.validate` has a code for it (:func:`_fault_code`). Pad rows of a block read ``x``'s row 0 (or the
+buffer (``validate.FAULT_TOPK_IDS``: :func:`pagedflash.validate.raise_if_invalid` names it). Pad rows of a block read ``x``'s row 0 (or the
 intermediate's) and are never stored; every ragged edge along ``H`` and ``I`` is masked.
 """
 
@@ -452,10 +452,8 @@ def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) ->
 
 
 def _fault_code() -> int:
-    """The fault buffer's entry for invalid expert ids: ``validate.FAULT_TOPK_IDS`` once validate
-    defines it (then :func:`pagedflash.validate.raise_if_invalid` names topk_ids and the last bad
-    token); -1 until then (the rows are NaN, nothing is recorded)."""
-    return getattr(validate, "FAULT_TOPK_IDS", -1)
+    """The fault buffer's entry for invalid expert ids (a plan keeps it: tests may move it)."""
+    return validate.FAULT_TOPK_IDS
 
 
 def _check_ids(topk_ids: torch.Tensor, E: int) -> None:
