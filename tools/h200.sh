@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several steps, every result back in $OUT/results.tgz.
 #   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
-# Steps: tests (the compiled matrix, -n 12), bench:<name> (any `pagedflash bench` benchmark but serve and tune),
+# Steps: tests (the compiled matrix, -n 12), sanitize (compute-sanitizer memcheck over SANITIZE_TESTS,
+# the invalid-metadata tests by default), bench:<name> (any `pagedflash bench` benchmark but serve and tune),
 # tune:<prefill|decode|overhead|paged>, serve:<sections>[:<num-requests>]; TUNE_ARGS adds options to tune
 # steps (--cells, --tiles, ...), TESTS picks test files.
 # Each kind of step has its own time limit (T_<kind>, seconds) so
@@ -24,11 +25,17 @@ for step in ${STEPS:-tests}; do
            timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
     tune)  log=$R/tune_$arg.log
            timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1 ;;
+    sanitize) log=$R/sanitize.log  # memcheck over the invalid-metadata tests (no caching allocator: every
+           # tensor its own allocation, so a read past one is seen)
+           PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${T_sanitize:-240} compute-sanitizer --tool memcheck \
+             --error-exitcode 9 --print-limit 20 python3 -m pytest -p no:xdist -q -p no:cacheprovider \
+             ${SANITIZE_TESTS:-tests/test_metadata_faults.py tests/test_write_faults.py tests/test_varlen_bounds.py} \
+             > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
-  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL" $log | tail -${TAIL:-12}
+  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY" $log | tail -${TAIL:-12}
   echo "== $step rc=$rc $((SECONDS - t0)) s"
 done
 [ "$R" = bench_results ] && a=results || a=$R
