@@ -62,6 +62,9 @@ def test_moe_family_matches_transformers(tmp_path, family):
     assert config.family == family and config.num_experts == 4
     assert config.dense_layers == ((0,) if family == "qwen3_moe" else ())
     assert config.num_parameters() == sum(p.numel() for p in hf.parameters())  # built on the meta device
+    experts = [m for m in hf.modules() if type(m).__name__.endswith("Experts")]  # the 2 of 4 a token reads
+    assert config.num_active_parameters() == config.num_parameters() - sum(
+        p.numel() for m in experts for p in m.parameters()) // 2
     # chunked prefill (8-token chunks), prompts longer than the windows, small pages
     llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, max_num_batched_tokens=8)
     check_against_transformers(llm, hf, prompts_of([13, 5], seed=3, low=3))

@@ -308,6 +308,17 @@ class ModelConfig:
             model = model_class(self)(self, 1)
         return sum(p.numel() for p in model.parameters())
 
+    def num_active_parameters(self) -> int:
+        """Parameters one token's forward reads: :meth:`num_parameters` less, in each mixture-of-experts
+        layer, the experts it is not routed to (``num_experts - num_experts_per_tok`` of them)."""
+        total = self.num_parameters()
+        if not self.num_experts:
+            return total
+        h, i = self.hidden_size, self.moe_intermediate_size
+        per_expert = 3 * h * i + ((2 * i + h) if self.moe_bias else 0)
+        moe_layers = sum(self.is_moe(layer) for layer in range(self.num_layers))
+        return total - moe_layers * (self.num_experts - self.num_experts_per_tok) * per_expert
+
     def inv_freq(self, local: bool = False, max_len: int = 0) -> torch.Tensor:
         """RoPE inverse frequencies ``[D/2]`` fp32 on the CPU, with the configured scaling (as transformers
         computes them); ``local``: the sliding layers' (``local_rope_theta``) where they differ;
