@@ -309,10 +309,13 @@ def load_weights(model: CausalLM, path: str) -> None:
                         continue
                     span = (slice(None),) * piece.dim + (slice(piece.start, piece.start + piece.length),)
                     part = tensor[span]
-                    if piece.scales is not None:
-                        part = dequantize_mxfp4(part, _read_companion(piece.scales, where, want[:-1], span, path))
+                    if piece.scales is not None:  # one expert at a time: a transient fp32 copy of one
+                        scales = _read_companion(piece.scales, where, want[:-1], span, path)
+                        for x in range(part.shape[0]):
+                            one = dequantize_mxfp4(part[x : x + 1], scales[x : x + 1])
+                            target[x : x + 1].copy_(piece.convert(one))
                         loaded.add(piece.scales)
-                    if piece.convert is not None:
+                    elif piece.convert is not None:
                         target.copy_(piece.convert(part))
                     else:
                         target.narrow(piece.dim, piece.offset, piece.length).copy_(part)
