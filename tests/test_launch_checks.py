@@ -8,7 +8,7 @@ from helpers import DEVICE, randn
 
 from pagedflash import flash_attn_func, flash_attn_with_kvcache, validate
 from pagedflash.ops import attention, combine, decode, prefill
-from pagedflash.ops.utils import checked_signature
+from pagedflash.ops.utils import checked_signature, new_output
 
 
 class _NoKernel:
@@ -62,6 +62,13 @@ def test_signature_is_none_for_a_non_tensor_or_with_value_checks_on():
     assert checked_signature(([1, 2],), ()) is None
     with validate.value_checks(True):
         assert checked_signature((randn(1, 1, 2, 16),), ()) is None
+
+
+def test_new_output_is_a_contiguous_tensor_like_q():
+    q = randn(2, 4, 3, 16).transpose(1, 2)  # dense but not contiguous: empty_like alone would keep its strides
+    out = new_output(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous()
+    assert not out.requires_grad and new_output(randn(2, 3).requires_grad_()).requires_grad is False
 
 
 # ---------------------------------------------------------------- public calls after a good call

@@ -147,6 +147,16 @@ class Launch:
             fastlaunch.launch(self.slot, self.kernel, self.grid, args, self.consts, **self.options)
 
 
+def new_output(q: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of q's shape, dtype and device (uninitialized): ``torch.empty_like``
+    in eager mode, at about half of ``torch.empty(q.shape, dtype=..., device=...)``'s host time
+    (it parses no size, dtype or device); ``torch.empty`` while ``torch.compile`` traces, where
+    Inductor refuses ``empty_like``'s result as the mutated ``out`` of the KV-cache operator."""
+    if torch.compiler.is_compiling():
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 _SCALAR_TYPES = frozenset((type(None), bool, int, float))
 
 
