@@ -173,12 +173,14 @@ def checked_signature(tensors: tuple, scalars: tuple) -> tuple | None:
     for e in scalars:
         kind = type(e)
         if kind is tuple:
-            if any(type(x) not in _SCALAR_TYPES for x in e):
+            kinds = tuple(map(type, e))
+            if not _SCALAR_TYPES.issuperset(kinds):
                 return None
-            e = tuple((type(x), x) for x in e)
-        elif kind not in _SCALAR_TYPES:
+            key.append((kind, e, kinds))
+        elif kind in _SCALAR_TYPES:
+            key.append((kind, e))
+        else:
             return None
-        key.append((kind, e))
     grad = torch.is_grad_enabled()
     for t in tensors:
         if t is None:
