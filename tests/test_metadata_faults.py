@@ -291,10 +291,11 @@ def test_no_device_read_on_the_call_path(monkeypatch):
     """With value checks off the host reads no metadata value: on the GPU any synchronization
     raises (sync debug mode); off it, reading a tensor's values on the host does."""
     q, k_cache, v_cache, table, k, v, *_ = _kvcache_inputs(True, 1, torch.float32)
-    calls = [lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=i32(LENS), block_table=table,
+    lens, cu_q, cu_k = i32(LENS), cu_seqlens([1, 1, 1]), cu_seqlens([n + 1 for n in LENS])
+    calls = [lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, block_table=table,
                                              num_splits=2),
-             lambda: flash_attn_varlen_func(q[:, 0], k_cache, v_cache, cu_seqlens([1, 1, 1]),
-                                            cu_seqlens([n + 1 for n in LENS]), 1, 16, block_table=table, causal=True)]
+             lambda: flash_attn_varlen_func(q[:, 0], k_cache, v_cache, cu_q, cu_k, 1, 16, block_table=table,
+                                            causal=True)]
     for call in calls:
         call()  # compile and plan first
     if DEVICE.type == "cuda":
