@@ -39,6 +39,10 @@ def save_moe(path, family, seed=0, **extra):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).eval()
+    if family == "gpt_oss":  # transformers before ~5.2x hard-codes alpha 1.702 and limit 7.0; later ones read the config
+        for layer in model.model.layers:
+            layer.mlp.experts.alpha = getattr(cfg, "swiglu_alpha", 1.702)
+            layer.mlp.experts.limit = cfg.swiglu_limit
     with torch.no_grad():  # norms start at one, biases at zero: make them matter
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", "bias", "sinks")):
