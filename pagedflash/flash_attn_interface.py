@@ -239,6 +239,8 @@ def _rotary_positions(q, k, cache_seqlens, rows: int, capacity: int, causal: boo
 def _poison_rows(q: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """q ``[B, Sq, H, D]`` with the rows ``bad`` ``[B, Sq]`` NaN (so are their outputs), the last
     such token (``b * Sq + i``) recorded as a ``positions`` fault, without reading ``bad`` on the host."""
+    if bad.numel() == 0:  # a batch of 0: no row
+        return q
     fault = validate.fault_buffer(q.device).narrow(0, validate.FAULT_POSITIONS, 1)
     token = torch.arange(bad.numel(), device=bad.device, dtype=torch.int32).view(bad.shape)
     fault.copy_(torch.maximum(fault, torch.where(bad, token, -1).amax().reshape(1)))

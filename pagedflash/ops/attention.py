@@ -47,7 +47,7 @@ from pagedflash.ops import _jit, combine, fastlaunch, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
 from pagedflash.ops.launch import LaunchConfig
-from pagedflash.ops.utils import PlanCache, interpreted
+from pagedflash.ops.utils import PlanCache, interpreted, new_output
 
 
 @triton.jit
@@ -556,7 +556,7 @@ def attention_forward(
     """
     device = q.device
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        out = new_output(q)
     lse = None
     if return_lse:
         shape = q.shape

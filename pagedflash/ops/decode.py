@@ -16,6 +16,7 @@ from pagedflash import validate
 from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.cache_write import append_kv
+from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
 
 def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | None:
@@ -50,6 +51,9 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
 
 
 _op = custom_ops.implement("flash_attn_with_kvcache", _launch)
+
+
+_CHECKED = PlanCache()  # the outcome of _check by call signature (checked_signature: every property it reads)
 
 
 def flash_attn_with_kvcache(
@@ -103,6 +107,29 @@ def flash_attn_with_kvcache(
     whose keys use a page id outside ``[0, num_blocks)``, gets NaN output and LSE and is recorded
     for :func:`pagedflash.validate.raise_if_invalid`.
     """
+    key = None
+    if out is None and type(cache_seqlens) is not int:  # out's checks read addresses; an int makes a tensor
+        key = checked_signature((q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks),
+                                (softmax_scale, causal, window_size, softcap, num_splits))
+    checked = _CHECKED.get(key)
+    if checked is None:
+        seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+                                  window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
+        _CHECKED.add(key, checked)
+    else:
+        seqlens = cache_seqlens
+    max_len, softmax_scale, left, right, softcap = checked
+    if out is None:
+        out = new_output(q)
+    lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
+              num_splits, return_lse, sinks, k_descale, v_descale)
+    return (out, lse) if return_lse else out
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+           num_splits, out, k_descale, v_descale, sinks):
+    """The checks of :func:`flash_attn_with_kvcache`; returns ``cache_seqlens`` as an int32 tensor (or
+    None) and the normalized ``(max_len, softmax_scale, left, right, softcap)``."""
     validate.check_tensor("q", q, ndim=4, dtypes=validate.SUPPORTED_DTYPES)
     device = q.device
     validate.check_tensor("k_cache", k_cache, ndim=4, device=device)
@@ -164,13 +191,9 @@ def flash_attn_with_kvcache(
     k_descale = validate.check_kv_scale("k_descale", k_descale, cache=k_cache, cache_name="k_cache", device=device)
     v_descale = validate.check_kv_scale("v_descale", v_descale, cache=v_cache, cache_name="v_cache", device=device)
     sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=device)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    else:
+    if out is not None:
         validate.check_out(out, shape=q.shape, dtype=q.dtype, device=device,
                            inputs=dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens,
                                        block_table=block_table, sinks=sinks, k_descale=k_descale,
                                        v_descale=v_descale))
-    lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
-              num_splits, return_lse, sinks, k_descale, v_descale)
-    return (out, lse) if return_lse else out
+    return seqlens, (max_len, softmax_scale, left, right, softcap)

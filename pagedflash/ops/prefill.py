@@ -16,6 +16,7 @@ import torch
 from pagedflash import validate
 from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
 
 def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int, fp8_kv: bool = False):
@@ -34,7 +35,7 @@ def _check_common(q, k, v, *, q_ndim: int, kv_ndim: int, fp8_kv: bool = False):
 def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
     """The caller's preallocated output after its checks, or a new ``[..., Hq, D]`` tensor like q."""
     if out is None:
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return new_output(q)
     validate.check_out(out, shape=q.shape, dtype=q.dtype, device=q.device, inputs=dict(q=q, **inputs))
     return out
 
@@ -82,6 +83,9 @@ _dense_op = custom_ops.implement("flash_attn_func", _launch_dense)
 _varlen_op = custom_ops.implement("flash_attn_varlen_func", _launch_varlen)
 
 
+_CHECKED = PlanCache()  # the outcome of _check_dense by call signature (checked_signature: every property it reads)
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,6 +119,20 @@ def flash_attn_func(
         fp32. A row that sees no key gets 0 and lse ``-inf`` (with sinks: 0 and lse = its sink). A
         batch of 0 gives empty tensors.
     """
+    key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
+    checked = _CHECKED.get(key)
+    if checked is None:
+        checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
+        _CHECKED.add(key, checked)
+    softmax_scale, left, right, softcap = checked
+    out = _output(out, q, k=k, v=v, sinks=sinks)
+    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks) -> tuple[float | None, int, int, float]:
+    """The checks of :func:`flash_attn_func` but ``out``'s; returns the normalized
+    ``(softmax_scale, left, right, softcap)``."""
     _check_common(q, k, v, q_ndim=4, kv_ndim=4)
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (q's), got {k.shape[0]}")
@@ -124,10 +142,8 @@ def flash_attn_func(
         softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
     left, right = validate.check_window(window_size, causal)
     softcap = validate.check_softcap(softcap)
-    sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
-    out = _output(out, q, k=k, v=v, sinks=sinks)
-    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks)
-    return (out, lse) if return_lse else out
+    validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
+    return softmax_scale, left, right, softcap
 
 
 def flash_attn_varlen_func(
