@@ -282,9 +282,11 @@ def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, tot
                             num_blocks=0, page_size=0):
     """Each sequence's ``(start, end)`` query and key rows as :func:`pagedflash.ops.metadata.varlen_bounds`
     gives them, ``(0, 0)`` where its metadata is invalid, and the set of invalid sequences:
-    ``(pairs_q, pairs_k, invalid)``, host lists."""
+    ``(pairs_q, pairs_k, invalid)``, host lists (descales not covered: any bad one invalidates all)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     batch = len(cq) - 1
+    steps = [b - a for a, b in zip(cq[:-1], cq[1:])]
+    whole = cq[0] == 0 and cq[-1] == total_q and all(0 <= n <= max_seqlen_q for n in steps)
     pairs_q, pairs_k, invalid = [], [], set()
     for b in range(batch):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
@@ -299,6 +301,7 @@ def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, tot
             pages = block_table.shape[1]
             ok = ok and k1 - k0 <= pages * page_size
             ok = ok and all(0 <= i < num_blocks for i in block_table[b, : -(-(k1 - k0) // page_size)].tolist())
+        ok = ok and whole
         pairs_q.append((q0, q1) if ok else (0, 0))
         pairs_k.append((k0, k1) if ok else (0, 0))
         if not ok:

@@ -42,8 +42,9 @@ def _case(name):
     edit()
     if name == "q longer than max_seqlen_q":
         max_q = 6
-    invalid = {"valid": set(), "paged valid": set(), "q decreasing": {0, 1, 2}, "q not from 0": {0},
-               "q short of the total": {2}, "q past the total": {2}, "q longer than max_seqlen_q": {2},
+    invalid = {"valid": set(), "paged valid": set(), "q decreasing": {0, 1, 2}, "q not from 0": {0, 1, 2},
+               "q short of the total": {0, 1, 2}, "q past the total": {0, 1, 2},
+               "q longer than max_seqlen_q": {0, 1, 2},
                "k decreasing": {0, 1, 2}, "k negative": {0}, "k past the total": {2},
                "paged keys past the table": {2}, "paged id -1": {2}, "paged id past the pool": {0},
                "paged unused id out of range": set()}[name]
@@ -76,6 +77,9 @@ def test_pairs_nan_rows_and_faults(name, with_lse):
     for b in invalid:  # the rows each invalid sequence names, within the output
         lo, hi = int(cu_q[b]), int(cu_q[b + 1])
         nan_rows |= set(range(max(lo, 0), min(max(hi, lo), total_q)))
+    cq = cu_q.tolist()
+    if not (cq[0] == 0 and cq[-1] == total_q and all(0 <= b - a <= max_q for a, b in zip(cq[:-1], cq[1:]))):
+        nan_rows = set(range(total_q))  # cu_seqlens_q invalid as a whole: every row
     for r in range(total_q):
         if r in nan_rows:
             assert out[r].isnan().all() and (lse is None or lse[:, r].isnan().all())
@@ -98,3 +102,23 @@ def test_raise_if_invalid_names_the_argument_then_clears():
     with pytest.raises(ValueError, match=r"block_table: page ids must be in \[0, num_blocks\).*sequence 2"):
         validate.raise_if_invalid()
     validate.raise_if_invalid()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_a_bad_descale_makes_every_row_nan(bad, which):
+    # the Gluon kernel would use it as given: a zero or negative scale gives plausible numbers
+    cu_q, cu_k, table, total_q, total_k, max_q, blocks, page, _ = _case("paged valid")
+    scales = {"k": torch.ones(2, device=DEVICE), "v": torch.ones(2, device=DEVICE)}
+    scales[which][1] = bad
+    out, lse = torch.zeros(total_q, HQ, D, device=DEVICE), torch.zeros(HQ, total_q, device=DEVICE)
+    pairs_q, pairs_k = metadata.varlen_bounds(cu_q, cu_k, table, out, lse, total_k=total_k, max_seqlen_q=max_q,
+                                              num_blocks=blocks, page_size=page, k_descale=scales["k"],
+                                              v_descale=scales["v"])
+    assert pairs_q.eq(0).all() and pairs_k.eq(0).all()
+    assert out.isnan().all() and lse.isnan().all()
+    ok = torch.ones(1, device=DEVICE)  # a per-tensor scale of 1: valid
+    out.zero_()
+    pairs_q, _ = metadata.varlen_bounds(cu_q, cu_k, table, out, None, total_k=total_k, max_seqlen_q=max_q,
+                                        num_blocks=blocks, page_size=page, k_descale=ok, v_descale=None)
+    assert not out.isnan().any() and pairs_q.tolist() == [[0, 3], [3, 3], [3, 10]]

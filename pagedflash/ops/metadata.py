@@ -7,6 +7,9 @@ sequence, ``(0, 0)`` (nothing to read or write) for an invalid one, whose output
 ``[0, total_q)``) and LSE it fills with NaN and whose fault it reports in
 :func:`pagedflash.validate.fault_buffer`. A sequence is valid when
 
+- ``cu_q`` as a whole starts at 0, ends at ``total_q``, never decreases and holds no sequence
+  longer than ``max_seqlen_q``, and the K/V descales (fp8) are finite and > 0: otherwise every
+  sequence is invalid and every row NaN (as in the portable kernel);
 - its queries ``cu_q[b] .. cu_q[b+1]`` are ordered, and so are the offsets next to them
   (``cu_q[b-1] <= cu_q[b]``, ``cu_q[b+1] <= cu_q[b+2]``: an offset out of order invalidates the
   sequences on both sides, whose rows would overlap), inside ``[0, total_q)``, at most
@@ -38,9 +41,9 @@ _FAULT_PAGES: tl.constexpr = tl.constexpr(validate.FAULT_BLOCK_TABLE)
 
 @triton.jit
 def _varlen_bounds_kernel(
-    CuQ, CuK, BlockTable, PairsQ, PairsK, Out, Lse, Faults,
-    batch, total_q, total_k, max_seqlen_q, num_pages, num_blocks, num_heads,
-    stride_tb, stride_ot, stride_oh, stride_lh, stride_lt,
+    CuQ, CuK, BlockTable, PairsQ, PairsK, Out, Lse, Faults, KDescale, VDescale,
+    batch, total_q, total_k, max_seqlen_q, num_pages, num_blocks, num_heads, num_kds, num_vds,
+    stride_tb, stride_ot, stride_oh, stride_lh, stride_lt, stride_kds, stride_vds,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_LSE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -72,14 +75,37 @@ def _varlen_bounds_kernel(
     _jit.report_fault(Faults, _FAULT_Q, b, ok_q == 0)
     _jit.report_fault(Faults, _FAULT_K, b, ok_k == 0)
     _jit.report_fault(Faults, _FAULT_PAGES, b, ok_pages == 0)
-    ok = ok_q & ok_k & ok_pages
+    # cu_seqlens_q as a whole (the portable kernel's rule): from 0 to total_q, never decreasing, no
+    # sequence past max_seqlen_q; otherwise every sequence is invalid and every row NaN
+    steps = 0
+    for i0 in range(0, batch, BLOCK_P):
+        i = i0 + tl.arange(0, BLOCK_P)
+        lo = tl.load(CuQ + i, mask=i < batch, other=0)
+        hi = tl.load(CuQ + i + 1, mask=i < batch, other=0)
+        steps += tl.sum(((hi < lo) | (hi - lo > max_seqlen_q)).to(tl.int32), axis=0)
+    all_q = (steps == 0) & (tl.load(CuQ) == 0) & (tl.load(CuQ + batch) == total_q)
+    # K/V descales finite and > 0 (a zero or negative one gives plausible numbers): else all NaN
+    bad_scale = 0
+    for i0 in range(0, num_kds, BLOCK_P):
+        i = i0 + tl.arange(0, BLOCK_P)
+        x = tl.load(KDescale + i * stride_kds, mask=i < num_kds, other=1.0)
+        bad_scale += tl.sum((~((x > 0.0) & (x < float("inf")))).to(tl.int32), axis=0)
+    for i0 in range(0, num_vds, BLOCK_P):
+        i = i0 + tl.arange(0, BLOCK_P)
+        x = tl.load(VDescale + i * stride_vds, mask=i < num_vds, other=1.0)
+        bad_scale += tl.sum((~((x > 0.0) & (x < float("inf")))).to(tl.int32), axis=0)
+    everything = all_q & (bad_scale == 0)
+    ok = ok_q & ok_k & ok_pages & everything
     tl.store(PairsQ + 2 * b, tl.where(ok, q0, 0))
     tl.store(PairsQ + 2 * b + 1, tl.where(ok, q1, 0))
     tl.store(PairsK + 2 * b, tl.where(ok, k0, 0))
     tl.store(PairsK + 2 * b + 1, tl.where(ok, k1, 0))
-    if ok == 0:  # NaN in the rows the sequence names, those inside the output
+    if ok == 0:  # NaN in the rows the sequence names, those inside the output (all: program 0)
         lo = tl.minimum(tl.maximum(q0, 0), total_q)
         hi = tl.maximum(tl.minimum(q1, total_q), lo)
+        if everything == 0:
+            lo = tl.where(b == 0, 0, total_q)
+            hi = total_q
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (offs_h[:, None] < num_heads) & (offs_d[None, :] < HEAD_DIM)
@@ -96,7 +122,8 @@ def _varlen_bounds_kernel(
 
 def varlen_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_table: torch.Tensor | None,
                   out: torch.Tensor, lse: torch.Tensor | None, *, total_k: int, max_seqlen_q: int,
-                  num_blocks: int = 0, page_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_blocks: int = 0, page_size: int = 0, k_descale: torch.Tensor | None = None,
+                  v_descale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pairs_q, pairs_k)``: int32 ``[B, 2]`` ``(start, end)`` rows per sequence, ``(0, 0)`` for an
     invalid one (whose rows of ``out [total_q, Hq, D]`` and ``lse [Hq, total_q]`` become NaN and whose
     fault is recorded). ``total_k``: packed keys (``k.shape[0]``); paged: ``num_blocks`` and
@@ -107,11 +134,14 @@ def varlen_bounds(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, block_
     paged = block_table is not None
     table = block_table if paged else cu_seqlens_k
     num_heads, head_dim = out.shape[1], out.shape[2]
+    kds, vds = (cu_seqlens_q if t is None else t for t in (k_descale, v_descale))
     _varlen_bounds_kernel[(batch,)](
         cu_seqlens_q, cu_seqlens_k, table, pairs_q, pairs_k, out, out if lse is None else lse,
-        validate.fault_buffer(out.device),
+        validate.fault_buffer(out.device), kds, vds,
         batch, out.shape[0], total_k, max_seqlen_q, block_table.shape[1] if paged else 0, num_blocks, num_heads,
+        0 if k_descale is None else k_descale.numel(), 0 if v_descale is None else v_descale.numel(),
         table.stride(0), out.stride(0), out.stride(1), *(lse.stride() if lse is not None else (0, 0)),
+        *((t.stride(0) if t is not None and t.dim() else 0) for t in (k_descale, v_descale)),
         PAGED=paged, PAGE_SIZE=max(page_size, 1), WRITE_LSE=lse is not None, HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim), BLOCK_P=128,
     )

@@ -253,7 +253,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         ensure_tma_allocator()  # the kernel's descriptors live in Triton's global scratch
         # each sequence's (start, end) rows, (0, 0) where its metadata is invalid (NaN rows, a fault)
         pairs = metadata.varlen_bounds(varlen[0], varlen[1], block_table, out, lse, total_k=k.shape[0],
-                                       max_seqlen_q=varlen[2], num_blocks=k.shape[0], page_size=k.shape[1])
+                                       max_seqlen_q=varlen[2], num_blocks=k.shape[0], page_size=k.shape[1],
+                                       k_descale=k_descale, v_descale=v_descale)
         if block_table is None:  # the packed tensors themselves
             operands = (q, k, v, None, None, None, *pairs)
         else:  # host descriptors over the caches' pages, and the caches for the last pages'
