@@ -422,8 +422,9 @@ def fault_buffer(device) -> torch.Tensor:
     if buf is None:
         with _fault_lock:
             buf = _fault_buffers.get(device)
-            if buf is None:
-                buf = torch.full((NUM_FAULTS,), -1, dtype=torch.int32, device=device)
+            if buf is None:  # a normal tensor even when first asked for under inference_mode (it is cleared outside)
+                with torch.inference_mode(False):
+                    buf = torch.full((NUM_FAULTS,), -1, dtype=torch.int32, device=device)
                 _fault_buffers[device] = buf
     return buf
 

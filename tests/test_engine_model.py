@@ -57,8 +57,8 @@ def test_old_style_rope_keys_and_unsupported_rope():
     base = {**TINY, "architectures": ["LlamaForCausalLM"]}
     old = ModelConfig.from_dict({**base, "rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert old.rope_theta == 1234.0 and old.rope_scaling == {"type": "linear", "factor": 2.0, "rope_type": "linear"}
-    with pytest.raises(ValueError, match="yarn"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="dynamic"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
 
 
 def test_qwen2_sliding_window_only_from_max_window_layers(tmp_path):

@@ -122,3 +122,15 @@ def test_a_bad_descale_makes_every_row_nan(bad, which):
     pairs_q, _ = metadata.varlen_bounds(cu_q, cu_k, table, out, None, total_k=total_k, max_seqlen_q=max_q,
                                         num_blocks=blocks, page_size=page, k_descale=ok, v_descale=None)
     assert not out.isnan().any() and pairs_q.tolist() == [[0, 3], [3, 3], [3, 10]]
+
+
+def test_a_fault_buffer_first_made_under_inference_mode_clears_outside_it(monkeypatch):
+    # an engine's first launch runs under torch.inference_mode; the record is read and cleared outside
+    monkeypatch.setattr(validate, "_fault_buffers", {})
+    cu_q, cu_k, table, total_q, total_k, max_q, blocks, page, _ = _case("paged id -1")
+    with torch.inference_mode():
+        metadata.varlen_bounds(cu_q, cu_k, table, torch.zeros(total_q, HQ, D, device=DEVICE), None, total_k=total_k,
+                               max_seqlen_q=max_q, num_blocks=blocks, page_size=page)
+    with pytest.raises(ValueError, match="block_table"):
+        validate.raise_if_invalid(DEVICE)
+    validate.raise_if_invalid(DEVICE)
