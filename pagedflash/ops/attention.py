@@ -493,14 +493,6 @@ def _launch(plan: Plan, args: tuple) -> None:
 
 
 _PLANS = PlanCache(maxsize=4096)  # plans by signature (plan_key); a serving loop repeats a few
-_FAULT_BUFFERS: dict[torch.device, torch.Tensor] = {}  # validate.fault_buffer by q.device (one dict lookup)
-
-
-def _faults(device: torch.device) -> torch.Tensor:
-    buf = _FAULT_BUFFERS.get(device)
-    if buf is None:
-        buf = _FAULT_BUFFERS[device] = validate.fault_buffer(device)
-    return buf
 
 
 def clear_plans() -> None:
@@ -590,7 +582,7 @@ def attention_forward(
             dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
             *plan.ints, sm_scale, softcap, left, right,
             dummy if sinks is None else sinks, dummy if k_descale is None else k_descale,
-            dummy if v_descale is None else v_descale, *plan.head_strides, _faults(device),
+            dummy if v_descale is None else v_descale, *plan.head_strides, validate.fault_buffer(device),
             q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit, min_seqused_k, num_blocks)
     _launch(plan, args)
     if plan.part_shapes is not None:
