@@ -144,7 +144,7 @@ def _down_kernel(
     TopkW,  # [T, k] fp32 routing weights
     SortedIds, BlockExpert, Ids,  # as in _gate_up_kernel
     Part,  # [P, H] fp32: each pair's weighted expert output
-    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT >= 0)
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT: the code)
     P, H, I, E, top_k, num_m,
     stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
     HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
@@ -163,9 +163,8 @@ def _down_kernel(
     out_mask = row_ok[:, None] & n_ok[None, :]
     if (e < 0) | (e >= E):  # an invalid expert id: no weight read, the pair's contribution is NaN
         tl.store(p_out, tl.full([BM, BN], float("nan"), tl.float32), mask=out_mask)
-        if FAULT >= 0:
-            if pid_n == 0:
-                report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
+        if pid_n == 0:
+            report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
         return
     safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)
     w_n = offs_n % H
@@ -428,8 +427,7 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
-    faults = validate.fault_buffer(hidden.device) if plan.down.consts["FAULT"] >= 0 else part
-    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, faults,
+    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, validate.fault_buffer(hidden.device),
               P, H, I, E, k, plan.num_blocks,
               w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
     plan.sum_k(part, out, H, k, out.stride(0))
