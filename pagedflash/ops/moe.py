@@ -427,7 +427,8 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
-    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, validate.fault_buffer(hidden.device),
+    faults = validate.fault_buffer(hidden.device)
+    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, faults,
               P, H, I, E, k, plan.num_blocks,
               w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
     plan.sum_k(part, out, H, k, out.stride(0))
