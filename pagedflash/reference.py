@@ -361,3 +361,9 @@ def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     invalid = ((topk_ids < 0) | (topk_ids >= E)).any(dim=-1)
     return torch.where(invalid[:, None], float("nan"), out)
+
+
+def matmul_ref(x, weight, bias=None):
+    """``x @ weight.T + bias`` in fp32 for any number of rows (:func:`gemv_ref`'s product): x ``[M, K]``,
+    weight ``[N, K]`` (``nn.Linear``'s layout), bias ``[N]`` -> ``[M, N]``."""
+    return gemv_ref(x, weight, bias)

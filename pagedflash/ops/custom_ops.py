@@ -21,6 +21,7 @@ operator                        public function                                m
 ``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
                                 forms (``rms_norm_gemv``, ``silu_mul_gemv``)
 ``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`           ``out``
+``matmul``                      :func:`pagedflash.ops.matmul.matmul`           ``out``
 =============================== ============================================== ============================
 
 The operators take the arguments the public functions have already checked and normalized
@@ -180,6 +181,17 @@ def _fake_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, 
 
 
 torch.library.register_fake("pagedflash::fused_moe", _fake_fused_moe, lib=_lib)
+
+# matmul (pagedflash.ops.matmul.matmul, batch-invariant x @ weight.T + bias): writes out
+_SCHEMAS["matmul"] = "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()"
+_lib.define("matmul" + _SCHEMAS["matmul"])
+
+
+def _fake_matmul(x, weight, bias, out):
+    return None
+
+
+torch.library.register_fake("pagedflash::matmul", _fake_matmul, lib=_lib)
 
 _eager_via_ops = os.environ.get("PAGEDFLASH_EAGER_OPS", "0") == "1"
 

@@ -1,0 +1,211 @@
+"""Batch-invariant linear layer: ``x @ weight.T + bias`` whose output row ``i`` is bitwise the same
+whatever the number of rows ``M`` and wherever row ``i`` sits in ``x`` (issue 32, item 2).
+
+The rule. An output element is a sum over ``K``; floating-point addition is not associative, so the
+element's bits depend on the order of that sum. cuBLAS (and any autotuned GEMM) picks its kernel,
+tile shape and split of ``K`` from ``M``: a row computed in a batch of 1 and in a batch of 256 is
+summed in different orders, and greedy decoding then depends on what else is served. Here:
+
+- one tile configuration (``BLOCK_M/N/K``, warps, stages, and so the same MMA instruction: on sm90
+  Triton emits wgmma for ``BLOCK_M >= 64`` with 4+ warps, hence ``BLOCK_M = 64`` for every ``M``)
+  chosen by :func:`tile` from ``(N, K, dtype, device capability)`` only, never from ``M``;
+- no split-K: each output tile is reduced by one program, over ``K`` in ``BLOCK_K`` steps in
+  increasing order, into one fp32 accumulator; the bias is added after the loop, then one rounding
+  to x's dtype. A row's position inside its 64-row tile does not change its arithmetic (rows past
+  ``M`` read row 0 and are never stored; they do not enter any other row's sums);
+- persistent: ``min(tiles, SMs)`` programs walk the output tiles in one fixed order (8 row blocks
+  at a time over the column blocks, for L2 reuse). Which program computes a tile does not change
+  the tile's arithmetic, so the grid may follow ``M`` while the bits do not;
+- ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size, no
+  recompilation as a serving loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
+
+fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
+default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
+
+Expected cost (a prediction, not measured yet: to be measured on the H200 against ``torch.mm`` at
+``M = 1, 32, 256, 8192``): at small ``M`` the weight read bounds both, and 64-column tiles over
+4096 columns occupy only 64 of 132 SMs, so ~1.2-2x cuBLAS's time at ``M <= 64`` on 4096-wide
+projections (closer to 1x on the 14336/28672-wide ones); at ``M = 8192`` 64-row tiles with one
+warpgroup reach ~60-75 % of cuBLAS's 128x256 two-warpgroup tiles (the fused MoE's 64/128-row tiles
+measured 0.41-0.53x a dense GEMM, docs/performance.md v33, with extra work of their own).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedflash import validate
+from pagedflash.ops import custom_ops
+from pagedflash.ops.utils import (
+    Launch,
+    PlanCache,
+    cdiv,
+    check_operand,
+    interpreted,
+    next_pow2,
+    num_sms,
+    nvidia_capability,
+)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    X,  # [M, K], row stride stride_xm
+    W,  # [N, K], row stride stride_wn
+    Bias,  # [N] (HAS_BIAS)
+    Out,  # [M, N], row stride stride_om
+    M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile_id in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        first_m = (tile_id // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile_id % per_group) % size_m
+        pid_n = (tile_id % per_group) // size_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_rows = rows < M
+        m_cols = cols < N
+        # rows past M read row 0 and columns past N weight row 0: in bounds, never stored
+        p_x = X + tl.where(m_rows, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        p_w = W + tl.where(m_cols, cols, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                b_x = tl.load(p_x)
+                b_w = tl.load(p_w)
+            else:
+                m_k = offs_k < K - k0
+                b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
+                b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
+            acc = tl.dot(b_x, b_w, acc, input_precision=DOT_PRECISION)
+            p_x += BLOCK_K
+            p_w += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
+        p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(p_o, acc.to(Out.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+
+
+# ---------------------------------------------------------------- launch choices
+
+
+class Tile(NamedTuple):
+    """The one launch configuration of an ``[N, K]`` weight: every ``M`` runs it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    group_m: int
+
+
+BLOCK_M = 64  # every M: the smallest wgmma tile on sm90 (with 4 warps), so the instruction never changes
+TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's key
+
+
+def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """The launch configuration from the weight's shape, the dtype and the device only (never ``M``):
+
+    - 64 rows (:data:`BLOCK_M`); 128 columns from ``N >= 8192`` (64+ column blocks: every SM busy at
+      one row block on an H200 when ``N >= 16896``), else 64 (4096 columns: 64 programs instead of 32
+      while ``M <= 64``), at least 16 and no wider than ``N`` needs;
+    - 16-bit: 64-deep K steps (128-byte rows for the shared-memory swizzle), 4 pipeline stages on
+      sm90 (98 KB of shared memory at 128 columns), 3 on sm80/sm89, 2 elsewhere;
+    - fp32 (IEEE products on the FMA units): 64 columns, 32-deep steps;
+    - 4 warps: one warpgroup, the wgmma of a 64-row tile.
+
+    Unmeasured on the H200 (see the module doc): :data:`TILE` overrides it for a sweep."""
+    if TILE is not None:
+        return TILE
+    capability = nvidia_capability(device)
+    stages = 4 if capability is not None and capability >= (9, 0) else 3 if capability is not None else 2
+    if dtype == torch.float32:
+        block_n, block_k = 64, 32
+    else:
+        block_n, block_k = 128 if n >= 8192 else 64, 64
+    block_n = max(16, min(block_n, next_pow2(n)))
+    block_k = max(16, min(block_k, next_pow2(k)))
+    return Tile(BLOCK_M, block_n, block_k, 4, stages, 8)
+
+
+# ---------------------------------------------------------------- host
+
+
+def _check(x, weight, bias, out) -> None:
+    """x ``[M, K]``, weight ``[N, K]``, bias ``[N]``, out ``[M, N]``: one dtype and device, last dims
+    contiguous."""
+    check_operand("x", x, (None, None))
+    m, k = x.shape
+    check_operand("weight", weight, (None, k), like=("x", x))
+    n = weight.shape[0]
+    if bias is not None:
+        check_operand("bias", bias, (n,), like=("x", x))
+    if out is not None:
+        check_operand("out", out, (m, n), like=("x", x))
+    validate.check_no_grad(x=x, weight=weight, bias=bias)
+
+
+def _plan(x, weight, bias, out) -> Launch:
+    """Check the operands (all the checks read is in the plan's key; the device's type here, as it
+    reads Triton's interpreter switch, which ``torch.compile`` cannot trace) and work out the launch."""
+    _check(x, weight, bias, out)
+    if x.device.type != "cuda" and not interpreted():
+        raise ValueError(f"x: expected a CUDA tensor (a CPU one only under the Triton interpreter, "
+                         f"TRITON_INTERPRET=1), got one on {x.device}")
+    (m, k), n = x.shape, weight.shape[0]
+    t = tile(n, k, x.dtype, x.device)
+    tiles = cdiv(m, t.block_m) * cdiv(n, t.block_n)
+    return Launch(_matmul_kernel, (min(tiles, num_sms(x.device)),) if tiles else None,
+                  dict(HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
+                       DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                       BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                       NUM_STAGES=t.stages),
+                  num_warps=t.warps)
+
+
+_PLANS = PlanCache()
+
+
+def _launch(x, weight, bias, out) -> None:
+    key = _PLANS.key(x, weight, bias, out, extra=(TILE,))
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out))
+    (m, k), n = x.shape, weight.shape[0]
+    plan(x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+
+
+_op = custom_ops.implement("matmul", _launch)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, batch-invariant: row ``i`` of the result is bitwise the same for any
+    number of rows and any position of the row in ``x`` (module doc).
+
+    x ``[M, K]`` fp16/bf16/fp32; weight ``[N, K]`` (``nn.Linear``'s layout) and bias ``[N]`` (or
+    None) in x's dtype and on its device; rows of x and weight may be strided, their last dim must
+    be contiguous. Returns ``[M, N]`` in x's dtype, accumulated in fp32; written into ``out``
+    (``[M, N]``, x's dtype and device, last dim contiguous, no memory shared with an input) and
+    returned, if given. The checks run on a call signature's first call, and at trace time under
+    ``torch.compile``; no host sync (CUDA-graph safe)."""
+    if custom_ops.via_operator():
+        _check(x, weight, bias, out)
+    if out is None:
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() != 2 or weight.dim() != 2:
+            _check(x, weight, bias, out)  # says what is wrong
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    elif isinstance(out, torch.Tensor):  # programs write out while others still read the inputs
+        validate.check_out_separate(out, dict(x=x, weight=weight, bias=bias))
+    _op(x, weight, bias, out)
+    return out

@@ -1,0 +1,261 @@
+"""The batch-invariant GEMM (pagedflash.ops.matmul) against its fp32 reference, and its property:
+row ``i`` of the output bitwise the same whatever ``M`` is and wherever the row sits in ``x``.
+
+Under the interpreter: odd sizes (``M``, ``N``, ``K`` not multiples of the tiles), rows of x and the
+weight that are strided views into NaN-padded buffers (a load past a row's end, or past the last
+row, shows as NaN), outputs from NaN-poisoned ``torch.empty``, and a small forced tile so that each
+program walks several output tiles.
+
+The interpreter's ``tl.dot`` is numpy's matmul (OpenBLAS), whose result for a row depends on the
+row's position among the operand's rows (its fp32 micro-kernel computes rows 6-11 of every 12 in
+another order). An MMA computes each output element by itself, so the invariance tests give the
+interpreter a dot of that kind (:func:`per_element_dot`, each element a fixed-order fp32 sum): what
+they check under the interpreter is the kernel's part, the tiles and the order over ``K`` that do
+not depend on ``M``. Compiled on a GPU they run the real dot, with bf16 and Llama-3-8B shapes.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.testing
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
+from test_ops_layers import in_wider_rows
+
+from pagedflash import reference as ref
+from pagedflash.ops import custom_ops
+from pagedflash.ops import matmul as mm
+from pagedflash.ops.utils import interpreted
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="real sizes and the real dot are for the compiled GPU run")
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+SMALL_TILE = mm.Tile(16, 16, 16, 4, 1, 2)  # 16 programs on the CPU: each walks several tiles, groups ragged
+# Llama-3-8B's projections (N, K): qkv, o_proj, gate_up, down
+LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.fixture
+def per_element_dot(monkeypatch):
+    """Under the interpreter, ``tl.dot`` as an MMA computes it: each output element its own sum of
+    products, in increasing ``k``, in fp32 (module doc). Nothing changes on a GPU."""
+    if not interpreted():
+        return
+    from triton.runtime import interpreter
+
+    def create_dot(a, b, d, input_precision, max_num_imprecise_acc):
+        products = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)  # sequential over k
+
+    monkeypatch.setattr(interpreter.interpreter_builder, "create_dot", create_dot)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes: equal bits, not equal values (-0.0 != 0.0, a NaN equals the same NaN)."""
+    return t.contiguous().view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------- values
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("n,k", [(37, 100), (100, 64), (20, 5)], ids=["ragged", "even_k", "short_k"])
+@pytest.mark.parametrize("m", [1, 3, 65, 130])
+@pytest.mark.parametrize("bias,use_out", [(True, False), (False, True)], ids=["bias", "out"])
+def test_matmul_matches_reference(m, n, k, dtype, bias, use_out):
+    x, w = in_wider_rows(randn(m, k, dtype=dtype)), in_wider_rows(randn(n, k, dtype=dtype))
+    b = randn(n, dtype=dtype) if bias else None
+    if use_out:
+        buf = torch.full((m + 1, n + 5), 7.0, dtype=dtype, device=DEVICE)
+        out = buf[:m, :n].fill_(float("nan"))  # rows strided; a write past a row or the last row shows
+        assert mm.matmul(x, w, b, out=out) is out
+        assert (buf[:, n:] == 7).all() and (buf[m] == 7).all()
+    else:
+        out = mm.matmul(x, w, b)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, ref.matmul_ref(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_small_tile_many_tiles_per_program(monkeypatch, dtype):
+    """63 output tiles over 16 programs, row groups of 2 over 9 row blocks (the last group ragged)."""
+    monkeypatch.setattr(mm, "TILE", SMALL_TILE)
+    x, w, b = randn(130, 40, dtype=dtype), in_wider_rows(randn(100, 40, dtype=dtype)), randn(100, dtype=dtype)
+    assert_close(mm.matmul(x, w, b), ref.matmul_ref(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(0, 5, 8), (4, 0, 8), (4, 5, 0)], ids=["no_rows", "no_columns", "no_k"])
+def test_empty_dimensions(m, n, k):
+    """As ``torch.nn.functional.linear``: an empty output, or (K = 0) the bias alone."""
+    x, w, b = randn(m, k), randn(n, k), randn(n)
+    out = mm.matmul(x, w, b)
+    assert out.shape == (m, n)
+    assert torch.equal(out, ref.matmul_ref(x, w, b))
+
+
+# ---------------------------------------------------------------------------------------------- invariance
+def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
+    """Row ``i`` of ``matmul(x)`` equals, bit for bit: the row alone (M = 1); the row at positions
+    0, 3 and 6 of a batch of 7 other rows; the row inside ``x`` reversed (another position, another
+    row tile); the row read through a strided view of x, written through a strided ``out``."""
+    m, dtype = x.shape[0], x.dtype
+    full = mm.matmul(x, w, b)
+    others = randn(7, x.shape[1], dtype=dtype)
+    flipped = mm.matmul(x.flip(0), w, b)
+    strided_out = in_wider_rows(torch.empty(m, w.shape[0], dtype=dtype, device=DEVICE), fill=0.0)
+    mm.matmul(in_wider_rows(x), w, b, out=strided_out)
+    for i in rows:
+        want = bits(full[i])
+        assert torch.equal(bits(mm.matmul(x[i:i + 1], w, b)[0]), want), f"row {i} alone"
+        for pos in (0, 3, 6):
+            batch = others.clone()
+            batch[pos] = x[i]
+            assert torch.equal(bits(mm.matmul(batch, w, b)[pos]), want), f"row {i} at {pos} of 7"
+        assert torch.equal(bits(flipped[m - 1 - i]), want), f"row {i} at {m - 1 - i} of {m}"
+        assert torch.equal(bits(strided_out[i]), want), f"row {i} through strided views"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE], ids=["table", "small_tile"])
+def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
+    monkeypatch.setattr(mm, "TILE", tile)
+    x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
+    check_rows_invariant(x, w, randn(37, dtype=dtype) if bias else None, rows=[0, 6, 11, 63, 64, 129])
+
+
+def test_m_is_not_specialized():
+    """One compiled kernel for every batch size: ``M`` is left out of Triton's specialization."""
+    kernel = mm._matmul_kernel
+    if interpreted():
+        names = kernel.kwargs["do_not_specialize"]
+    else:
+        names = [p.name for p in kernel.params if p.do_not_specialize]
+    assert names == ["M"]
+
+
+def test_tile_is_chosen_without_m():
+    """Everything the launch configuration reads: the weight's shape, the dtype and the device."""
+    assert list(inspect.signature(mm.tile).parameters) == ["n", "k", "dtype", "device"]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for n, k in [(1, 1), (37, 100), *LLAMA_8B.values()]:
+            t = mm.tile(n, k, dtype, DEVICE)
+            assert t.block_m == mm.BLOCK_M == 64 and t.warps == 4
+            assert 16 <= t.block_n <= 128 and 16 <= t.block_k <= 64
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _errors():
+    x, w = randn(3, 8), randn(4, 8)
+    yield lambda: mm.matmul(randn(8), w), ValueError, r"x: expected a 2-D tensor, got 1-D"
+    yield (lambda: mm.matmul(x.double(), w), TypeError,
+           r"x: expected dtype in \['torch.float16', 'torch.bfloat16', 'torch.float32'\], got torch.float64")
+    yield lambda: mm.matmul(randn(8, 3).t(), w), ValueError, r"x: the last dimension must be contiguous"
+    yield lambda: mm.matmul(x, "w"), TypeError, r"weight: expected a torch.Tensor, got str"
+    yield lambda: mm.matmul(x, randn(4, 9)), ValueError, r"weight: expected shape \(\*, 8\), got \(4, 9\)"
+    yield lambda: mm.matmul(x, randn(8, 4).t()), ValueError, r"weight: the last dimension must be contiguous"
+    yield (lambda: mm.matmul(x, w.half()), TypeError,
+           r"weight: expected dtype torch.float32 \(the dtype of x\), got torch.float16")
+    yield (lambda: mm.matmul(x, torch.empty(4, 8, device="meta")), ValueError,
+           rf"weight: expected a tensor on {x.device} \(where x is\), got one on meta")
+    yield lambda: mm.matmul(x, w, randn(5)), ValueError, r"bias: expected shape \(4,\), got \(5,\)"
+    yield lambda: mm.matmul(x, w, randn(4).half()), TypeError, r"bias: expected dtype torch.float32"
+    yield lambda: mm.matmul(x, w, out=randn(3, 5)), ValueError, r"out: expected shape \(3, 4\), got \(3, 5\)"
+    yield lambda: mm.matmul(x, w, out=randn(3, 4).half()), TypeError, r"out: expected dtype torch.float32"
+    yield lambda: mm.matmul(x, w, out=randn(4, 3).t()), ValueError, r"out: the last dimension must be contiguous"
+    square = randn(4, 4)
+    yield lambda: mm.matmul(randn(4, 4), square, out=square), ValueError, r"out: shares memory with weight"
+    yield lambda: mm.matmul(x.clone().requires_grad_(), w), ValueError, r"x: requires grad"
+
+
+@pytest.mark.parametrize("case", range(len(list(_errors()))))
+def test_bad_input_is_refused_by_name(case):
+    call, error, message = list(_errors())[case]
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_host_tensors_are_refused_outside_the_interpreter(monkeypatch):
+    monkeypatch.setattr(mm, "interpreted", lambda: False)
+    mm._PLANS.clear()
+    with pytest.raises(ValueError, match=r"x: expected a CUDA tensor \(a CPU one only under the Triton interpreter"):
+        mm.matmul(torch.randn(3, 8), torch.randn(4, 8))
+
+
+def test_a_signature_checked_once_still_refuses_other_inputs():
+    x, w = randn(3, 8), randn(4, 8)
+    mm.matmul(x, w)
+    mm.matmul(x, w)  # the cached signature
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 4\)"):
+        mm.matmul(x, w, out=randn(2, 4))
+    with pytest.raises(ValueError, match="x: requires grad"):
+        mm.matmul(x.clone().requires_grad_(), w)
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 4\)"):  # the operator called directly
+        torch.ops.pagedflash.matmul(x, w, None, randn(2, 4))
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+def test_operator_passes_opcheck():
+    x, w = randn(5, 24), randn(12, 24)
+    torch.library.opcheck(torch.ops.pagedflash.matmul.default, (x, w, randn(12), torch.empty(5, 12, device=DEVICE)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compiled_is_bit_identical_and_compiles_once_for_every_m():
+    """``torch.compile(dynamic=True, fullgraph=True)``: one graph (the operator) for two batch sizes,
+    results bit-identical to eager."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def linear(x, w, b):
+        return mm.matmul(x, w, b)
+
+    compiled = torch.compile(linear, backend=counter, fullgraph=True, dynamic=True)
+    w, b = randn(12, 24), randn(12)
+    try:
+        with torch.inference_mode():
+            for m in (5, 9):
+                x = randn(m, 24)
+                assert torch.equal(bits(compiled(x, w, b)), bits(linear(x, w, b)))
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
+
+
+def test_eager_through_the_dispatcher_is_bit_identical():
+    x, w, b = randn(7, 24), randn(12, 24), randn(12)
+    want = mm.matmul(x, w, b)
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        assert torch.equal(bits(mm.matmul(x, w, b)), bits(want))
+    finally:
+        custom_ops.dispatch_eager(previous)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
+@pytest.mark.parametrize("name", list(LLAMA_8B))
+def test_llama_8b_projections(name, dtype):
+    """Against the reference at M = 1 and 300, and batch invariance with the real dot at M = 1, 7, 256
+    and 1000 (the row in several row tiles and at several positions in its tile)."""
+    n, k = LLAMA_8B[name]
+    w = randn(n, k, dtype=dtype) / k**0.5
+    x = randn(1000, k, dtype=dtype)
+    for m in (1, 300):
+        assert_close(mm.matmul(x[:m], w), ref.matmul_ref(x[:m], w), dtype)
+    check_rows_invariant(x, w, None, rows=[0, 6, 63, 64, 255, 999])
+    check_rows_invariant(x[:256], w, None, rows=[0, 100, 255])
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_one_compiled_kernel_for_every_m():
+    """A weight shape no other test uses (K = 520: not a multiple of 16): its first call compiles,
+    no other batch size does."""
+    w = randn(272, 520, dtype=torch.float16)
+    kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
+    mm.matmul(randn(1, 520, dtype=torch.float16), w)
+    compiled = len(kernels)
+    for m in (2, 3, 16, 17, 64, 65, 1000):
+        mm.matmul(randn(m, 520, dtype=torch.float16), w)
+    assert len(kernels) == compiled
