@@ -6,6 +6,8 @@
 #   RUNS="itl conc64 prefix sweep" bash tools/online_h200.sh      (results in $OUT/online.tgz)
 # PREFIX_WARMUPS sets the shared-prefix runs' warm-up count (64: the point's own shape).
 # SERVER_ARGS adds options to every server it launches (--engine-process).
+# The shared-prefix runs' servers keep a request timeline ($R/timeline_<name>.jsonl, warm-ups left out of
+# its summary, $R/timeline_<name>.md): where each request's time to its first token goes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
 R=${R:-bench_results}; mkdir -p $R
@@ -16,6 +18,19 @@ online() {  # name, then bench online's arguments
   timeout ${T_online:-240} python3 -m pagedflash bench online --out $R --result-name $name "$@" > $R/online_$name.log 2>&1
   echo "== $name rc=$? $((SECONDS - t0)) s"
   grep -E "^\| (inf|[0-9])|^summary|offline:" $R/online_$name.log | tail -${TAIL:-8}
+}
+timeline() {  # name: the summary of the run's request timeline
+  python3 -m pagedflash.bench.timeline --skip ${PREFIX_WARMUPS:-2} --json $R/timeline_$1.json \
+    $R/timeline_$1.jsonl > $R/timeline_$1.md 2>&1
+  cat $R/timeline_$1.md
+}
+prefix() {  # name, then the server's extra options
+  local name=$1; shift
+  rm -f $R/timeline_$name.jsonl
+  online $name --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
+    --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-} \
+    --request-timeline $R/timeline_$name.jsonl "$@"
+  timeline $name
 }
 for run in ${RUNS:-itl conc64 prefix sweep}; do
   case $run in
@@ -29,13 +44,9 @@ for run in ${RUNS:-itl conc64 prefix sweep}; do
               ${CLIENT_ARGS:-} --launch-server $M ${SERVER_ARGS:-} ;;
     conc64p) online conc64p --input-len 100:1024 --output-len 100:1024 --num-prompts 256 --max-concurrency 64 \
                ${CLIENT_ARGS:-} --no-offline --launch-server $M ${SERVER_ARGS:-} --engine-process ;;
-    prefixon) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
-              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-} ;;
-    prefix) online prefix_on --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
-              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-}
-            online prefix_off --dataset shared-prefix --prefix-groups 1 --prefix-len 4096 --suffix-len 128 \
-              --output-len 32 --num-prompts 64 --num-warmups ${PREFIX_WARMUPS:-2} --no-offline --launch-server $M ${SERVER_ARGS:-} \
-              --no-enable-prefix-caching ;;
+    prefixon) prefix prefix_on ;;
+    prefix) prefix prefix_on
+            prefix prefix_off --no-enable-prefix-caching ;;
     sweep) online sweep --input-len 100:1024 --output-len 100:512 --num-prompts 128 --request-rates 4,8,16,32,inf \
              --no-offline --launch-server $M ${SERVER_ARGS:-} ;;
   esac

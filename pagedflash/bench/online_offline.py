@@ -37,6 +37,7 @@ def server_state(server_args: list[str], max_num_seqs: int | None = None):
 
     args = parse_args(server_args)
     args.engine_process = False  # the offline engine runs here, whatever process the server gave it
+    args.request_timeline = None  # the server's, not the offline engine's
     if max_num_seqs:
         args.max_num_seqs = min(args.max_num_seqs, max_num_seqs)
     return build_state(args)

@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run the engine loop in a child process (the HTTP process keeps tokenizing, "
                          "detokenizing and streaming; no GIL shared with the engine's host work); "
                          "--no-engine-process: in a thread of the HTTP process")
+    ap.add_argument("--request-timeline", default=None, metavar="PATH",
+                    help="append one JSON line per request to PATH: its time stamps from the HTTP handler "
+                         "through the engine to the first token sent (see pagedflash.entrypoints.openai.timeline; "
+                         "summarize with python -m pagedflash.bench.timeline PATH); default: off")
     engine = ap.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--max-model-len", type=int, default=None)
@@ -110,6 +114,7 @@ def build_state(args: argparse.Namespace) -> ServerState:
     from pagedflash.engine.config import TINY_LLAMA
     from pagedflash.entrypoints.openai.engine_loop import EngineLoop
     from pagedflash.entrypoints.openai.metrics import EngineMetrics
+    from pagedflash.entrypoints.openai.timeline import RequestTimeline
     from pagedflash.entrypoints.openai.tokenizer import TextTokenizer, load_chat_template
 
     if args.model is not None and not os.path.isdir(args.model):
@@ -123,16 +128,22 @@ def build_state(args: argparse.Namespace) -> ServerState:
         tokenizer = TextTokenizer.from_model_dir(args.tokenizer or args.model, chat_template=chat_template)
         name = args.served_model_name or args.model
     metrics = EngineMetrics(name)
-    if getattr(args, "engine_process", False):
+    in_process = getattr(args, "engine_process", False)
+    path = getattr(args, "request_timeline", None)
+    try:
+        timeline = None if path is None else RequestTimeline(path, "process" if in_process else "thread")
+    except OSError as e:
+        raise FileNotFoundError(f"--request-timeline {path!r} cannot be opened for appending: {e}") from None
+    if in_process:
         from pagedflash.entrypoints.openai.engine_process import EngineProcess
 
         engine = EngineProcess(args, metrics=metrics, max_queue=args.max_queue)
         limits = engine.limits
     else:
         llm = build_llm(args)
-        engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue)
+        engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue, timeline=timeline is not None)
         limits = engine_limits(llm)
-    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, **limits)
+    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, timeline=timeline, **limits)
 
 
 def build_app(state: ServerState, *, api_key: str | None = None):
@@ -149,6 +160,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
             yield
         finally:
             await asyncio.to_thread(state.engine.stop)
+            if state.timeline is not None:
+                state.timeline.close()
 
     app = FastAPI(title="pagedflash", lifespan=lifespan)
     app.state.serving = state
@@ -210,14 +223,19 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         except serving.ClientGone:
             return Response(status_code=499)
 
+    def begin_timeline() -> dict | None:
+        return None if state.timeline is None else state.timeline.begin()
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        stamps = begin_timeline()
         body = parse_body(p.CompletionRequest, await request.body())
         serving.check_request(state, body)
         prompts = serving.completion_prompts(state, body)
         params = serving.sampling_params(state, body, max(len(x) for x in prompts),
                                          default_max_tokens=serving.DEFAULT_COMPLETION_MAX_TOKENS)
-        gen = serving.Generation(state, prompts, params, serving.stop_strings(body))
+        gen = serving.Generation(state, prompts, params, serving.stop_strings(body),
+                                 timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -226,6 +244,7 @@ def build_app(state: ServerState, *, api_key: str | None = None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        stamps = begin_timeline()
         body = parse_body(p.ChatCompletionRequest, await request.body())
         serving.check_request(state, body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -233,7 +252,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         prompt = serving.chat_prompt(state, body)
         params = serving.sampling_params(state, body, len(prompt), default_max_tokens=None, max_tokens_field=field)
-        gen = serving.Generation(state, [prompt], params, serving.stop_strings(body))
+        gen = serving.Generation(state, [prompt], params, serving.stop_strings(body),
+                                 timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

@@ -12,7 +12,10 @@ Events put on a queue (each a tuple):
 - ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens, new_logprobs)``:
   ``finish_reason`` is None while the request runs, else ``"stop"`` or ``"length"``;
   ``new_logprobs`` the step's ``RequestOutput.new_logprobs`` (None unless asked for);
-- ``("error", tag, message)``: the step running the request raised; the request is aborted.
+- ``("error", tag, message)``: the step running the request raised; the request is aborted;
+- ``("timeline", tag, stamps)``: only with ``timeline=True``, once, just before the request's first
+  ``tokens`` event: the engine side's stamps of :mod:`.timeline` (``submit`` through
+  ``first_token``, ``steps_waiting``, ``steps_to_first_token``).
 
 A step that raises fails the requests it was running (their pages go back to the pool through
 ``abort_request``); the loop goes on with the others and with new ones. Admission errors
@@ -62,6 +65,7 @@ class _Submission:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     arrival: float = field(default_factory=time.perf_counter)
+    stamps: dict | None = None  # with a timeline: the stamps taken before the loop picked it
 
 
 @dataclass
@@ -73,6 +77,7 @@ class _Live:
     tag: int
     arrival: float
     last_token: float | None = None
+    stamps: dict | None = None  # with a timeline, until the first token: its stamps so far
 
 
 def _deliver(events: list[tuple[asyncio.Queue, tuple]]) -> None:
@@ -110,10 +115,10 @@ class EngineLoop:
     llm: an :class:`~pagedflash.engine.LLM`, used by this thread only once :meth:`start` ran.
     metrics: an :class:`~pagedflash.entrypoints.openai.metrics.EngineMetrics` to record, or None.
     max_queue: requests that may wait for admission (queued in the engine or not yet handed to it);
-    None: no limit.
+    None: no limit. timeline: stamp each request's way to its first token (the ``timeline`` event).
     """
 
-    def __init__(self, llm, *, metrics=None, max_queue: int | None = None):
+    def __init__(self, llm, *, metrics=None, max_queue: int | None = None, timeline: bool = False):
         if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0):
             raise ValueError(f"max_queue must be an int >= 0 or None, got {max_queue!r}")
         self.llm = llm
@@ -131,6 +136,9 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._prefix = (0, 0)  # prefix-cache (queried, hit) tokens already counted
         self._preemptions = 0
+        self.timeline = timeline
+        self._steps = 0  # step calls that returned
+        self._unscheduled: dict[int, dict] = {}  # with a timeline: stamps of requests no step has run yet
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -210,6 +218,10 @@ class EngineLoop:
                 pending, self._pending = self._pending, []
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping
+            if self.timeline and pending:
+                picked = time.perf_counter()
+                for sub in pending:
+                    sub.stamps = {**(sub.stamps or {}), "submit": sub.arrival, "picked": picked}
             try:
                 self._apply_aborts(aborts)
                 if stopping:
@@ -263,8 +275,11 @@ class EngineLoop:
                 return sub, None, RequestRejected(len(ids), e)
             logger.exception("add_request failed")
             return sub, None, RuntimeError(f"the engine could not take the request: {type(e).__name__}: {e}")
+        added = time.perf_counter() if sub.stamps is not None else None
         for i, (rid, prompt) in enumerate(zip(ids, sub.prompts)):
-            self._live[rid] = _Live(sub.queue, sub.loop, i, sub.arrival)
+            live = self._live[rid] = _Live(sub.queue, sub.loop, i, sub.arrival)
+            if added is not None:
+                live.stamps = self._unscheduled[rid] = {**sub.stamps, "added": added, "added_step": self._steps}
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(prompt))
         return sub, ids, None
@@ -299,6 +314,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         llm = self.llm
+        began = time.perf_counter() if self._unscheduled else None
         try:
             outputs = llm.step()
         except Exception as e:
@@ -312,6 +328,9 @@ class EngineLoop:
             self._fail(running or list(self._live), f"the engine step failed: {type(e).__name__}: {e}", "error")
             return
         now = time.perf_counter()
+        self._steps += 1
+        if began is not None:
+            self._stamp_scheduled(outputs, began)
         metrics = self.metrics
         events: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
@@ -319,6 +338,9 @@ class EngineLoop:
             if live is None:
                 continue
             n = len(out.new_token_ids)
+            if live.stamps is not None and n:
+                stamps = self._first_token(live, now)
+                events.setdefault(live.loop, []).append((live.queue, ("timeline", live.tag, stamps)))
             if metrics is not None and n:
                 metrics.generation_tokens.inc(n)
                 first = live.last_token is None
@@ -339,6 +361,24 @@ class EngineLoop:
                               out.num_cached_tokens, out.new_logprobs)))
         for loop, batch in events.items():
             self._call(loop, _deliver, batch)
+
+    def _stamp_scheduled(self, outputs, began: float) -> None:
+        """Stamp ``scheduled`` (``began``: when the step call began) on the requests the step ran first."""
+        ran = {seq.seq_id for seq in self.llm.scheduler.running}
+        ran.update(out.request_id for out in outputs)
+        for rid in [rid for rid in self._unscheduled if rid in ran or rid not in self._live]:
+            stamps = self._unscheduled.pop(rid)
+            stamps["scheduled"] = began
+            stamps["steps_waiting"] = self._steps - 1 - stamps.pop("added_step")
+            stamps["scheduled_step"] = self._steps
+
+    def _first_token(self, live: _Live, now: float) -> dict:
+        """The request's engine-side stamps, complete with its first token (now); stamping ends."""
+        stamps, live.stamps = live.stamps, None
+        stamps["first_token"] = now
+        scheduled_step = stamps.pop("scheduled_step", None)
+        stamps["steps_to_first_token"] = None if scheduled_step is None else self._steps - scheduled_step + 1
+        return stamps
 
     def _publish(self, counts_only: bool = False) -> None:
         """Counts for admission control, and (unless ``counts_only``) the metrics' gauges and counters."""

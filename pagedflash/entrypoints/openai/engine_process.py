@@ -14,8 +14,9 @@ Messages (plain pickled tuples) down the pipe: ``("submit", sub_id, prompts, par
 ``("abort", request_ids, reason)``, ``("stop",)``. Up the pipe: ``("ready", limits)`` or
 ``("failed", type name, message)`` once, then per iteration ``("step", num_waiting, num_unfinished,
 items, metric_ops)`` where ``items`` are ``("event", sub_id, event)`` (an :mod:`.engine_loop`
-event) and ``("admitted", sub_id, ids, error)``, in the order the loop made them (the counts are
-None in a refusal the child sends outside the loop).
+event; a ``timeline`` event gets the reader's ``reader`` stamp here) and ``("admitted", sub_id,
+ids, error)``, in the order the loop made them (the counts are None in a refusal the child sends
+outside the loop).
 
 One reader thread in the HTTP process receives the messages; per message it replays the metric
 updates on the server's :class:`~.metrics.EngineMetrics` and hands the events to the event loop with
@@ -155,8 +156,8 @@ def _unwire_error(wire: tuple) -> Exception:
 class _ChildLoop(EngineLoop):
     """An :class:`EngineLoop` whose iteration ends by sending its events and metric updates up ``conn``."""
 
-    def __init__(self, llm, conn, send_lock: threading.Lock):
-        super().__init__(llm, metrics=_MetricsRecorder())
+    def __init__(self, llm, conn, send_lock: threading.Lock, *, timeline: bool = False):
+        super().__init__(llm, metrics=_MetricsRecorder(), timeline=timeline)
         self.conn, self.send_lock = conn, send_lock
         self.outbox = _Outbox()
 
@@ -195,7 +196,7 @@ def _child_main(args, conn) -> None:
         return
     conn.send(("ready", engine_limits(llm)))
     send_lock = threading.Lock()
-    engine = _ChildLoop(llm, conn, send_lock)
+    engine = _ChildLoop(llm, conn, send_lock, timeline=getattr(args, "request_timeline", None) is not None)
     engine.start()
     try:
         while True:
@@ -206,7 +207,8 @@ def _child_main(args, conn) -> None:
             if msg[0] == "submit":
                 _, sub_id, prompts, params, arrival = msg
                 future = _PipeFuture(engine.outbox, sub_id)
-                sub = _Submission(prompts, params, _PipeQueue(engine.outbox, sub_id), _IMMEDIATE, future, arrival)
+                sub = _Submission(prompts, params, _PipeQueue(engine.outbox, sub_id), _IMMEDIATE, future, arrival,
+                                  {"received": time.perf_counter()} if engine.timeline else None)
                 try:
                     engine._enqueue(sub)
                 except EngineClosedError as e:  # stopping: told at once, from this thread
@@ -383,7 +385,7 @@ class EngineProcess:
 
     def _dispatch(self, msg) -> None:
         _, num_waiting, num_unfinished, items, ops = msg
-        replay(self.metrics, ops)
+        received = None
         calls: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             if num_waiting is not None:  # None: a refusal sent before the loop counted anything
@@ -405,8 +407,13 @@ class EngineProcess:
                 elif sub is not None:  # an event
                     event = item[2]
                     calls.setdefault(sub.loop, []).append((sub.queue.put_nowait, event))
-                    if event[0] == "error" or event[3] is not None:
+                    kind = event[0]
+                    if kind == "timeline":
+                        received = received or time.perf_counter()
+                        event[2]["reader"] = received
+                    elif kind == "error" or event[3] is not None:
                         self._close(sub.ids[event[1]])
+        replay(self.metrics, ops)  # before the handlers see the events
         for loop, batch in calls.items():
             _call(loop, _run_all, batch)
 

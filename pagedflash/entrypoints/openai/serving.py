@@ -22,6 +22,7 @@ from pagedflash.entrypoints.openai.engine_loop import (
     QueueFullError,
     RequestRejected,
 )
+from pagedflash.entrypoints.openai.timeline import RequestTimeline
 from pagedflash.entrypoints.openai.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
@@ -55,6 +56,7 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     pool_tokens: int | None = None  # tokens the KV pool holds (None: no limit below max_model_len)
+    timeline: RequestTimeline | None = None  # ``--request-timeline``: where the requests' stamps go
 
 
 # ------------------------------------------------------------------ validation
@@ -171,9 +173,13 @@ class Generation:
     their text as it comes (one :class:`Delta` per engine step that gave a prompt tokens, its text
     empty while a character or a possible stop string is incomplete; the last with the finish
     reason), :meth:`usage` counts tokens. Leaving :meth:`deltas` early (an error, a
-    client gone) aborts what is still running."""
+    client gone) aborts what is still running.
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, stop: list[str]):
+    timeline: the HTTP request's first stamps (:meth:`.RequestTimeline.begin`) when the server keeps
+    a timeline; :meth:`deltas` completes each prompt's and writes them when it ends."""
+
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, stop: list[str], *,
+                 timeline: dict | None = None):
         self.state, self.prompts, self.params = state, prompts, params
         self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in prompts]
         self.finish_reason: list[str | None] = [None] * len(prompts)
@@ -181,6 +187,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[int] = []
         self.all_logprobs: list[list] = [[] for _ in prompts]  # by prompt, filled by :func:`collect`
+        self.stamps = None if timeline is None else [dict(timeline) for _ in prompts]
 
     async def start(self) -> None:
         try:
@@ -198,8 +205,11 @@ class Generation:
         try:
             while left:
                 event = await self.queue.get()
-                if event[0] == "error":
-                    raise APIError(500, event[2], type="internal_server_error")
+                if event[0] != "tokens":
+                    if event[0] == "error":
+                        raise APIError(500, event[2], type="internal_server_error")
+                    self.stamps[event[1]].update(event[2], handler=time.perf_counter())  # "timeline"
+                    continue
                 _, i, new_ids, reason, num_cached, new_logprobs = event
                 if self.finish_reason[i] is not None:
                     continue  # stopped by a stop string; the engine's abort is on its way
@@ -221,8 +231,23 @@ class Generation:
                     left -= 1
                 if taken or reason is not None:  # one chunk per step with tokens: load generators time them
                     yield Delta(i, text, reason, logprobs)
+                    if self.stamps is not None and taken:
+                        self.stamps[i].setdefault("sent", time.perf_counter())
         finally:
             self.abort_unfinished()
+            if self.stamps is not None:
+                self._write_timeline()
+
+    def _write_timeline(self) -> None:
+        now = time.perf_counter()
+        records = []
+        for i, stamps in enumerate(self.stamps):
+            stamps.update(index=i, request_id=self.request_ids[i] if self.request_ids else None,
+                          prompt_tokens=len(self.prompts[i]), cached_tokens=self.num_cached[i],
+                          output_tokens=self.detok[i].num_tokens, finish_reason=self.finish_reason[i], finished=now)
+            records.append(stamps)
+        self.stamps = None
+        self.state.timeline.write(records)
 
     def abort_unfinished(self) -> None:
         """Abort the prompts that have not finished (nothing when all have; safe to repeat)."""
