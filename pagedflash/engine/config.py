@@ -12,6 +12,11 @@ Gemma's softcaps under ``LlamaForCausalLM``, say), a ``model_type`` of another f
 parameters where the family has one RoPE, an activation other than the family's, a
 GPT-OSS ``quantization_config`` other than MXFP4 experts (:func:`_moe_fields`).
 
+Keys a config leaves out mean what the family's transformers config class makes of them
+(:data:`DEFAULTS`, copied from transformers 5.25: Mistral's 4096-token window, Gemma's softcaps and
+``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's ``attention_multiplier``
+1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers for them.
+
 Mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields: the router
 (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation and
 biases, and which layers are dense (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
@@ -91,11 +96,52 @@ MATH_KEYS = {
     "n_shared_experts": (None, 0),
     "routed_scaling_factor": (None, 1, 1.0),
 }
-# transformers' RoPE theta when a config gives none
-_DEFAULT_THETA = {"mixtral": 1000000.0, "gpt_oss": 150000.0}
-# GPT-OSS's RoPE when a config gives none (transformers' GptOssConfig default)
+# What a key left out of a config means, per family: the default of its transformers config class
+# (the values of transformers 5.25, copied: the engine does not import transformers; tests/
+# test_config_defaults.py checks every family against the installed transformers). A family's entry
+# overrides BASE_DEFAULTS (LlamaConfig's). None: derived (num_key_value_heads: num_attention_heads;
+# head_dim: hidden_size // num_attention_heads) or off (sliding_window). Gemma 3's RoPE per layer type
+# (rope_theta global, rope_local_base_freq local) is completed by _gemma3_rope, GPT-OSS's YaRN by
+# _GPT_OSS_ROPE (when the config gives neither rope_parameters nor rope_scaling).
+BASE_DEFAULTS = {
+    "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "hidden_act": "silu", "sliding_window": None, "initializer_range": 0.02,
+}
+_QWEN_WINDOW = {"sliding_window": 4096, "use_sliding_window": False}  # a window only with use_sliding_window
+_GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
+                   "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096}
+DEFAULTS = {
+    "llama": {},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "max_window_layers": 28, **_QWEN_WINDOW},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768, "max_window_layers": 28,
+              **_QWEN_WINDOW},
+    "granite": {"embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
+                "logits_scaling": 1.0},
+    "olmo2": {"rms_norm_eps": 1e-5},
+    "gemma2": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
+    "gemma3": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+               "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
+               "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, **_QWEN_WINDOW},
+    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                "rope_theta": 150000.0, "sliding_window": 128, "attention_bias": True, "num_local_experts": 128,
+                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+}
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
+# Keys whose transformers model reads them only in some families (elsewhere the key is ignored, as
+# transformers ignores it: a bias tensor it would leave unused then fails strict loading by name).
+_READS_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
+_READS_MLP_BIAS = ("llama", "granite")
+_READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss")  # elsewhere a window is on every layer
 
 # Configs (HF keys) used by the demo, the serve benchmark and the GPU tests.
 LLAMA_3_2_1B = {
@@ -223,33 +269,38 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
+        """From HF config keys. A key left out means what the family's transformers config class makes
+        of it (:func:`with_defaults`); vocab_size, hidden_size, intermediate_size, num_hidden_layers and
+        num_attention_heads must be given."""
         arch = _architecture(d)
         kind = SUPPORTED_ARCHITECTURES[arch]
-        _check_math_keys(d, arch)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] < 1:
                 raise ValueError(f"config.json: {key} must be a positive int, got {d.get(key)!r}")
+        d = with_defaults(d, kind)
+        _check_math_keys(d, arch)
         num_heads = d["num_attention_heads"]
-        num_kv_heads = d.get("num_key_value_heads") or num_heads
-        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        num_kv_heads = d["num_key_value_heads"] or num_heads
+        head_dim = d["head_dim"] or d["hidden_size"] // num_heads
         if not 16 <= head_dim <= 256:
             raise ValueError(f"head_dim={head_dim} is outside the attention kernels' range [16, 256]")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         gemma = kind in ("gemma2", "gemma3")
-        act = (d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh") if gemma else \
-            d.get("hidden_act", "silu")
+        act = d["hidden_activation"] if gemma else d["hidden_act"]  # Gemma's transformers ignores hidden_act
         wanted = ("gelu_pytorch_tanh",) if gemma else ("silu", "swish")
         if act not in wanted:
             raise ValueError(f"unsupported hidden_act {act!r} for {arch} (implemented: {', '.join(wanted)})")
         if kind == "gpt_oss" and not d.get("rope_parameters") and not d.get("rope_scaling"):
             d = {**d, "rope_scaling": _GPT_OSS_ROPE}
+        if kind == "gemma3":
+            d = _gemma3_rope(d)
         (theta, scaling), local = rope.rope_from_dict(d, arch, per_layer_type=kind == "gemma3",
-                                                      default_theta=_DEFAULT_THETA.get(kind, 10000.0))
-        attn_bias = bool(d.get("attention_bias", kind == "gpt_oss"))  # GptOssConfig's default: True
-        sliding = d.get("sliding_window")
+                                                      default_theta=d["rope_theta"])
+        attn_bias = kind in _READS_ATTENTION_BIAS and bool(d["attention_bias"])
+        sliding = d["sliding_window"]
         if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen3_moe")
-                                                     and not d.get("use_sliding_window")):
+                                                     and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
         if local is not None and sliding:
@@ -263,18 +314,18 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=_positive_int(d, "max_position_embeddings", d["max_position_embeddings"]),
+            rms_norm_eps=_positive_float(d, "rms_norm_eps"),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=True if kind == "qwen2" else attn_bias,
-            o_bias=False if kind == "qwen2" else attn_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            qkv_bias=True if kind == "qwen2" else attn_bias,  # Qwen2: q/k/v biases always, o_proj none
+            o_bias=attn_bias,
+            mlp_bias=kind in _READS_MLP_BIAS and bool(d["mlp_bias"]),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
             sliding_window=int(sliding) if sliding else None,
             layer_types=_layer_types(d, kind) if sliding else (),
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
-            initializer_range=float(d.get("initializer_range", 0.02)),
+            initializer_range=float(d["initializer_range"]),
             eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **extra,
@@ -354,6 +405,43 @@ def _architecture(d: dict) -> str:
     return arch
 
 
+def with_defaults(d: dict, kind: str) -> dict:
+    """``d`` completed with family ``kind``'s defaults (:data:`BASE_DEFAULTS`, :data:`DEFAULTS`) for the
+    keys it leaves out; a key given as ``None`` stays ``None``, as transformers keeps it. The experts'
+    count is one key under two names (``num_experts``, ``num_local_experts``): either one counts as given."""
+    out = dict(d)
+    for key, value in {**BASE_DEFAULTS, **DEFAULTS[kind]}.items():
+        if key not in d and _EXPERTS_ALIAS.get(key) not in d:
+            out[key] = value
+    return out
+
+
+_EXPERTS_ALIAS = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
+def _gemma3_rope(d: dict) -> dict:
+    """``d`` with Gemma 3's RoPE as transformers reads it, keyed by layer type: ``rope_parameters`` by
+    type (a type left out: the default RoPE) or the older ``rope_theta`` / ``rope_scaling``, the
+    scaling applying to the global layers; a theta left out: ``rope_theta`` for the global layers,
+    ``rope_local_base_freq`` for the sliding ones (:data:`DEFAULTS`: 1e6 and 1e4). A single, unkeyed
+    ``rope_parameters`` is refused (transformers 5 ignores its values)."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json: {key} must be an object, got {value!r}")
+    if params and not all(isinstance(params.get(t), dict) for t in params):
+        raise ValueError("config.json: Gemma3ForCausalLM's rope_parameters must be keyed by layer type "
+                         f"('full_attention', 'sliding_attention'), got {params!r}")
+    if any(isinstance(v, dict) for v in scaling.values()):
+        raise ValueError(f"config.json: rope_scaling must be one RoPE scaling (the global layers'), got {scaling!r}")
+    full = {"rope_type": "default", **(params.get("full_attention") or {}), **scaling}
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    full.setdefault("rope_theta", d["rope_theta"])
+    local.setdefault("rope_theta", d["rope_local_base_freq"])
+    return {**d, "rope_parameters": {**params, "full_attention": full, "sliding_attention": local}, "rope_scaling": None}
+
+
 def _check_math_keys(d: dict, arch: str) -> None:
     """Refuse a key of :data:`MATH_KEYS` with a non-neutral value that ``arch`` does not implement."""
     implemented = FAMILIES[arch].keys
@@ -372,20 +460,19 @@ def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
     if kind == "olmo2":
         return dict(qk_norm="projection")
     if kind == "granite":
-        scale = d.get("attention_multiplier")  # transformers: the softmax scale itself; None: 1/sqrt(D)
-        return dict(embedding_multiplier=float(d.get("embedding_multiplier") or 1.0),
-                    residual_multiplier=float(d.get("residual_multiplier") or 1.0),
-                    logits_scaling=float(d.get("logits_scaling") or 1.0),
-                    attention_scale=None if scale is None else float(scale))
+        scale = d["attention_multiplier"]  # transformers: the softmax scale itself (default 1.0); None: 1/sqrt(D)
+        multipliers = {key: float(1.0 if d[key] is None else d[key])
+                       for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+        return dict(**multipliers, attention_scale=None if scale is None else float(scale))
     if kind in MOE_FAMILIES:
         return _moe_fields(kind, d)
     if kind in ("gemma2", "gemma3"):
-        scalar = d.get("query_pre_attn_scalar") or head_dim
+        scalar = d["query_pre_attn_scalar"] or head_dim
         return dict(qk_norm="head" if kind == "gemma3" else "", norm_offset=1.0,
                     embedding_multiplier=float(d["hidden_size"]) ** 0.5, attention_scale=float(scalar) ** -0.5,
                     # transformers' Gemma 3 reads attn_logit_softcapping and never applies it
-                    attn_softcap=float(d.get("attn_logit_softcapping") or 0.0) if kind == "gemma2" else 0.0,
-                    final_softcap=float(d.get("final_logit_softcapping") or 0.0))
+                    attn_softcap=float(d["attn_logit_softcapping"] or 0.0) if kind == "gemma2" else 0.0,
+                    final_softcap=float(d["final_logit_softcapping"] or 0.0))
     return {}
 
 
@@ -393,6 +480,13 @@ def _positive_int(d: dict, key: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"config.json: {key} must be a positive int, got {value!r}")
     return value
+
+
+def _positive_float(d: dict, key: str) -> float:
+    value = d[key]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _moe_fields(kind: str, d: dict) -> dict:
@@ -410,9 +504,9 @@ def _moe_fields(kind: str, d: dict) -> dict:
         raise ValueError(f"config.json: num_experts_per_tok={fields['num_experts_per_tok']} is more than "
                          f"{experts_key}={fields['num_experts']}")
     if kind == "qwen3_moe":
-        fields.update(qk_norm="head", moe_renormalize=bool(d.get("norm_topk_prob", False)),
-                      moe_intermediate_size=_positive_int(d, "moe_intermediate_size", d.get("moe_intermediate_size")))
-        step = _positive_int(d, "decoder_sparse_step", d.get("decoder_sparse_step", 1))
+        fields.update(qk_norm="head", moe_renormalize=bool(d["norm_topk_prob"]),
+                      moe_intermediate_size=_positive_int(d, "moe_intermediate_size", d["moe_intermediate_size"]))
+        step = _positive_int(d, "decoder_sparse_step", d["decoder_sparse_step"])
         only = d.get("mlp_only_layers") or []
         if not isinstance(only, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < n for i in only):
             raise ValueError(f"config.json: mlp_only_layers must list layer indices in [0, {n}), got {only!r}")
@@ -430,29 +524,31 @@ def _moe_fields(kind: str, d: dict) -> dict:
             fields["moe_quant"] = "mxfp4"
         fields.update(attention_sinks=True, moe_scoring="topk_softmax", moe_renormalize=False,
                       moe_activation="swigluoai", moe_bias=True,
-                      swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
+                      swiglu_alpha=float(d["swiglu_alpha"]), swiglu_limit=float(d["swiglu_limit"]))
     return fields
 
 
 def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
-    """Which layers slide, as transformers decides: ``layer_types`` when given; else for Qwen2/3 the
-    layers from ``max_window_layers`` on, for Gemma 2 every other layer (the first slides), for Gemma 3
-    all but every ``sliding_window_pattern``-th; otherwise every layer (returned as ``()``)."""
+    """Which layers slide, as transformers decides: ``layer_types`` when given to a family whose
+    transformers model reads it (:data:`_READS_LAYER_TYPES`; elsewhere it is checked, then ignored as
+    transformers ignores it); else for Qwen2/3 the layers from ``max_window_layers`` on, for Gemma 2
+    and GPT-OSS every other layer (the first slides), for Gemma 3 all but every
+    ``sliding_window_pattern``-th; otherwise every layer (returned as ``()``)."""
     n = d["num_hidden_layers"]
     types = d.get("layer_types")
-    if types is None:
-        if kind in ("qwen2", "qwen3"):
-            first = d.get("max_window_layers", 28)  # transformers' Qwen2Config default
-            return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
-        if kind in ("gemma2", "gemma3", "gpt_oss"):  # GPT-OSS: as Gemma 2, the first layer slides
-            every = 2 if kind in ("gemma2", "gpt_oss") else int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
-            return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
-        return ()
     kinds = ("full_attention", "sliding_attention")
-    if len(types) != n or any(t not in kinds for t in types):
+    if types is not None and (len(types) != n or any(t not in kinds for t in types)):
         raise ValueError(f"config.json: layer_types must name one of {kinds} for each of the {n} layers, "
                          f"got {types!r}")
-    return tuple(types)
+    if types is not None and kind in _READS_LAYER_TYPES:
+        return tuple(types)
+    if kind in ("qwen2", "qwen3"):
+        first = d["max_window_layers"]
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    if kind in ("gemma2", "gemma3", "gpt_oss"):
+        every = _positive_int(d, "sliding_window_pattern", d["sliding_window_pattern"]) if kind == "gemma3" else 2
+        return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))
+    return ()
 
 
 def _as_id_tuple(value) -> tuple[int, ...]:
