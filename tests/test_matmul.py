@@ -161,6 +161,8 @@ def _errors():
     yield lambda: mm.matmul(x, w, out=randn(3, 5)), ValueError, r"out: expected shape \(3, 4\), got \(3, 5\)"
     yield lambda: mm.matmul(x, w, out=randn(3, 4).half()), TypeError, r"out: expected dtype torch.float32"
     yield lambda: mm.matmul(x, w, out=randn(4, 3).t()), ValueError, r"out: the last dimension must be contiguous"
+    yield (lambda: mm.matmul(x, w, out=randn(1, 4).expand(3, 4)), ValueError,
+           r"out: expected rows that do not overlap \(row stride >= 4\), got strides \(0, 1\)")
     square = randn(4, 4)
     yield lambda: mm.matmul(randn(4, 4), square, out=square), ValueError, r"out: shares memory with weight"
     yield lambda: mm.matmul(x.clone().requires_grad_(), w), ValueError, r"x: requires grad"

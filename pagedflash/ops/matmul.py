@@ -22,12 +22,15 @@ summed in different orders, and greedy decoding then depends on what else is ser
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
 
-Expected cost (a prediction, not measured yet: to be measured on the H200 against ``torch.mm`` at
-``M = 1, 32, 256, 8192``): at small ``M`` the weight read bounds both, and 64-column tiles over
-4096 columns occupy only 64 of 132 SMs, so ~1.2-2x cuBLAS's time at ``M <= 64`` on 4096-wide
-projections (closer to 1x on the 14336/28672-wide ones); at ``M = 8192`` 64-row tiles with one
-warpgroup reach ~60-75 % of cuBLAS's 128x256 two-warpgroup tiles (the fused MoE's 64/128-row tiles
-measured 0.41-0.53x a dense GEMM, docs/performance.md v33, with extra work of their own).
+Expected cost (a prediction, not yet measured; ``tools/tune_matmul.py`` measures it against ``torch.mm``
+at ``M = 1, 32, 256, 8192`` on Llama-3-8B's projections):
+
+- ``M <= 64`` (decode): one row block, so ``cdiv(N, BLOCK_N)`` programs stream the weight: 64 of 132
+  SMs for a 4096-wide projection (about 2 MB of weight in flight where HBM wants ~3 MB), so ~1.3-1.6x
+  cuBLAS's time there; ~1.1-1.3x on the 28672-wide gate_up (224 tiles over 132 programs);
+- ``M = 8192`` (prefill): 64-row tiles on one warpgroup move twice the operand bytes per FLOP of
+  cuBLAS's usual 128x256 two-warpgroup tiles: ~0.55-0.7x its throughput (the fused MoE's untuned
+  64/128-row tiles reached 0.41-0.53x a dense GEMM with extra work of their own, performance.md v33).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
 
 def _check(x, weight, bias, out) -> None:
     """x ``[M, K]``, weight ``[N, K]``, bias ``[N]``, out ``[M, N]``: one dtype and device, last dims
-    contiguous."""
+    contiguous, out's rows apart."""
     check_operand("x", x, (None, None))
     m, k = x.shape
     check_operand("weight", weight, (None, k), like=("x", x))
@@ -154,6 +157,8 @@ def _check(x, weight, bias, out) -> None:
         check_operand("bias", bias, (n,), like=("x", x))
     if out is not None:
         check_operand("out", out, (m, n), like=("x", x))
+        if m > 1 and out.stride(0) < n:  # an expanded out: programs would race on shared rows
+            raise ValueError(f"out: expected rows that do not overlap (row stride >= {n}), got strides {out.stride()}")
     validate.check_no_grad(x=x, weight=weight, bias=bias)
 
 
