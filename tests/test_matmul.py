@@ -261,3 +261,23 @@ def test_one_compiled_kernel_for_every_m():
     for m in (2, 3, 16, 17, 64, 65, 1000):
         mm.matmul(randn(m, 520, dtype=torch.float16), w)
     assert len(kernels) == compiled
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_cuda_graph_replay_is_bit_identical():
+    """Captured into a CUDA graph (no host sync in the call) and replayed on new values of x."""
+    dtype = torch.bfloat16
+    x, w, b = randn(37, 520, dtype=dtype), randn(300, 520, dtype=dtype), randn(300, dtype=dtype)
+    out = torch.empty(37, 300, dtype=dtype, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mm.matmul(x, w, b, out=out)  # the signature's checks and compilation, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mm.matmul(x, w, b, out=out)
+    x.copy_(randn(37, 520, dtype=dtype))
+    graph.replay()
+    assert torch.equal(bits(out), bits(mm.matmul(x, w, b)))
