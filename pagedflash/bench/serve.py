@@ -19,7 +19,9 @@ supported family; ``tools/random_model.py`` writes random ones of other shapes).
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
   read, over 4.8 TB/s) divided by the measured gap. The weights count every parameter once but an
   untied input embedding (its lookup reads a row per token; the LM head, tied or not, reads the
-  whole ``[vocab, hidden]`` matrix); the KV read counts each layer's cached tokens, at most the
+  whole ``[vocab, hidden]`` matrix) and, in a mixture of experts, the experts no row is routed to
+  (batch 1: the active parameters; a batch: the experts its rows reach under uniform routing, in
+  expectation); the KV read counts each layer's cached tokens, at most the
   window in a sliding-window layer. A context longer than the model's maximum length is skipped.
   Target: batch 1 at 1K with graphs >= 50%.
 - ``longctx``: 32 requests of 16K-token prompts, 256 output tokens each, ignore_eos, with the KV
@@ -62,6 +64,7 @@ from unittest import mock
 import torch
 
 from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
+from pagedflash.bench.decode_bound import bound_seconds, bytes_read, experts_note, kv_read
 from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_transformers, static_batches
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.engine import LLM, SamplingParams
@@ -246,7 +249,7 @@ def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
 
 
 def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
-    weight_bytes, kv_bytes = _bytes_read(config, engine_kw, on_gpu)
+    weight_bytes, kv_bytes = bytes_read(config, engine_kw, on_gpu)
     rows = []
     for graphs in (True, False):
         llm = LLM(model_dir, cuda_graphs=graphs, **engine_kw)
@@ -264,7 +267,8 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                 outs = llm.generate(prompts, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 gaps = _steady_gaps(outs)
                 itl = statistics.median(gaps)
-                bound_s = _bound_s(weight_bytes, batch * _kv_read(config, kv_bytes, ctx + w["itl_tokens"] / 2))
+                step_weights = bytes_read(config, engine_kw, on_gpu, batch)[0]
+                bound_s = bound_seconds(step_weights, batch * kv_read(config, kv_bytes, ctx + w["itl_tokens"] / 2))
                 fwd_ms = _graph_ms(llm, batch) if graphs else None
                 rows.append(dict(graphs="on" if graphs else "off", batch=batch, context=ctx, itl_ms=1e3 * itl,
                                  itl_mean_ms=1e3 * statistics.mean(gaps), tok_s=batch / itl, bound_ms=1e3 * bound_s,
@@ -279,7 +283,7 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                  {"graphs": "CUDA graphs", "batch": "batch", "context": "context", "itl_ms": "ITL ms",
                   "itl_mean_ms": "mean ms", "tok_s": "tok/s", "bound_ms": "bound ms", "pct_bound": "% of bound",
                   "fwd_ms": "graph ms", "rest_ms": "rest ms"},
-                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB + KV read"
+                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB{experts_note(config)} + KV read"
                             f"{', sliding layers at most their window' if config.sliding_window else ''}) "
                             f"/ {HBM_TBPS} TB/s; "
                             "graph ms: GPU time of one replay of the decode graph (forward, LM head, greedy "
@@ -300,8 +304,8 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) ->
         outs = llm.generate(prompts, params, use_tqdm=True)
         s = llm.last_stats
         gaps = _steady_gaps(outs)
-        weight_bytes, kv_bytes = _bytes_read(config, {**engine_kw, "kv_cache_dtype": kv}, on_gpu)
-        bound_ms = 1e3 * _bound_s(weight_bytes, n * _kv_read(config, kv_bytes, ctx + out / 2))
+        weight_bytes, kv_bytes = bytes_read(config, {**engine_kw, "kv_cache_dtype": kv}, on_gpu, n)
+        bound_ms = 1e3 * bound_seconds(weight_bytes, n * kv_read(config, kv_bytes, ctx + out / 2))
         itl_ms = 1e3 * statistics.median(gaps)
         # The run's last steps decode only the requests that started last (chunked prefill staggers
         # them), so its graph state is not a full step. Two more tokens of the same prompts, found in
@@ -362,7 +366,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
     rows = []
     for name, cfg, sizes in models:
         config = ModelConfig.from_dict(cfg)
-        weight_bytes, kv_bytes = _bytes_read(config, engine_kw, on_gpu)
+        weight_bytes, kv_bytes = bytes_read(config, engine_kw, on_gpu)
         requests = [(_tokens(rng, config, rng.randint(lo, hi)), rng.randint(olo, ohi)) for _ in range(w["tp_requests"])]
         context = [_tokens(rng, config, w["tp_context"])]
         for size, kind in sizes:
@@ -380,7 +384,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
                 llm.generate(context, SamplingParams(max_tokens=1))  # prefilled once: the timed run decodes at once
                 outs = llm.generate(context, SamplingParams(max_tokens=w["itl_tokens"], ignore_eos=True))
                 itl = statistics.median(_steady_gaps(outs))
-                bound_s = _bound_s(weight_bytes, _kv_read(config, kv_bytes, w["tp_context"] + w["itl_tokens"] / 2),
+                bound_s = bound_seconds(weight_bytes, kv_read(config, kv_bytes, w["tp_context"] + w["itl_tokens"] / 2),
                                    gpus=size)
                 llm.generate([p for p, _ in requests],
                              [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests], use_tqdm=True)
@@ -420,33 +424,6 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _bound_s(weight_bytes: int, kv_read: float, gpus: int = 1) -> float:
-    """A decode step's bandwidth bound: the weights and ``kv_read`` bytes of K/V read once, spread
-    over ``gpus`` GPUs at ``HBM_TBPS`` each."""
-    return (weight_bytes + kv_read) / (gpus * HBM_TBPS * 1e12)
-
-
-def _bytes_read(config, engine_kw: dict, on_gpu: bool) -> tuple[int, int]:
-    """(weight bytes, KV bytes per cached token and layer) a decode step reads: the model in bf16 on
-    the GPU (fp32 on the CPU), the KV cache in that dtype or in fp8 (one byte) with
-    ``--kv-cache-dtype``. Every parameter is read once per step, but for an untied input embedding:
-    its lookup reads one row per token, while the LM head reads its whole ``[vocab, hidden]`` matrix
-    (a tied embedding is that matrix, counted once)."""
-    itemsize = 2 if on_gpu else 4
-    kv_itemsize = itemsize if engine_kw.get("kv_cache_dtype", "auto") == "auto" else 1
-    params = config.num_parameters()
-    if not config.tie_word_embeddings:
-        params -= config.vocab_size * config.hidden_size
-    return params * itemsize, 2 * config.num_kv_heads * config.head_dim * kv_itemsize
-
-
-def _kv_read(config, kv_bytes: int, context: float) -> float:
-    """K/V bytes one sequence of ``context`` cached tokens reads in a decode step over all layers
-    (``kv_bytes`` per token and layer): a sliding-window layer reads at most its window."""
-    window = config.sliding_window or context
-    return kv_bytes * sum(min(context, window) if config.is_sliding(i) else context for i in range(config.num_layers))
-
-
 def _tokens(rng: random.Random, config, n: int) -> list[int]:
     return [rng.randrange(3, config.vocab_size) for _ in range(n)]
 
