@@ -1,6 +1,8 @@
 """Fused mixture-of-experts layer: routing, token grouping by expert, and the expert MLP as two
 grouped GEMMs (issue 33). Dimensions: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``I`` an
 expert's intermediate size, ``k`` = ``top_k`` experts per token, ``P = T * k`` (token, slot) pairs.
+This module holds the expert GEMMs, their launch choices and the public API; routing and the
+grouping kernels live in :mod:`pagedflash.ops.moe_routing` (``route`` is re-exported here).
 
 - :func:`route`: router logits ``[T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``, torch ops
   on the device (softmax/top-k: ``torch.topk`` needs no host sync and is CUDA-graph safe, and a
@@ -20,17 +22,18 @@ Grouping (which pairs a block of rows holds) has two forms, chosen on the host f
 - *direct* (few pairs, decode): block ``m`` is pair ``m`` alone; its expert id is read by the kernel.
   No grouping launch at all; an expert picked by two pairs is read twice (from L2 when the programs
   run together). ``T = 1`` always has distinct experts.
-- *sorted*: pairs grouped by expert (:func:`_group`: three small kernels), each expert's run
-  padded to a multiple of ``BM``; block ``m`` holds ``BM`` slots of one expert (pad slots hold the
-  sentinel ``P``). The padded length is bounded on the host by ``P + min(E + 1, P) * (BM - 1)``; blocks
-  past the device's true end have expert ``-1`` and their programs return at once, so empty experts
+- *sorted*: pairs grouped by expert (:func:`.moe_routing.group`: three small kernels), each
+  expert's run padded to a multiple of ``BM``; block ``m`` holds ``BM`` slots of one expert (pad
+  slots hold the sentinel ``P``). The padded length is bounded on the host by ``P + min(E + 1, P) *
+  (BM - 1)``; blocks past the device's true end have expert ``-1`` and their programs return at once, so empty experts
   cost one early exit per program slot.
 
 Invalid expert ids (outside ``[0, E)``, possible only with value checks off: the debug mode
 :func:`pagedflash.validate.value_checks` refuses them on the host) read no weight: their pair's
 contribution is NaN, so the token's output row is NaN, and the token is recorded in the fault
-buffer (``validate.FAULT_TOPK_IDS``: :func:`pagedflash.validate.raise_if_invalid` names it). Pad rows of a block read ``x``'s row 0 (or the
-intermediate's) and are never stored; every ragged edge along ``H`` and ``I`` is masked.
+buffer (``validate.FAULT_TOPK_IDS``: :func:`pagedflash.validate.raise_if_invalid` names it). Pad
+rows of a block read ``x``'s row 0 (or the intermediate's) and are never stored; every ragged edge
+along ``H`` and ``I`` is masked.
 """
 
 from __future__ import annotations
@@ -42,11 +45,11 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import custom_ops
+from pagedflash.ops import custom_ops, moe_routing
 from pagedflash.ops._jit import report_fault
+from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
-SCORINGS = ("softmax", "topk_softmax")
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the kernels' ACT constexpr
 SILU, SWIGLUOAI = 0, 1
 _IDS_DTYPES = (torch.int32, torch.int64)
@@ -205,72 +208,6 @@ def _sum_k_kernel(
     tl.store(Out + t * stride_o + cols, acc.to(Out.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1):
-    """Pair ``p``'s run: its expert id, or ``E`` for an id outside ``[0, E)``."""
-    e = tl.load(Ids + (p // top_k) * stride_id0 + (p % top_k) * stride_id1, mask=ok, other=0).to(tl.int64)
-    return tl.where((e >= 0) & (e < E), e, E)
-
-
-@triton.jit
-def _count_kernel(
-    Ids,  # [T, k] expert ids
-    Counts,  # [BLOCK_E] int32, zeroed: pairs per run (E + 1 runs)
-    P, E, top_k, stride_id0, stride_id1,
-    BLOCK: tl.constexpr,
-):
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = p < P
-    tl.atomic_add(Counts + _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1), 1, mask=ok)
-
-
-@triton.jit
-def _offsets_kernel(
-    Counts,  # [BLOCK_E] int32 from _count_kernel
-    Cursor,  # [BLOCK_E] int32: each run's first slot (for _scatter_kernel)
-    SortedIds,  # [num_blocks * BM]: pad slots written here (P)
-    BlockExpert,  # [num_blocks] int32: each block's run, -1 past the last
-    P, E, num_blocks,
-    BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
-):
-    """One program: runs padded to BM, each block's run, and the pad slots (disjoint from the slots
-    _scatter_kernel fills, so the two need no ordering)."""
-    e = tl.arange(0, BLOCK_E)
-    counts = tl.load(Counts + e)
-    padded = (counts + (BM - 1)) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    tl.store(Cursor + e, starts)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        blk = b0 + tl.arange(0, BLOCK_B)
-        blk_ok = blk < num_blocks
-        s0 = blk * BM
-        run = tl.sum((ends[None, :] <= s0[:, None]).to(tl.int32), 1)  # empty runs end where the next starts
-        in_run = e[None, :] == run[:, None]
-        start = tl.sum(tl.where(in_run, starts[None, :], 0), 1)
-        count = tl.sum(tl.where(in_run, counts[None, :], 0), 1)
-        tl.store(BlockExpert + blk, tl.where(run <= E, run, -1), mask=blk_ok)
-        slot = s0[:, None] + tl.arange(0, BM)[None, :]
-        pad = slot - start[:, None] >= count[:, None]
-        tl.store(SortedIds + slot, tl.full([BLOCK_B, BM], 0, tl.int32) + P, mask=pad & blk_ok[:, None])
-
-
-@triton.jit
-def _scatter_kernel(
-    Ids,  # [T, k] expert ids
-    Cursor,  # [BLOCK_E] int32 from _offsets_kernel: the next free slot of each run
-    SortedIds,  # [num_blocks * BM]: each pair's id in a slot of its run
-    P, E, top_k, stride_id0, stride_id1,
-    BLOCK: tl.constexpr,
-):
-    """Slots within a run are taken in any order (atomics): a pair's result does not depend on which
-    row of its expert's blocks it occupies, so the layer's output is still reproducible."""
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = p < P
-    slot = tl.atomic_add(Cursor + _bucket(Ids, p, ok, E, top_k, stride_id0, stride_id1), 1, mask=ok)
-    tl.store(SortedIds + slot, p, mask=ok)
-
-
 # ---------------------------------------------------------------- launch choices
 
 
@@ -359,14 +296,14 @@ def _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activatio
 
 class _Plan(NamedTuple):
     tiles: Tiles
-    num_blocks: int  # row blocks: pairs (direct) or the padded bound / bm (sorted)
-    block_e: int  # lanes of the grouping kernels' per-run vectors (E + 1 runs)
-    count: Launch  # grouping (sorted): pairs per run
-    offsets: Launch  # grouping: run starts, block experts, pad slots
-    scatter: Launch  # grouping: pairs into their runs' slots
+    grouping: moe_routing.Grouping  # its num_blocks: pairs (direct) or the padded bound / bm (sorted)
     gate_up: Launch
     down: Launch
     sum_k: Launch
+
+    @property
+    def num_blocks(self) -> int:
+        return self.grouping.num_blocks
 
 
 def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, out) -> _Plan:
@@ -376,7 +313,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
     t = tiles(T, k, E)
-    num_blocks = P if t.direct else cdiv(P + min(E + 1, P) * (t.bm - 1), t.bm)  # runs: E, invalid ids
+    num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, SORTED=not t.direct,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", BM=t.bm, BK=t.bk,
                   GROUP_M=t.group_m)
@@ -388,14 +325,8 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
                   dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code()), **opts)
     block_h = min(1024, next_pow2(H))
     sum_k = Launch(_sum_k_kernel, None if nothing else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
-    group = nothing or t.direct
-    block_p = min(1024, next_pow2(P))
-    block_e = max(4, next_pow2(E + 1))
-    count = Launch(_count_kernel, None if group else (cdiv(P, block_p),), dict(BLOCK=block_p))
-    offsets = Launch(_offsets_kernel, None if group else (1,),
-                     dict(BM=t.bm, BLOCK_E=block_e, BLOCK_B=max(1, min(32, 4096 // block_e))))
-    scatter = Launch(_scatter_kernel, None if group else (cdiv(P, block_p),), dict(BLOCK=block_p))
-    return _Plan(t, num_blocks, block_e, count, offsets, scatter, gate_up, down, sum_k)
+    grouping = moe_routing.plan_grouping(P, E, t.bm, num_blocks, launch=not (nothing or t.direct))
+    return _Plan(t, grouping, gate_up, down, sum_k)
 
 
 _PLANS = PlanCache()
@@ -435,19 +366,8 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
 
 
 def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs grouped by expert, three launches and a memset on the device, no host sync:
-    ``(sorted_ids int32 [num_blocks * BM], block_expert int32 [num_blocks])``. Expert ``e``'s pairs
-    fill a run of slots padded to a multiple of BM (in any order within it); ids outside ``[0, E)``
-    form one more run, expert ``E``; pad slots hold ``P``; blocks past the last run have expert -1."""
-    bm, dev = plan.tiles.bm, topk_ids.device
-    counts = torch.zeros(2 * plan.block_e, dtype=torch.int32, device=dev)
-    cursor = counts[plan.block_e:]
-    sorted_ids = torch.empty(plan.num_blocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(plan.num_blocks, dtype=torch.int32, device=dev)
-    plan.count(topk_ids, counts, P, E, k, id0, id1)
-    plan.offsets(counts, cursor, sorted_ids, block_expert, P, E, plan.num_blocks)
-    plan.scatter(topk_ids, cursor, sorted_ids, P, E, k, id0, id1)
-    return sorted_ids, block_expert
+    """The plan's pairs grouped by expert (:func:`.moe_routing.group`)."""
+    return moe_routing.group(plan.grouping, topk_ids, P, E, k, id0, id1)
 
 
 def _fault_code() -> int:
@@ -508,34 +428,3 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         validate.check_out_separate(out, dict(hidden=hidden, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias))
     _op(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, act, alpha, limit, out)
     return out
-
-
-def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each token's experts: router_logits ``[T, E]`` (any float dtype) -> ``(topk_weights fp32
-    [T, top_k], topk_ids int32 [T, top_k])``, in fp32 on the logits' device, no host sync.
-
-    scoring ``"softmax"``: softmax over E, then the top k; ``renormalize`` divides the k weights by
-    their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``). ``"topk_softmax"`` (GPT-OSS): the top k
-    logits, then a softmax over those k (already normalized). ``bias`` ``[E]`` is added to the
-    logits first. Ties go to ``torch.topk``'s choice."""
-    validate.check_tensor("router_logits", router_logits, ndim=2, dtypes=validate.SUPPORTED_DTYPES)
-    E = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k: expected an int in [1, {E}] (E, router_logits' last dim), got {top_k!r}")
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring: expected one of {list(SCORINGS)}, got {scoring!r}")
-    logits = router_logits.float()
-    if bias is not None:
-        validate.check_tensor("bias", bias, ndim=1, dtypes=validate.SUPPORTED_DTYPES, device=router_logits.device)
-        if bias.shape[0] != E:
-            raise ValueError(f"bias: expected shape ({E},) (one per expert), got {tuple(bias.shape)}")
-        logits = logits + bias.float()
-    if scoring == "softmax":
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-    return weights, ids.to(torch.int32)
