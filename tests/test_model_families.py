@@ -2,7 +2,11 @@
 random model (2 layers, fp32, eager attention) saved with ``save_pretrained``, its norms and biases
 perturbed so that they matter, windows shorter than the prompts. Prompt logits and greedy tokens
 (through chunked prefill, paged decode and prefix-cache hits) must equal transformers', on one rank and (the families
-whose weights shard in their own way: OLMo 2's q/k norms, Phi-3's fused tensors) on two."""
+whose weights shard in their own way: OLMo 2's q/k norms, Phi-3's fused tensors) on two; and with a
+config.json that leaves out every key but the required ones (the engine's defaults: transformers')."""
+
+import json
+import os
 
 import pytest
 import torch
@@ -41,10 +45,17 @@ FAMILY_CASES = {
 }
 
 
-def save_family(path, family, seed=0, **extra):
-    """A tiny random transformers model of ``family`` saved to ``path``; returns it (eval, fp32)."""
+# the keys the engine requires of a config (every other one means what transformers makes of it)
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def save_family(path, family, seed=0, minimal=False, **extra):
+    """A tiny random transformers model of ``family`` saved to ``path``; returns it (eval, fp32).
+    ``minimal``: built from TINY's required keys and ``extra`` alone (every other key transformers'
+    default) and saved with a config.json holding only those and the architecture."""
     cfg_name, model_name, overrides = FAMILY_CASES[family]
-    cfg = getattr(transformers, cfg_name)(**{**TINY, **overrides, **extra})
+    kwargs = {**{k: TINY[k] for k in REQUIRED_KEYS}, **extra} if minimal else {**TINY, **overrides, **extra}
+    cfg = getattr(transformers, cfg_name)(**kwargs)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(cfg).eval()
@@ -53,6 +64,13 @@ def save_family(path, family, seed=0, **extra):
             if name.endswith("norm.weight") or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.3)
     model.save_pretrained(path)
+    if minimal:
+        cfg_file = os.path.join(path, "config.json")
+        with open(cfg_file) as f:
+            saved = json.load(f)
+        keep = {*kwargs, "architectures", "model_type", "dtype", "torch_dtype", "transformers_version"}
+        with open(cfg_file, "w") as f:
+            json.dump({k: v for k, v in saved.items() if k in keep}, f)
     return model
 
 
@@ -79,15 +97,35 @@ def test_family_matches_transformers(tmp_path, family):
     assert config.family == family.split("-")[0]
     # chunked prefill (8-token chunks), prompts longer than every window, small pages
     llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=48, max_num_batched_tokens=8)
-    prompts = prompts_of([19, 6], seed=3, low=3)
+    assert_matches_transformers(llm, hf)
+
+
+def assert_matches_transformers(llm, hf, lengths=(19, 6), prefix_cache=True):
+    """Prompt logits and greedy tokens of prompts of ``lengths``, then (``prefix_cache``) greedy
+    tokens again with the first pages from the prefix cache."""
+    prompts = prompts_of(lengths, seed=3, low=3)
     with torch.no_grad():
         for p, got in zip(prompts, llm.prompt_logits(prompts)):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 4) for p in prompts]
+    if not prefix_cache:
+        return
     longer = prompts[0] + outs[0].token_ids  # its first pages from the prefix cache
     again = llm.generate([longer], SamplingParams(max_tokens=2, ignore_eos=True))[0]
     assert llm.last_stats["prefix_cache_hit_rate"] > 0 and again.token_ids == hf_greedy(hf, longer, 2)
+
+
+@pytest.mark.parametrize("family, layers", [("granite", 2), ("gemma3", 6)])
+def test_left_out_keys_match_transformers(tmp_path, family, layers):
+    """A config.json with only the required keys: the engine takes transformers' defaults (Granite's
+    attention_multiplier 1.0 as the softmax scale; Gemma 3's head_dim 256, 4 KV heads,
+    query_pre_attn_scalar 256, five sliding layers to one global with RoPE thetas 1e4 and 1e6)."""
+    hf = save_family(tmp_path, family, minimal=True, num_hidden_layers=layers, initializer_range=0.1)
+    with open(tmp_path / "config.json") as f:
+        assert not {"head_dim", "num_key_value_heads", "rope_parameters", "rope_theta"} & set(json.load(f))
+    llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=16, max_model_len=64)
+    assert_matches_transformers(llm, hf, lengths=(13,), prefix_cache=False)
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")

@@ -405,6 +405,9 @@ def _architecture(d: dict) -> str:
     return arch
 
 
+_EXPERTS_ALIAS = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
 def with_defaults(d: dict, kind: str) -> dict:
     """``d`` completed with family ``kind``'s defaults (:data:`BASE_DEFAULTS`, :data:`DEFAULTS`) for the
     keys it leaves out; a key given as ``None`` stays ``None``, as transformers keeps it. The experts'
@@ -414,9 +417,6 @@ def with_defaults(d: dict, kind: str) -> dict:
         if key not in d and _EXPERTS_ALIAS.get(key) not in d:
             out[key] = value
     return out
-
-
-_EXPERTS_ALIAS = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
 
 
 def _gemma3_rope(d: dict) -> dict:
@@ -430,16 +430,17 @@ def _gemma3_rope(d: dict) -> dict:
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
             raise ValueError(f"config.json: {key} must be an object, got {value!r}")
-    if params and not all(isinstance(params.get(t), dict) for t in params):
+    if set(params) - {"full_attention", "sliding_attention"} or \
+            any(v is not None and not isinstance(v, dict) for v in params.values()):
         raise ValueError("config.json: Gemma3ForCausalLM's rope_parameters must be keyed by layer type "
                          f"('full_attention', 'sliding_attention'), got {params!r}")
     if any(isinstance(v, dict) for v in scaling.values()):
         raise ValueError(f"config.json: rope_scaling must be one RoPE scaling (the global layers'), got {scaling!r}")
-    full = {"rope_type": "default", **(params.get("full_attention") or {}), **scaling}
-    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    full = {**(params.get("full_attention") or {}), **scaling}  # no rope_type: the default RoPE
+    local = dict(params.get("sliding_attention") or {})
     full.setdefault("rope_theta", d["rope_theta"])
     local.setdefault("rope_theta", d["rope_local_base_freq"])
-    return {**d, "rope_parameters": {**params, "full_attention": full, "sliding_attention": local}, "rope_scaling": None}
+    return {**d, "rope_parameters": {"full_attention": full, "sliding_attention": local}, "rope_scaling": None}
 
 
 def _check_math_keys(d: dict, arch: str) -> None:
