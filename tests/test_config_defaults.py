@@ -26,6 +26,8 @@ CASES.update({
     "phi3-longrope": ("Phi3ForCausalLM", dict(max_position_embeddings=131072, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(_HALF)],
         "long_factor": [2.0 + i for i in range(_HALF)], "original_max_position_embeddings": 64})),
+    "phi3-yarn": ("Phi3ForCausalLM", dict(max_position_embeddings=131072, rope_scaling={  # Phi-3: longrope's early name
+        "type": "yarn", "short_factor": [1.0] * _HALF, "long_factor": [4.0] * _HALF})),
     # Gemma 3: the older spelling's scaling on the global layers, each theta its default
     "gemma3-rope-scaling": ("Gemma3ForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 8.0})),
     "gemma3-local-base-freq": ("Gemma3ForCausalLM", dict(rope_theta=500000.0, rope_local_base_freq=777.0)),

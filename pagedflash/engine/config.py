@@ -295,6 +295,8 @@ class ModelConfig:
             d = {**d, "rope_scaling": _GPT_OSS_ROPE}
         if kind == "gemma3":
             d = _gemma3_rope(d)
+        if kind == "phi3":
+            d = _phi3_rope(d)
         (theta, scaling), local = rope.rope_from_dict(d, arch, per_layer_type=kind == "gemma3",
                                                       default_theta=d["rope_theta"])
         attn_bias = kind in _READS_ATTENTION_BIAS and bool(d["attention_bias"])
@@ -441,6 +443,17 @@ def _gemma3_rope(d: dict) -> dict:
     full.setdefault("rope_theta", d["rope_theta"])
     local.setdefault("rope_theta", d["rope_local_base_freq"])
     return {**d, "rope_parameters": {"full_attention": full, "sliding_attention": local}, "rope_scaling": None}
+
+
+def _phi3_rope(d: dict) -> dict:
+    """``d`` with a Phi-3 ``yarn`` scaling named ``longrope``, as transformers reads it for Phi-3 (an
+    early name of longrope there, as ``su``)."""
+    out = dict(d)
+    for key in ("rope_scaling", "rope_parameters"):
+        value = d.get(key)
+        if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "yarn":
+            out[key] = {**value, "rope_type": "longrope"}
+    return out
 
 
 def _check_math_keys(d: dict, arch: str) -> None:
