@@ -13,9 +13,9 @@ parameters where the family has one RoPE, an activation other than the family's,
 GPT-OSS ``quantization_config`` other than MXFP4 experts (:func:`_moe_fields`).
 
 Keys a config leaves out mean what the family's transformers config class makes of them
-(:data:`DEFAULTS`, copied from transformers 5.25: Mistral's 4096-token window, Gemma's softcaps and
-``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's ``attention_multiplier``
-1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers for them.
+(:mod:`pagedflash.engine.hf_defaults`, transformers 5.25's values: Mistral's 4096-token window,
+Gemma's softcaps and ``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's
+``attention_multiplier`` 1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers.
 
 Mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields: the router
 (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation and
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedflash.engine import rope_scaling as rope
+from pagedflash.engine.hf_defaults import READS_ATTENTION_BIAS, READS_LAYER_TYPES, READS_MLP_BIAS, complete
 from pagedflash.engine.rope_scaling import SUPPORTED_ROPE_TYPES  # noqa: F401  (re-exported)
 
 
@@ -96,53 +97,6 @@ MATH_KEYS = {
     "n_shared_experts": (None, 0),
     "routed_scaling_factor": (None, 1, 1.0),
 }
-# What a key left out of a config means, per family: the default of its transformers config class
-# (the values of transformers 5.25, copied: the engine does not import transformers; tests/
-# test_config_defaults.py checks every family against the installed transformers). A family's entry
-# overrides BASE_DEFAULTS (LlamaConfig's). None: derived (num_key_value_heads: num_attention_heads;
-# head_dim: hidden_size // num_attention_heads) or off (sliding_window). Gemma 3's RoPE per layer type
-# (rope_theta global, rope_local_base_freq local) is completed by _gemma3_rope, GPT-OSS's YaRN by
-# _GPT_OSS_ROPE (when the config gives neither rope_parameters nor rope_scaling).
-BASE_DEFAULTS = {
-    "num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-    "hidden_act": "silu", "sliding_window": None, "initializer_range": 0.02,
-}
-_QWEN_WINDOW = {"sliding_window": 4096, "use_sliding_window": False}  # a window only with use_sliding_window
-_GEMMA_DEFAULTS = {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True,
-                   "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096}
-DEFAULTS = {
-    "llama": {},
-    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "max_window_layers": 28, **_QWEN_WINDOW},
-    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768, "max_window_layers": 28,
-              **_QWEN_WINDOW},
-    "granite": {"embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
-                "logits_scaling": 1.0},
-    "olmo2": {"rms_norm_eps": 1e-5},
-    "gemma2": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192, "attn_logit_softcapping": 50.0,
-               "final_logit_softcapping": 30.0},
-    "gemma3": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
-               "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6,
-               "attn_logit_softcapping": None, "final_logit_softcapping": None},
-    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
-    "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                "rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2},
-    "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
-                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                  "decoder_sparse_step": 1, **_QWEN_WINDOW},
-    "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                "rope_theta": 150000.0, "sliding_window": 128, "attention_bias": True, "num_local_experts": 128,
-                "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
-}
-_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
-# Keys whose transformers model reads them only in some families (elsewhere the key is ignored, as
-# transformers ignores it: a bias tensor it would leave unused then fails strict loading by name).
-_READS_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
-_READS_MLP_BIAS = ("llama", "granite")
-_READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss")  # elsewhere a window is on every layer
-
 # Configs (HF keys) used by the demo, the serve benchmark and the GPU tests.
 LLAMA_3_2_1B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
@@ -270,14 +224,14 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
         """From HF config keys. A key left out means what the family's transformers config class makes
-        of it (:func:`with_defaults`); vocab_size, hidden_size, intermediate_size, num_hidden_layers and
+        of it (:func:`pagedflash.engine.hf_defaults.complete`); vocab_size, hidden_size, intermediate_size, num_hidden_layers and
         num_attention_heads must be given."""
         arch = _architecture(d)
         kind = SUPPORTED_ARCHITECTURES[arch]
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] < 1:
                 raise ValueError(f"config.json: {key} must be a positive int, got {d.get(key)!r}")
-        d = with_defaults(d, kind)
+        d = complete(d, kind)
         _check_math_keys(d, arch)
         num_heads = d["num_attention_heads"]
         num_kv_heads = d["num_key_value_heads"] or num_heads
@@ -291,15 +245,9 @@ class ModelConfig:
         wanted = ("gelu_pytorch_tanh",) if gemma else ("silu", "swish")
         if act not in wanted:
             raise ValueError(f"unsupported hidden_act {act!r} for {arch} (implemented: {', '.join(wanted)})")
-        if kind == "gpt_oss" and not d.get("rope_parameters") and not d.get("rope_scaling"):
-            d = {**d, "rope_scaling": _GPT_OSS_ROPE}
-        if kind == "gemma3":
-            d = _gemma3_rope(d)
-        if kind == "phi3":
-            d = _phi3_rope(d)
         (theta, scaling), local = rope.rope_from_dict(d, arch, per_layer_type=kind == "gemma3",
                                                       default_theta=d["rope_theta"])
-        attn_bias = kind in _READS_ATTENTION_BIAS and bool(d["attention_bias"])
+        attn_bias = kind in READS_ATTENTION_BIAS and bool(d["attention_bias"])
         sliding = d["sliding_window"]
         if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen3_moe")
                                                      and not d["use_sliding_window"]):
@@ -322,7 +270,7 @@ class ModelConfig:
             rope_scaling=scaling,
             qkv_bias=True if kind == "qwen2" else attn_bias,  # Qwen2: q/k/v biases always, o_proj none
             o_bias=attn_bias,
-            mlp_bias=kind in _READS_MLP_BIAS and bool(d["mlp_bias"]),
+            mlp_bias=kind in READS_MLP_BIAS and bool(d["mlp_bias"]),
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
             sliding_window=int(sliding) if sliding else None,
             layer_types=_layer_types(d, kind) if sliding else (),
@@ -405,55 +353,6 @@ def _architecture(d: dict) -> str:
                          f"(expected {' or '.join(map(repr, FAMILIES[arch].model_types))}): a checkpoint of "
                          "another family relabelled, whose math this architecture would get wrong")
     return arch
-
-
-_EXPERTS_ALIAS = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
-
-
-def with_defaults(d: dict, kind: str) -> dict:
-    """``d`` completed with family ``kind``'s defaults (:data:`BASE_DEFAULTS`, :data:`DEFAULTS`) for the
-    keys it leaves out; a key given as ``None`` stays ``None``, as transformers keeps it. The experts'
-    count is one key under two names (``num_experts``, ``num_local_experts``): either one counts as given."""
-    out = dict(d)
-    for key, value in {**BASE_DEFAULTS, **DEFAULTS[kind]}.items():
-        if key not in d and _EXPERTS_ALIAS.get(key) not in d:
-            out[key] = value
-    return out
-
-
-def _gemma3_rope(d: dict) -> dict:
-    """``d`` with Gemma 3's RoPE as transformers reads it, keyed by layer type: ``rope_parameters`` by
-    type (a type left out: the default RoPE) or the older ``rope_theta`` / ``rope_scaling``, the
-    scaling applying to the global layers; a theta left out: ``rope_theta`` for the global layers,
-    ``rope_local_base_freq`` for the sliding ones (:data:`DEFAULTS`: 1e6 and 1e4). A single, unkeyed
-    ``rope_parameters`` is refused (transformers 5 ignores its values)."""
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
-    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(value, dict):
-            raise ValueError(f"config.json: {key} must be an object, got {value!r}")
-    if set(params) - {"full_attention", "sliding_attention"} or \
-            any(v is not None and not isinstance(v, dict) for v in params.values()):
-        raise ValueError("config.json: Gemma3ForCausalLM's rope_parameters must be keyed by layer type "
-                         f"('full_attention', 'sliding_attention'), got {params!r}")
-    if any(isinstance(v, dict) for v in scaling.values()):
-        raise ValueError(f"config.json: rope_scaling must be one RoPE scaling (the global layers'), got {scaling!r}")
-    full = {**(params.get("full_attention") or {}), **scaling}  # no rope_type: the default RoPE
-    local = dict(params.get("sliding_attention") or {})
-    full.setdefault("rope_theta", d["rope_theta"])
-    local.setdefault("rope_theta", d["rope_local_base_freq"])
-    return {**d, "rope_parameters": {"full_attention": full, "sliding_attention": local}, "rope_scaling": None}
-
-
-def _phi3_rope(d: dict) -> dict:
-    """``d`` with a Phi-3 ``yarn`` scaling named ``longrope``, as transformers reads it for Phi-3 (an
-    early name of longrope there, as ``su``)."""
-    out = dict(d)
-    for key in ("rope_scaling", "rope_parameters"):
-        value = d.get(key)
-        if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "yarn":
-            out[key] = {**value, "rope_type": "longrope"}
-    return out
 
 
 def _check_math_keys(d: dict, arch: str) -> None:
@@ -544,7 +443,7 @@ def _moe_fields(kind: str, d: dict) -> dict:
 
 def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
     """Which layers slide, as transformers decides: ``layer_types`` when given to a family whose
-    transformers model reads it (:data:`_READS_LAYER_TYPES`; elsewhere it is checked, then ignored as
+    transformers model reads it (:data:`READS_LAYER_TYPES`; elsewhere it is checked, then ignored as
     transformers ignores it); else for Qwen2/3 the layers from ``max_window_layers`` on, for Gemma 2
     and GPT-OSS every other layer (the first slides), for Gemma 3 all but every
     ``sliding_window_pattern``-th; otherwise every layer (returned as ``()``)."""
@@ -554,7 +453,7 @@ def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
     if types is not None and (len(types) != n or any(t not in kinds for t in types)):
         raise ValueError(f"config.json: layer_types must name one of {kinds} for each of the {n} layers, "
                          f"got {types!r}")
-    if types is not None and kind in _READS_LAYER_TYPES:
+    if types is not None and kind in READS_LAYER_TYPES:
         return tuple(types)
     if kind in ("qwen2", "qwen3"):
         first = d["max_window_layers"]
