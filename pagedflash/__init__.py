@@ -8,6 +8,8 @@ flash-attn-compatible entry points (switch by changing the import):
 - :func:`flash_attn_with_kvcache` decode against a contiguous or paged KV cache (split-KV)
 - :func:`merge_attn_states`       merge two partial attention states by their log-sum-exp
 - :func:`write_kv_cache`          scatter new keys/values into a paged cache by slot
+- :func:`batch_invariant`         the batch-invariant mode (:mod:`pagedflash.batch_invariance`) as a
+  context manager; :func:`set_batch_invariant` sets it process-wide
 
 Code that calls flash-attn 2 positionally, or with its packed variants, rotary embedding or
 ``cache_batch_idx``, imports :mod:`pagedflash.flash_attn_interface` instead: flash-attn's exact
@@ -18,16 +20,20 @@ query/key-value heads, ``G = Hq // Hkv``, ``D`` head dim. LSE is the natural-log
 """
 
 from pagedflash import _env  # noqa: F401  (must run before triton is imported)
+from pagedflash.batch_invariance import batch_invariant, is_batch_invariant, set_batch_invariant
 from pagedflash.ops.cache_write import write_kv_cache
 from pagedflash.ops.combine import merge_attn_states
 from pagedflash.ops.decode import flash_attn_with_kvcache
 from pagedflash.ops.prefill import flash_attn_func, flash_attn_varlen_func
 
 __all__ = [
+    "batch_invariant",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "is_batch_invariant",
     "merge_attn_states",
+    "set_batch_invariant",
     "write_kv_cache",
 ]
 __version__ = "0.1.0"

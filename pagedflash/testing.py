@@ -14,6 +14,7 @@ and a projection's outputs near zero carry the rounding of terms of order one.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ __all__ = [
     "check_close",
     "compare",
     "random_block_table",
+    "row_exact_interpreter_dot",
     "random_paged_kv",
     "to_paged",
 ]
@@ -169,3 +171,33 @@ def capture_graph(fn):
     with torch.cuda.graph(graph):
         result = fn()
     return graph, result
+
+
+@contextlib.contextmanager
+def row_exact_interpreter_dot():
+    """Inside the block the Triton interpreter's ``tl.dot`` sums each output element's products in
+    one fixed order (K ascending, in the accumulator's dtype), as a GPU's dot instruction does for a
+    fixed tile shape. The interpreter's own ``numpy.matmul`` goes through the host BLAS, whose
+    micro-kernels round an element differently by its row's place in a block: the batch-invariance
+    tests would then measure the host BLAS, not the kernels' order of work. No effect on a GPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def operand(x):  # fp8 as the interpreter's own dot reads it: converted to fp16
+        if x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating():
+            return interpreter._convert_float(x.data, x.dtype, interpreter.tl.float16, None).view(np.float16)
+        return x.data
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        acc = d.data.dtype
+        products = operand(a).astype(acc)[..., :, :, None] * operand(b).astype(acc)[..., None, :, :]  # [.., M, K, N]
+        return interpreter.TensorHandle(np.add.reduce(products, axis=-2) + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+    try:
+        yield
+    finally:
+        builder.create_dot = original

@@ -58,7 +58,7 @@ def online_softmax_step(m_i, l_i, acc, s):
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))  # explicit: every kernel rounds it alike
     acc = acc * alpha[:, None]
     return m_new, l_i, acc, p
 
@@ -138,9 +138,13 @@ def empty_if_inf(lse):
 
 
 @triton.jit
-def merge_state(o_a, lse_a, o_b, lse_b):
-    """Merge two softmax states over disjoint key sets: ``o`` ``[R, D]`` fp32, ``lse`` ``[R]``
-    natural log. An lse of ``+inf`` or ``-inf`` is an empty state; two empty states give 0, -inf."""
+def merge_weights(lse_a, lse_b):
+    """The weights of two softmax states over disjoint key sets in their merge, and the merged lse:
+    ``(w_a, w_b, lse)`` with ``out = fma(o_a, w_a, o_b * w_b)`` (:func:`merge_state`). lse natural
+    log; ``+inf`` or ``-inf`` is an empty state (weight 0); two empty states give weights 0 and lse
+    ``-inf``. Merging with an empty state returns the other exactly (weights 1 and 0, lse unchanged).
+    Every multiply-add is an explicit fma, so that each kernel that merges rounds the same way (the
+    batch-invariant mode merges splits in the attention kernel and in the combine)."""
     lse_a = empty_if_inf(lse_a)
     lse_b = empty_if_inf(lse_b)
     m = tl.maximum(lse_a, lse_b)
@@ -150,9 +154,16 @@ def merge_state(o_a, lse_a, o_b, lse_b):
     total = w_a + w_b
     empty = total == 0.0
     denom = tl.where(empty, 1.0, total)
-    out = (o_a * (w_a / denom)[:, None] + o_b * (w_b / denom)[:, None])
-    lse = tl.where(empty, NEG_INF, m_safe + tl.log2(denom) * LN2)
-    return out, lse
+    lse = tl.where(empty, NEG_INF, tl.fma(tl.log2(denom), LN2, m_safe))
+    return w_a / denom, w_b / denom, lse
+
+
+@triton.jit
+def merge_state(o_a, lse_a, o_b, lse_b):
+    """Merge two softmax states over disjoint key sets: ``o`` ``[R, D]`` fp32, ``lse`` ``[R]``
+    natural log (:func:`merge_weights`)."""
+    w_a, w_b, lse = merge_weights(lse_a, lse_b)
+    return tl.fma(o_a, w_a[:, None], o_b * w_b[:, None]), lse
 
 
 @triton.jit

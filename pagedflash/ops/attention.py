@@ -19,6 +19,9 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   q's dtype for the dots (a no-op for 16-bit caches);
 - ``HAS_SINKS``: one extra logit per query head in the softmax denominator (attention sinks), folded
   in once per row at the end (under split-KV by split 0 only, so the combine counts it once);
+- ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits of
+  ``SPLIT_N`` at absolute positions, each split from a fresh state through the masked loop, merged
+  left to right (a split program computes one split; the combine merges them in the same order);
 - ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
   dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
 
@@ -235,6 +238,7 @@ def _attention_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr, FP8_CVT: tl.constexpr,
+    INVARIANT: tl.constexpr, SPLIT_N: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -321,7 +325,10 @@ def _attention_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
     full_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo), hi)
-    if SPLIT_KV:  # this program's share of the tiles of [lo, hi)
+    if SPLIT_KV and INVARIANT:  # one fixed-size split of absolute key positions, from lo's
+        s_lo = (lo // SPLIT_N + split) * SPLIT_N
+        s_hi = tl.minimum(s_lo + SPLIT_N, hi)
+    elif SPLIT_KV:  # this program's share of the tiles of [lo, hi)
         per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), num_splits) * BLOCK_N
         s_lo = lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, hi)
@@ -343,7 +350,11 @@ def _attention_kernel(
         # is not scaled (its rows give what they would in bf16). fp16 holds every fp8 value exactly.
         # The shift is at most 114 for finite bf16 (below 2^128), and held at -126 or above so that
         # 2^-shift stays a finite fp32 (tiles of bf16 subnormals only: rounded as GPUs round them).
-        q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
+        # Batch-invariant mode: a scale per row, so that a row's scores do not depend on its tile.
+        if INVARIANT:
+            q_max = tl.max(tl.abs(q.to(tl.float32)), axis=1)[:, None]
+        else:
+            q_max = tl.max(tl.max(tl.abs(q.to(tl.float32)), axis=1), axis=0)
         shift = tl.maximum(tl.ceil(tl.log2(q_max)) - 14.0, -126.0)
         shift = tl.where((q_max > 0.0) & (q_max < float("inf")), shift, 0.0)
         q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
@@ -374,34 +385,67 @@ def _attention_kernel(
         page_bad = offs_n < 0
     else:
         page_bad = pid_q < 0
-    acc, l_i, m_i, page_bad = _attend_range(
-        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
-        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
-    )
-    acc, l_i, m_i, page_bad = _attend_range(
-        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
-        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
-    )
-    acc, l_i, m_i, page_bad = _attend_range(
-        acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
-        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
-        True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
-    )
-    if HAS_SINKS:  # per row's query head (rows of a packed tile belong to different heads)
-        sink = tl.load(Sinks + row_head * stride_sink) * LOG2E
-        if SPLIT_KV:
-            sink = tl.where(split == 0, sink, NEG_INF)
-        m_i, l_i, acc = _jit.add_sink(m_i, l_i, acc, sink)
-    out, lse = _jit.finalize(m_i, l_i, acc)
-    if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
-        v_descale = tl.load(VDescale + kvh * stride_vds)
-        scales_ok = scales_ok & (v_descale > 0) & (v_descale < float("inf"))
-        out = out * v_descale
+    if INVARIANT:
+        # Batch-invariant mode: each split of SPLIT_N keys in [s_lo, s_hi) (all of [lo, hi) unsplit)
+        # from a fresh state through the masked loop only (the same instructions for a key tile
+        # whatever the row's place in its tile), finalized and merged into the row's state left to
+        # right, from the sink's (0, sink); the combine merges split programs' partials in the same order.
+        v_scale = 1.0
+        if HAS_V_DESCALE:
+            v_scale = tl.load(VDescale + kvh * stride_vds)
+            scales_ok = scales_ok & (v_scale > 0) & (v_scale < float("inf"))
+        out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        if HAS_SINKS:
+            lse = tl.load(Sinks + row_head * stride_sink)
+            if SPLIT_KV:
+                lse = tl.where(split == 0, lse, NEG_INF)
+        c_lo = tl.maximum(lo, s_lo)
+        c_hi = tl.minimum(hi, s_hi)
+        for c in range((c_lo // SPLIT_N) * SPLIT_N, c_hi, SPLIT_N):
+            m_c = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            acc_c, l_c, m_c, page_bad = _attend_range(
+                acc_c, l_c, m_c, page_bad, q, k_src, v_src, tl.maximum(c, c_lo), tl.minimum(c + SPLIT_N, c_hi),
+                b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+                BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
+                d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+                USE_TMA, FP8_CVT,
+            )
+            o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
+            if HAS_V_DESCALE:
+                o_c = o_c * v_scale
+            out, lse = _jit.merge_state(out, lse, o_c, lse_c)
+    else:
+        acc, l_i, m_i, page_bad = _attend_range(
+            acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
+            b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+            BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+            True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
+        )
+        acc, l_i, m_i, page_bad = _attend_range(
+            acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi),
+            b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+            BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+            False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
+        )
+        acc, l_i, m_i, page_bad = _attend_range(
+            acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(full_hi, s_lo), tl.minimum(hi, s_hi),
+            b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+            BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d, d_ok,
+            True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION, USE_TMA, FP8_CVT,
+        )
+        if HAS_SINKS:  # per row's query head (rows of a packed tile belong to different heads)
+            sink = tl.load(Sinks + row_head * stride_sink) * LOG2E
+            if SPLIT_KV:
+                sink = tl.where(split == 0, sink, NEG_INF)
+            m_i, l_i, acc = _jit.add_sink(m_i, l_i, acc, sink)
+        out, lse = _jit.finalize(m_i, l_i, acc)
+        if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
+            v_descale = tl.load(VDescale + kvh * stride_vds)
+            scales_ok = scales_ok & (v_descale > 0) & (v_descale < float("inf"))
+            out = out * v_descale
     valid = k_ok & scales_ok
     if PAGED:
         if PAGE_SIZE % BLOCK_N != 0:
@@ -523,6 +567,7 @@ def attention_forward(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     min_seqused_k: int = 0,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the attention kernel on validated inputs (public functions validate first).
 
@@ -533,7 +578,8 @@ def attention_forward(
     shape and dtype (written into ``out`` when given: checked by the public functions, not here),
     lse is ``[B, Hq, Sq]`` or ``[Hq, total_q]`` fp32 (None unless ``return_lse``). ``sinks``: fp32
     ``[Hq]`` attention-sink logits, or None. ``k_descale``/``v_descale``: fp32 ``[Hkv]`` or one value
-    (``[]``/``[1]``) by which stored K/V are multiplied (fp8 caches), or None.
+    (``[]``/``[1]``) by which stored K/V are multiplied (fp8 caches), or None. ``batch_invariant``:
+    each row computed the same way whatever the call (:mod:`pagedflash.batch_invariance`).
 
     Metadata values are checked by the kernel, not here (nothing is read from the device): a
     sequence whose ``cu_seqlens``, ``seqused_k`` or page ids are invalid reads and writes nothing
@@ -558,13 +604,14 @@ def attention_forward(
     window = (left, right)
     sm_scale, softcap = float(sm_scale), float(softcap)
     key = plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale)
+                   cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale,
+                   batch_invariant)
     plan = _PLANS.get(key)
     if plan is None:
         plan = make_plan(q, k, v, out, lse, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          window=window, softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                          seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config,
-                         sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+                         sinks=sinks, k_descale=k_descale, v_descale=v_descale, invariant=batch_invariant)
         _PLANS.add(key, plan)
     if plan.grid is None:  # no query rows
         return out, lse
@@ -587,6 +634,7 @@ def attention_forward(
     _launch(plan, args)
     if plan.part_shapes is not None:
         if plan.combine is None:
-            plan.combine = combine.plan_combine(out_part, lse_part, out, lse, tokens_per_batch=plan.tokens_per_batch)
+            plan.combine = combine.plan_combine(out_part, lse_part, out, lse, tokens_per_batch=plan.tokens_per_batch,
+                                                invariant=batch_invariant)
         combine.launch_combine(plan.combine, out_part, lse_part, out, lse)
     return out, lse

@@ -23,6 +23,8 @@ from pagedflash.ops.launch import (
     PACK_MAX_ROWS,
     choose_config,
     choose_num_splits,
+    invariant_config,
+    invariant_split_keys,
     use_tma,
 )
 from pagedflash.ops.utils import cdiv, fp8_cvt_device, head_stride, interpreted, next_pow2, num_sms
@@ -52,7 +54,7 @@ def _per_head(t) -> tuple | None:
 
 def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
              cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
-             v_descale=None) -> tuple:
+             v_descale=None, invariant=False) -> tuple:
     """What a launch plan depends on, and every input of Triton's specialization of the launch
     beyond the plan's own numbers: shapes, strides, dtypes and device, the 16-byte alignment of
     every pointer, the integers and flags of the call, the launch table's switches, and for each
@@ -69,13 +71,18 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
             None if sinks is None else _per_head(sinks), None if k_descale is None else _per_head(k_descale),
             None if v_descale is None else _per_head(v_descale),
-            launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA)
+            launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
+            invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS))
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
               cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks=None, k_descale=None,
-              v_descale=None) -> Plan:
-    """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them)."""
+              v_descale=None, invariant=False) -> Plan:
+    """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them).
+
+    ``invariant`` (batch-invariant mode): the one tile of :func:`~pagedflash.ops.launch.invariant_config`
+    unless ``config`` is given, and either no split (one program folds a row's splits) or one program
+    per fixed-size split of the longest row (any other count would merge partials in another order)."""
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
     hq, d = q.shape[-2], q.shape[-1]
@@ -93,7 +100,13 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                              causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size(), fp8_cvt=fp8_cvt)
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
-    cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
+    if invariant:
+        cfg = config or invariant_config(group=group, interpreted=interpreted())
+        if invariant_split_keys(interpreted()) % cfg.block_n:
+            raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
+                             f"({invariant_split_keys(interpreted())} keys), got {cfg.block_n}")
+    else:
+        cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
     if num_splits <= 0:
         num_splits = choose_num_splits(
@@ -102,7 +115,11 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
             decode=packed, page_size=page_size, device=q.device,
         )
     num_splits = min(num_splits, MAX_SPLITS)
-    if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
+    split_keys = invariant_split_keys(interpreted()) if invariant else 0
+    if invariant and num_splits > 1:  # a program per split of the longest row's keys, or none if too many
+        num_splits = cdiv(max(max_seqlen_k, 1), split_keys)
+        num_splits = num_splits if num_splits <= MAX_SPLITS else 1
+    elif config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
         cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if varlen_q:
@@ -144,7 +161,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
-        FP8_CVT=fp8_cvt,
+        FP8_CVT=fp8_cvt, INVARIANT=invariant, SPLIT_N=split_keys or 1,
     )
     plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()

@@ -33,19 +33,38 @@ def _combine_kernel(
     stride_lb, stride_lh, stride_lt,
     tokens_per_batch, num_splits,
     ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     """One (token, head) per program. All split LSEs are read at once and the partial outputs with
     them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait on each other
     (a split-by-split merge would pay the memory latency once per split). The split count is a
     runtime argument: no recompile per count. A NaN partial (a split that found invalid metadata)
     gives a NaN output and LSE: its weight ``exp(NaN - m)`` is NaN whatever the max ``m`` is, and
-    reaches ``total``."""
+    reaches ``total``.
+
+    ``INVARIANT`` (batch-invariant mode): the partials merged one by one, left to right, by
+    :func:`pagedflash.ops._jit.merge_weights`, as the attention kernel merges a row's splits when
+    one program computes them all: the same row, the same bits, whatever the split count."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     lse_base = LsePart + tok * stride_lpt + head
+    b = tok // tokens_per_batch
+    t = tok % tokens_per_batch
+    if INVARIANT:
+        out = tl.zeros([BLOCK_D], dtype=tl.float32)
+        lse = tl.full([], float("-inf"), dtype=tl.float32)
+        for s in range(0, num_splits):
+            lse_s = tl.load(lse_base + s * stride_lps)
+            o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s * stride_ps + offs_d, mask=d_ok, other=0.0)
+            w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
+            out = tl.fma(out, w_a, o_s * w_b)
+        tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+                 mask=d_ok)
+        if WRITE_LSE:
+            tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
+        return
     offs_all = tl.arange(0, ALL_S)
     lse_all = _jit.empty_if_inf(tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits,
                                         other=float("-inf")))
@@ -69,8 +88,6 @@ def _combine_kernel(
             acc += tl.sum(o_s * w[:, None], 0)
     empty = total == 0.0
     out = acc / tl.where(empty, 1.0, total)
-    b = tok // tokens_per_batch
-    t = tok % tokens_per_batch
     tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), m_safe + tl.log2(tl.where(empty, 1.0, total)) * _jit.LN2)
@@ -84,12 +101,13 @@ class CombineLaunch:
     __slots__ = ("grid", "ints", "consts", "slot")
 
 
-def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> CombineLaunch:
+def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invariant: bool = False) -> CombineLaunch:
     """The launch that folds split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` into ``out``
     (and ``lse``), for every call with these tensors' shapes, strides, dtypes and alignment.
 
     ``out`` is ``[B, Sq, H, D]`` with ``tokens_per_batch = Sq`` or ``[tokens, H, D]`` with
-    ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None."""
+    ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None. ``invariant``:
+    the batch-invariant merge order (:func:`_combine_kernel`)."""
     num_splits, tokens, heads, d = out_part.shape
     if lse is None:
         stride_l = (0, 0, 0)
@@ -102,7 +120,8 @@ def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int) -> Comb
     plan.grid = (tokens, heads, 1)
     plan.ints = (*out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l, tokens_per_batch, num_splits)
     plan.consts = dict(ALL_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-                       BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None)
+                       BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None,
+                       INVARIANT=invariant)
     plan.slot = fastlaunch.Slot()
     return plan
 

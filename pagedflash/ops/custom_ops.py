@@ -93,13 +93,15 @@ _ATTENTION_OPTIONS = "float? softmax_scale, int window_left, int window_right, f
 _SIDE_INPUTS = "Tensor? sinks=None, Tensor? k_descale=None, Tensor? v_descale=None"
 _SCHEMAS = {
     "flash_attn_func": f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ATTENTION_OPTIONS}, bool return_lse, "
-                       "Tensor? sinks=None) -> Tensor",
+                       "Tensor? sinks=None, bool batch_invariant=False) -> Tensor",
     "flash_attn_varlen_func": "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
                               "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? block_table, Tensor(a!) out, "
-                              f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}) -> Tensor",
+                              f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}, "
+                              "bool batch_invariant=False) -> Tensor",
     "flash_attn_with_kvcache": "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
                                "Tensor? cache_seqlens, Tensor? block_table, SymInt max_seqlen_k, Tensor(c!) out, "
-                               f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}) -> Tensor",
+                               f"{_ATTENTION_OPTIONS}, int num_splits, bool return_lse, {_SIDE_INPUTS}, "
+                              "bool batch_invariant=False) -> Tensor",
     "merge_attn_states": "(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)",
     "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
                       "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
@@ -119,19 +121,20 @@ def _lse(q: torch.Tensor, return_lse: bool, shape) -> torch.Tensor:
     return q.new_empty(shape if return_lse else (0,), dtype=torch.float32)
 
 
-def _fake_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
+def _fake_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None,
+                batch_invariant=False):
     return _lse(q, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 
 def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
                  softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
-                 k_descale=None, v_descale=None):
+                 k_descale=None, v_descale=None, batch_invariant=False):
     return _lse(q, return_lse, (q.shape[1], q.shape[0]))
 
 
 def _fake_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
                   softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
-                  k_descale=None, v_descale=None):
+                  k_descale=None, v_descale=None, batch_invariant=False):
     return _lse(q, return_lse, (q.shape[0], q.shape[2], q.shape[1]))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedflash import validate
+from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.cache_write import append_kv
@@ -34,7 +34,7 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | No
 
 def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
             softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None, k_descale=None,
-            v_descale=None):
+            v_descale=None, batch_invariant=False):
     s_new = 0
     if k is not None and k.numel():  # appended in q's dtype, or quantized by the descales into an fp8 cache
         append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table, k_scale=k_descale, v_scale=v_descale)
@@ -47,6 +47,7 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
         return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale, min_seqused_k=s_new,
+        batch_invariant=batch_invariant,
     )[1]
 
 
@@ -74,6 +75,7 @@ def flash_attn_with_kvcache(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ):
     """Attention of new queries over a KV cache, flash-attn's ``flash_attn_with_kvcache``.
 
@@ -95,7 +97,7 @@ def flash_attn_with_kvcache(
             contiguous, sharing no memory with q or the caches). Written and returned.
         k_descale, v_descale: fp8 caches only: fp32 ``[]``/``[1]`` (per tensor) or ``[Hkv]`` (per KV
             head); the real key is ``stored.float() * k_descale[head]``; None means 1.
-        Other arguments as :func:`pagedflash.flash_attn_func` (``sinks`` included).
+        Other arguments as :func:`pagedflash.flash_attn_func` (``sinks`` and ``batch_invariant`` included).
 
     Returns:
         out ``[B, Sq, Hq, D]``; with ``return_lse`` also lse ``[B, Hq, Sq]`` fp32. A batch of 0 gives
@@ -122,7 +124,7 @@ def flash_attn_with_kvcache(
     if out is None:
         out = new_output(q)
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
-              num_splits, return_lse, sinks, k_descale, v_descale)
+              num_splits, return_lse, sinks, k_descale, v_descale, batch_invariance.resolve(batch_invariant))
     return (out, lse) if return_lse else out
 
 

@@ -144,6 +144,39 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
+# Batch-invariant mode (pagedflash.batch_invariance): keys in splits of this many at absolute positions,
+# each split's state merged left to right. A decode row gets one program per split (its parallelism at
+# batch 1); a split's partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any
+# multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
+INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
+INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
+
+
+def invariant_split_keys(interpreted: bool) -> int:
+    """Keys per split of the batch-invariant mode (a multiple of the invariant tile's keys)."""
+    keys = INTERPRET_INVARIANT_SPLIT_KEYS if interpreted else INVARIANT_SPLIT_KEYS
+    block_n = invariant_config(group=1, interpreted=interpreted).block_n
+    if keys <= 0 or keys % block_n:
+        raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
+    return keys
+
+
+@functools.lru_cache(maxsize=256)
+def invariant_config(*, group: int, interpreted: bool) -> LaunchConfig:
+    """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
+    softmax sums are reduced by the same instructions in the same order only under one tile shape and
+    warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
+    The query heads of a KV group are packed into the rows when they divide the tile (decode reads
+    each K/V byte once per group); 64 rows, 32-key tiles, one stage: the packed shape that compiles
+    on sm90 with triton 3.6 (see :func:`choose_config`), and the compile fallback's own tile, so no
+    fallback can swap it for another. Nothing here depends on the lengths, the batch or the GPU's size."""
+    rows = 16 if interpreted else 64
+    g_pack = group if rows % group == 0 else 1
+    if interpreted:
+        return LaunchConfig(block_m=rows, block_n=16, g_pack=g_pack, num_warps=4, num_stages=1)
+    return LaunchConfig(block_m=rows, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
+
+
 def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
                       decode: bool, page_size: int, device: torch.device) -> int:
     """Split the KV range when the grid would leave SMs idle. ``kv_bytes_per_key``: K+V bytes one

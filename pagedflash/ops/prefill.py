@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedflash import validate
+from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
@@ -40,11 +40,12 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
     return out
 
 
-def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None):
+def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None,
+                  batch_invariant=False):
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     scale = validate.check_scale(softmax_scale, q.shape[-1])
-    if prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:  # sm90: Gluon
+    if not batch_invariant and prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse)
         except prefill_hopper.Fallback:
@@ -52,18 +53,18 @@ def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softca
     return attention_forward(
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
         sm_scale=scale, window=(window_left, window_right),
-        softcap=softcap, return_lse=return_lse, out=out, sinks=sinks,
+        softcap=softcap, return_lse=return_lse, out=out, sinks=sinks, batch_invariant=batch_invariant,
     )[1]
 
 
 def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
                    softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
-                   k_descale=None, v_descale=None):
+                   k_descale=None, v_descale=None, batch_invariant=False):
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     batch, scale = cu_seqlens_q.shape[0] - 1, validate.check_scale(softmax_scale, q.shape[-1])
-    if prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left,
-                                     window_right, softcap, sinks) is None:
+    if not batch_invariant and prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table,
+                                                             window_left, window_right, softcap, sinks) is None:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
                                           varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -75,7 +76,7 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
         num_splits=num_splits, return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale,
-        v_descale=v_descale,
+        v_descale=v_descale, batch_invariant=batch_invariant,
     )[1]
 
 
@@ -97,6 +98,7 @@ def flash_attn_func(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ):
     """Attention over a dense batch, flash-attn's ``flash_attn_func``.
 
@@ -113,6 +115,8 @@ def flash_attn_func(
         sinks: attention sinks (gpt-oss), fp32 ``[Hq]``: one logit per query head that joins the
             softmax denominator and carries no value, ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sink))``;
             the LSE then includes it. Softcap does not apply to it.
+        batch_invariant: each row bit for bit the same whatever the rest of the call (batch, lengths,
+            splits; :mod:`pagedflash.batch_invariance`); None: the process-wide default (off).
 
     Returns:
         out ``[B, Sq, Hq, D]`` in q's dtype; with ``return_lse``, ``(out, lse)``, lse ``[B, Hq, Sq]``
@@ -126,7 +130,8 @@ def flash_attn_func(
         _CHECKED.add(key, checked)
     softmax_scale, left, right, softcap = checked
     out = _output(out, q, k=k, v=v, sinks=sinks)
-    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks)
+    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks,
+                    batch_invariance.resolve(batch_invariant))
     return (out, lse) if return_lse else out
 
 
@@ -165,6 +170,7 @@ def flash_attn_varlen_func(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ):
     """Attention over packed variable-length sequences, flash-attn's ``flash_attn_varlen_func``.
 
@@ -233,5 +239,6 @@ def flash_attn_varlen_func(
     out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
                   sinks=sinks, k_descale=k_descale, v_descale=v_descale)
     lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
-                     softmax_scale, left, right, softcap, num_splits, return_lse, sinks, k_descale, v_descale)
+                     softmax_scale, left, right, softcap, num_splits, return_lse, sinks, k_descale, v_descale,
+                     batch_invariance.resolve(batch_invariant))
     return (out, lse) if return_lse else out

@@ -1,0 +1,163 @@
+"""Batch-invariant mode of the attention kernels (:mod:`pagedflash.batch_invariance`): a query row's
+output and LSE bit for bit the same however the call around it is made up — alone or among other
+sequences of other lengths, as part of a whole prefill, of a chunk of any size, or as a decode step,
+with any split count — for every option the engine uses (GQA, sliding window, softcap, sinks, fp8
+caches with descales), and still the attention of the fp32 reference.
+
+Under the interpreter the dot runs through :func:`pagedflash.testing.row_exact_interpreter_dot` (the
+host BLAS rounds an element by its row's place in a block; a GPU's dot instruction does not).
+"""
+
+import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
+import pytest
+import torch
+
+from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, make_pool, randn
+from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from pagedflash.reference import paged_varlen_attention_ref
+from pagedflash.testing import row_exact_interpreter_dot
+
+PAGE = 16
+LEN = 100 if not ON_GPU else 5000  # several invariant splits (32 keys interpreted, 2048 compiled)
+OTHERS = [37, 8, 70] if not ON_GPU else [3000, 17, 9000]
+
+
+@pytest.fixture(autouse=True)
+def exact_dot():
+    with row_exact_interpreter_dot():
+        yield
+
+
+def _varlen(q, caches, table, lens_q, lens_k, opts, num_splits=0):
+    """The paged varlen call the engine makes: each sequence's new rows attend its first lens_k keys."""
+    k_cache, v_cache = caches
+    out, lse = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k), causal=True,
+        block_table=table, num_splits=num_splits, return_lse=True, batch_invariant=True, **opts)
+    return out, lse
+
+
+CASES = {
+    "plain": dict(hq=4, hkv=2, d=32, opts={}),
+    "mqa_window_softcap": dict(hq=4, hkv=1, d=48, opts=dict(window_size=(40, 0), softcap=20.0)),
+    "sinks": dict(hq=2, hkv=2, d=32, opts=dict(sinks=True)),
+}
+
+
+def _setup(case, dtype, fp8=False):
+    c = CASES[case]
+    lens = [LEN, *OTHERS]
+    if fp8:
+        k_cache, v_cache, table = fp8_pool(lens, PAGE, c["hkv"], c["d"])
+        scale = torch.full((c["hkv"],), 0.5, device=DEVICE)
+        c = dict(c, opts=dict(c["opts"], k_descale=scale, v_descale=scale * 1.5))
+    else:
+        k_cache, v_cache, table = make_pool(lens, PAGE, c["hkv"], c["d"], dtype)
+    opts = dict(c["opts"])
+    if opts.pop("sinks", False):
+        opts["sinks"] = randn(c["hq"]) * 2
+    q = randn(LEN, c["hq"], c["d"], dtype=dtype)
+    q_others = [randn(n, c["hq"], c["d"], dtype=dtype) for n in OTHERS]
+    return (k_cache, v_cache), table, q, q_others, opts
+
+
+MATRIX = [(case, dtype) for case in CASES for dtype in (DTYPES if case == "plain" or ON_GPU else DTYPES[:1])]
+
+
+@pytest.mark.parametrize(("case", "dtype"), MATRIX, ids=lambda v: ids(v))
+def test_rows_equal_however_the_call_is_made_up(case, dtype):
+    caches, table, q, q_others, opts = _setup(case, dtype)
+    # the whole prefill alone: every row's canonical value, and the reference's
+    full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
+    k_ref, v_ref = caches
+    ref, ref_lse = paged_varlen_attention_ref(q, k_ref, v_ref, cu_seqlens([LEN]), cu_seqlens([LEN]), table[:1],
+                                              causal=True, **opts)
+    assert_close(full, ref, dtype)
+    assert_close(full_lse, ref_lse, torch.float32, name="lse")
+
+    # chunked prefill: chunks of several sizes, each alongside the other sequences' whole prefills
+    for chunk in (1, 7, 40):
+        start = LEN - chunk - 3
+        rows = q[start:start + chunk]
+        batch_q = torch.cat([q_others[0], rows, q_others[1]])
+        out, lse = _varlen(batch_q, caches, table[[1, 0, 2]], [OTHERS[0], chunk, OTHERS[1]],
+                           [OTHERS[0], start + chunk, OTHERS[1]], opts)
+        mine = slice(OTHERS[0], OTHERS[0] + chunk)
+        assert torch.equal(out[mine], full[start:start + chunk]), f"chunk {chunk}"
+        assert torch.equal(lse[:, mine], full_lse[:, start:start + chunk]), f"chunk {chunk} lse"
+
+    # decode steps: alone, with forced split counts, and in a batch of decodes of other lengths
+    for t in (0, 32, LEN - 1):
+        alone, alone_lse = _varlen(q[t:t + 1], caches, table[:1], [1], [t + 1], opts)
+        assert torch.equal(alone[0], full[t]) and torch.equal(alone_lse[:, 0], full_lse[:, t]), f"decode {t}"
+        for splits in (1, 5):
+            out, lse = _varlen(q[t:t + 1], caches, table[:1], [1], [t + 1], opts, num_splits=splits)
+            assert torch.equal(out[0], full[t]) and torch.equal(lse[:, 0], full_lse[:, t]), f"{splits} splits"
+        batch_q = torch.cat([q_others[2][-1:], q[t:t + 1], q_others[0][-1:]])
+        out, lse = _varlen(batch_q, caches, table[[3, 0, 1]], [1, 1, 1], [OTHERS[2], t + 1, OTHERS[0]], opts)
+        assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"batched decode {t}"
+
+
+def test_fp8_cache_rows_equal():
+    dtype = torch.float16  # fp8 K/V under 16-bit queries (bf16 on a GPU goes through the per-row scale)
+    caches, table, q, q_others, opts = _setup("plain", dtype, fp8=True)
+    full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
+    for t in (5, LEN - 1):
+        out, lse = _varlen(torch.cat([q_others[1][:2], q[t:t + 1]]), caches, table[[2, 0]], [2, 1],
+                           [OTHERS[1], t + 1], opts, num_splits=4)
+        assert torch.equal(out[2], full[t]) and torch.equal(lse[:, 2], full_lse[:, t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_entry_points_agree(dtype):
+    """The same rows through the dense, KV-cache (contiguous and paged) and varlen entry points."""
+    hq, hkv, d, n = 4, 2, 32, 70
+    k, v = randn(1, n, hkv, d, dtype=dtype), randn(1, n, hkv, d, dtype=dtype)
+    q = randn(1, n, hq, d, dtype=dtype)
+    dense, dense_lse = flash_attn_func(q, k, v, causal=True, return_lse=True, batch_invariant=True)
+    varlen, varlen_lse = flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens([n]), cu_seqlens([n]), n, n, causal=True,
+                                                return_lse=True, batch_invariant=True)
+    assert torch.equal(dense[0], varlen) and torch.equal(dense_lse[0], varlen_lse)
+    # decode of the last row against a contiguous cache with room to spare, and split
+    cache_k = torch.zeros(2, 96, hkv, d, dtype=dtype, device=DEVICE)
+    cache_v = torch.zeros_like(cache_k)
+    cache_k[1, :n], cache_v[1, :n] = k[0], v[0]
+    lens = torch.tensor([5, n], dtype=torch.int32, device=DEVICE)
+    q2 = torch.cat([randn(1, 1, hq, d, dtype=dtype), q[:, -1:]])
+    for splits in (0, 1, 4):
+        out, lse = flash_attn_with_kvcache(q2, cache_k, cache_v, cache_seqlens=lens, num_splits=splits,
+                                           return_lse=True, batch_invariant=True)
+        assert torch.equal(out[1, 0], dense[0, -1]) and torch.equal(lse[1, :, 0], dense_lse[0, :, -1])
+
+
+def test_default_mode_and_switch():
+    assert not batch_invariance.is_batch_invariant()
+    with pagedflash.batch_invariant():
+        assert batch_invariance.resolve(None) is True
+        assert batch_invariance.resolve(False) is False
+        with pagedflash.batch_invariant(False):
+            assert not pagedflash.is_batch_invariant()
+        assert pagedflash.is_batch_invariant()
+    assert not pagedflash.is_batch_invariant()
+    pagedflash.set_batch_invariant(True)
+    try:
+        assert pagedflash.is_batch_invariant()
+    finally:
+        pagedflash.set_batch_invariant(False)
+    with pytest.raises(TypeError, match="batch_invariant: expected a bool"):
+        pagedflash.set_batch_invariant(1)
+    q = randn(1, 4, 2, 32)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        flash_attn_func(q, q, q, batch_invariant="yes")
+
+
+def test_global_switch_reaches_the_kernels():
+    """The process-wide default changes the result's rounding path, not its value."""
+    caches, table, q, _, opts = _setup("plain", torch.float32)
+    k_cache, v_cache = caches
+    call = lambda **kw: flash_attn_varlen_func(  # noqa: E731
+        q[-1:], k_cache, v_cache, cu_seqlens([1]), cu_seqlens([LEN]), 1, LEN, causal=True, block_table=table[:1], **kw)
+    with pagedflash.batch_invariant():
+        by_default = call()
+    assert torch.equal(by_default, call(batch_invariant=True))
+    assert_close(call(), by_default, torch.float32)
