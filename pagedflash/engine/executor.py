@@ -50,6 +50,7 @@ class EngineSpec:
     # an fp8 pool's scales of the whole model: per layer, (x,) for every KV head or one per KV head
     k_scale: tuple[tuple[float, ...], ...] | None = None
     v_scale: tuple[tuple[float, ...], ...] | None = None
+    batch_invariant: bool = False  # CausalLM.make_batch_invariant before any graph is captured
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -90,6 +91,8 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
         load_weights(model, spec.path)
     else:
         init_random_weights(model, spec.seed)
+    if spec.batch_invariant:
+        model.make_batch_invariant()
     num_blocks = spec.num_blocks
     if num_blocks is None:
         num_blocks = auto_num_blocks(model, spec, device)

@@ -8,6 +8,11 @@ device.
 Why kernels: in plain PyTorch these are ~40 small launches per layer, and a batch-1 decode step of a
 16-layer model would spend more time launching them than reading the weights. Why PyTorch off the
 GPU: the interpreter runs a kernel one program at a time, far too slowly for a model.
+
+Batch-invariant projections (a ``nn.Linear`` marked ``batch_invariant``: ``LLM(batch_invariant=True)``)
+give each row the same bits whatever the other rows: on a GPU through
+:func:`pagedflash.ops.matmul.matmul` (fixed tiles, no split-K), elsewhere one row at a time (the
+same product for every row), and never through the single-row kernels, which reduce in another order.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedflash import reference
-from pagedflash.ops import activation, gemv, moe, norm, rope, sampling
+from pagedflash.ops import activation, gemv, matmul, moe, norm, rope, sampling
 
 FORCE_KERNELS: bool | None = None  # None: kernels on a GPU, PyTorch elsewhere; tests force either
 
@@ -79,31 +84,43 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return sampling.argmax(logits) if use_kernels(logits) else logits.argmax(-1)
 
 
-def single_row(x: torch.Tensor) -> bool:
-    """Whether the fused single-row projections serve ``x [T, ...]``: one row, kernels on."""
-    return x.shape[0] == 1 and use_kernels(x)
+def invariant(linear_layer: nn.Linear) -> bool:
+    """Whether ``linear_layer`` is to give each row the same bits whatever the other rows."""
+    return getattr(linear_layer, "batch_invariant", False)
+
+
+def single_row(x: torch.Tensor, linear_layer: nn.Linear | None = None) -> bool:
+    """Whether the fused single-row projections serve ``x [T, ...]`` (into ``linear_layer``): one row,
+    kernels on, the layer not batch-invariant."""
+    return x.shape[0] == 1 and use_kernels(x) and not (linear_layer is not None and invariant(linear_layer))
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, linear_layer: nn.Linear,
                 out: torch.Tensor | None = None):
     """``(linear_layer(norm_layer(x + residual)), x + residual)``; ``norm_layer`` is the model's
     RMSNorm module. ``out``: where the (contiguous) result goes; a new tensor when None."""
-    if single_row(x):
+    if single_row(x, linear_layer):
         return gemv.rms_norm_gemv(x, linear_layer.weight, linear_layer.bias, norm_weight=norm_layer.weight,
                                   eps=norm_layer.eps, residual=residual, out=out)
     h, residual = norm_layer(x, residual)
     if out is None:
-        return linear_layer(h), residual
-    return out.copy_(linear_layer(h)), residual
+        return linear(h, linear_layer), residual
+    return out.copy_(linear(h, linear_layer)), residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
     """``linear_layer(silu(gate) * up)`` for ``gate_up [T, 2n]`` (gate first)."""
-    if single_row(gate_up):
+    if single_row(gate_up, linear_layer):
         return gemv.silu_mul_gemv(gate_up, linear_layer.weight, linear_layer.bias)
-    return linear_layer(silu_mul(gate_up))
+    return linear(silu_mul(gate_up), linear_layer)
 
 
 def linear(x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
-    """``linear_layer(x)``, through the single-row kernel where it applies."""
+    """``linear_layer(x)``: through the single-row kernel where it applies, batch-invariant where the
+    layer is marked so."""
+    if invariant(linear_layer):
+        if use_kernels(x):
+            return matmul.matmul(x, linear_layer.weight, linear_layer.bias)
+        rows = [torch.nn.functional.linear(x[i:i + 1], linear_layer.weight, linear_layer.bias) for i in range(x.shape[0])]
+        return torch.cat(rows) if rows else linear_layer(x)
     return gemv.gemv(x, linear_layer.weight, linear_layer.bias) if single_row(x) else linear_layer(x)

@@ -99,6 +99,11 @@ class LLM:
             (per tensor) or a list of ``num_key_value_heads`` floats (per KV head; a tensor-parallel
             rank keeps its heads'). None reads them from the checkpoint when it has them
             (``model.layers.N.self_attn.k_scale``, ``...k_proj.k_scale`` etc., as vLLM), else 1.0.
+        batch_invariant: a request's tokens and logprobs bit for bit the same whatever else the
+            engine serves (batch, chunking, preemption, prefix hits): attention in the kernels'
+            batch-invariant mode and every projection through the batch-invariant product
+            (README "Batch invariance"). One GPU, dense models (not with ``tensor_parallel_size > 1``,
+            whose all-reduce order follows the message size, nor mixture-of-experts models).
 
     Not thread-safe: drive one engine from one thread.
     """
@@ -107,7 +112,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  seed: int = 0, tokenizer=None, tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                 k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None, batch_invariant: bool = False):
         check_int("page_size", page_size)
         check_int("max_num_seqs", max_num_seqs)
         check_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -143,6 +148,8 @@ class LLM:
             if self.device.index is None:  # the current GPU (tensor-parallel rank r: the r-th after it)
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.tensor_parallel_size = check_tensor_parallel_size(self.config, tensor_parallel_size, self.device)
+        _check_batch_invariant(batch_invariant, self.config, self.tensor_parallel_size)
+        self.batch_invariant = batch_invariant
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
         self.page_size = page_size
@@ -154,7 +161,7 @@ class LLM:
                           cuda_graphs=cuda_graphs, gpu_memory_utilization=gpu_memory_utilization,
                           tensor_parallel_size=self.tensor_parallel_size,
                           all_reduce=allreduce_kind(self.device) if self.tensor_parallel_size > 1 else "nccl",
-                          **kv_format)
+                          batch_invariant=batch_invariant, **kv_format)
         self.workers: Workers | None = None  # ranks 1..N-1 (tensor_parallel_size > 1)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         with on_device(self.device):
@@ -473,6 +480,20 @@ class _Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+
+def _check_batch_invariant(batch_invariant, config: ModelConfig, tensor_parallel_size: int) -> None:
+    """Refuse the batch-invariant mode where the engine cannot keep it, saying why."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant: expected a bool, got {batch_invariant!r}")
+    if not batch_invariant:
+        return
+    if tensor_parallel_size > 1:
+        raise ValueError(f"batch_invariant: not supported with tensor_parallel_size > 1 (got {tensor_parallel_size}): "
+                         "the all-reduce picks its algorithm, and so its order of summation, by message size")
+    if config.num_experts:
+        raise ValueError("batch_invariant: not supported for mixture-of-experts models yet (the fused MoE kernel's "
+                         f"tiles follow the step's token count); got {config.num_experts} experts")
 
 
 def _kv_cache_format(kv_cache_dtype, k_scale, v_scale, path: str | None, config: ModelConfig) -> dict:

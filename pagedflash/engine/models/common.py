@@ -123,6 +123,7 @@ class Attention(nn.Module):
             raise ValueError(f"qk_norm must be '', 'head' or 'projection', got {config.qk_norm!r}")
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if config.attention_sinks else None
         self.kv_scales = (None, None)  # (k_scale, v_scale) of an fp8 cache: CausalLM.bind_kv_scales
+        self.batch_invariant = False  # CausalLM.make_batch_invariant
 
     def _norm_qk(self, qkv: torch.Tensor) -> None:
         """q and k of ``qkv`` normed in place."""
@@ -152,7 +153,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             softmax_scale=self.scale, causal=True, window_size=self.window, softcap=self.softcap,
             block_table=meta.block_tables, num_splits=meta.num_splits, sinks=self.sinks,
-            k_descale=k_scale, v_descale=v_scale,
+            k_descale=k_scale, v_descale=v_scale, batch_invariant=self.batch_invariant,
         )
         return layers.linear(o.reshape(t, self.q_size), self.o_proj)
 
@@ -231,6 +232,15 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_scales = kv_cache.scales(i)
 
+    def make_batch_invariant(self) -> None:
+        """Every row's result the same bits whatever the other rows of a step: each layer's attention
+        in the kernels' batch-invariant mode, every projection (LM head included) through the
+        batch-invariant product (:func:`pagedflash.engine.layers.linear`). Norms, RoPE, activations
+        and the sampler are row by row already."""
+        for module in self.modules():
+            if isinstance(module, (Attention, nn.Linear)):
+                module.batch_invariant = True
+
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         return self.model.norm(*self.forward_unnormed(input_ids, positions, meta, kv_caches))[0]
 
@@ -248,7 +258,7 @@ class CausalLM(nn.Module):
         """Final norm and LM head of ``forward_unnormed``'s output, written into ``out [T, vocab]``
         (the model's dtype; fused into one kernel on single rows; gathered over the ranks)."""
         local = out if self.comm.size == 1 else None
-        if layers.single_row(x):
+        if layers.single_row(x, self.lm_head) or layers.invariant(self.lm_head):
             local = layers.norm_linear(x, residual, self.model.norm, self.lm_head, out=local)[0]
         else:
             local = torch.mm(self.model.norm(x, residual)[0], self.lm_head.weight.t(), out=local)
@@ -258,7 +268,7 @@ class CausalLM(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[R, vocab]`` of ``hidden [R, hidden]`` in the model's dtype (gathered over the ranks)."""
-        return self.scale_logits_(self.gather_logits(self.lm_head(hidden)))
+        return self.scale_logits_(self.gather_logits(layers.linear(hidden, self.lm_head)))
 
     def scale_logits_(self, logits: torch.Tensor) -> torch.Tensor:
         """The family's last step on the LM logits, in place: divided by ``logits_scaling`` (Granite),

@@ -1,0 +1,98 @@
+"""The engine's batch-invariant mode, ``LLM(batch_invariant=True)``: a request's tokens and logprobs
+are bit for bit the same served alone or among other requests, whatever the chunking of its prefill
+(other chunk sizes), preemption (recomputed), prefix-cache hits (keys another request computed), and
+the same token's logprob computed by a prefill equals the one computed by a decode step.
+
+Under the interpreter the attention dot runs through
+:func:`pagedflash.testing.row_exact_interpreter_dot` (the host BLAS rounds by a row's place in a
+block; a GPU's dot does not); the projections go one row at a time off the GPU.
+"""
+
+import pytest
+import torch
+from helpers import ON_GPU
+
+from pagedflash.engine import LLM, SamplingParams
+from pagedflash.engine.config import TINY_LLAMA
+from pagedflash.testing import row_exact_interpreter_dot
+
+VOCAB = 128
+MODEL = {**TINY_LLAMA, "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3}
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+PREFIX = [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37]  # two 8-token pages
+
+
+@pytest.fixture(autouse=True)
+def exact_dot():
+    with row_exact_interpreter_dot():
+        yield
+
+
+def engine(**kwargs) -> LLM:
+    kwargs = {"page_size": 8, "num_blocks": 64, "batch_invariant": True, **kwargs}
+    return LLM(MODEL, dtype=DTYPE, seed=0, **kwargs)
+
+
+def prompt(n: int, seed: int, prefix=()) -> list[int]:
+    tail = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return list(prefix) + tail
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 4, "ignore_eos": True, "logprobs": 2, "prompt_logprobs": 2, **kw})
+
+
+def run(llm: LLM, prompts, ps):
+    outs = llm.generate(prompts, ps)
+    return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs]
+
+
+MINE = [prompt(9, 1, PREFIX), prompt(5, 2), prompt(22, 3)]
+SEEDED = params(temperature=0.9, top_p=0.95, seed=1234)
+MINE_PARAMS = [params(), params(), SEEDED]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each request served alone, by a roomy engine that prefills it in one chunk."""
+    with row_exact_interpreter_dot():
+        llm = engine(max_num_seqs=1, enable_prefix_caching=False)
+        return [run(llm, [p], [sp])[0] for p, sp in zip(MINE, MINE_PARAMS)]
+
+
+def test_alone_equals_batched_chunked_preempted_and_cached(alone):
+    others = [prompt(n, 10 + n, PREFIX if n % 2 else ()) for n in (3, 20, 9)]
+    prompts = [others[0], MINE[0], others[1], MINE[1], others[2], MINE[2]]
+    ps = [params(max_tokens=12), MINE_PARAMS[0], params(max_tokens=12), MINE_PARAMS[1], params(max_tokens=12), MINE_PARAMS[2]]
+    # steps of 13 tokens (prefill in chunks of other sizes), a pool small enough to preempt, prefix hits
+    llm = engine(max_num_seqs=8, enable_prefix_caching=True, max_num_batched_tokens=13, num_blocks=9)
+    llm.generate([PREFIX + [40, 41]], params(max_tokens=1))  # the prefix's pages cached by another request
+    got = run(llm, prompts, ps)
+    for i, want in zip([1, 3, 5], alone):
+        assert got[i][0] == want[0], f"tokens of request {i}"
+        assert got[i][1] == want[1], f"logprobs of request {i}"
+        assert got[i][2] == want[2], f"prompt logprobs of request {i}"
+    assert llm.scheduler.num_preemptions > 0
+
+
+def test_prefill_and_decode_logprobs_agree(alone):
+    """A generated token's logprob (decode step) equals the same token's prompt logprob when the
+    prompt is the original prompt plus the generated tokens (prefill)."""
+    llm = engine(max_num_seqs=4, enable_prefix_caching=False)
+    tokens, logprobs, _ = alone[0]
+    extended = MINE[0] + tokens
+    _, _, prompt_logprobs = run(llm, [extended], [params(max_tokens=1)])[0]
+    tail = prompt_logprobs[len(MINE[0]):]
+    assert [next(iter(e)) for e in tail] == tokens
+    assert tail == logprobs
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match="batch_invariant: expected a bool"):
+        engine(batch_invariant=1)
+    moe = {**TINY_LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+           "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        LLM(moe, dtype=torch.float32, batch_invariant=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        engine(tensor_parallel_size=2)
