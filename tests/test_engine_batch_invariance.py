@@ -96,3 +96,12 @@ def test_refusals():
         LLM(moe, dtype=torch.float32, batch_invariant=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         engine(tensor_parallel_size=2)
+
+
+def test_server_option():
+    from pagedflash.entrypoints.openai import api_server
+
+    llm = api_server.build_llm(api_server.parse_args(["--batch-invariant"]))
+    assert llm.batch_invariant and llm.model.lm_head.batch_invariant
+    assert all(layer.self_attn.batch_invariant for layer in llm.model.model.layers)
+    assert not api_server.build_llm(api_server.parse_args([])).batch_invariant

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--batch-invariant", action="store_true",
+                        help="a request's tokens and logprobs the same whatever else is served "
+                             "(LLM(batch_invariant=True); one GPU, dense models; README 'Batch invariance')")
     args = ap.parse_args(argv)
     if args.max_queue is not None and args.max_queue < 1:
         ap.error(f"--max-queue must be >= 1 (a new request waits until a step admits it), got {args.max_queue}")
@@ -91,7 +94,7 @@ def build_llm(args: argparse.Namespace):
                   kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
                   enable_prefix_caching=args.enable_prefix_caching, page_size=args.block_size,
                   num_blocks=args.num_gpu_blocks_override, gpu_memory_utilization=args.gpu_memory_utilization,
-                  cuda_graphs=not args.enforce_eager, seed=args.seed)
+                  cuda_graphs=not args.enforce_eager, seed=args.seed, batch_invariant=args.batch_invariant)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.model is not None:
