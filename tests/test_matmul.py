@@ -9,14 +9,13 @@ program walks several output tiles.
 The interpreter's ``tl.dot`` is numpy's matmul (OpenBLAS), whose result for a row depends on the
 row's position among the operand's rows (its fp32 micro-kernel computes rows 6-11 of every 12 in
 another order). An MMA computes each output element by itself, so the invariance tests give the
-interpreter a dot of that kind (:func:`per_element_dot`, each element a fixed-order fp32 sum): what
+interpreter a dot of that kind (:func:`pagedflash.testing.row_exact_interpreter_dot`): what
 they check under the interpreter is the kernel's part, the tiles and the order over ``K`` that do
 not depend on ``M``. Compiled on a GPU they run the real dot, with bf16 and Llama-3-8B shapes.
 """
 
 import inspect
 
-import numpy as np
 import pytest
 import torch
 import torch._dynamo.testing
@@ -27,6 +26,7 @@ from pagedflash import reference as ref
 from pagedflash.ops import custom_ops
 from pagedflash.ops import matmul as mm
 from pagedflash.ops.utils import interpreted
+from pagedflash.testing import row_exact_interpreter_dot
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="real sizes and the real dot are for the compiled GPU run")
 GPU_DTYPES = [torch.bfloat16, torch.float16]
@@ -36,18 +36,10 @@ LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096
 
 
 @pytest.fixture
-def per_element_dot(monkeypatch):
-    """Under the interpreter, ``tl.dot`` as an MMA computes it: each output element its own sum of
-    products, in increasing ``k``, in fp32 (module doc). Nothing changes on a GPU."""
-    if not interpreted():
-        return
-    from triton.runtime import interpreter
-
-    def create_dot(a, b, d, input_precision, max_num_imprecise_acc):
-        products = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
-        return interpreter.TensorHandle(products.sum(axis=1) + d.data, d.dtype.scalar)  # sequential over k
-
-    monkeypatch.setattr(interpreter.interpreter_builder, "create_dot", create_dot)
+def per_element_dot():
+    """Under the interpreter, ``tl.dot`` as an MMA computes it (module doc); nothing changes on a GPU."""
+    with row_exact_interpreter_dot():
+        yield
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
