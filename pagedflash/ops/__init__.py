@@ -11,8 +11,9 @@ everywhere else).
 
 The decoder's other kernels (used by :mod:`pagedflash.engine`): ``norm`` (RMSNorm with the residual
 add), ``rope`` (rotary embedding in place), ``activation`` (SiLU-and-multiply), ``sampling`` (greedy
-argmax), ``gemv`` (single-row projections with the norm or SiLU fused in front), ``moe`` (routing and
-the fused mixture-of-experts layer).
+argmax), ``gemv`` (single-row projections with the norm or SiLU fused in front), ``matmul`` (the
+batch-invariant GEMM), ``moe`` and ``moe_routing`` (the fused mixture-of-experts layer; its routing
+and grouping).
 
 ``utils``: host helpers every launcher shares (cdiv, next_pow2, SM count, compute capability, the
 interpreter flag, operand checks).
