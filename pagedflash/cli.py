@@ -8,10 +8,13 @@
     pagedflash bench serve [ARGS...]         the serving benchmark (extra ARGS go to it)
     pagedflash bench online [ARGS...]        HTTP load on an OpenAI-compatible server (ARGS go to it)
     pagedflash bench tune [ARGS...]          launch-choice sweep (developer tool, ARGS go to it)
+    pagedflash bench invariance [ARGS...]    batch-invariant mode under load: greedy outputs vs each request alone
     pagedflash bench all                     prefill, decode, paged, overhead, moe, serve in turn
 
 Benchmarks need a CUDA GPU; ``--quick`` runs tiny shapes anywhere (on a CPU under the Triton
-interpreter, in seconds) to check the plumbing, not to produce figures. Exit status: 0 all passed,
+interpreter, in seconds) to check the plumbing, not to produce figures. ``--batch-invariant``
+(decode, prefill, serve, all): each timed point also in the batch-invariant mode, same run, with
+the on/off time ratio (README "Batch invariance"). Exit status: 0 all passed,
 1 a kernel failed its correctness check (its figures are not reported), 2 usage / no GPU.
 """
 
@@ -24,7 +27,8 @@ from pathlib import Path
 
 KERNEL_BENCHES = ("prefill", "decode", "paged", "overhead", "moe")
 CPU_BENCHES = ("overhead", "online")  # meaningful without a GPU, no --quick needed
-FORWARDED = ("serve", "tune", "online")  # modules with their own main(argv); extra arguments go to them
+FORWARDED = ("serve", "tune", "online", "invariance")  # modules with their own main(argv); extra arguments go to them
+INVARIANT_COST = ("decode", "prefill", "serve", "all")  # benches that take --batch-invariant
 BENCHES = (*KERNEL_BENCHES, *FORWARDED, "all")
 
 
@@ -42,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup budget per case, ms")
     bench.add_argument("--eager", action="store_true",
                        help="time eager calls instead of CUDA-graph replays (includes host launch overhead)")
+    bench.add_argument("--batch-invariant", action="store_true",
+                       help=f"{'/'.join(INVARIANT_COST)}: time each point with the batch-invariant mode off and on, "
+                            "same run, and report the on/off time ratio")
     return parser
 
 
@@ -65,7 +72,8 @@ def _run_forwarded(name: str, cfg, extra: list[str]) -> int:
     except ImportError as e:
         print(f"bench {name}: unavailable ({e})", file=sys.stderr)
         return 1
-    argv = ["--out", str(cfg.out), *(["--quick"] if cfg.quick and name in ("serve", "online") else []), *extra]
+    argv = ["--out", str(cfg.out), *(["--quick"] if cfg.quick and name in ("serve", "online", "invariance") else []),
+            *(["--batch-invariant"] if cfg.batch_invariant and name == "serve" else []), *extra]
     try:
         rc = module.main(argv)
     except SystemExit as e:  # its own argparse
@@ -79,12 +87,16 @@ def _bench(args, extra: list[str]) -> int:
     if extra and args.name not in FORWARDED:
         print(f"pagedflash bench {args.name}: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
         return 2
+    if args.batch_invariant and args.name not in INVARIANT_COST:
+        print(f"pagedflash bench {args.name}: --batch-invariant is for {', '.join(INVARIANT_COST)} "
+              "(bench invariance always runs both modes)", file=sys.stderr)
+        return 2
     if not common.has_gpu() and not args.quick and args.name not in CPU_BENCHES:
         print("pagedflash bench: the benchmarks need a CUDA GPU and none is visible. "
               "Use --quick for a smoke run on tiny shapes (CPU: Triton interpreter).", file=sys.stderr)
         return 2
     common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graphs=not args.eager)
-    cfg = common.Config(out=args.out, quick=args.quick)
+    cfg = common.Config(out=args.out, quick=args.quick, batch_invariant=args.batch_invariant)
     if args.name in FORWARDED:
         return _run_forwarded(args.name, cfg, extra)
     names = KERNEL_BENCHES if args.name == "all" else (args.name,)

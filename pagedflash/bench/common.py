@@ -53,6 +53,7 @@ class Config:
 
     out: Path = Path("bench_results")
     quick: bool = False  # tiny shapes: a smoke run (CPU interpreter or GPU), not figures
+    batch_invariant: bool = False  # decode/prefill: every grid point also timed in the batch-invariant mode
 
 
 class Unsupported(Exception):
@@ -378,6 +379,21 @@ def ratio(a: Measured, b: Measured) -> float | str:
     if a.ok and b.ok:
         return b.ms / a.ms
     return NA
+
+
+INVARIANT_TARGET = 1.15  # issue 32: a kernel's time in the batch-invariant mode over its default time, at most
+
+
+def invariant_x(off: Measured, on: Measured) -> float | str:
+    """``on.ms / off.ms``: the batch-invariant mode's time over the default's for one point (>1: the
+    mode costs), or ``n/a`` when either side has no time."""
+    return ratio(off, on)
+
+
+INVARIANT_NOTE = ("invariant: the same call with batch_invariant=True (fixed-size key splits at absolute positions, "
+                  "one tile configuration, splits merged in one order; README 'Batch invariance'), checked against "
+                  f"the reference like the default; inv x = its time / the default's, same run (target <= "
+                  f"{INVARIANT_TARGET}x, issue 32).")
 
 
 def geomean(values: Iterable[float | str]) -> float | str:

@@ -11,6 +11,12 @@
    at one byte, Q and O at two), and the error against the reference over the dequantized cache
    (checked, bf16's tolerance) and against the unquantized bf16 values (reported).
 
+``--batch-invariant`` adds to the serving grid a paged cache (16-token pages, the engine's default)
+and, for the contiguous call, the paged one and the fp8 one, the same call with
+``batch_invariant=True`` timed in the same run: its microseconds and its time over the default's
+per cell, and their geometric means in the summary (issue 32's target: <= 1.15x). The default side
+is the mode off whatever ``PAGEDFLASH_BATCH_INVARIANT`` says.
+
 Every call is ``flash_attn_with_kvcache(q [B,1,Hq,D], k_cache, v_cache, cache_seqlens=N,
 num_splits=s)`` over random caches (the serving grid also times ``cache_seqlens=None``, the whole
 cache, which is what SDPA computes); do_bench flushes L2 before each call, so even a 4 MB cache is
@@ -20,14 +26,17 @@ backend takes it, else expanded to Hq heads: see the ``sdpa`` column), ``is_caus
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
 
 import pagedflash as pf
 from pagedflash._progress import progress
+from pagedflash.batch_invariance import batch_invariant
 from pagedflash.bench.common import (
     HBM_TBPS,
+    INVARIANT_NOTE,
     NA,
     Config,
     Measured,
@@ -37,6 +46,7 @@ from pagedflash.bench.common import (
     geomean,
     host_us,
     human,
+    invariant_x,
     measure,
     measure_sdpa,
     randn,
@@ -102,20 +112,23 @@ class DecodeInputs:
     def sdpa_check(self, out: torch.Tensor) -> tuple[float, bool]:
         return self.check(out.transpose(1, 2))
 
-    def contiguous(self, num_splits: int = AUTO, lengths: bool = True):
+    def contiguous(self, num_splits: int = AUTO, lengths: bool = True, batch_invariant: bool | None = None):
         """The call over the contiguous cache; ``lengths=False`` passes no ``cache_seqlens`` (the whole
-        cache, which is what SDPA computes: no lengths to read before the first K/V address)."""
+        cache, which is what SDPA computes: no lengths to read before the first K/V address).
+        ``batch_invariant``: the entry point's argument (None: the process default)."""
         seqlens = self.seqlens if lengths else None
-        return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=seqlens, num_splits=num_splits)
+        return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=seqlens, num_splits=num_splits,
+                                                  batch_invariant=batch_invariant)
 
-    def paged(self, page: int, num_splits: int = AUTO):
+    def paged(self, page: int, num_splits: int = AUTO, batch_invariant: bool | None = None):
         """The same cache as a pool of ``page``-token blocks in a random order, read through a block
         table (same values, so :meth:`check` applies)."""
         b, n = self.shape[:2]
         table = random_block_table([n // page] * b, b * n // page, device=self.q.device)
         k_pool, v_pool = (to_paged(x, page, table) for x in (self.k, self.v))
         return lambda: pf.flash_attn_with_kvcache(self.q, k_pool, v_pool, cache_seqlens=self.seqlens,
-                                                  block_table=table, num_splits=num_splits)
+                                                  block_table=table, num_splits=num_splits,
+                                                  batch_invariant=batch_invariant)
 
     def fp8(self) -> Fp8Inputs:
         return Fp8Inputs(self)
@@ -169,10 +182,10 @@ class Fp8Inputs:
         """Relative error of ``fn()``'s output against the reference over the original (unquantized) cache."""
         return self.base.check(fn())[0]
 
-    def contiguous(self, num_splits: int = AUTO):
+    def contiguous(self, num_splits: int = AUTO, batch_invariant: bool | None = None):
         b = self.base
         return lambda: pf.flash_attn_with_kvcache(b.q, self.k, self.v, cache_seqlens=b.seqlens, num_splits=num_splits,
-                                                  k_descale=self.kd, v_descale=self.vd)
+                                                  k_descale=self.kd, v_descale=self.vd, batch_invariant=batch_invariant)
 
     def paged(self, page: int, num_splits: int = AUTO):
         b = self.base
@@ -216,15 +229,22 @@ FP8_NOTE = ("fp8 = float8_e4m3fn K/V, per-KV-head scales amax/448 from the data,
             "cache's own for scale.")
 
 
-def fp8_grid(spec: dict) -> tuple[Table, int]:
+def fp8_grid(spec: dict, invariant: bool = False) -> tuple[Table, int]:
+    """``invariant``: each fp8 call also timed with ``batch_invariant=True`` (columns ``fp8_inv_us``, ``fp8_inv_x``)."""
     (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
+    columns = fp8_columns(dtype) | ({"fp8_inv_us": "fp8 invariant µs", "fp8_inv_x": "fp8 inv x"} if invariant else {})
     table = Table("fp8", f"FP8 KV decode vs {str(dtype)[6:]}, same shapes: Hq/Hkv={hq}/{hkv}, D={d}, "
-                  "contiguous cache, num_splits=auto", fp8_columns(dtype), note=FP8_NOTE)
+                  "contiguous cache, num_splits=auto", columns,
+                  note=FP8_NOTE + (" " + INVARIANT_NOTE if invariant else ""))
     bad = 0
     for b, n in progress(grid_cells(spec), desc="decode fp8 vs bf16"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
         fp8 = inputs.fp8()
         row, cases = fp8_row(inputs, fp8, f"decode B={b} N={n}")
+        if invariant:
+            on = measure(fp8.contiguous(batch_invariant=True), fp8.check, label=f"decode B={b} N={n} fp8 invariant")
+            row.update(fp8_inv_us=on.show(lambda ms: ms * 1e3), fp8_inv_x=invariant_x(cases[1], on), fp8_inv_err=on.err)
+            cases.append(on)
         table.rows.append(row)
         bad += failures(cases)
         del inputs, fp8
@@ -274,7 +294,13 @@ def grid_cells(spec: dict) -> list[tuple[int, int]]:
             if kv_bytes(b, n, hkv, d, spec["dtype"]) <= spec["max_kv_gb"] * 1e9]
 
 
-def serving_grid(spec: dict) -> tuple[Table, int]:
+INVARIANT_COLUMNS = {"inv_us": "invariant µs", "inv_x": "inv x", "p16_us": "paged µs", "p16_inv_us": "paged invariant µs",
+                     "p16_inv_x": "paged inv x"}
+
+
+def serving_grid(spec: dict, invariant: bool = False) -> tuple[Table, int]:
+    """``invariant``: the contiguous call also timed with ``batch_invariant=True``, and a paged cache
+    (16-token pages) timed both ways (:data:`INVARIANT_COLUMNS`)."""
     (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
     table = Table(
         "grid", f"Decode serving grid: Hq/Hkv={hq}/{hkv}, D={d}, {str(dtype)[6:]}, num_splits=auto",
@@ -290,6 +316,9 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
              "launch-bound without CUDA graphs; do_bench's L2 flush hides up to ~50-90 µs of it). "
              "SDPA GQA: gqa-native = enable_gqa=True; gqa-expanded = K/V repeated to Hq heads (reads G x the bytes).",
     )
+    if invariant:
+        table.columns |= INVARIANT_COLUMNS
+        table.note += " paged: the same cache in 16-token pages (random order), num_splits=auto. " + INVARIANT_NOTE
     bad = 0
     for b, n in progress(grid_cells(spec), desc="decode serving grid"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
@@ -311,18 +340,37 @@ def serving_grid(spec: dict) -> tuple[Table, int]:
             "host_us": host, "err": ours.err,
             "sdpa": " ".join(f"{name}:{m.note if m.ok else m.status}" for name, m in sdpa.items()),
         })
+        if invariant:
+            bad += invariant_cells(inputs, ours, table.rows[-1], f"decode B={b} N={n}")
         del inputs
         free_memory()
     return table, bad
 
 
+def invariant_cells(inputs: DecodeInputs, off: Measured, row: dict, label: str, page: int = 16) -> int:
+    """A serving-grid cell with the batch-invariant mode on (contiguous, whose default side is
+    ``off``) and a paged cache both ways: :data:`INVARIANT_COLUMNS` into ``row``; returns failures."""
+    on = measure(inputs.contiguous(batch_invariant=True), inputs.check, label=f"{label} invariant")
+    p_off = measure(inputs.paged(page), inputs.check, label=f"{label} paged")
+    p_on = measure(inputs.paged(page, batch_invariant=True), inputs.check, label=f"{label} paged invariant")
+    us = {key: m.show(lambda ms: ms * 1e3) for key, m in (("inv_us", on), ("p16_us", p_off), ("p16_inv_us", p_on))}
+    row.update(us, inv_x=invariant_x(off, on), p16_inv_x=invariant_x(p_off, p_on), inv_err=on.err, p16_inv_err=p_on.err)
+    return failures([on, p_off, p_on])
+
+
 def main(cfg: Config) -> int:
+    # with --batch-invariant the default side is the mode off, whatever the environment says
+    with batch_invariant(False) if cfg.batch_invariant else contextlib.nullcontext():
+        return _main(cfg)
+
+
+def _main(cfg: Config) -> int:
     spec = QUICK if cfg.quick else FULL
     splits_table, heat, bad_seed = seed_sweep(spec["seed"])
     print_table(splits_table)
-    grid, bad_grid = serving_grid(spec["grid"])
+    grid, bad_grid = serving_grid(spec["grid"], cfg.batch_invariant)
     print_table(grid)
-    fp8, bad_fp8 = fp8_grid(spec["fp8"])
+    fp8, bad_fp8 = fp8_grid(spec["fp8"], cfg.batch_invariant)
     print_table(fp8)
     summary = {
         "geomean_pf_vs_cudnn": geomean(r["vs_cudnn"] for r in grid.rows),
@@ -333,6 +381,10 @@ def main(cfg: Config) -> int:
         "fp8_speedup_kv_256mb_1gb": geomean(r["speedup"] for r in fp8.rows if 0.256 <= r["kv_gb"] < 1),
         "failures": bad_seed + bad_grid + bad_fp8,
     }
+    if cfg.batch_invariant:
+        summary.update(geomean_invariant_x=geomean(r["inv_x"] for r in grid.rows),
+                       geomean_invariant_x_paged=geomean(r["p16_inv_x"] for r in grid.rows),
+                       geomean_invariant_x_fp8=geomean(r["fp8_inv_x"] for r in fp8.rows))
     print_summary(summary)
 
     s = spec["seed"]

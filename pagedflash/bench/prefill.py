@@ -7,17 +7,25 @@
    and not, fp16 and bf16: pagedflash dense, pagedflash varlen (the same B sequences packed), SDPA
    flash, SDPA cuDNN. FLOPs = 4*B*Hq*N^2*D, halved for causal (the flash-attn convention).
    Ratios are throughput ratios from the same run (>1: pagedflash faster).
+
+``--batch-invariant`` times pagedflash dense and varlen of every cell of (2) again with
+``batch_invariant=True`` in the same run (the Hopper Gluon kernel is not used in the mode): TFLOP/s,
+the time over the default's per cell, and its geometric mean in the summary (issue 32's target:
+<= 1.15x). The default side is the mode off whatever ``PAGEDFLASH_BATCH_INVARIANT`` says.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
 
 import pagedflash as pf
 from pagedflash._progress import progress
+from pagedflash.batch_invariance import batch_invariant
 from pagedflash.bench.common import (
+    INVARIANT_NOTE,
     NA,
     OOM,
     Config,
@@ -29,6 +37,7 @@ from pagedflash.bench.common import (
     geomean,
     has_gpu,
     human,
+    invariant_x,
     measure,
     measure_sdpa,
     randn,
@@ -127,21 +136,27 @@ def memory_table(spec: dict) -> Table:
     return table
 
 
-def sweep_case(dtype, d: int, causal: bool, n: int, spec: dict) -> tuple[dict, list[Measured]]:
-    """One (dtype, D, causal, N) cell: check then time the four implementations."""
+def sweep_case(dtype, d: int, causal: bool, n: int, spec: dict, invariant: bool = False) -> tuple[dict, list[Measured]]:
+    """One (dtype, D, causal, N) cell: check then time the four implementations (``invariant``: and
+    pagedflash's two with ``batch_invariant=True``)."""
     b, h = spec["tokens"] // n, spec["width"] // d
     q, k, v = (randn(b, n, h, d, dtype=dtype) for _ in range(3))
     refs = {i: reference_rows(q[i], k[i], v[i], causal=causal) for i in sorted({0, b - 1})}
     label = f"{str(dtype)[6:]} D={d} N={n} causal={causal}"
-
-    dense = measure(lambda: pf.flash_attn_func(q, k, v, causal=causal),
-                    rows_checker(refs, dtype, lambda o, i: o[i]), label=f"dense {label}")
     qp, kp, vp = (x.view(b * n, h, d) for x in (q, k, v))
     cu = cu_seqlens_tensor([n] * b, device=device())
-    varlen = measure(
-        lambda: pf.flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
-                                          max_seqlen_k=n, causal=causal),
-        rows_checker(refs, dtype, lambda o, i: o[i * n:(i + 1) * n]), label=f"varlen {label}")
+    dense_check = rows_checker(refs, dtype, lambda o, i: o[i])
+    varlen_check = rows_checker(refs, dtype, lambda o, i: o[i * n:(i + 1) * n])
+
+    def dense_call(mode=None):
+        return lambda: pf.flash_attn_func(q, k, v, causal=causal, batch_invariant=mode)
+
+    def varlen_call(mode=None):
+        return lambda: pf.flash_attn_varlen_func(qp, kp, vp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
+                                                 max_seqlen_k=n, causal=causal, batch_invariant=mode)
+
+    dense = measure(dense_call(), dense_check, label=f"dense {label}")
+    varlen = measure(varlen_call(), varlen_check, label=f"varlen {label}")
     qt, kt, vt = map(bhsd, (q, k, v))
     sdpa_check = rows_checker(refs, dtype, lambda o, i: o[i].transpose(0, 1))
     flash = measure_sdpa("flash", qt, kt, vt, causal=causal, check=sdpa_check, label=f"SDPA flash {label}")
@@ -154,10 +169,21 @@ def sweep_case(dtype, d: int, causal: bool, n: int, spec: dict) -> tuple[dict, l
     row.update({f"{key}_ms": m.ms for key, m in cases.items()})
     row.update({f"{key}_err": m.err for key, m in cases.items()})
     row.update(vs_flash=ratio(dense, flash), vs_cudnn=ratio(dense, cudnn), varlen_vs_dense=ratio(varlen, dense))
-    return row, [dense, varlen]
+    if not invariant:
+        return row, [dense, varlen]
+    dense_on = measure(dense_call(True), dense_check, label=f"dense invariant {label}")
+    varlen_on = measure(varlen_call(True), varlen_check, label=f"varlen invariant {label}")
+    for key, off, on in (("dense", dense, dense_on), ("varlen", varlen, varlen_on)):
+        row.update({f"{key}_inv": on.show(lambda ms: tflops(flops, ms)), f"{key}_inv_ms": on.ms,
+                    f"{key}_inv_err": on.err, f"{key}_inv_x": invariant_x(off, on)})
+    return row, [dense, varlen, dense_on, varlen_on]
 
 
-def tflops_table(spec: dict) -> tuple[Table, int]:
+INVARIANT_COLUMNS = {"dense_inv": "pf invariant", "dense_inv_x": "inv x", "varlen_inv": "pf varlen invariant",
+                     "varlen_inv_x": "varlen inv x"}
+
+
+def tflops_table(spec: dict, invariant: bool = False) -> tuple[Table, int]:
     table = Table(
         "tflops", f"Prefill TFLOP/s, B*N = {human(spec['tokens'])} tokens, Hq*D = {spec['width']} (Hq = Hkv)",
         {"dtype": "dtype", "D": "D", "causal": "causal", "N": "N", "dense": "pagedflash",
@@ -167,10 +193,13 @@ def tflops_table(spec: dict) -> tuple[Table, int]:
              "Every case checked against the fp32 reference (first and last 128 rows of the first and "
              "last sequence) before timing; FAIL = wrong result, not timed.",
     )
+    if invariant:
+        table.columns |= INVARIANT_COLUMNS
+        table.note += " " + INVARIANT_NOTE
     cells = list(itertools.product(spec["dtypes"], spec["dims"], (False, True), spec["lens"]))
     bad = 0
     for dtype, d, causal, n in progress(cells, desc="prefill sweep"):
-        row, ours = sweep_case(dtype, d, causal, n, spec)
+        row, ours = sweep_case(dtype, d, causal, n, spec, invariant)
         table.rows.append(row)
         bad += failures(ours)
         free_memory()
@@ -190,10 +219,16 @@ def plot_tflops(table: Table, cfg: Config) -> None:
 
 
 def main(cfg: Config) -> int:
+    # with --batch-invariant the default side is the mode off, whatever the environment says
+    with batch_invariant(False) if cfg.batch_invariant else contextlib.nullcontext():
+        return _main(cfg)
+
+
+def _main(cfg: Config) -> int:
     spec = QUICK if cfg.quick else FULL
     memory = memory_table(spec["memory"])
     print_table(memory)
-    tput, bad = tflops_table(spec)
+    tput, bad = tflops_table(spec, cfg.batch_invariant)
     print_table(tput)
     summary = {
         "geomean_pf_vs_flash": geomean(r["vs_flash"] for r in tput.rows),
@@ -201,6 +236,9 @@ def main(cfg: Config) -> int:
         "geomean_varlen_vs_dense": geomean(r["varlen_vs_dense"] for r in tput.rows),
         "failures": bad,
     }
+    if cfg.batch_invariant:
+        summary.update(geomean_invariant_x=geomean(r["dense_inv_x"] for r in tput.rows),
+                       geomean_invariant_x_varlen=geomean(r["varlen_inv_x"] for r in tput.rows))
     print_summary(summary)
     plot_tflops(tput, cfg)
     path = write_results("prefill", [memory, tput], cfg.out, quick=cfg.quick, summary=summary)
