@@ -2,7 +2,7 @@
 output and LSE bit for bit the same however the call around it is made up — alone or among other
 sequences of other lengths, as part of a whole prefill, of a chunk of any size, or as a decode step,
 with any split count — for every option the engine uses (GQA, sliding window, softcap, sinks, fp8
-caches with descales), and still the attention of the fp32 reference.
+caches with descales), and still the attention of the fp32 reference; and the fused MoE's rows.
 
 Under the interpreter the dot runs through :func:`pagedflash.testing.row_exact_interpreter_dot` (the
 host BLAS rounds an element by its row's place in a block; a GPU's dot instruction does not).
@@ -98,8 +98,9 @@ def test_rows_equal_however_the_call_is_made_up(case, dtype):
         assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"batched decode {t}"
 
 
-def test_fp8_cache_rows_equal():
-    dtype = torch.float16  # fp8 K/V under 16-bit queries (bf16 on a GPU goes through the per-row scale)
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32], ids=ids)
+def test_fp8_cache_rows_equal(dtype):
+    """fp8 K/V under 16-bit queries (bf16 queries scale q per row in the mode: GPU only)."""
     caches, table, q, q_others, opts = _setup("plain", dtype, fp8=True)
     full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
     for t in (5, LEN - 1):
@@ -161,3 +162,18 @@ def test_global_switch_reaches_the_kernels():
         by_default = call()
     assert torch.equal(by_default, call(batch_invariant=True))
     assert_close(call(), by_default, torch.float32)
+
+
+def test_fused_moe_rows_equal():
+    """The experts' rows: a token alone (one pair per block, decode tiles by default) and among 69 others (grouped by expert, prefill tiles by default)."""
+    from pagedflash.ops import moe
+
+    T, H, I, E, k = 70, 160, 136, 4, 2  # H and I past both tiles' reduction steps (128, 64)
+    hidden = randn(T, H)
+    w13, w2 = randn(E, 2 * I, H) * 0.2, randn(E, H, I) * 0.2
+    weights, ids = moe.route(randn(T, E), k, scoring="softmax", renormalize=True)
+    assert not moe.tiles(T, k, E).direct and moe.tiles(1, k, E).direct
+    batch = moe.fused_moe(hidden, w13, w2, weights, ids, batch_invariant=True)
+    for t in (0, 20, T - 1):
+        one = moe.fused_moe(hidden[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], batch_invariant=True)
+        assert torch.equal(one[0], batch[t]), f"token {t}"

@@ -1,7 +1,8 @@
 """The engine's batch-invariant mode, ``LLM(batch_invariant=True)``: a request's tokens and logprobs
 are bit for bit the same served alone or among other requests, whatever the chunking of its prefill
 (other chunk sizes), preemption (recomputed), prefix-cache hits (keys another request computed), and
-the same token's logprob computed by a prefill equals the one computed by a decode step.
+the same token's logprob computed by a prefill equals the one computed by a decode step; for a dense
+model and a mixture-of-experts one (GPT-OSS).
 
 Under the interpreter the attention dot runs through
 :func:`pagedflash.testing.row_exact_interpreter_dot` (the host BLAS rounds by a row's place in a
@@ -87,13 +88,26 @@ def test_prefill_and_decode_logprobs_agree(alone):
     assert tail == logprobs
 
 
+GPT_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=2, initializer_range=0.3,
+               architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=8)
+
+
+def test_moe_model_alone_equals_batched():
+    """GPT-OSS (experts with biases, a router, sinks, sliding layers): the experts' rows too."""
+    mine, ps = [prompt(19, 5), prompt(6, 6)], [params(), params(max_tokens=3)]
+    solo = LLM(GPT_OSS, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=1)
+    alone = [run(solo, [p], [sp])[0] for p, sp in zip(mine, ps)]
+    llm = LLM(GPT_OSS, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=8,
+              max_num_batched_tokens=11)
+    got = run(llm, [prompt(9, 7), mine[0], prompt(14, 8), mine[1]], [params(max_tokens=5), ps[0], params(), ps[1]])
+    assert [got[1], got[3]] == alone
+
+
 def test_refusals():
     with pytest.raises(TypeError, match="batch_invariant: expected a bool"):
         engine(batch_invariant=1)
-    moe = {**TINY_LLAMA, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
-           "num_experts_per_tok": 2}
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        LLM(moe, dtype=torch.float32, batch_invariant=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         engine(tensor_parallel_size=2)
 

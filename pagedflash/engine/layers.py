@@ -71,11 +71,15 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormal
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, invariant: bool = False, **kwargs) -> torch.Tensor:
     """The experts' weighted sum ``[T, H]`` in ``hidden``'s dtype (:func:`pagedflash.ops.moe.fused_moe`;
-    ``kwargs``: its activation, biases, alpha and limit)."""
+    ``kwargs``: its activation, biases, alpha and limit). ``invariant``: each token's row the same bits
+    whatever the other tokens (off the GPU: one token at a time)."""
     if use_kernels(hidden):
-        return moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, **kwargs)
+        return moe.fused_moe(hidden, w13, w2, topk_weights, topk_ids, batch_invariant=invariant, **kwargs)
+    if invariant and hidden.shape[0] > 1:
+        return torch.cat([fused_moe(hidden[t:t + 1], w13, w2, topk_weights[t:t + 1], topk_ids[t:t + 1], **kwargs)
+                          for t in range(hidden.shape[0])])
     return reference.fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, **kwargs).to(hidden.dtype)
 
 

@@ -102,8 +102,8 @@ class LLM:
         batch_invariant: a request's tokens and logprobs bit for bit the same whatever else the
             engine serves (batch, chunking, preemption, prefix hits): attention in the kernels'
             batch-invariant mode and every projection through the batch-invariant product
-            (README "Batch invariance"). One GPU, dense models (not with ``tensor_parallel_size > 1``,
-            whose all-reduce order follows the message size, nor mixture-of-experts models).
+            (README "Batch invariance"). Not with ``tensor_parallel_size > 1``, whose all-reduce
+            order follows the message size.
 
     Not thread-safe: drive one engine from one thread.
     """
@@ -148,7 +148,7 @@ class LLM:
             if self.device.index is None:  # the current GPU (tensor-parallel rank r: the r-th after it)
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.tensor_parallel_size = check_tensor_parallel_size(self.config, tensor_parallel_size, self.device)
-        _check_batch_invariant(batch_invariant, self.config, self.tensor_parallel_size)
+        _check_batch_invariant(batch_invariant, self.tensor_parallel_size)
         self.batch_invariant = batch_invariant
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
@@ -482,7 +482,7 @@ class _Tokenizer:
         return self.tok.decode(ids)
 
 
-def _check_batch_invariant(batch_invariant, config: ModelConfig, tensor_parallel_size: int) -> None:
+def _check_batch_invariant(batch_invariant, tensor_parallel_size: int) -> None:
     """Refuse the batch-invariant mode where the engine cannot keep it, saying why."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant: expected a bool, got {batch_invariant!r}")
@@ -491,9 +491,6 @@ def _check_batch_invariant(batch_invariant, config: ModelConfig, tensor_parallel
     if tensor_parallel_size > 1:
         raise ValueError(f"batch_invariant: not supported with tensor_parallel_size > 1 (got {tensor_parallel_size}): "
                          "the all-reduce picks its algorithm, and so its order of summation, by message size")
-    if config.num_experts:
-        raise ValueError("batch_invariant: not supported for mixture-of-experts models yet (the fused MoE kernel's "
-                         f"tiles follow the step's token count); got {config.num_experts} experts")
 
 
 def _kv_cache_format(kv_cache_dtype, k_scale, v_scale, path: str | None, config: ModelConfig) -> dict:

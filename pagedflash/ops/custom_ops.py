@@ -175,11 +175,12 @@ for _name, _fake in (("flash_attn_func", _fake_dense), ("flash_attn_varlen_func"
 # fused_moe (pagedflash.ops.moe.fused_moe): writes out
 _SCHEMAS["fused_moe"] = ("(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
                          "Tensor? w13_bias, Tensor? w2_bias, int activation, float alpha, float limit, "
-                         "Tensor(a!) out) -> ()")
+                         "Tensor(a!) out, bool batch_invariant=False) -> ()")
 _lib.define("fused_moe" + _SCHEMAS["fused_moe"])
 
 
-def _fake_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, alpha, limit, out):
+def _fake_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, alpha, limit, out,
+                    batch_invariant=False):
     return None
 
 

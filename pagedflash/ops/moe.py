@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedflash import validate
+from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, moe_routing
 from pagedflash.ops._jit import report_fault
 from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
@@ -229,7 +229,7 @@ TILES: Tiles | None = None  # forced tiles (tests, tuning)
 DECODE_MAX_TOKENS = 64  # up to here, or while experts average <= 16 rows, the decode tiles
 
 
-def tiles(T: int, top_k: int, E: int) -> Tiles:
+def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     """Launch choices from the host's shapes (no device value); ``rows = T * top_k / E`` is the
     average number of rows an expert gets:
 
@@ -241,10 +241,16 @@ def tiles(T: int, top_k: int, E: int) -> Tiles:
     - prefill: 64-row blocks (128 from 256 rows per expert), 64 gate + 64 up columns and 128 down
       columns, 64-deep steps, 3 stages, 8 warps on the 128-row tiles; programs grouped 8 row blocks
       at a time over the column blocks (L2 reuse of the rows).
-    Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, :data:`TILES` the override."""
+    Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, :data:`TILES` the override.
+
+    ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
+    same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
+    does not change its arithmetic)."""
     if TILES is not None:
         return TILES
     direct = T == 1 or T * top_k * 4 <= E
+    if invariant:
+        return Tiles(direct, 64, 64, 128, 64, 4, 3, 8)
     rows = T * top_k / E
     if T <= DECODE_MAX_TOKENS or rows <= 16:
         return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
@@ -306,13 +312,14 @@ class _Plan(NamedTuple):
         return self.grouping.num_blocks
 
 
-def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, out) -> _Plan:
+def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, out,
+          invariant: bool = False) -> _Plan:
     """Check the operands (all the checks read is in the plan's key) and work out the launches."""
     _check(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation, out)
     T, H = hidden.shape
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
-    t = tiles(T, k, E)
+    t = tiles(T, k, E, invariant)
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, SORTED=not t.direct,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", BM=t.bm, BK=t.bk,
@@ -333,11 +340,11 @@ _PLANS = PlanCache()
 
 
 def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation: int, alpha: float,
-            limit: float, out) -> None:
+            limit: float, out, batch_invariant: bool = False) -> None:
     key = _PLANS.key(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, out,
-                     extra=(activation, TILES, _fault_code()))
+                     extra=(activation, TILES, _fault_code(), batch_invariant))
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias,
-                                                    activation, out))
+                                                    activation, out, batch_invariant))
     if validate.value_checks_enabled(topk_ids):
         _check_ids(topk_ids, w13.shape[0])
     T, H = hidden.shape
@@ -400,7 +407,7 @@ def _finite(name: str, value) -> float:
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, activation: str = "silu", w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, batch_invariant: bool | None = None) -> torch.Tensor:
     """The experts' MLP of a mixture-of-experts layer, weighted and summed per token.
 
     hidden ``[T, H]`` fp16/bf16/fp32; w13 ``[E, 2I, H]`` (gate rows ``0..I-1``, up rows ``I..2I-1``:
@@ -415,7 +422,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     optional biases w13_bias ``[E, 2I]`` (gate then up) and w2_bias ``[E, H]``, both or neither.
     The activation is rounded to hidden's dtype (the intermediate); each pair's weighted output and
     the sum over k are fp32. No host sync (CUDA-graph safe). An id outside ``[0, E)`` makes its
-    token's row NaN (refused on the host in the debug mode ``validate.value_checks(True)``)."""
+    token's row NaN (refused on the host in the debug mode ``validate.value_checks(True)``).
+    ``batch_invariant``: each token's row the same bits whatever the other tokens (one tile for every
+    T: :func:`tiles`); None: the process-wide default (:mod:`pagedflash.batch_invariance`)."""
     act = _activation(activation)
     alpha, limit = _finite("alpha", alpha), _finite("limit", limit)
     if custom_ops.via_operator():
@@ -426,5 +435,6 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
     elif isinstance(out, torch.Tensor):  # programs write out while others still read the inputs
         validate.check_out_separate(out, dict(hidden=hidden, w13=w13, w2=w2, w13_bias=w13_bias, w2_bias=w2_bias))
-    _op(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, act, alpha, limit, out)
+    _op(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, act, alpha, limit, out,
+        batch_invariance.resolve(batch_invariant))
     return out

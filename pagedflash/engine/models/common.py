@@ -234,11 +234,12 @@ class CausalLM(nn.Module):
 
     def make_batch_invariant(self) -> None:
         """Every row's result the same bits whatever the other rows of a step: each layer's attention
-        in the kernels' batch-invariant mode, every projection (LM head included) through the
-        batch-invariant product (:func:`pagedflash.engine.layers.linear`). Norms, RoPE, activations
-        and the sampler are row by row already."""
+        in the kernels' batch-invariant mode, every projection (LM head and MoE routers included)
+        through the batch-invariant product (:func:`pagedflash.engine.layers.linear`), the experts
+        of a MoE layer with one tile for every token count. Every module with a ``batch_invariant``
+        attribute takes it. Norms, RoPE, activations and the sampler are row by row already."""
         for module in self.modules():
-            if isinstance(module, (Attention, nn.Linear)):
+            if isinstance(module, nn.Linear) or hasattr(module, "batch_invariant"):
                 module.batch_invariant = True
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:

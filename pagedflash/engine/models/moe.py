@@ -41,12 +41,15 @@ class Experts(nn.Module):
         self.w2_bias = nn.Parameter(torch.empty(e, h)) if config.moe_bias else None
         self.activation = config.moe_activation
         self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.batch_invariant = False  # CausalLM.make_batch_invariant
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.activation == "silu":
-            return layers.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation="silu")
+            return layers.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation="silu",
+                                    invariant=self.batch_invariant)
         return layers.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation=self.activation,
-                                w13_bias=self.w13_bias, w2_bias=self.w2_bias, alpha=self.alpha, limit=self.limit)
+                                w13_bias=self.w13_bias, w2_bias=self.w2_bias, alpha=self.alpha, limit=self.limit,
+                                invariant=self.batch_invariant)
 
 
 class SparseMoE(nn.Module):
