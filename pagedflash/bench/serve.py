@@ -40,7 +40,9 @@ supported family; ``tools/random_model.py`` writes random ones of other shapes).
   ``--tensor-parallel-size`` also runs the other sections' engine on N GPUs.
 
 ``--kv-cache-dtype fp8_e4m3`` runs the other sections' engines with an fp8 KV cache too (the ``%
-of bound`` of ``itl`` and ``tp`` then counts one byte per cached K/V element).
+of bound`` of ``itl`` and ``tp`` then counts one byte per cached K/V element). ``--batch-invariant``
+runs the engines of ``throughput`` and ``itl`` with the batch-invariant mode off and on, and reports
+the on/off time ratios (:mod:`pagedflash.bench.serve_invariant`).
 
 Figures are printed and written to ``<out>/serve.json`` (tables of sections not run this time are
 kept from an earlier file). ``--quick`` runs a tiny model with tiny workloads anywhere (CPU: Triton
@@ -50,6 +52,7 @@ interpreter): a smoke test of the plumbing, not figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -67,6 +70,9 @@ from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
 from pagedflash.bench.decode_bound import bound_seconds, bytes_read, experts_note, kv_read
 from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_transformers, static_batches
 from pagedflash.bench.report import Table, print_table, write_results
+from pagedflash.bench.serve_invariant import COLUMNS as INV_COLUMNS
+from pagedflash.bench.serve_invariant import NOTE as INV_NOTE
+from pagedflash.bench.serve_invariant import engine_modes, itl_summary, label, throughput_summary
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
 from pagedflash.engine.parallel import ALLREDUCE_ENV, ALLREDUCE_KINDS
@@ -100,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPUs per engine; >= 2 adds the 'tp' section (then the default) comparing 1 and N GPUs")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
                    help="KV cache of the throughput/prefix/itl engines (longctx runs both auto and fp8_e4m3)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="throughput and itl: the engine with the batch-invariant mode off and on, and the on/off ratios")
     return p
 
 
@@ -153,7 +161,7 @@ def _run(args, sections, w, engine_kw, model_dir, config, on_gpu) -> int:
     runners = {
         "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
         "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
-        "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu),
+        "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu, args.batch_invariant),
         "longctx": lambda rng: bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu),
         "tp": lambda rng: bench_tp(w, rng, engine_kw, args, summary, on_gpu),
     }
@@ -183,17 +191,20 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in out_lens]
     useful = sum(out_lens)
     rows = []
-    llm = LLM(model_dir, **engine_kw)
-    _warm(llm, config, rng)
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    s = llm.last_stats
-    assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
-    ours = s["output_tokens_per_s"]
-    print(f"pagedflash engine: {ours:.0f} output tok/s, {s['elapsed_s']:.1f} s, {s['steps']} steps", flush=True)
-    rows.append(dict(system="pagedflash engine", tok_s=ours, seconds=s["elapsed_s"],
-                     ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
-                     itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
-    _close(llm)
+    for invariant in engine_modes(args.batch_invariant):
+        llm = LLM(model_dir, batch_invariant=invariant, **engine_kw)
+        _warm(llm, config, rng)
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        s = llm.last_stats
+        assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
+        system = "pagedflash engine" + (", batch-invariant" if invariant else "")
+        print(f"{system}: {s['output_tokens_per_s']:.0f} output tok/s, {s['elapsed_s']:.1f} s, {s['steps']} steps",
+              flush=True)
+        rows.append(dict(system=system, invariant=label(invariant), tok_s=s["output_tokens_per_s"],
+                         seconds=s["elapsed_s"], ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
+                         itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
+        _close(llm)
+    ours = rows[0]["tok_s"]
     best = None
     if not args.no_hf:
         hf = load_hf(model_dir)
@@ -213,11 +224,15 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
         row["vs_best_hf"] = row["tok_s"] / best if best and row.get("tok_s") else None
     if best:
         summary["throughput_vs_best_transformers"] = ours / best
+    if args.batch_invariant:
+        throughput_summary(rows, summary)
     return Table("throughput", f"Throughput: {n} requests, prompts {plo}-{phi}, outputs {olo}-{ohi} tokens "
                  f"({useful} output tokens), ignore_eos",
                  {"system": "system", "tok_s": "output tok/s", "seconds": "s", "ttft_ms": "mean TTFT ms",
-                  "itl_ms": "mean ITL ms", "vs_best_hf": "x best transformers", "note": "note"},
-                 rows, note=f"target: pagedflash >= {TARGETS['throughput']}x the best transformers path")
+                  "itl_ms": "mean ITL ms", "vs_best_hf": "x best transformers", "note": "note"}
+                 | (INV_COLUMNS if args.batch_invariant else {}),
+                 rows, note=f"target: pagedflash >= {TARGETS['throughput']}x the best transformers path"
+                            + (f"; {INV_NOTE}" if args.batch_invariant else ""))
 
 
 def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
@@ -248,11 +263,11 @@ def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
                  rows, note=f"targets: throughput >= {TARGETS['prefix_tps']}x, mean TTFT >= {TARGETS['prefix_ttft']}x lower")
 
 
-def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
+def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu, invariant=False) -> Table:
     weight_bytes, kv_bytes = bytes_read(config, engine_kw, on_gpu)
     rows = []
-    for graphs in (True, False):
-        llm = LLM(model_dir, cuda_graphs=graphs, **engine_kw)
+    for graphs, inv in itertools.product((True, False), engine_modes(invariant)):
+        llm = LLM(model_dir, cuda_graphs=graphs, batch_invariant=inv, **engine_kw)
         _warm(llm, config, rng)
         for batch in w["itl_batches"]:
             for ctx in w["itl_contexts"]:
@@ -270,20 +285,23 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
                 step_weights = bytes_read(config, engine_kw, on_gpu, batch)[0]
                 bound_s = bound_seconds(step_weights, batch * kv_read(config, kv_bytes, ctx + w["itl_tokens"] / 2))
                 fwd_ms = _graph_ms(llm, batch) if graphs else None
-                rows.append(dict(graphs="on" if graphs else "off", batch=batch, context=ctx, itl_ms=1e3 * itl,
+                rows.append(dict(graphs="on" if graphs else "off", invariant=label(inv), batch=batch, context=ctx,
+                                 itl_ms=1e3 * itl,
                                  itl_mean_ms=1e3 * statistics.mean(gaps), tok_s=batch / itl, bound_ms=1e3 * bound_s,
                                  pct_bound=100 * bound_s / itl, fwd_ms=fwd_ms,
                                  rest_ms=None if fwd_ms is None else 1e3 * itl - fwd_ms))
         _close(llm)
-    key = next((r for r in rows if r["graphs"] == "on" and r["batch"] == w["itl_batches"][0]
+    key = next((r for r in rows if r["graphs"] == "on" and r["invariant"] == "off" and r["batch"] == w["itl_batches"][0]
                 and r["context"] == w["itl_contexts"][0]), None)
     if key:
         summary["itl_b1_1k_graphs_pct_of_bound"] = key["pct_bound"]
+    if invariant:
+        itl_summary(rows, summary)
     return Table("itl", f"Inter-token latency (median steady-state gap over {w['itl_tokens']} tokens)",
                  {"graphs": "CUDA graphs", "batch": "batch", "context": "context", "itl_ms": "ITL ms",
                   "itl_mean_ms": "mean ms", "tok_s": "tok/s", "bound_ms": "bound ms", "pct_bound": "% of bound",
-                  "fwd_ms": "graph ms", "rest_ms": "rest ms"},
-                 rows, note=f"bound = (weights {weight_bytes / 1e9:.2f} GB{experts_note(config)} + KV read"
+                  "fwd_ms": "graph ms", "rest_ms": "rest ms"} | (INV_COLUMNS if invariant else {}),
+                 rows, note=(f"{INV_NOTE}; " if invariant else "") + f"bound = (weights {weight_bytes / 1e9:.2f} GB{experts_note(config)} + KV read"
                             f"{', sliding layers at most their window' if config.sliding_window else ''}) "
                             f"/ {HBM_TBPS} TB/s; "
                             "graph ms: GPU time of one replay of the decode graph (forward, LM head, greedy "
