@@ -234,16 +234,19 @@ def rms_norm_ref(x, weight, eps, residual=None):
     return y * weight.float(), h
 
 
-def rope_ref(x, positions, cos, sin, num_heads, head_dim):
+def rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim=None):
     """``x [T, W]`` with heads ``0 .. num_heads - 1`` (``head_dim`` wide, rotate-half) rotated by the
-    angles of ``positions [T]``; ``cos``/``sin`` ``[max_len, head_dim]``, first half read. Returns
-    the whole row ``[T, W]``, the rest of it unchanged."""
+    angles of ``positions [T]``: each head's first ``rotary_dim`` dims (default ``head_dim``), pairs
+    ``(i, i + rotary_dim / 2)``; ``cos``/``sin`` ``[max_len, >= rotary_dim]``, the first
+    ``rotary_dim / 2`` entries of a row read. Returns the whole row ``[T, W]``, the rest of it (a
+    head's dims past ``rotary_dim`` included) unchanged."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     out = x.float().clone()
-    half = head_dim // 2
+    half = rotary_dim // 2
     heads = out[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
-    x1, x2 = heads[..., :half].clone(), heads[..., half:].clone()
+    x1, x2 = heads[..., :half].clone(), heads[..., half:rotary_dim].clone()
     c, s = cos[positions, None, :half].float(), sin[positions, None, :half].float()
-    heads.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    heads[..., :rotary_dim] = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out
 
 

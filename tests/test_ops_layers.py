@@ -61,22 +61,29 @@ def test_rms_norm_real_sizes(t, h, dtype, with_residual):
 
 
 # ---------------------------------------------------------------------------------------------- rope
-def check_rope(t, num_heads, other_heads, head_dim, max_len, dtype):
+def check_rope(t, num_heads, other_heads, head_dim, max_len, dtype, rotary_dim=None, table_width=None):
     """``num_heads`` rotated (q and k) then ``other_heads`` (v) left alone; the v columns hold NaN,
-    which must stay as they are; cos/sin rows other than the positions', and the second half of every
-    row (which the rotate-half tables repeat), are NaN and must not be read."""
+    which must stay as they are; cos/sin rows other than the positions', and every entry past the
+    first ``rotary_dim / 2`` of a row (which the rotate-half tables repeat), are NaN and must not be
+    read. ``rotary_dim < head_dim`` (partial rotary): each head's dims past it keep their bits.
+    ``table_width``: cos/sin columns (default ``rotary_dim``)."""
+    rotary_dim = rotary_dim or head_dim
     width = (num_heads + other_heads) * head_dim
     x = in_wider_rows(randn(t, width, dtype=dtype))
     x[:, num_heads * head_dim :] = float("nan")
+    before = x.clone()
     positions = torch.randint(0, max_len, (t,), device=DEVICE)
-    angles = positions[:, None].float() * torch.rand(head_dim // 2, device=DEVICE)[None, :]
-    cos = torch.full((max_len, head_dim), float("nan"), device=DEVICE)
+    angles = positions[:, None].float() * torch.rand(rotary_dim // 2, device=DEVICE)[None, :]
+    cos = torch.full((max_len, table_width or rotary_dim), float("nan"), device=DEVICE)
     sin = cos.clone()
-    cos[positions, : head_dim // 2], sin[positions, : head_dim // 2] = angles.cos(), angles.sin()
-    want = ref.rope_ref(x, positions, cos, sin, num_heads, head_dim)
-    rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim)
+    cos[positions, : rotary_dim // 2], sin[positions, : rotary_dim // 2] = angles.cos(), angles.sin()
+    want = ref.rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim)
+    rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim,
+               rotary_dim=None if rotary_dim == head_dim else rotary_dim)
     rotated = num_heads * head_dim
     assert_close(x[:, :rotated], want[:, :rotated], dtype, "rotated heads")
+    heads, heads_before = (v[:, :rotated].view(t, num_heads, head_dim) for v in (x, before))
+    assert torch.equal(heads[..., rotary_dim:], heads_before[..., rotary_dim:]), "dims past rotary_dim untouched"
     assert x[:, rotated:].isnan().all(), "the heads after num_heads must be left alone"
 
 
@@ -84,6 +91,16 @@ def check_rope(t, num_heads, other_heads, head_dim, max_len, dtype):
 @pytest.mark.parametrize("t,num_heads,other_heads,head_dim", [(5, 5, 4, 20), (1, 1, 0, 2), (3, 17, 1, 24)])
 def test_rope(t, num_heads, other_heads, head_dim, dtype):
     check_rope(t, num_heads, other_heads, head_dim, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("t,num_heads,other_heads,head_dim,rotary_dim,table_width", [
+    (5, 5, 4, 20, 10, None), (3, 3, 1, 24, 18, 24), (2, 17, 2, 16, 2, 6)])
+def test_rope_partial_rotary(t, num_heads, other_heads, head_dim, rotary_dim, table_width, dtype):
+    """Phi-3's partial rotary (``partial_rotary_factor`` 0.5, 0.75, ...): the first ``rotary_dim`` dims
+    of each head rotated, pairs ``(i, i + rotary_dim / 2)``, head stride ``head_dim``; tables as wide
+    as ``rotary_dim`` or wider."""
+    check_rope(t, num_heads, other_heads, head_dim, 64, dtype, rotary_dim, table_width)
 
 
 @pytest.mark.gpu
@@ -236,7 +253,12 @@ def _errors():
 
     yield lambda: debug_call(positions=torch.tensor([0, 16], device=DEVICE)), ValueError, r"positions: expected values in \[0, 16\)"
     yield lambda: call(cos=cos.half()), TypeError, r"cos: expected dtype in \['torch.float32'\]"
-    yield lambda: call(sin=randn(16, 10)), ValueError, r"sin: expected shape \(\*, 20\)"
+    yield lambda: call(sin=randn(16, 10)), ValueError, r"sin: expected shape \[max_len, >= rotary_dim = 20\]"
+    yield lambda: call(rotary_dim=7), ValueError, r"rotary_dim: expected an even number in \[2, head_dim = 20\]"
+    yield lambda: call(rotary_dim=22), ValueError, r"rotary_dim: expected an even number in \[2, head_dim = 20\]"
+    yield lambda: call(rotary_dim=0), ValueError, r"rotary_dim must be an int >= 2, got 0"
+    yield (lambda: call(cos=randn(16, 8), sin=randn(16, 8), rotary_dim=10), ValueError,
+           r"cos: expected shape \[max_len, >= rotary_dim = 10\], got \(16, 8\)")
     yield lambda: call(sin=randn(15, 20)), ValueError, r"sin: expected the shape of cos"
     yield lambda: activation.silu_mul(randn(2, 7)), ValueError, r"gate_up: expected an even, nonzero number of columns"
     yield lambda: sampling.argmax(randn(2, 0)), ValueError, r"logits: expected between 1 and 2\*\*31 - 1 columns"

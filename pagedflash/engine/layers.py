@@ -39,13 +39,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-          head_dim: int) -> None:
+          head_dim: int, rotary_dim: int | None = None) -> None:
     """Rotate, in place, the first ``num_heads`` heads of every row of ``x [T, >= num_heads * D]``
-    (rotate-half layout) by the angles of ``positions [T]``; ``cos``/``sin`` ``[max_len, D]`` fp32."""
+    (rotate-half layout) by the angles of ``positions [T]``: each head's first ``rotary_dim`` dims
+    (default ``D``; the rest left alone); ``cos``/``sin`` ``[max_len, >= rotary_dim]`` fp32."""
     if use_kernels(x):
-        rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim)
+        rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim, rotary_dim=rotary_dim)
     else:
-        x.copy_(reference.rope_ref(x, positions, cos, sin, num_heads, head_dim))
+        x.copy_(reference.rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

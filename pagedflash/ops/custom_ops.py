@@ -106,7 +106,8 @@ _SCHEMAS = {
     "write_kv_cache": "(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
                       "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     "rms_norm": "(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)",
-    "rope_": "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()",
+    "rope_": "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim, "
+             "int rotary_dim) -> ()",
     "silu_mul": "(Tensor gate_up) -> Tensor",
     "argmax": "(Tensor logits) -> Tensor",
     "gemv": "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, "
@@ -150,7 +151,7 @@ def _fake_rms_norm(x, weight, eps, residual):
     return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
 
 
-def _fake_rope(x, positions, cos, sin, num_heads, head_dim):
+def _fake_rope(x, positions, cos, sin, num_heads, head_dim, rotary_dim):
     return None
 
 

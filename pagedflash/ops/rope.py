@@ -1,6 +1,8 @@
 """Rotary position embedding, in place, rotate-half layout: the first ``num_heads`` heads of each row
 (the q heads then the k heads of a fused qkv projection) are rotated by the angles of the row's
-position; the rest of the row (v) is left alone. Computed in fp32, rounded once
+position; the rest of the row (v) is left alone. Partial rotary (``rotary_dim < head_dim``, Phi-3's
+``partial_rotary_factor``): the first ``rotary_dim`` dims of each head are rotated, pairs
+``(i, i + rotary_dim / 2)``, the rest of the head is left alone. Computed in fp32, rounded once
 (:func:`pagedflash.reference.rope_ref`).
 """
 
@@ -22,15 +24,17 @@ _FAULT_POSITIONS: tl.constexpr = tl.constexpr(validate.FAULT_POSITIONS)
 
 @triton.jit
 def _rope_kernel(
-    X,  # [T, >= num_heads * 2 * HALF], row stride stride_t
-    Cos, Sin,  # [max_len, 2 * HALF] fp32, contiguous; only the first HALF of a row is read
+    X,  # [T, >= num_heads * head_dim], row stride stride_t
+    Cos, Sin,  # [max_len, table_width >= 2 * HALF] fp32, contiguous; only the first HALF of a row is read
     Pos,  # [T] int32/int64
     Faults,  # int32 [NUM_FAULTS]: pagedflash.validate.fault_buffer
-    stride_t, num_heads, max_len,
+    stride_t, num_heads, head_dim, table_width, max_len,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    """A position outside ``[0, max_len)`` reads no table row: its cos/sin are NaN, so are the row's
-    rotated heads, and the fault is recorded at the token's index."""
+    """Rotates dims ``0 .. 2 * HALF - 1`` of each head (``2 * HALF`` is the rotary dim); a head's
+    dims past them are neither read nor written. A position outside ``[0, max_len)`` reads no table
+    row: its cos/sin are NaN, so are the row's rotated dims, and the fault is recorded at the token's
+    index."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_HALF)
@@ -41,27 +45,34 @@ def _rope_kernel(
     _jit.report_fault(Faults, _FAULT_POSITIONS, tl.program_id(0), ~ok)
     pos = tl.where(ok, pos, 0)
     row_ok = d < tl.where(ok, HALF, 0)  # (a scalar bool broadcast into a block mask fails in the interpreter)
-    c = tl.load(Cos + pos * (2 * HALF) + d, mask=row_ok, other=float("nan"))[None, :]
-    s = tl.load(Sin + pos * (2 * HALF) + d, mask=row_ok, other=float("nan"))[None, :]
-    p = X + t * stride_t + heads[:, None] * (2 * HALF) + d[None, :]
+    c = tl.load(Cos + pos * table_width + d, mask=row_ok, other=float("nan"))[None, :]
+    s = tl.load(Sin + pos * table_width + d, mask=row_ok, other=float("nan"))[None, :]
+    p = X + t * stride_t + heads[:, None].to(tl.int64) * head_dim + d[None, :]
     x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(p, (x1 * c - x2 * s).to(X.dtype.element_ty), mask=mask)
     tl.store(p + HALF, (x2 * c + x1 * s).to(X.dtype.element_ty), mask=mask)
 
 
-def _check(x, positions, cos, sin, num_heads, head_dim) -> None:
+def _check(x, positions, cos, sin, num_heads, head_dim, rotary_dim) -> None:
     check_operand("x", x, (None, None))
     validate.check_int("num_heads", num_heads)
     validate.check_int("head_dim", head_dim, minimum=2)
     if head_dim % 2:
         raise ValueError(f"head_dim: expected an even number (rotate-half pairs), got {head_dim}")
+    validate.check_int("rotary_dim", rotary_dim, minimum=2)
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim: expected an even number in [2, head_dim = {head_dim}] (rotate-half pairs "
+                         f"within a head), got {rotary_dim}")
     if x.shape[1] < num_heads * head_dim:
         raise ValueError(f"x: expected rows of at least num_heads * head_dim = {num_heads * head_dim} elements, "
                          f"got shape {tuple(x.shape)}")
     check_operand("positions", positions, (x.shape[0],), dtypes=(torch.int32, torch.int64), contiguous=True)
     for name, table in (("cos", cos), ("sin", sin)):
-        check_operand(name, table, (None, head_dim), dtypes=(torch.float32,), contiguous=True)
+        check_operand(name, table, (None, None), dtypes=(torch.float32,), contiguous=True)
+        if table.shape[1] < rotary_dim:
+            raise ValueError(f"{name}: expected shape [max_len, >= rotary_dim = {rotary_dim}], "
+                             f"got {tuple(table.shape)}")
     for name, other in (("positions", positions), ("cos", cos), ("sin", sin)):
         if other.device != x.device:
             raise ValueError(f"{name}: expected a tensor on {x.device} (where x is), got one on {other.device}")
@@ -70,48 +81,52 @@ def _check(x, positions, cos, sin, num_heads, head_dim) -> None:
     validate.check_no_grad(x=x)
 
 
-def _plan(x, positions, cos, sin, num_heads, head_dim) -> tuple[Launch, torch.Tensor]:
+def _plan(x, positions, cos, sin, num_heads, head_dim, rotary_dim) -> tuple[Launch, torch.Tensor]:
     """Check the operands (all the checks read is in the plan's key) and work out the launch; with
     it, the fault buffer of x's device (in the key)."""
-    _check(x, positions, cos, sin, num_heads, head_dim)
+    _check(x, positions, cos, sin, num_heads, head_dim, rotary_dim)
     t = x.shape[0]
     block_h = min(HEADS_PER_PROGRAM, next_pow2(num_heads))
     launch = Launch(_rope_kernel, (t, cdiv(num_heads, block_h)) if t else None,
-                    dict(HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(head_dim // 2)))
+                    dict(HALF=rotary_dim // 2, BLOCK_H=block_h, BLOCK_HALF=next_pow2(rotary_dim // 2)))
     return launch, validate.fault_buffer(x.device)
 
 
 _PLANS = PlanCache()
 
 
-def _launch(x, positions, cos, sin, num_heads, head_dim) -> None:
-    key = _PLANS.key(x, positions, cos, sin, extra=(num_heads, head_dim))
-    launch, faults = _PLANS.get(key) or _PLANS.add(key, _plan(x, positions, cos, sin, num_heads, head_dim))
-    launch(x, cos, sin, positions, faults, x.stride(0), num_heads, cos.shape[0])
+def _launch(x, positions, cos, sin, num_heads, head_dim, rotary_dim) -> None:
+    key = _PLANS.key(x, positions, cos, sin, extra=(num_heads, head_dim, rotary_dim))
+    launch, faults = _PLANS.get(key) or _PLANS.add(key, _plan(x, positions, cos, sin, num_heads, head_dim,
+                                                              rotary_dim))
+    launch(x, cos, sin, positions, faults, x.stride(0), num_heads, head_dim, cos.shape[1], cos.shape[0])
 
 
 _op = custom_ops.implement("rope_", _launch)
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int,
-          head_dim: int) -> None:
+          head_dim: int, rotary_dim: int | None = None) -> None:
     """Rotate, in place, heads ``0 .. num_heads - 1`` of every row of ``x [T, >= num_heads * D]``.
 
     x: fp16/bf16/fp32, rows may be strided (last dim contiguous). positions: int32/int64 ``[T]``,
-    each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, D]`` (rotate-half tables: a row's
-    second half repeats its first, which is all that is read). ``D = head_dim``, even.
+    each in ``[0, max_len)``. cos/sin: contiguous fp32 ``[max_len, >= R]`` (rotate-half tables: a
+    row's first ``R / 2`` entries are all that is read). ``D = head_dim``, even; ``R = rotary_dim``
+    (default ``D``), even, ``2 <= R <= D``: dims ``0 .. R - 1`` of each head are rotated (pairs
+    ``(i, i + R / 2)``), dims ``R .. D - 1`` left as they are.
 
     By default the checks of shapes, dtypes and devices run on a call signature's first call (and at
     trace time under ``torch.compile``), and no value is read on the host: a position outside
-    ``[0, max_len)`` reads no table row, makes the row's rotated heads NaN and is recorded as a
+    ``[0, max_len)`` reads no table row, makes the row's rotated dims NaN and is recorded as a
     ``positions`` fault (:func:`pagedflash.validate.raise_if_invalid`). With value checks on
     (:func:`pagedflash.validate.value_checks`, the debug mode) every call checks its inputs and reads
     the positions' range from the device, refusing bad ones before anything is written."""
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if custom_ops.via_operator() or validate.value_checks_enabled():
-        _check(x, positions, cos, sin, num_heads, head_dim)  # (the range check below reads valid tensors)
+        _check(x, positions, cos, sin, num_heads, head_dim, rotary_dim)  # (the range check below reads valid tensors)
         if positions.numel() and validate.value_checks_enabled(positions):
             lo, hi = int(positions.min()), int(positions.max())
             if lo < 0 or hi >= cos.shape[0]:
                 raise ValueError(f"positions: expected values in [0, {cos.shape[0]}) (rows of cos/sin), "
                                  f"got values in [{lo}, {hi}]")
-    _op(x, positions, cos, sin, num_heads, head_dim)
+    _op(x, positions, cos, sin, num_heads, head_dim, rotary_dim)
