@@ -28,6 +28,12 @@ CASES.update({
         "long_factor": [2.0 + i for i in range(_HALF)], "original_max_position_embeddings": 64})),
     "phi3-yarn": ("Phi3ForCausalLM", dict(max_position_embeddings=131072, rope_scaling={  # Phi-3: longrope's early name
         "type": "yarn", "short_factor": [1.0] * _HALF, "long_factor": [4.0] * _HALF})),
+    # partial rotary: frequencies over int(head_dim * factor) dims (16 * 0.75 = 12), the factor at the
+    # top level or in the RoPE dict; longrope's lists one number per rotated pair
+    "phi3-partial": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.75)),
+    "phi3-partial-longrope": ("Phi3ForCausalLM", dict(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "longrope", "partial_rotary_factor": 0.5, "short_factor": [1.0 + i / 8 for i in range(_HALF // 2)],
+        "long_factor": [2.0 + i for i in range(_HALF // 2)], "original_max_position_embeddings": 64})),
     # Gemma 3: the older spelling's scaling on the global layers, each theta its default
     "gemma3-rope-scaling": ("Gemma3ForCausalLM", dict(rope_scaling={"rope_type": "linear", "factor": 8.0})),
     "gemma3-local-base-freq": ("Gemma3ForCausalLM", dict(rope_theta=500000.0, rope_local_base_freq=777.0)),

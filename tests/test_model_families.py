@@ -42,6 +42,12 @@ FAMILY_CASES = {
         original_max_position_embeddings=4,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2, 2.5, 3, 4],
                          "long_factor": [1.0, 1.5, 2, 3, 4, 6, 8, 12]})),
+    # partial rotary (Phi-4-mini: 0.75): the first head_dim * factor dims of each head rotated
+    "phi3-partial": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, partial_rotary_factor=0.5)),
+    "phi3-partial-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        original_max_position_embeddings=4,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2, 2.5], "long_factor": [1.0, 1.5, 2, 3, 4, 6]})),
 }
 
 

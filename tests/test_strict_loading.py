@@ -77,6 +77,35 @@ def test_math_keys_a_family_does_not_implement_are_refused(key, value):
     ModelConfig.from_dict({**LLAMA, key: None})  # the neutral value is no change
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"])
+@pytest.mark.parametrize("where", ["rope_parameters", "rope_scaling"])
+def test_partial_rotary_outside_phi3_is_refused_in_any_spelling(arch, where):
+    """Only Phi-3's transformers model rotates part of a head; the others rotate whole heads with the
+    default RoPE (the key ignored) and fail with a scaled one, so the key is refused wherever it sits."""
+    rope = {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(ValueError, match=f"partial_rotary_factor=0.5 changes the model's math and is not "
+                                         f"implemented for {arch}"):
+        ModelConfig.from_dict({**TINY, "architectures": [arch], where: rope})
+
+
+def test_phi3_partial_rotary_is_read_and_checked():
+    phi3 = {**TINY, "architectures": ["Phi3ForCausalLM"]}
+    assert ModelConfig.from_dict({**phi3, "partial_rotary_factor": 0.75}).rotary_dim == 12
+    config = ModelConfig.from_dict({**phi3, "partial_rotary_factor": 1.0,  # the RoPE dict's wins, as transformers
+                                    "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}})
+    assert (config.rotary_dim, config.inv_freq().shape) == (8, (4,))
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0.3125 rotates int\(head_dim 16 \* 0.3125\) = 5 dims"):
+        ModelConfig.from_dict({**phi3, "partial_rotary_factor": 0.3125})
+    for bad in (0, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match=r"partial_rotary_factor must be a number in \(0, 1\]"):
+            ModelConfig.from_dict({**phi3, "partial_rotary_factor": bad})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8,
+                "original_max_position_embeddings": 64}
+    ModelConfig.from_dict({**phi3, "rope_scaling": longrope})
+    with pytest.raises(ValueError, match=r"longrope RoPE scaling needs 'short_factor': 4 numbers"):
+        ModelConfig.from_dict({**phi3, "partial_rotary_factor": 0.5, "rope_scaling": longrope})
+
+
 def test_neutral_values_and_implemented_keys_load():
     ModelConfig.from_dict({**LLAMA, "residual_multiplier": 1.0, "partial_rotary_factor": 1.0,
                            "attn_logit_softcapping": None})

@@ -57,7 +57,7 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
     "Olmo2ForCausalLM": Family("olmo2", ("olmo2",)),
     "Gemma2ForCausalLM": Family("gemma2", ("gemma2",), _GEMMA_KEYS),
     "Gemma3ForCausalLM": Family("gemma3", ("gemma3_text",), _GEMMA_KEYS | {"rope_local_base_freq"}),
-    "Phi3ForCausalLM": Family("phi3", ("phi3",)),
+    "Phi3ForCausalLM": Family("phi3", ("phi3",), frozenset({"partial_rotary_factor"})),
     "MixtralForCausalLM": Family("mixtral", ("mixtral",), frozenset({"num_local_experts", "num_experts"})),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
     "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
@@ -82,7 +82,7 @@ MATH_KEYS = {
     "attention_multiplier": (None,),
     "residual_multiplier": (None, 1, 1.0),
     "logits_scaling": (None, 1, 1.0),
-    "partial_rotary_factor": (None, 1, 1.0),
+    "partial_rotary_factor": (None, 1, 1.0),  # transformers' families but Phi-3 ignore it or fail on it
     "rope_local_base_freq": (None,),
     "use_bidirectional_attention": (None, False),
     "clip_qkv": (None,),
@@ -153,6 +153,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., factor, ...}; empty = default
+    partial_rotary_factor: float = 1.0  # the fraction of each head RoPE rotates (Phi-3): rotary_dim
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -253,6 +254,9 @@ class ModelConfig:
                                                      and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
+        if "partial_rotary_factor" in FAMILIES[arch].keys:
+            rope.rotary_dim(d)  # checked: an even number of dims >= 2
+            extra["partial_rotary_factor"] = rope.partial_rotary_factor(d)
         if local is not None and sliding:
             extra.update(local_rope_theta=local[0], local_rope_scaling=local[1])
         return cls(
@@ -320,13 +324,20 @@ class ModelConfig:
         moe_layers = sum(self.is_moe(layer) for layer in range(self.num_layers))
         return total - moe_layers * (self.num_experts - self.num_experts_per_tok) * per_expert
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (the first ones): ``int(head_dim * partial_rotary_factor)``,
+        as transformers computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     def inv_freq(self, local: bool = False, max_len: int = 0) -> torch.Tensor:
-        """RoPE inverse frequencies ``[D/2]`` fp32 on the CPU, with the configured scaling (as transformers
-        computes them); ``local``: the sliding layers' (``local_rope_theta``) where they differ;
-        ``max_len``: the longest sequence served (longrope's choice of factors: :mod:`.rope_scaling`)."""
+        """RoPE inverse frequencies ``[R/2]`` (``R``: :attr:`rotary_dim`) fp32 on the CPU, with the
+        configured scaling (as transformers computes them); ``local``: the sliding layers'
+        (``local_rope_theta``) where they differ; ``max_len``: the longest sequence served (longrope's
+        choice of factors: :mod:`.rope_scaling`)."""
         theta, scaling = (self.local_rope_theta, self.local_rope_scaling) if local else \
             (self.rope_theta, self.rope_scaling)
-        return rope.inv_freq(theta, scaling, self.head_dim, max_len)
+        return rope.inv_freq(theta, scaling, self.rotary_dim, max_len)
 
     def rope_attention_factor(self, local: bool = False) -> float:
         """The factor on RoPE's cos and sin (longrope's ``attention_factor``; 1 otherwise)."""
@@ -356,14 +367,18 @@ def _architecture(d: dict) -> str:
 
 
 def _check_math_keys(d: dict, arch: str) -> None:
-    """Refuse a key of :data:`MATH_KEYS` with a non-neutral value that ``arch`` does not implement."""
+    """Refuse a key of :data:`MATH_KEYS` with a non-neutral value that ``arch`` does not implement,
+    given at the top level or in a RoPE dict (``rope_parameters``, by layer type or not, ``rope_scaling``)."""
     implemented = FAMILIES[arch].keys
-    params = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    sources = [d] + [v for v in (d.get("rope_parameters"), d.get("rope_scaling")) if isinstance(v, dict)]
+    sources += [v for src in sources[1:] for v in src.values() if isinstance(v, dict)]
     for key, neutral in MATH_KEYS.items():
-        value = d.get(key, params.get(key))
-        if key not in implemented and not any(value is n or (n is not None and value == n) for n in neutral):
-            raise ValueError(f"config.json: {key}={value!r} changes the model's math and is not implemented "
-                             f"for {arch} (pagedflash would compute another model)")
+        if key in implemented:
+            continue
+        for value in (src.get(key) for src in sources):
+            if not any(value is n or (n is not None and value == n) for n in neutral):
+                raise ValueError(f"config.json: {key}={value!r} changes the model's math and is not implemented "
+                                 f"for {arch} (pagedflash would compute another model)")
 
 
 def _family_fields(kind: str, d: dict, head_dim: int) -> dict:

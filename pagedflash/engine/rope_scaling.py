@@ -8,6 +8,10 @@ switches from the short to the long factors once a forward's sequence is longer 
 ``original_max_position_embeddings``; the engine takes one set for every position, the long one when
 its ``max_model_len`` passes that length (then equal to transformers on sequences longer than it),
 else the short one (then equal on every sequence).
+
+Partial rotary (Phi-3's ``partial_rotary_factor``, :func:`rotary_dim`): the frequencies of every type
+are those of a head ``int(head_dim * partial_rotary_factor)`` wide, as transformers computes them
+(longrope's factor lists hold half that many numbers).
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 def inv_freq(theta: float, scaling: dict, d: int, max_len: int = 0) -> torch.Tensor:
     """Inverse frequencies ``[d/2]`` fp32 on the CPU of a RoPE with ``theta`` and ``scaling`` (as
-    :func:`rope_from_dict` completed it) over heads of ``d``; ``max_len``: the longest sequence served
-    (longrope's choice of factors)."""
+    :func:`rope_from_dict` completed it) over ``d`` rotated dims (the head's, or :func:`rotary_dim`'s
+    with partial rotary); ``max_len``: the longest sequence served (longrope's choice of factors)."""
     # on the CPU whatever device is current (the model is built under its device, or meta)
     base = theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d)
     inv = 1.0 / base
@@ -46,6 +50,33 @@ def inv_freq(theta: float, scaling: dict, d: int, max_len: int = 0) -> torch.Ten
     elif kind == "yarn":
         inv = _yarn_inv_freq(base, d, theta, scaling)
     return inv
+
+
+def partial_rotary_factor(d: dict) -> float:
+    """The fraction of a head RoPE rotates, as transformers' Phi-3 config reads it: the RoPE dict's
+    (``rope_scaling``, else ``rope_parameters``) ``partial_rotary_factor``, else the config's own key,
+    else 1 (a ``None`` is 1 too). A number in ``(0, 1]``, else refused naming the key."""
+    params = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if value is None:
+        value = d.get("partial_rotary_factor")
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"config.json: partial_rotary_factor must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def rotary_dim(d: dict) -> int:
+    """The dims of each head RoPE rotates: ``int(head_dim * partial_rotary_factor)``, as transformers
+    computes it (:func:`partial_rotary_factor`); an even number >= 2, else refused naming the key."""
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    factor = partial_rotary_factor(d)
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"config.json: partial_rotary_factor={factor!r} rotates int(head_dim {head_dim} * "
+                         f"{factor!r}) = {dim} dims of each head, expected an even number >= 2 (rotate-half pairs)")
+    return dim
 
 
 def _yarn_inv_freq(base: torch.Tensor, dim: int, theta: float, scaling: dict) -> torch.Tensor:
@@ -97,7 +128,7 @@ def rope_from_dict(d: dict, arch: str, *, per_layer_type: bool, default_theta: f
 
 def _one_rope(params: dict, scaling: dict, d: dict) -> tuple[float, dict]:
     """(theta, scaling dict) of one RoPE: ``params`` (rope_parameters' spelling) over ``scaling``."""
-    scaling = dict(scaling)
+    scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}  # (:func:`rotary_dim`)
     scaling.update({k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")})
     theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
     if not isinstance(theta, (int, float)):
@@ -152,17 +183,19 @@ def _yarn(scaling: dict, d: dict) -> None:
 def _longrope(scaling: dict, d: dict) -> None:
     """Complete and check a longrope ``scaling`` in place, as transformers reads it: the factor lists,
     ``original_max_position_embeddings``, and ``attention_factor`` (default from ``factor``, itself by
-    default ``max_position_embeddings / original_max_position_embeddings``)."""
+    default ``max_position_embeddings / original_max_position_embeddings``). The factor lists hold
+    one number per rotated pair (:func:`rotary_dim` / 2)."""
     # the config's own key first, as transformers reads it
     original = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
     if not original:
         raise ValueError("longrope RoPE scaling needs 'original_max_position_embeddings'")
     scaling["original_max_position_embeddings"] = int(original)
-    half = (d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]) // 2
+    half = rotary_dim(d) // 2
     for key in ("short_factor", "long_factor"):
         value = scaling.get(key)
         if not isinstance(value, (list, tuple)) or len(value) != half:
-            raise ValueError(f"longrope RoPE scaling needs {key!r}: {half} numbers (head_dim / 2), got {value!r}")
+            raise ValueError(f"longrope RoPE scaling needs {key!r}: {half} numbers (rotated dims / 2: head_dim "
+                             f"times partial_rotary_factor, halved), got {value!r}")
     factor = scaling.get("factor") or (d.get("max_position_embeddings") or original) / original
     if scaling.get("attention_factor") is None:
         scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

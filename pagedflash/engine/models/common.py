@@ -81,15 +81,18 @@ class ProjectionNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables ``[max_len, D]`` in fp32 (rotate-half layout) of ``config``'s RoPE (``local``:
-    the sliding layers'), computed on the CPU as transformers computes them
-    (:func:`pagedflash.engine.weights.build_model` moves them to the device)."""
+    """cos/sin tables ``[max_len, rotary_dim]`` in fp32 (rotate-half layout) of ``config``'s RoPE
+    (``local``: the sliding layers'), computed on the CPU as transformers computes them
+    (:func:`pagedflash.engine.weights.build_model` moves them to the device). ``rotary_dim``: the
+    dims of each head rotated, the first ones (``config.rotary_dim``: the whole head, or Phi-3's
+    partial rotary); the rest of a head is left alone."""
 
     def __init__(self, config: ModelConfig, max_len: int, local: bool = False):
         super().__init__()
         positions = torch.arange(max_len, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * config.inv_freq(local, max_len).cpu()[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
+        self.rotary_dim = emb.shape[1]
         factor = config.rope_attention_factor(local)
         self.register_buffer("cos", emb.cos() * factor, persistent=False)
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
@@ -142,7 +145,7 @@ class Attention(nn.Module):
         t, d = qkv.shape[0], self.head_dim
         if self.qk_norm:
             self._norm_qk(qkv)
-        layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d)
+        layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d, rope.rotary_dim)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
