@@ -20,6 +20,9 @@ from pagedflash.testing import row_exact_interpreter_dot
 VOCAB = 128
 MODEL = {**TINY_LLAMA, "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3}
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+ENGINE_DTYPES = [torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+# other requests in the batch (64 in all on a GPU); step budget and pool (small enough to preempt)
+OTHERS, STEP_TOKENS, POOL = ((3, 20, 9), 13, 9) if not ON_GPU else (tuple(range(3, 64)), 61, 40)
 PREFIX = [7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37]  # two 8-token pages
 
 
@@ -29,9 +32,9 @@ def exact_dot():
         yield
 
 
-def engine(**kwargs) -> LLM:
+def engine(dtype=DTYPE, **kwargs) -> LLM:
     kwargs = {"page_size": 8, "num_blocks": 64, "batch_invariant": True, **kwargs}
-    return LLM(MODEL, dtype=DTYPE, seed=0, **kwargs)
+    return LLM(MODEL, dtype=dtype, seed=0, **kwargs)
 
 
 def prompt(n: int, seed: int, prefix=()) -> list[int]:
@@ -53,20 +56,23 @@ SEEDED = params(temperature=0.9, top_p=0.95, seed=1234)
 MINE_PARAMS = [params(), params(), SEEDED]
 
 
-@pytest.fixture(scope="module")
-def alone():
-    """Each request served alone, by a roomy engine that prefills it in one chunk."""
+@pytest.fixture(scope="module", params=ENGINE_DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def alone(request):
+    """Each request served alone, by a roomy engine that prefills it in one chunk: (dtype, outputs)."""
     with row_exact_interpreter_dot():
-        llm = engine(max_num_seqs=1, enable_prefix_caching=False)
-        return [run(llm, [p], [sp])[0] for p, sp in zip(MINE, MINE_PARAMS)]
+        llm = engine(request.param, max_num_seqs=1, enable_prefix_caching=False)
+        return request.param, [run(llm, [p], [sp])[0] for p, sp in zip(MINE, MINE_PARAMS)]
 
 
 def test_alone_equals_batched_chunked_preempted_and_cached(alone):
-    others = [prompt(n, 10 + n, PREFIX if n % 2 else ()) for n in (3, 20, 9)]
-    prompts = [others[0], MINE[0], others[1], MINE[1], others[2], MINE[2]]
-    ps = [params(max_tokens=12), MINE_PARAMS[0], params(max_tokens=12), MINE_PARAMS[1], params(max_tokens=12), MINE_PARAMS[2]]
-    # steps of 13 tokens (prefill in chunks of other sizes), a pool small enough to preempt, prefix hits
-    llm = engine(max_num_seqs=8, enable_prefix_caching=True, max_num_batched_tokens=13, num_blocks=9)
+    dtype, alone = alone
+    others = [prompt(n, 10 + n, PREFIX if n % 2 else ()) for n in OTHERS]
+    prompts = [others[0], MINE[0], others[1], MINE[1], others[2], MINE[2], *others[3:]]
+    ps = [params(max_tokens=12)] * len(prompts)
+    ps[1], ps[3], ps[5] = MINE_PARAMS
+    # small steps (prefill in chunks of other sizes), a pool small enough to preempt, prefix hits
+    llm = engine(dtype, max_num_seqs=64, enable_prefix_caching=True, max_num_batched_tokens=STEP_TOKENS,
+                 num_blocks=POOL)
     llm.generate([PREFIX + [40, 41]], params(max_tokens=1))  # the prefix's pages cached by another request
     got = run(llm, prompts, ps)
     for i, want in zip([1, 3, 5], alone):
@@ -79,7 +85,8 @@ def test_alone_equals_batched_chunked_preempted_and_cached(alone):
 def test_prefill_and_decode_logprobs_agree(alone):
     """A generated token's logprob (decode step) equals the same token's prompt logprob when the
     prompt is the original prompt plus the generated tokens (prefill)."""
-    llm = engine(max_num_seqs=4, enable_prefix_caching=False)
+    dtype, alone = alone
+    llm = engine(dtype, max_num_seqs=4, enable_prefix_caching=False)
     tokens, logprobs, _ = alone[0]
     extended = MINE[0] + tokens
     _, _, prompt_logprobs = run(llm, [extended], [params(max_tokens=1)])[0]
