@@ -135,11 +135,12 @@ def test_left_out_keys_match_transformers(tmp_path, family, layers):
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-@pytest.mark.parametrize("family, kv_heads", [("olmo2", 1), ("olmo2", 2), ("phi3", 2)],
-                         ids=["olmo2-kv-replicated", "olmo2-kv-split", "phi3-fused"])
+@pytest.mark.parametrize("family, kv_heads", [("olmo2", 1), ("olmo2", 2), ("phi3-partial-longrope", 2)],
+                         ids=["olmo2-kv-replicated", "olmo2-kv-split", "phi3-fused-partial-rotary"])
 def test_two_ranks_match_transformers(tmp_path, family, kv_heads):
     """Two ranks (gloo on the CPU): OLMo 2's q/k norms over the whole projection sum their mean
-    square over the ranks (a replicated KV head counted once), Phi-3's fused tensors split per part."""
+    square over the ranks (a replicated KV head counted once), Phi-3's fused tensors split per part
+    (with partial rotary and longrope: every rank rotates the first rotary_dim dims of its heads)."""
     hf = save_family(tmp_path, family, num_key_value_heads=kv_heads)
     prompts = prompts_of([11, 5], seed=4, low=3)
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
