@@ -112,6 +112,15 @@ def test_rope_real_sizes(t, head_dim, dtype):
     check_rope(t, 32 + 8, 8, head_dim, 8192, dtype)
 
 
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
+@pytest.mark.parametrize("t", [1, 333])
+def test_rope_partial_rotary_real_sizes(t, dtype):
+    """Phi-4-mini: 24 q and 8 KV heads of 128, partial_rotary_factor 0.75 (96 rotated dims)."""
+    check_rope(t, 24 + 8, 8, 128, 8192, dtype, rotary_dim=96)
+
+
 # ---------------------------------------------------------------------------------------- activation
 def check_silu_mul(t, n, dtype):
     gate_up = in_wider_rows(randn(t, 2 * n, dtype=dtype) * 3)
