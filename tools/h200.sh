@@ -2,9 +2,15 @@
 # One device call, several steps, every result back in $OUT/results.tgz.
 #   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
 # Steps: tests (the compiled matrix, -n 12), sanitize (compute-sanitizer memcheck over SANITIZE_TESTS,
-# the invalid-metadata tests by default), bench:<name> (any `pagedflash bench` benchmark but serve and tune),
-# tune:<prefill|decode|overhead|paged>, serve:<sections>[:<num-requests>]; TUNE_ARGS adds options to tune
-# steps (--cells, --tiles, ...), TESTS picks test files.
+# the invalid-metadata tests by default), bench:<name>[:<option>...] (any `pagedflash bench` benchmark but
+# serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
+# bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
+# (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>]; TUNE_ARGS
+# adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
+# Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
+# never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
+#   SERVE_ARGS="--no-hf --batch-invariant" T_bench=400 T_serve=300 STEPS="bench:decode:--batch-invariant
+#   bench:prefill:--batch-invariant serve:throughput serve:itl bench:invariance:--logprobs:0" bash tools/h200.sh
 # Each kind of step has its own time limit (T_<kind>, seconds) so
 # that the archive is written inside the call's limit; logs land beside the results. The whole
 # compiled matrix took 380 s with -n 12 (2079 cases, 2026-12-01): NPROC defaults to 12, T_tests to 540.
@@ -21,10 +27,16 @@ for step in ${STEPS:-tests}; do
   case $kind in
     tests) log=$R/test_gpu.log
            timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
-    bench) log=$R/bench_$arg.log
-           timeout ${T_bench:-170} python3 -m pagedflash bench $arg --out $R --rep-ms ${REP:-60} --warmup-ms 10 > $log 2>&1 ;;
-    tune)  log=$R/tune_$arg.log
-           timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1 ;;
+    bench) name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
+           log=$R/bench_$name${tag:+_$tag}.log
+           timeout ${T_bench:-170} python3 -m pagedflash bench $name --out $R --rep-ms ${REP:-60} --warmup-ms 10 \
+             ${opts//:/ } > $log 2>&1 ;;
+    tune)  name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; log=$R/tune_$name.log
+           if [ "$name" = matmul ]; then
+             timeout ${T_tune:-170} python3 tools/tune_matmul.py ${opts//:/ } > $log 2>&1
+           else
+             timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1
+           fi ;;
     sanitize) log=$R/sanitize.log  # memcheck over the invalid-metadata tests (no caching allocator: every
            # tensor its own allocation, so a read past one is seen)
            PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${T_sanitize:-240} compute-sanitizer --tool memcheck \
@@ -35,7 +47,7 @@ for step in ${STEPS:-tests}; do
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
-  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY" $log | tail -${TAIL:-12}
+  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests" $log | tail -${TAIL:-12}
   echo "== $step rc=$rc $((SECONDS - t0)) s"
 done
 [ "$R" = bench_results ] && a=results || a=$R
