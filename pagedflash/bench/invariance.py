@@ -17,7 +17,7 @@ requests and prompt tokens served from the prefix cache, prompts longer than a s
 when the mode on leaves any request different.
 
 Model: random weights of a Llama-3.2-1B shape in bf16 on the GPU (``--model DIR``: a checkpoint
-instead); ``--quick``: a tiny Llama in fp32 and a tiny workload, which on the CPU runs under the
+instead); ``--quick``: a one-layer tiny Llama in fp32 and a tiny workload, which on the CPU runs under the
 Triton interpreter with the attention dot inside
 :func:`pagedflash.testing.row_exact_interpreter_dot` (the interpreter's dot goes through the host
 BLAS, which rounds an element by its row's place in a block; a GPU's dot does not).
@@ -181,8 +181,9 @@ def reference_engine(requests: list[loadgen.Request], w: dict, kind: str) -> dic
 
 
 def _random_model(quick: bool) -> dict:
-    """The random-weight model's config: a tiny Llama for ``--quick``, else Llama-3.2-1B's shape."""
-    return dict(TINY_LLAMA) if quick else dict(LLAMA_3_2_1B)
+    """The random-weight model's config: a one-layer tiny Llama for ``--quick`` (under the interpreter
+    each layer's attention call is most of a step's time), else Llama-3.2-1B's shape."""
+    return {**TINY_LLAMA, "num_hidden_layers": 1} if quick else dict(LLAMA_3_2_1B)
 
 
 def _vocab_size(model) -> int:
