@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if tp < 1 or ("tp" in sections and tp < 2):
         print(f"bench serve: the tp section needs --tensor-parallel-size >= 2 (got {tp})", file=sys.stderr)
         return 2
+    if args.batch_invariant and tp > 1:
+        print(f"bench serve: --batch-invariant needs one GPU per engine (got --tensor-parallel-size {tp})", file=sys.stderr)
+        return 2
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.quick:
         print("bench serve: needs a CUDA GPU (use --quick for a CPU smoke run)", file=sys.stderr)
