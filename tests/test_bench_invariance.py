@@ -98,3 +98,5 @@ def test_invariance_refuses_bad_arguments(capsys):
     assert "--modes" in capsys.readouterr().err
     assert invariance.main(["--quick", "--num-blocks", "2"]) == 2
     assert "does not fit" in capsys.readouterr().err
+    assert invariance.main(["--quick", "--num-requests", "0"]) == 2
+    assert "--num-requests: expected an int >= 1, got 0" in capsys.readouterr().err

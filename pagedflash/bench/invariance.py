@@ -80,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     w = dict(QUICK if args.quick else FULL)
     for key in ("num_requests", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, key) is not None:
-            w[key] = getattr(args, key)
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            print(f"bench invariance: --{key.replace('_', '-')}: expected an int >= 1, got {value}", file=sys.stderr)
+            return 2
+        w[key] = w[key] if value is None else value
     model = args.model or _random_model(args.quick)
     requests = workload(w, _vocab_size(model), args.seed)
     need = max(r.prompt_len + r.max_tokens for r in requests)
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results("invariance", [table], args.out, quick=args.quick, summary=summary)
     print(f"wrote {path}")
     on = next((r for r in rows if r["mode"] == "on"), None)
-    return 1 if on is not None and (on["equal_pct"] < 100 or (on["logprobs_equal_pct"] or 100) < 100) else 0
+    return 1 if on is not None and 100 > min(on["equal_pct"], 100 if on["logprobs_equal_pct"] is None
+                                              else on["logprobs_equal_pct"]) else 0
 
 
 def workload(w: dict, vocab_size: int, seed: int) -> list[loadgen.Request]:
