@@ -120,12 +120,17 @@ class DecodeInputs:
         return lambda: pf.flash_attn_with_kvcache(self.q, self.k, self.v, cache_seqlens=seqlens, num_splits=num_splits,
                                                   batch_invariant=batch_invariant)
 
-    def paged(self, page: int, num_splits: int = AUTO, batch_invariant: bool | None = None):
-        """The same cache as a pool of ``page``-token blocks in a random order, read through a block
-        table (same values, so :meth:`check` applies)."""
+    def paged_pool(self, page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_pool, v_pool, block_table): the cache as ``page``-token blocks in a random order."""
         b, n = self.shape[:2]
         table = random_block_table([n // page] * b, b * n // page, device=self.q.device)
-        k_pool, v_pool = (to_paged(x, page, table) for x in (self.k, self.v))
+        return to_paged(self.k, page, table), to_paged(self.v, page, table), table
+
+    def paged(self, page: int, num_splits: int = AUTO, batch_invariant: bool | None = None, pool=None):
+        """The call over the same cache as a pool of ``page``-token blocks in a random order, read
+        through a block table (same values, so :meth:`check` applies); ``pool``: one from
+        :meth:`paged_pool` to reuse."""
+        k_pool, v_pool, table = pool or self.paged_pool(page)
         return lambda: pf.flash_attn_with_kvcache(self.q, k_pool, v_pool, cache_seqlens=self.seqlens,
                                                   block_table=table, num_splits=num_splits,
                                                   batch_invariant=batch_invariant)
@@ -351,8 +356,10 @@ def invariant_cells(inputs: DecodeInputs, off: Measured, row: dict, label: str, 
     """A serving-grid cell with the batch-invariant mode on (contiguous, whose default side is
     ``off``) and a paged cache both ways: :data:`INVARIANT_COLUMNS` into ``row``; returns failures."""
     on = measure(inputs.contiguous(batch_invariant=True), inputs.check, label=f"{label} invariant")
-    p_off = measure(inputs.paged(page), inputs.check, label=f"{label} paged")
-    p_on = measure(inputs.paged(page, batch_invariant=True), inputs.check, label=f"{label} paged invariant")
+    pool = inputs.paged_pool(page)
+    p_off = measure(inputs.paged(page, pool=pool), inputs.check, label=f"{label} paged")
+    p_on = measure(inputs.paged(page, batch_invariant=True, pool=pool), inputs.check, label=f"{label} paged invariant")
+    del pool
     us = {key: m.show(lambda ms: ms * 1e3) for key, m in (("inv_us", on), ("p16_us", p_off), ("p16_inv_us", p_on))}
     row.update(us, inv_x=invariant_x(off, on), p16_inv_x=invariant_x(p_off, p_on), inv_err=on.err, p16_inv_err=p_on.err)
     return failures([on, p_off, p_on])
