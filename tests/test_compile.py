@@ -405,7 +405,7 @@ OP_CALLS = {
     "merge_attn_states": lambda: _fresh(CASES["merge"]),
     "write_kv_cache": lambda: _fresh(CASES["write_kv_cache"]),
     "rms_norm": lambda: (*_fresh(CASES["decoder_ops"])[:3:2], 1e-5, _fresh(CASES["decoder_ops"])[1]),
-    "rope_": lambda: (*_fresh(CASES["decoder_ops"])[3:9],),
+    "rope_": lambda: (*_fresh(CASES["decoder_ops"])[3:9], _fresh(CASES["decoder_ops"])[8] // 2),  # half rotated
     "silu_mul": lambda: (_fresh(CASES["decoder_ops"])[9],),
     "argmax": lambda: (_fresh(CASES["decoder_ops"])[12],),
     "gemv": lambda: _gemv_op_args(),
