@@ -332,10 +332,13 @@ def completion_logprobs(tokenizer: TextTokenizer, entries, offset: int = 0) -> p
 
 
 def chat_logprobs(tokenizer: TextTokenizer, entries, k: int) -> p.ChatLogprobs:
-    """Chat's format: each token with its logprob and bytes, and the ``k`` most likely at its position."""
+    """Chat's format: each token with its logprob and bytes, and the ``k`` most likely at its position.
+    ``bytes``: the token's own (:meth:`.TextTokenizer.token_bytes`; a token holding part of a multi-byte
+    character has that part's bytes, its ``token`` text U+FFFD), so the ``bytes`` of a reply's tokens
+    join into its content's UTF-8."""
     def one(cls, token, logprob, **extra):
-        text = tokenizer.token_text(token)
-        return cls(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), **extra)
+        return cls(token=tokenizer.token_text(token), logprob=logprob, bytes=list(tokenizer.token_bytes(token)),
+                   **extra)
 
     return p.ChatLogprobs(content=[
         one(p.ChatLogprobToken, token, table[token],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 
 # The tiny model's chat template (no model directory): a role header line per message, each
@@ -33,6 +34,24 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14 2.71; symbols: ( ) [ ] { } < > = +
 Questions, answers, stories and lists: first, second, third; yes or no; north, south, east and west.
 Light travels faster than sound, water freezes at zero degrees, and the moon orbits the earth every month."""
 TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 (TINY_LLAMA's eos_token_id is 2)
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's token for one byte
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte (GPT-2's ``bytes_to_unicode``), inverted: char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def tiny_tokenizer(vocab_size: int = 512):
@@ -90,6 +109,7 @@ class TextTokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self._compiled = None
+        self._decoders: set[str] | None = None
 
     @classmethod
     def from_model_dir(cls, path: str, *, chat_template: str | None = None) -> TextTokenizer:
@@ -131,6 +151,38 @@ class TextTokenizer:
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (a byte of a longer character shows as U+FFFD)."""
         return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's UTF-8 bytes, special tokens included. A token holding part of a multi-byte
+        character gives that part's raw bytes (byte-level BPE, SentencePiece's ``<0xNN>`` byte
+        fallback), so the bytes of a text's tokens join into the text's UTF-8; other tokens give
+        the UTF-8 of :meth:`token_text`."""
+        text = self.token_text(token_id)
+        if "\ufffd" in text:
+            raw = self._raw_bytes(token_id)
+            if raw is not None:
+                return raw
+        return text.encode("utf-8")
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a byte-level or byte-fallback token stands for; None for other tokens."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return None
+        if _BYTE_FALLBACK.fullmatch(piece) and "ByteFallback" in self._decoder_types:
+            return bytes([int(piece[3:5], 16)])
+        if "ByteLevel" in self._decoder_types and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return None
+
+    @property
+    def _decoder_types(self) -> set[str]:
+        """The ``type`` of the decoder and of each decoder in a ``Sequence``."""
+        if self._decoders is None:
+            decoder = self.tok.decoder
+            spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
+            self._decoders = {d.get("type") for d in spec.get("decoders", [spec])}
+        return self._decoders
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and string ``content``).
