@@ -128,7 +128,7 @@ class EngineLoop:
         self._pending: list[_Submission] = []
         self._aborts: list[tuple[int, str]] = []
         self._accepting = True
-        self._engine_closed = False  # the engine closed itself after a failure (WorkerError)
+        self.engine_failure: str | None = None  # why the engine closed itself (a WorkerError); None: it did not
         self._stopping = False
         self._num_waiting = 0  # the engine's waiting queue after the loop's last visit (under _cond)
         self._num_unfinished = 0  # requests in the engine after the loop's last visit (under _cond)
@@ -181,7 +181,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._engine_closed
+        return self._thread is not None and self._thread.is_alive() and self.engine_failure is None
 
     # ------------------------------------------------------------------ event loop
     async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
@@ -199,6 +199,8 @@ class EngineLoop:
         """Queue ``sub`` for the loop (any thread); the admission's outcome goes to ``sub.future``
         through ``sub.loop.call_soon_threadsafe``."""
         with self._cond:
+            if self.engine_failure is not None:
+                raise EngineClosedError(f"the engine failed: {self.engine_failure}")
             waiting = self._num_waiting + sum(len(s.prompts) for s in self._pending)
             check_admission(self._accepting, waiting, len(sub.prompts), self.max_queue)
             self._pending.append(sub)
@@ -261,6 +263,8 @@ class EngineLoop:
 
     def _admit(self, sub: _Submission) -> tuple[_Submission, list[int] | None, Exception | None]:
         """Add the submission's prompts (all or none); what to tell the submitter."""
+        if self.engine_failure is not None:  # queued before the engine failed
+            return sub, None, EngineClosedError(f"the engine failed: {self.engine_failure}")
         ids = []
         try:
             for prompt in sub.prompts:
@@ -322,8 +326,8 @@ class EngineLoop:
             if isinstance(e, WorkerError):  # the engine closed itself (a tensor-parallel rank died): no more
                 with self._cond:           # requests (503), /health unhealthy, the rest fail below
                     self._accepting = False
-                    self._engine_closed = True
-            running = [] if self._engine_closed else [seq.seq_id for seq in llm.scheduler.running
+                    self.engine_failure = f"{type(e).__name__}: {e}"
+            running = [] if self.engine_failure is not None else [seq.seq_id for seq in llm.scheduler.running
                                                       if seq.seq_id in self._live]
             self._fail(running or list(self._live), f"the engine step failed: {type(e).__name__}: {e}", "error")
             return

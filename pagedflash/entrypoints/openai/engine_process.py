@@ -13,10 +13,11 @@ work does not take the GIL from the engine's host work.
 Messages (plain pickled tuples) down the pipe: ``("submit", sub_id, prompts, params, arrival)``,
 ``("abort", request_ids, reason)``, ``("stop",)``. Up the pipe: ``("ready", limits)`` or
 ``("failed", type name, message)`` once, then per iteration ``("step", num_waiting, num_unfinished,
-items, metric_ops)`` where ``items`` are ``("event", sub_id, event)`` (an :mod:`.engine_loop`
+items, metric_ops, engine_failure)`` where ``items`` are ``("event", sub_id, event)`` (an :mod:`.engine_loop`
 event; a ``timeline`` event gets the reader's ``reader`` stamp here) and ``("admitted", sub_id,
 ids, error)``, in the order the loop made them (the counts are None in a refusal the child sends
-outside the loop).
+outside the loop), and ``engine_failure`` is None, or why the engine closed itself (a
+:class:`~pagedflash.engine.WorkerError`: the child lives on, its engine serves no more).
 
 One reader thread in the HTTP process receives the messages; per message it replays the metric
 updates on the server's :class:`~.metrics.EngineMetrics` and hands the events to the event loop with
@@ -25,7 +26,8 @@ HTTP process, from the child's last counts plus the submissions not yet admitted
 arrival is stamped there with ``time.perf_counter`` (the system-wide monotonic clock, so the child's
 TTFT and end-to-end latencies count from the HTTP request as in a thread). A child that dies
 makes :attr:`EngineProcess.alive` false (``/health`` answers 503), fails the requests in flight with
-an ``error`` event (a 500) and later submissions with :class:`~.engine_loop.EngineClosedError`. The
+an ``error`` event (a 500) and later submissions with :class:`~.engine_loop.EngineClosedError` (a 503);
+so does an engine that failed in a live child (its loop fails the requests in flight). The
 child ignores SIGINT and SIGTERM (the server drains, then sends ``stop``) and exits when the pipe
 closes, so it never outlives the server.
 """
@@ -176,7 +178,7 @@ class _ChildLoop(EngineLoop):
             counts = (self._num_waiting, self._num_unfinished)
         try:
             with self.send_lock:
-                self.conn.send(("step", *counts, items, ops))
+                self.conn.send(("step", *counts, items, ops, self.engine_failure))
         except (OSError, EOFError, BrokenPipeError):  # the server is gone: nobody is listening
             pass
 
@@ -213,7 +215,7 @@ def _child_main(args, conn) -> None:
                     engine._enqueue(sub)
                 except EngineClosedError as e:  # stopping: told at once, from this thread
                     with send_lock:
-                        conn.send(("step", None, None, [("admitted", sub_id, None, _wire_error(e))], []))
+                        conn.send(("step", None, None, [("admitted", sub_id, None, _wire_error(e))], [], None))
             elif msg[0] == "abort":
                 engine.abort(msg[1], msg[2])
             elif msg[0] == "stop":
@@ -261,6 +263,7 @@ class EngineProcess:
         self._accepting = True
         self._stopping = False
         self._dead = False
+        self._engine_failure: str | None = None  # the child's engine closed itself: why
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         ctx = multiprocessing.get_context("spawn")
@@ -325,12 +328,12 @@ class EngineProcess:
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and not self._dead
+        return self._accepting and not self._dead and self._engine_failure is None
 
     @property
     def alive(self) -> bool:
         return (self._reader is not None and self._reader.is_alive() and not self._dead
-                and self.process.is_alive())
+                and self._engine_failure is None and self.process.is_alive())
 
     # ------------------------------------------------------------------ event loop
     async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
@@ -340,6 +343,8 @@ class EngineProcess:
         with self._lock:
             if self._dead:
                 raise EngineClosedError("the engine process is gone")
+            if self._engine_failure is not None:
+                raise EngineClosedError(f"the engine failed: {self._engine_failure}")
             check_admission(self._accepting, self._num_waiting + self._unadmitted, len(prompts), self.max_queue)
             sub_id = self._next_sub
             self._next_sub += 1
@@ -384,10 +389,12 @@ class EngineProcess:
                        else "the engine process died")
 
     def _dispatch(self, msg) -> None:
-        _, num_waiting, num_unfinished, items, ops = msg
+        _, num_waiting, num_unfinished, items, ops, engine_failure = msg
         received = None
         calls: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
+            if engine_failure is not None:  # before the handlers see the requests' errors
+                self._engine_failure = engine_failure
             if num_waiting is not None:  # None: a refusal sent before the loop counted anything
                 self._num_waiting, self._num_unfinished = num_waiting, num_unfinished
             for item in items:
