@@ -20,7 +20,7 @@ from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.model import CausalLM
 from pagedflash.engine.parallel import Collectives, ShardSizes
 from pagedflash.engine.runner import ModelRunner
-from pagedflash.engine.sampling import SamplingParams
+from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
@@ -107,7 +107,8 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
 
 def auto_num_blocks(model: CausalLM, spec: EngineSpec, device: torch.device) -> int:
     """Pages that fit ``spec.gpu_memory_utilization`` of the GPU next to the weights and a largest
-    step's activations (:data:`CPU_NUM_BLOCKS` off the GPU)."""
+    step's activations, its logits and logprobs included (:func:`largest_step`; :data:`CPU_NUM_BLOCKS`
+    off the GPU)."""
     if device.type != "cuda":
         return CPU_NUM_BLOCKS
     config = spec.config
@@ -127,9 +128,25 @@ def auto_num_blocks(model: CausalLM, spec: EngineSpec, device: torch.device) -> 
 
 @torch.inference_mode()
 def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device) -> int:
-    """Peak activation bytes of a largest step (max_num_batched_tokens tokens), on a scratch pool."""
+    """Peak activation bytes of a largest step (:func:`largest_step`), on a scratch pool."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    runner, batch = largest_step(model, spec, device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.run(batch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del runner, batch
+    torch.cuda.empty_cache()
+    return int(peak * 1.1) + (256 << 20)  # margin for CUDA graphs and allocator slack
+
+
+def largest_step(model: CausalLM, spec: EngineSpec, device: torch.device) -> tuple[ModelRunner, Batch]:
+    """A runner on a scratch pool and the step of largest activations it can be given: the prefill
+    of max_num_batched_tokens prompt tokens spread over max_num_seqs sequences, each asking for
+    ``logprobs`` and ``prompt_logprobs`` of :data:`~pagedflash.engine.sampling.MAX_LOGPROBS`, so the
+    step computes logits for every position and their log-softmax (:mod:`pagedflash.engine.logprobs`)."""
     page_size, max_len = spec.page_size, spec.max_model_len
     tokens = min(spec.max_num_batched_tokens, spec.max_num_seqs * max_len)
     num_seqs = min(spec.max_num_seqs, tokens)
@@ -137,16 +154,10 @@ def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device
     num_blocks = sum(-(-n // page_size) for n in lens)
     scratch = spec.pool(model.shard, num_blocks=num_blocks, device=device)
     bm = BlockManager(num_blocks, page_size, enable_prefix_caching=False)
-    seqs = [Sequence(i, [0] * n, SamplingParams(), 0.0, device) for i, n in enumerate(lens)]
+    params = SamplingParams(logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
+    seqs = [Sequence(i, [0] * n, params, 0.0, device) for i, n in enumerate(lens)]
     for seq in seqs:
         seq.block_table, _ = bm.allocate(seq.seq_id, seq.token_ids)
     runner = ModelRunner(model, scratch, max_model_len=max_len, max_num_seqs=num_seqs, use_cuda_graphs=False,
                          generator=None, max_num_batched_tokens=tokens)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    runner.run(Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs]))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del runner, scratch
-    torch.cuda.empty_cache()
-    return int(peak * 1.1) + (256 << 20)  # margin for CUDA graphs and allocator slack
+    return runner, Batch([ScheduledRow(seq, 0, len(seq)) for seq in seqs])

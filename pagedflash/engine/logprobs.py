@@ -12,6 +12,12 @@ log-softmax of the logits the sampler saw (before temperature and filtering), th
 value and the top ``k`` (``torch.topk``, largest first), and brings them to the host together with
 the sampled tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
 
+Memory: the fp32 copy, log-softmax and top k run in slices of :data:`ROWS_PER_GATHER` rows (bitwise
+equal to one slice: each row's reduction is its own); the logits themselves (model dtype) come from
+the runner for every position at once, ``[T, vocab]`` for a chunk of ``T`` prompt positions. The
+engine's activation profile (:func:`~pagedflash.engine.executor.largest_step`) runs a step of
+max_num_batched_tokens positions all asking for logprobs, so the KV pool is sized next to both.
+
 Prompt tokens served from the prefix cache have no logits. A request asking for
 ``prompt_logprobs`` is admitted with those positions to compute again (as vLLM, which skips the
 prefix cache for such requests): the scheduler starts it at the first position whose entry is
