@@ -8,11 +8,13 @@ with a plain chat template. Random weights generate random ids from the whole vo
 tokenizer that covered only part of it would stream empty deltas: this one gives every token a
 streamed chunk, which is what a load generator timing inter-token latency needs.
 
-Shapes: Llama-3.2-1B, Llama-3-8B, Gemma-2-2B and Qwen3-1.7B (the published configs) and ``tiny``
-(a 2-layer Llama). ``--tiny`` keeps the shape's family and its switches (windows, softcaps, q/k
-norms) at ``tiny``'s sizes (a window of 16, BOS/EOS ids moved into the small vocabulary): a model
-the CPU runs in seconds. ``--set KEY=VALUE`` (repeatable; VALUE read as JSON, else a string)
-overrides a key of the architecture's transformers config, e.g. ``--set num_hidden_layers=4``.
+Shapes (:data:`pagedflash.bench.shapes.SHAPES`, the table ``bench serve --shape`` reads too):
+Llama-3.2-1B, Llama-3-8B, Gemma-2-2B, Qwen3-1.7B, Qwen3-30B-A3B and GPT-OSS-20B (the published
+configs) and ``tiny`` (a 2-layer Llama). ``--tiny`` keeps the shape's family and its switches
+(windows, softcaps, q/k norms, experts) at ``tiny``'s sizes (a window of 16, 4 experts, BOS/EOS ids
+moved into the small vocabulary): a model the CPU runs in seconds. ``--set KEY=VALUE`` (repeatable;
+VALUE read as JSON, else a string) overrides a key of the architecture's transformers config, e.g.
+``--set num_hidden_layers=4``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,8 @@ import os
 
 import torch
 
-from pagedflash.bench.serve import _write_random_model
-from pagedflash.engine.config import GEMMA_2_2B, LLAMA_3_2_1B, LLAMA_3_8B, QWEN3_1_7B, TINY_LLAMA
+from pagedflash.bench.shapes import SHAPES, tiny, write_random_model
 
-SHAPES = {"tiny": TINY_LLAMA, "llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B, "gemma-2-2b": GEMMA_2_2B,
-          "qwen3-1.7b": QWEN3_1_7B}
-TINY_WINDOW = 16
 CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
@@ -45,22 +43,6 @@ def word_tokenizer(vocab_size: int, bos: int, eos: int):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
     return tok
-
-
-def tiny(cfg: dict) -> dict:
-    """``cfg``'s family and switches at :data:`TINY_LLAMA`'s sizes (a sliding window of
-    :data:`TINY_WINDOW`, Gemma's query scale at the head dim as the real ones have it, token ids
-    past the small vocabulary replaced by ``tiny``'s BOS 1 and EOS 2)."""
-    out = {**cfg, **{k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type", "eos_token_id")}}
-    if out.get("sliding_window"):
-        out["sliding_window"] = TINY_WINDOW
-    if "query_pre_attn_scalar" in out:
-        out["query_pre_attn_scalar"] = out["head_dim"]
-    for key, small in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
-        if isinstance(out.get(key), int) and out[key] >= out["vocab_size"]:
-            out[key] = small
-    out.setdefault("eos_token_id", 2)
-    return out
 
 
 def with_overrides(cfg: dict, items: list[str]) -> dict:
@@ -101,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
-    _write_random_model(cfg, args.out, torch.cuda.is_available(), args.seed)
+    write_random_model(cfg, args.out, torch.cuda.is_available(), args.seed)
     bos, eos = cfg.get("bos_token_id", 1), cfg["eos_token_id"]
     word_tokenizer(cfg["vocab_size"], bos, eos).save(os.path.join(args.out, "tokenizer.json"))
     with open(os.path.join(args.out, "tokenizer_config.json"), "w") as f:

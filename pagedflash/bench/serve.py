@@ -3,8 +3,14 @@
 Model: a Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32/8 heads, head dim 64, intermediate
 8192, vocab 128256, llama3 RoPE), random weights in bf16, written once to a temp directory so the
 engine and transformers load the very same tensors; ``--model DIR`` serves a directory instead (any
-supported family; ``tools/random_model.py`` writes random ones of other shapes). Sections
-(``--sections``, default all):
+supported family; ``tools/random_model.py`` writes random ones of other shapes). ``--shape NAME``
+builds the engine from a named config (:mod:`pagedflash.bench.shapes`: ``llama-3.2-1b``,
+``qwen3-30b-a3b``, ``gpt-oss-20b``, ...) with seeded random weights in memory, nothing written (a
+30B model's checkpoint would not fit a device's disk); with ``--quick``, the shape's family at tiny
+sizes. No checkpoint, no transformers baselines: ``throughput`` then needs ``--no-hf``; the other
+sections read token ids only. ``--max-model-len N`` caps the engines' length (``itl`` then skips
+longer contexts; ``longctx`` and ``tp`` set their own). serve.json's summary names the model
+(``model``). Sections (``--sections``, default all):
 
 - ``throughput``: 256 requests, prompt and output lengths uniform in 100..1024, ignore_eos. Output
   tokens/s of the engine against transformers' continuous batching (``init_continuous_batching``,
@@ -73,6 +79,7 @@ from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.bench.serve_invariant import COLUMNS as INV_COLUMNS
 from pagedflash.bench.serve_invariant import NOTE as INV_NOTE
 from pagedflash.bench.serve_invariant import engine_modes, itl_summary, label, throughput_summary
+from pagedflash.bench.shapes import SHAPES, shape_config, write_random_model
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B, LLAMA_3_8B, LLAMA_3_70B, TINY_LLAMA, ModelConfig
 from pagedflash.engine.parallel import ALLREDUCE_ENV, ALLREDUCE_KINDS
@@ -94,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sections", default=None,
                    help=f"comma-separated subset of {SECTIONS} (default: all but tp; with N >= 2 GPUs: tp)")
     p.add_argument("--model", default=None, help="local HF directory to use instead of random weights")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a named config built in memory, random weights (--quick: its family at tiny sizes)")
+    p.add_argument("--max-model-len", type=int, default=None, help="every engine's length cap (default: the model's)")
     p.add_argument("--num-requests", type=int, default=None, help="throughput requests (default 256)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--hf-batch-size", type=int, default=64, help="static-batch generate: requests per batch")
@@ -131,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     if not on_gpu and not args.quick:
         print("bench serve: needs a CUDA GPU (use --quick for a CPU smoke run)", file=sys.stderr)
         return 2
+    if args.shape is not None and args.model is not None:
+        print(f"bench serve: --shape {args.shape} and --model {args.model} both name the model; give one", file=sys.stderr)
+        return 2
+    if args.shape is not None and "throughput" in sections and not args.no_hf:
+        print(f"bench serve: --shape {args.shape} builds the engine in memory, with no checkpoint for transformers' "
+              "baselines: add --no-hf (or serve a directory with --model DIR)", file=sys.stderr)
+        return 2
+    if args.max_model_len is not None and args.max_model_len < 1:
+        print(f"bench serve: --max-model-len must be >= 1, got {args.max_model_len}", file=sys.stderr)
+        return 2
     w = dict(QUICK if args.quick else FULL)
     if args.num_requests:
         w["num_requests"] = args.num_requests
@@ -138,34 +158,41 @@ def main(argv: list[str] | None = None) -> int:
                      kv_cache_dtype=args.kv_cache_dtype)
     if args.quick:
         engine_kw.update(num_blocks=512, max_num_batched_tokens=min(args.max_num_batched_tokens, 128))
+    if args.max_model_len is not None:
+        engine_kw["max_model_len"] = args.max_model_len
     if sections == ["tp"]:  # its own models, random weights drawn on the GPUs: no checkpoint to write
         return _run(args, sections, w, engine_kw, None, None, on_gpu)
     if tp > 1:
         engine_kw["tensor_parallel_size"] = tp
     tmp = None
-    if args.model is None:
+    if args.shape is not None:  # a config: every engine draws the same seeded random weights on its device
+        model, engine_kw["seed"] = shape_config(args.shape, small=args.quick), args.seed
+    elif args.model is None:
         tmp = tempfile.mkdtemp(prefix="pagedflash_serve_")
-        model_dir = _write_random_model(TINY_LLAMA if args.quick else LLAMA_3_2_1B, tmp, on_gpu, args.seed)
+        model = write_random_model(TINY_LLAMA if args.quick else LLAMA_3_2_1B, tmp, on_gpu, args.seed)
     else:
-        model_dir = args.model
+        model = args.model
     try:
-        return _run(args, sections, w, engine_kw, model_dir, ModelConfig.from_pretrained(model_dir), on_gpu)
+        config = ModelConfig.from_dict(model) if isinstance(model, dict) else ModelConfig.from_pretrained(model)
+        return _run(args, sections, w, engine_kw, model, config, on_gpu)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(args, sections, w, engine_kw, model_dir, config, on_gpu) -> int:
+def _run(args, sections, w, engine_kw, model, config, on_gpu) -> int:
     device = "bf16 on " + torch.cuda.get_device_name() if on_gpu else "fp32 on CPU (interpreter)"
+    model_name = args.shape or args.model or ("tiny" if args.quick else "llama-3.2-1b")
     if config is not None:
-        print(f"bench serve: {config.architecture} {config.num_layers}x{config.hidden_size}, "
-              f"{config.num_parameters() / 1e9:.2f} B params, {device}", flush=True)
-    tables, summary = [], {}
+        active = f" ({config.num_active_parameters() / 1e9:.2f} B active)" if config.num_experts else ""
+        print(f"bench serve: {model_name}, {config.architecture} {config.num_layers}x{config.hidden_size}, "
+              f"{config.num_parameters() / 1e9:.2f} B params{active}, {device}", flush=True)
+    tables, summary = [], ({"model": model_name} if config is not None else {})
     runners = {
-        "throughput": lambda rng: bench_throughput(model_dir, config, w, rng, engine_kw, args, summary),
-        "prefix": lambda rng: bench_prefix(model_dir, config, w, rng, engine_kw, summary),
-        "itl": lambda rng: bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu, args.batch_invariant),
-        "longctx": lambda rng: bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu),
+        "throughput": lambda rng: bench_throughput(model, config, w, rng, engine_kw, args, summary),
+        "prefix": lambda rng: bench_prefix(model, config, w, rng, engine_kw, summary),
+        "itl": lambda rng: bench_itl(model, config, w, rng, engine_kw, summary, on_gpu, args.batch_invariant),
+        "longctx": lambda rng: bench_long_context(model, config, w, rng, engine_kw, summary, on_gpu),
         "tp": lambda rng: bench_tp(w, rng, engine_kw, args, summary, on_gpu),
     }
     for name in SECTIONS:
@@ -187,7 +214,7 @@ def _save(out: Path, tables: list[Table], summary: dict, *, quick: bool) -> None
 
 
 # ------------------------------------------------------------------------------------ sections
-def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Table:
+def bench_throughput(model, config, w, rng, engine_kw, args, summary) -> Table:
     n, (plo, phi), (olo, ohi) = w["num_requests"], w["prompt"], w["output"]
     prompts = [_tokens(rng, config, rng.randint(plo, phi)) for _ in range(n)]
     out_lens = [rng.randint(olo, ohi) for _ in range(n)]
@@ -195,7 +222,7 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
     useful = sum(out_lens)
     rows = []
     for invariant in engine_modes(args.batch_invariant):
-        llm = LLM(model_dir, batch_invariant=invariant, **engine_kw)
+        llm = LLM(model, batch_invariant=invariant, **engine_kw)
         _warm(llm, config, rng)
         outs = llm.generate(prompts, params, use_tqdm=True)
         s = llm.last_stats
@@ -210,7 +237,7 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
     ours = rows[0]["tok_s"]
     best = None
     if not args.no_hf:
-        hf = load_hf(model_dir)
+        hf = load_hf(model)
         for name, fn in (("transformers continuous batching (paged)", continuous_batching),
                          (f"transformers generate, static batch {args.hf_batch_size}, SDPA", static_batches)):
             try:
@@ -238,13 +265,13 @@ def bench_throughput(model_dir, config, w, rng, engine_kw, args, summary) -> Tab
                             + (f"; {INV_NOTE}" if args.batch_invariant else ""))
 
 
-def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
+def bench_prefix(model, config, w, rng, engine_kw, summary) -> Table:
     system = _tokens(rng, config, w["system"])
     prompts = [system + _tokens(rng, config, w["suffix"]) for _ in range(w["prefix_requests"])]
     params = SamplingParams(max_tokens=w["prefix_output"], ignore_eos=True)
     rows = []
     for caching in (True, False):
-        llm = LLM(model_dir, enable_prefix_caching=caching, **engine_kw)
+        llm = LLM(model, enable_prefix_caching=caching, **engine_kw)
         _warm(llm, config, rng)
         outs = llm.generate(prompts, params, use_tqdm=True)
         s = llm.last_stats
@@ -266,11 +293,11 @@ def bench_prefix(model_dir, config, w, rng, engine_kw, summary) -> Table:
                  rows, note=f"targets: throughput >= {TARGETS['prefix_tps']}x, mean TTFT >= {TARGETS['prefix_ttft']}x lower")
 
 
-def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu, invariant=False) -> Table:
+def bench_itl(model, config, w, rng, engine_kw, summary, on_gpu, invariant=False) -> Table:
     weight_bytes, kv_bytes = bytes_read(config, engine_kw, on_gpu)
     rows = []
     for graphs, inv in itertools.product((True, False), engine_modes(invariant)):
-        llm = LLM(model_dir, cuda_graphs=graphs, batch_invariant=inv, **engine_kw)
+        llm = LLM(model, cuda_graphs=graphs, batch_invariant=inv, **engine_kw)
         _warm(llm, config, rng)
         for batch in w["itl_batches"]:
             for ctx in w["itl_contexts"]:
@@ -312,7 +339,7 @@ def bench_itl(model_dir, config, w, rng, engine_kw, summary, on_gpu, invariant=F
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
 
 
-def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) -> Table:
+def bench_long_context(model, config, w, rng, engine_kw, summary, on_gpu) -> Table:
     """The same long-context workload with the KV cache in the model's dtype, then in fp8; each
     decode gap beside its bandwidth bound and the GPU time of one replay of the step's graph."""
     n, ctx, out = w["long_requests"], w["long_context"], w["long_output"]
@@ -320,7 +347,7 @@ def bench_long_context(model_dir, config, w, rng, engine_kw, summary, on_gpu) ->
     params = SamplingParams(max_tokens=out, ignore_eos=True)
     rows = []
     for kv in ("auto", "fp8_e4m3"):
-        llm = LLM(model_dir, **{**engine_kw, "kv_cache_dtype": kv, "max_model_len": ctx + out})
+        llm = LLM(model, **{**engine_kw, "kv_cache_dtype": kv, "max_model_len": ctx + out})
         _warm(llm, config, rng)
         outs = llm.generate(prompts, params, use_tqdm=True)
         s = llm.last_stats
@@ -472,29 +499,6 @@ def _steady_gaps(outs) -> list[float]:
                 gaps.append(gap)
             t += gap
     return gaps or [x for o in outs for x in o.itl]
-
-
-def _write_random_model(cfg: dict, path: str, on_gpu: bool, seed: int) -> str:
-    """Random weights saved as safetensors by transformers' own class for ``cfg``'s architecture
-    (its config class and init; bf16 on the GPU, fp32 on the CPU): both sides load this directory,
-    which is laid out as a real checkpoint of that family."""
-    import transformers
-
-    arch = cfg["architectures"][0]
-    hf_cfg = transformers.AutoConfig.for_model(
-        cfg["model_type"], **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    hf_cfg.architectures = [arch]
-    torch.manual_seed(seed)
-    dev = "cuda" if on_gpu else "cpu"
-    with torch.device(dev):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16 if on_gpu else torch.float32)
-    if type(model).__name__ != arch:
-        raise ValueError(f"architectures {cfg['architectures']!r}: transformers built {type(model).__name__} "
-                         f"for model_type {cfg['model_type']!r}")
-    model.to(dev).save_pretrained(path)
-    del model
-    free_memory()
-    return path
 
 
 def _previous(out: Path, have: set[str], *, quick: bool) -> tuple[list[Table], dict]:
