@@ -42,5 +42,5 @@ for sec in itl throughput; do
     grep -E "^bench serve:|^pagedflash engine:|^\| on \| 1 \||^bound|^summary|Error" $R/$shape/serve_$sec.log | tail -${TAIL:-6}
   done
 done
-[ "$R" = bench_results ] && a=families || a=$R
+[ "$R" = bench_results ] && a=families || a=$(basename "$R")
 tar czf $OUT/$a.tgz $R
