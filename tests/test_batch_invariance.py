@@ -177,3 +177,40 @@ def test_fused_moe_rows_equal():
     for t in (0, 20, T - 1):
         one = moe.fused_moe(hidden[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], batch_invariant=True)
         assert torch.equal(one[0], batch[t]), f"token {t}"
+
+
+def test_invariant_tile_setting(monkeypatch):
+    from pagedflash.ops import launch
+
+    monkeypatch.setattr(launch, "INVARIANT_TILE", "32:64:4:3")
+    cfg = launch.invariant_config(group=4, interpreted=False)
+    assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (32, 64, 4, 4, 3)
+    assert launch.invariant_config(group=3, interpreted=False).g_pack == 1  # 3 does not divide 32 rows
+    for bad in ("64:32:4", "48:32:4:1", "64:8:4:1", "a:b:c:d", "64:32:4:0"):
+        monkeypatch.setattr(launch, "INVARIANT_TILE", bad)
+        with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_TILE: expected rows:keys:warps:stages"):
+            launch.invariant_config(group=1, interpreted=False)
+
+
+def test_no_compile_fallback_in_the_mode(monkeypatch):
+    """Another tile would round rows another way: a tile that does not compile is an error."""
+    from pagedflash.ops import attention
+
+    class Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise _FakeCompileError("ptxas died")
+            return run
+
+    monkeypatch.setattr(attention, "_attention_kernel", Broken())
+    monkeypatch.setattr(attention, "_COMPILE_ERRORS", (_FakeCompileError,))
+    monkeypatch.setattr(attention, "_FALLBACK", {})
+    attention.clear_plans()
+    q = randn(1, 5, 2, 32)
+    with pytest.raises(RuntimeError, match="batch-invariant tile .* does not compile here .*PAGEDFLASH_INVARIANT_TILE"):
+        flash_attn_func(q, q, q, causal=True, batch_invariant=True)
+    attention.clear_plans()
+
+
+class _FakeCompileError(RuntimeError):
+    pass

@@ -72,7 +72,8 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if sinks is None else _per_head(sinks), None if k_descale is None else _per_head(k_descale),
             None if v_descale is None else _per_head(v_descale),
             launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
-            invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS))
+            invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS,
+                           launch_table.INVARIANT_TILE))
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,

@@ -150,6 +150,22 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 # multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
 INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
 INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
+# The GPU tile of the mode, rows:keys:warps:stages (invariant_config); another value is the tuning lever
+# (every launch of a process takes the same one, so results stay invariant; they differ between values).
+INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "64:32:4:1")
+
+
+def _invariant_tile() -> tuple[int, int, int, int]:
+    """:data:`INVARIANT_TILE` as (rows, keys, warps, stages), or a clear error."""
+    try:
+        rows, keys, warps, stages = (int(x) for x in INVARIANT_TILE.split(":"))
+    except ValueError:
+        rows = keys = warps = stages = 0
+    if not (rows >= 16 and keys >= 16 and warps >= 1 and stages >= 1
+            and all(n & (n - 1) == 0 for n in (rows, keys, warps))):
+        raise ValueError(f"PAGEDFLASH_INVARIANT_TILE: expected rows:keys:warps:stages (rows and keys powers of two "
+                         f">= 16, warps a power of two, stages >= 1), got {INVARIANT_TILE!r}")
+    return rows, keys, warps, stages
 
 
 def invariant_split_keys(interpreted: bool) -> int:
@@ -161,7 +177,6 @@ def invariant_split_keys(interpreted: bool) -> int:
     return keys
 
 
-@functools.lru_cache(maxsize=256)
 def invariant_config(*, group: int, interpreted: bool) -> LaunchConfig:
     """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
     softmax sums are reduced by the same instructions in the same order only under one tile shape and
@@ -169,12 +184,12 @@ def invariant_config(*, group: int, interpreted: bool) -> LaunchConfig:
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
     each K/V byte once per group); 64 rows, 32-key tiles, one stage: the packed shape that compiles
     on sm90 with triton 3.6 (see :func:`choose_config`), and the compile fallback's own tile, so no
-    fallback can swap it for another. Nothing here depends on the lengths, the batch or the GPU's size."""
-    rows = 16 if interpreted else 64
+    fallback can swap it for another (in the mode a tile that does not compile is an error, not a
+    fallback). Nothing here depends on the lengths, the batch or the GPU's size.
+    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
+    rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile()
     g_pack = group if rows % group == 0 else 1
-    if interpreted:
-        return LaunchConfig(block_m=rows, block_n=16, g_pack=g_pack, num_warps=4, num_stages=1)
-    return LaunchConfig(block_m=rows, block_n=32, g_pack=g_pack, num_warps=4, num_stages=1)
+    return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
 
 def choose_num_splits(*, programs: int, max_seqlen_k: int, block_n: int, kv_bytes_per_key: int,
