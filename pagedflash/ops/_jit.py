@@ -138,6 +138,27 @@ def empty_if_inf(lse):
 
 
 @triton.jit
+def dot_over_k(acc, p_a, p_b, K, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               NUM_STAGES: tl.constexpr):
+    """``acc + A @ B`` over ``K`` in steps of ``BK``, in one fixed order: ``p_a`` points at A's first
+    step ``[M, BK]`` (k along axis 1), ``p_b`` at B's ``[BK, N]`` (k along axis 0), k contiguous in
+    both (each step moves them ``BK`` elements); past ``K`` the loads give zeros (unless ``EVEN_K``)."""
+    offs_k = tl.arange(0, BK)
+    for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
+        if EVEN_K:
+            a = tl.load(p_a)
+            b = tl.load(p_b)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(p_a, mask=k_ok[None, :], other=0.0)
+            b = tl.load(p_b, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        p_a += BK
+        p_b += BK
+    return acc
+
+
+@triton.jit
 def merge_weights(lse_a, lse_b):
     """The weights of two softmax states over disjoint key sets in their merge, and the merged lse:
     ``(w_a, w_b, lse)`` with ``out = fma(o_a, w_a, o_b * w_b)`` (:func:`merge_state`). lse natural

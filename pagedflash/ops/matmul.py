@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import custom_ops
+from pagedflash.ops import _jit, custom_ops
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
@@ -83,17 +83,7 @@ def _matmul_kernel(
         p_x = X + tl.where(m_rows, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         p_w = W + tl.where(m_cols, cols, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN_K:
-                b_x = tl.load(p_x)
-                b_w = tl.load(p_w)
-            else:
-                m_k = offs_k < K - k0
-                b_x = tl.load(p_x, mask=m_k[None, :], other=0.0)
-                b_w = tl.load(p_w, mask=m_k[:, None], other=0.0)
-            acc = tl.dot(b_x, b_w, acc, input_precision=DOT_PRECISION)
-            p_x += BLOCK_K
-            p_w += BLOCK_K
+        acc = _jit.dot_over_k(acc, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES)
         if HAS_BIAS:
             acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
         p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]

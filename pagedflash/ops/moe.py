@@ -46,7 +46,7 @@ import triton.language as tl
 
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, moe_routing
-from pagedflash.ops._jit import report_fault
+from pagedflash.ops._jit import dot_over_k, report_fault
 from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
@@ -152,6 +152,7 @@ def _down_kernel(
     stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
     HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     num_n = tl.cdiv(H, BN)
     pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
@@ -175,17 +176,7 @@ def _down_kernel(
     p_a = Inter + safe_rows[:, None] * I + offs_k[None, :]
     p_w = W2 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        if EVEN_K:
-            a = tl.load(p_a)
-            w = tl.load(p_w)
-        else:
-            k_ok = offs_k < I - k0
-            a = tl.load(p_a, mask=k_ok[None, :], other=0.0)
-            w = tl.load(p_w, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        p_a += BK
-        p_w += BK
+    acc = dot_over_k(acc, p_a, p_w, I, BK, EVEN_K, DOT_PRECISION, NUM_STAGES)
     if HAS_BIAS:
         acc += tl.load(B2 + e * stride_be + w_n).to(tl.float32)[None, :]
     weight = tl.load(TopkW + (safe_rows // top_k) * stride_tw0 + (safe_rows % top_k) * stride_tw1)
@@ -329,7 +320,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
                      dict(consts, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13), **opts)
     down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
-                  dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code()), **opts)
+                  dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages), **opts)
     block_h = min(1024, next_pow2(H))
     sum_k = Launch(_sum_k_kernel, None if nothing else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
     grouping = moe_routing.plan_grouping(P, E, t.bm, num_blocks, launch=not (nothing or t.direct))
