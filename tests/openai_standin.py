@@ -62,18 +62,27 @@ class Handler(BaseHTTPRequestHandler):
             s.inflight += 1
             s.inflight_at_arrival.append(s.inflight)
             s.max_inflight = max(s.max_inflight, s.inflight)
+        self._in_flight = True
         try:
             self._complete(body)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
             pass
         finally:
-            with s.lock:
-                s.inflight -= 1
+            self._leave()
+
+    def _leave(self) -> None:
+        """The request stops counting as in flight: before its last write, since a client may send its
+        next request as soon as it reads that (else a capped client seems one over its cap)."""
+        if self._in_flight:
+            self._in_flight = False
+            with self.server.lock:
+                self.server.inflight -= 1
 
     def _complete(self, body: dict) -> None:
         s = self.server
         n = body["max_tokens"]
         if n == s.fail_max_tokens:
+            self._leave()
             self._json(500, {"error": {"message": "injected failure", "type": "InternalServerError"}})
             return
         prompt = body["prompt"]
@@ -94,6 +103,7 @@ class Handler(BaseHTTPRequestHandler):
             if sent < n:
                 time.sleep(s.itl_s)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        self._leave()
         self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
 
 
