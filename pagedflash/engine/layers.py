@@ -108,9 +108,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, line
         return gemv.rms_norm_gemv(x, linear_layer.weight, linear_layer.bias, norm_weight=norm_layer.weight,
                                   eps=norm_layer.eps, residual=residual, out=out)
     h, residual = norm_layer(x, residual)
-    if out is None:
-        return linear(h, linear_layer), residual
-    return out.copy_(linear(h, linear_layer)), residual
+    return linear(h, linear_layer, out=out), residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
@@ -120,12 +118,16 @@ def silu_mul_linear(gate_up: torch.Tensor, linear_layer: nn.Linear) -> torch.Ten
     return linear(silu_mul(gate_up), linear_layer)
 
 
-def linear(x: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, linear_layer: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:
     """``linear_layer(x)``: through the single-row kernel where it applies, batch-invariant where the
-    layer is marked so."""
-    if invariant(linear_layer):
-        if use_kernels(x):
-            return matmul.matmul(x, linear_layer.weight, linear_layer.bias)
-        rows = [torch.nn.functional.linear(x[i:i + 1], linear_layer.weight, linear_layer.bias) for i in range(x.shape[0])]
-        return torch.cat(rows) if rows else linear_layer(x)
-    return gemv.gemv(x, linear_layer.weight, linear_layer.bias) if single_row(x) else linear_layer(x)
+    layer is marked so; written into ``out`` (contiguous) when given."""
+    w, b = linear_layer.weight, linear_layer.bias
+    if invariant(linear_layer) and use_kernels(x):
+        return matmul.matmul(x, w, b, out=out)
+    if single_row(x):
+        return gemv.gemv(x, w, b, out=out)
+    if invariant(linear_layer) and x.shape[0] > 1:  # one row at a time: the same product for every row
+        y = torch.cat([torch.nn.functional.linear(x[i:i + 1], w, b) for i in range(x.shape[0])])
+    else:
+        y = linear_layer(x)
+    return y if out is None else out.copy_(y)

@@ -227,6 +227,9 @@ def _attention_kernel(
         q = (q.to(tl.float32) * tl.exp2(-shift)).to(tl.float16)
         sm_scale = sm_scale * tl.exp2(shift)
     qk_scale = sm_scale * LOG2E
+    if HAS_V_DESCALE:
+        v_descale = tl.load(VDescale + kvh * stride_vds)
+        scales_ok = scales_ok & (v_descale > 0) & (v_descale < float("inf"))
     m_i = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -257,10 +260,6 @@ def _attention_kernel(
         # from a fresh state through the masked loop only (the same instructions for a key tile
         # whatever the row's place in its tile), finalized and merged into the row's state left to
         # right, from the sink's (0, sink); the combine merges split programs' partials in the same order.
-        v_scale = 1.0
-        if HAS_V_DESCALE:
-            v_scale = tl.load(VDescale + kvh * stride_vds)
-            scales_ok = scales_ok & (v_scale > 0) & (v_scale < float("inf"))
         out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
         if HAS_SINKS:
@@ -282,7 +281,7 @@ def _attention_kernel(
             )
             o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
             if HAS_V_DESCALE:
-                o_c = o_c * v_scale
+                o_c = o_c * v_descale
             out, lse = _jit.merge_state(out, lse, o_c, lse_c)
     else:
         acc, l_i, m_i, page_bad = attend_range(
@@ -310,8 +309,6 @@ def _attention_kernel(
             m_i, l_i, acc = _jit.add_sink(m_i, l_i, acc, sink)
         out, lse = _jit.finalize(m_i, l_i, acc)
         if HAS_V_DESCALE:  # the output is linear in V: descale it once, not every value
-            v_descale = tl.load(VDescale + kvh * stride_vds)
-            scales_ok = scales_ok & (v_descale > 0) & (v_descale < float("inf"))
             out = out * v_descale
     valid = k_ok & scales_ok
     if PAGED:

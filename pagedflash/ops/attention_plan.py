@@ -101,11 +101,12 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                              causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size(), fp8_cvt=fp8_cvt)
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
+    split_keys = invariant_split_keys(interpreted()) if invariant else 0
     if invariant:
         cfg = config or invariant_config(group=group, interpreted=interpreted())
-        if invariant_split_keys(interpreted()) % cfg.block_n:
+        if split_keys % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
-                             f"({invariant_split_keys(interpreted())} keys), got {cfg.block_n}")
+                             f"({split_keys} keys), got {cfg.block_n}")
     else:
         cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
@@ -116,7 +117,6 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
             decode=packed, page_size=page_size, device=q.device,
         )
     num_splits = min(num_splits, MAX_SPLITS)
-    split_keys = invariant_split_keys(interpreted()) if invariant else 0
     if invariant and num_splits > 1:  # a program per split of the longest row's keys, or none if too many
         num_splits = cdiv(max(max_seqlen_k, 1), split_keys)
         num_splits = num_splits if num_splits <= MAX_SPLITS else 1

@@ -182,11 +182,10 @@ def invariant_config(*, group: int, interpreted: bool) -> LaunchConfig:
     softmax sums are reduced by the same instructions in the same order only under one tile shape and
     warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
-    each K/V byte once per group); 64 rows, 32-key tiles, one stage: the packed shape that compiles
-    on sm90 with triton 3.6 (see :func:`choose_config`), and the compile fallback's own tile, so no
-    fallback can swap it for another (in the mode a tile that does not compile is an error, not a
-    fallback). Nothing here depends on the lengths, the batch or the GPU's size.
-    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
+    each K/V byte once per group); by default 64 rows, 32-key tiles, one stage: the packed shape that
+    compiles on sm90 with triton 3.6 (see :func:`choose_config`; in the mode a tile that does not
+    compile is an error, never a fallback to another). Nothing here depends on the lengths, the
+    batch or the GPU's size; ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile()
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
