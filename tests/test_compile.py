@@ -2,7 +2,7 @@
 
 - ``torch._dynamo.explain`` finds no graph break in code calling each public function (and each
   mode of it: paged, appending new k/v, ``out=``, split KV, attention sinks, fp8 caches with their
-  scales), and the one graph calls the operator;
+  scales, the batch-invariant mode), and the one graph calls the operator;
 - ``torch.compile(fullgraph=True)`` results, mutated caches included, are bit-identical to eager,
   with static and dynamic (SymInt) shapes: on the CPU with ``aot_eager`` (the kernels under the
   interpreter) and Inductor for two cases, on the GPU with Inductor for every case and
@@ -158,6 +158,17 @@ def _paged(q, kc, vc, cu_q, cu_k, max_q, max_k, table):
                                   return_lse=True)
 
 
+def _paged_invariant(q, kc, vc, cu_q, cu_k, max_q, max_k, table):
+    return flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, max_q, max_k, causal=True, block_table=table,
+                                  return_lse=True, batch_invariant=True)
+
+
+def _kvcache_invariant_split(q, kc, vc, k, v, lens, table):
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, block_table=table, num_splits=3,
+                                       return_lse=True, batch_invariant=True)
+    return out, lse, kc, vc
+
+
 def _kvcache_append(q, kc, vc, k, v, lens, table):
     out, lse = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, block_table=table, return_lse=True)
     return out, lse, kc, vc
@@ -225,6 +236,7 @@ CASES = {
     "varlen": Case(_varlen, "flash_attn_varlen_func", _varlen_args),
     "varlen_out": Case(_varlen_out, "flash_attn_varlen_func", _varlen_args),
     "varlen_paged": Case(_paged, "flash_attn_varlen_func", _paged_args),
+    "varlen_paged_invariant": Case(_paged_invariant, "flash_attn_varlen_func", _paged_args),
     "kvcache_append": Case(_kvcache_append, "flash_attn_with_kvcache", lambda dt, big: _kvcache_args(dt, big, False)),
     "kvcache_paged_append": Case(_kvcache_append, "flash_attn_with_kvcache",
                                  lambda dt, big: _kvcache_args(dt, big, True)),
@@ -232,6 +244,8 @@ CASES = {
                                     lambda dt, big: _kvcache_args(dt, big, True)),
     "kvcache_int_seqlens": Case(_kvcache_int_len, "flash_attn_with_kvcache",
                                 lambda dt, big: _kvcache_args(dt, big, False)),
+    "kvcache_paged_invariant_split": Case(_kvcache_invariant_split, "flash_attn_with_kvcache",
+                                          lambda dt, big: _kvcache_args(dt, big, True)),
     "kvcache_read_only": Case(_kvcache_read_only, "flash_attn_with_kvcache",
                               lambda dt, big: _kvcache_args(dt, big, True)),
     "kvcache_paged_fp8_sinks": Case(_kvcache_fp8, "flash_attn_with_kvcache", _fp8_kvcache_args),
