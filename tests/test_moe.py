@@ -82,11 +82,35 @@ def test_fused_moe(T, E, k, activation, how, dtype):
     check_moe(T, E, k, dtype, activation, how)
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "sorted"])
-def test_both_groupings_agree(monkeypatch, direct):
-    """The same call through each grouping form (forced tiles), duplicates of an expert in one token
-    included; results match the reference and are bit-identical across calls and id dtypes."""
-    monkeypatch.setattr(moe, "TILES", moe.Tiles(direct, 16, 32, 32, 32, 4, 2, 2))
+# forced tiles of each launch form (tools/tune_moe.py's candidates) on a case each: the fused sum
+# (direct and over sorted blocks), 16-wide column blocks, reduction steps deeper than H, more
+# stages, partials in the input dtype with other prefill tiles
+TILE_FORMS = {
+    "fused_direct_bn16": (moe.Tiles(True, 16, 16, 16, 128, 4, 4, 1, fused_sum=True), (1, 16, 4, "silu", "routed")),
+    "fused_direct_bk256": (moe.Tiles(True, 16, 16, 32, 256, 2, 5, 1, fused_sum=True),
+                           (3, 16, 4, "swigluoai", "some_empty")),
+    "fused_sorted": (moe.Tiles(False, 16, 32, 64, 64, 4, 3, 1, fused_sum=True), (17, 8, 2, "swigluoai", "all")),
+    "direct_bn16_bk256": (moe.Tiles(True, 16, 16, 16, 256, 2, 5, 1), (3, 8, 2, "silu", "all")),
+    "part_in_dtype_bm32": (moe.Tiles(False, 32, 64, 32, 32, 4, 3, 4, part_fp32=False), (64, 16, 4, "silu", "some_empty")),
+    "part_in_dtype_bm64": (moe.Tiles(False, 64, 16, 128, 64, 8, 2, 2, part_fp32=False),
+                           (40, 8, 2, "swigluoai", "routed")),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("form", TILE_FORMS)
+def test_tile_forms(monkeypatch, form, dtype):
+    tiles, (T, E, k, activation, how) = TILE_FORMS[form]
+    monkeypatch.setattr(moe, "TILES", tiles)
+    check_moe(T, E, k, dtype, activation, how)
+
+
+@pytest.mark.parametrize("form", ["direct", "sorted", "fused_sum"])
+def test_both_groupings_agree(monkeypatch, form):
+    """The same call through each grouping form and the fused sum (forced tiles), duplicates of an
+    expert in one token included; results match the reference and are bit-identical across calls
+    and id dtypes."""
+    monkeypatch.setattr(moe, "TILES", moe.Tiles(form != "sorted", 16, 32, 32, 32, 4, 2, 2, form == "fused_sum"))
     x, w13, w2, _ = randn(5, H), *make_layer(4, H, I, torch.float32, "silu")
     weights = torch.softmax(randn(5, 3), dim=-1)
     ids_ = torch.tensor([[0, 0, 1], [3, 2, 1], [1, 1, 1], [2, 0, 3], [3, 3, 0]], dtype=torch.int32, device=DEVICE)
@@ -110,11 +134,15 @@ def test_grouping_layout(monkeypatch):
     assert runs == [[1, 6], [0, 2, 5, 6], [3, 4], [6] * 4]
 
 
-@pytest.mark.parametrize("T", [1, 17], ids=["direct", "sorted"])
-def test_invalid_ids_give_nan_rows(T):
+FUSED_SUM = moe.Tiles(True, 16, 16, 32, 64, 4, 2, 1, fused_sum=True)
+
+
+@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM)], ids=["direct", "sorted", "fused_sum"])
+def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
     """Value checks off: an id outside [0, E) reads no weight (the next expert in memory is NaN, and
     so would be a read past it), its token's row is NaN and every other row is right; the debug mode
     refuses the call on the host, naming the argument."""
+    monkeypatch.setattr(moe, "TILES", tiles)
     E, k = 8, 2
     x, (w13, w2, biases) = randn(T, H), make_layer(E, H, I, torch.float32, "swigluoai")
     weights, ids_ = make_ids(T, E, k, "routed")
@@ -130,9 +158,11 @@ def test_invalid_ids_give_nan_rows(T):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
-def test_invalid_ids_are_recorded():
+@pytest.mark.parametrize("tiles", [None, FUSED_SUM], ids=["default", "fused_sum"])
+def test_invalid_ids_are_recorded(monkeypatch, tiles):
     """The last token with an expert id outside [0, E) is recorded; raise_if_invalid names topk_ids
     and clears the record."""
+    monkeypatch.setattr(moe, "TILES", tiles)
     x, (w13, w2, _), (weights, ids_) = randn(3, H), make_layer(4, H, I, torch.float32, "silu"), make_ids(3, 4, 2, "routed")
     ids_[1, 0] = 9
     validate.invalid_metadata(DEVICE)  # clear
@@ -253,6 +283,15 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="compiled GPU run")
 @pytest.mark.parametrize("T,E,k,activation,how", CASES, ids=lambda v: str(v))
 def test_fused_moe_gpu(T, E, k, activation, how, dtype):
     check_moe(T, E, k, dtype, activation, how)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
+@pytest.mark.parametrize("form", TILE_FORMS)
+def test_tile_forms_gpu(monkeypatch, form, dtype):
+    """Each launch form compiled (16-wide column and 16-row blocks for tl.dot included)."""
+    test_tile_forms(monkeypatch, form, dtype)
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """Fused mixture-of-experts layer: routing, token grouping by expert, and the expert MLP as two
 grouped GEMMs (issue 33). Dimensions: ``T`` tokens, ``H`` hidden size, ``E`` experts, ``I`` an
 expert's intermediate size, ``k`` = ``top_k`` experts per token, ``P = T * k`` (token, slot) pairs.
-This module holds the expert GEMMs, their launch choices and the public API; routing and the
-grouping kernels live in :mod:`pagedflash.ops.moe_routing` (``route`` is re-exported here).
+This module holds the launch choices (:func:`tiles`) and the public API; the kernels live in
+:mod:`pagedflash.ops.moe_kernels`, routing and the grouping kernels in
+:mod:`pagedflash.ops.moe_routing` (``route`` is re-exported here).
 
 - :func:`route`: router logits ``[T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``, torch ops
   on the device (softmax/top-k: ``torch.topk`` needs no host sync and is CUDA-graph safe, and a
@@ -13,8 +14,13 @@ grouping kernels live in :mod:`pagedflash.ops.moe_routing` (``route`` is re-expo
      ``x W_up^T`` (two accumulators over the same rows of ``x``), the biases and the activation
      fused; writes the intermediate ``[P, I]`` in the input dtype.
   2. ``_down_kernel``: the intermediate times ``W2^T`` (plus bias) times the pair's routing weight,
-     written per pair into ``[P, H] = [T, k, H]`` fp32: no atomics, so results are reproducible.
+     written per pair into ``[P, H] = [T, k, H]`` partials, fp32 (or the input dtype:
+     ``Tiles.part_fp32`` False): no atomics, so results are reproducible.
   3. ``_sum_k_kernel``: each token's ``k`` rows summed in fixed order in fp32, stored in ``out``.
+
+  or, with ``Tiles.fused_sum`` (few tokens), in two: ``_down_sum_kernel`` replaces 2 and 3, one
+  program per (token, column block) summing the token's ``k`` expert outputs in fixed order in
+  fp32 and storing the row in ``out``'s dtype.
 
 Grouping (which pairs a block of rows holds) has two forms, chosen on the host from the shapes
 (:func:`tiles`), never from device values:
@@ -41,12 +47,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, moe_routing
-from pagedflash.ops._jit import dot_over_k, report_fault
+from pagedflash.ops.moe_kernels import _down_kernel, _down_sum_kernel, _gate_up_kernel, _sum_k_kernel
 from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
@@ -55,156 +59,12 @@ SILU, SWIGLUOAI = 0, 1
 _IDS_DTYPES = (torch.int32, torch.int64)
 
 
-# ---------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _block(pid, SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, P, top_k,
-           SORTED: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program ``pid`` -> ``(pid_n, e, rows)``: its column block, its block's expert (sorted: ``-1``
-    past the end, ``E`` for invalid ids; direct: the raw id) and its ``BM`` pair ids (``P`` = pad).
-    Programs are ordered in groups of ``GROUP_M`` row blocks sharing column blocks (L2 reuse)."""
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    offs = tl.arange(0, BM)
-    if SORTED:
-        e = tl.load(BlockExpert + pid_m).to(tl.int64)
-        rows = tl.load(SortedIds + pid_m * BM + offs)
-    else:
-        e = tl.load(Ids + (pid_m // top_k) * stride_id0 + (pid_m % top_k) * stride_id1).to(tl.int64)
-        rows = tl.where(offs == 0, pid_m, P)
-    return pid_n, e, rows
-
-
-@triton.jit(do_not_specialize=["alpha", "limit"])
-def _gate_up_kernel(
-    X,  # [T, H] hidden, row stride stride_x
-    W13,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
-    B13,  # [E, 2I] (HAS_BIAS)
-    SortedIds,  # [NB * BM] pair ids grouped by expert (SORTED)
-    BlockExpert,  # [NB] each row block's expert (SORTED)
-    Ids,  # [T, k] expert ids (direct)
-    Inter,  # [P, I] act(gate, up), row stride I
-    P, H, I, E, top_k, num_m,
-    stride_x, stride_we, stride_wn, stride_be, stride_id0, stride_id1,
-    alpha, limit,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    num_n = tl.cdiv(I, BN)
-    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
-                            P, top_k, SORTED, BM, GROUP_M)
-    if (e < 0) | (e >= E):  # past the end, or an invalid id (the down kernel writes its NaN)
-        return
-    row_ok = rows < P
-    tok = tl.where(row_ok, rows // top_k, 0).to(tl.int64)  # pad rows read row 0, never stored
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < I
-    w_n = offs_n % I  # in-bounds rows for every column; the store masks the extra ones
-    offs_k = tl.arange(0, BK)
-    p_x = X + tok[:, None] * stride_x + offs_k[None, :]
-    p_g = W13 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-    p_u = p_g + I * stride_wn
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        if EVEN_K:
-            x = tl.load(p_x)
-            wg = tl.load(p_g)
-            wu = tl.load(p_u)
-        else:
-            k_ok = offs_k < H - k0
-            x = tl.load(p_x, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(p_g, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(p_u, mask=k_ok[:, None], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
-        p_x += BK
-        p_g += BK
-        p_u += BK
-    if HAS_BIAS:
-        p_b = B13 + e * stride_be + w_n
-        acc_g += tl.load(p_b).to(tl.float32)[None, :]
-        acc_u += tl.load(p_b + I).to(tl.float32)[None, :]
-    if ACT == 0:  # silu(g) * u
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    else:  # GPT-OSS: g clamped above, u both sides (NaN kept), (u + 1) * g * sigmoid(alpha * g)
-        g = tl.where(acc_g > limit, limit, acc_g)
-        u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
-        h = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
-    p_i = Inter + rows.to(tl.int64)[:, None] * I + offs_n[None, :]
-    tl.store(p_i, h.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _down_kernel(
-    Inter,  # [P, I] from _gate_up_kernel
-    W2,  # [E, H, I]
-    B2,  # [E, H] (HAS_BIAS)
-    TopkW,  # [T, k] fp32 routing weights
-    SortedIds, BlockExpert, Ids,  # as in _gate_up_kernel
-    Part,  # [P, H] fp32: each pair's weighted expert output
-    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT: the code)
-    P, H, I, E, top_k, num_m,
-    stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
-    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    num_n = tl.cdiv(H, BN)
-    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
-                            P, top_k, SORTED, BM, GROUP_M)
-    if SORTED:
-        if e < 0:  # past the end of the grouped rows
-            return
-    row_ok = rows < P
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < H
-    p_out = Part + rows.to(tl.int64)[:, None] * H + offs_n[None, :]
-    out_mask = row_ok[:, None] & n_ok[None, :]
-    if (e < 0) | (e >= E):  # an invalid expert id: no weight read, the pair's contribution is NaN
-        tl.store(p_out, tl.full([BM, BN], float("nan"), tl.float32), mask=out_mask)
-        if pid_n == 0:
-            report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
-        return
-    safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)
-    w_n = offs_n % H
-    offs_k = tl.arange(0, BK)
-    p_a = Inter + safe_rows[:, None] * I + offs_k[None, :]
-    p_w = W2 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    acc = dot_over_k(acc, p_a, p_w, I, BK, EVEN_K, DOT_PRECISION, NUM_STAGES)
-    if HAS_BIAS:
-        acc += tl.load(B2 + e * stride_be + w_n).to(tl.float32)[None, :]
-    weight = tl.load(TopkW + (safe_rows // top_k) * stride_tw0 + (safe_rows % top_k) * stride_tw1)
-    tl.store(p_out, acc * weight.to(tl.float32)[:, None], mask=out_mask)
-
-
-@triton.jit
-def _sum_k_kernel(
-    Part,  # [T, k, H] fp32
-    Out,  # [T, H], row stride stride_o
-    H, top_k, stride_o,
-    BLOCK_H: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    ok = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(top_k):  # fixed order: reproducible
-        acc += tl.load(Part + (t * top_k + j) * H + cols, mask=ok, other=0.0)
-    tl.store(Out + t * stride_o + cols, acc.to(Out.dtype.element_ty), mask=ok)
-
-
 # ---------------------------------------------------------------- launch choices
 
 
 class Tiles(NamedTuple):
     """One call's launch choices: grouping form, rows per block, the two GEMMs' column and
-    reduction blocks, warps and pipeline stages."""
+    reduction blocks, warps and pipeline stages; how the down GEMM's per-pair outputs are summed."""
 
     direct: bool
     bm: int
@@ -214,6 +74,8 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     group_m: int
+    fused_sum: bool = False  # down GEMM and sum over k in one kernel (per token: for few tokens)
+    part_fp32: bool = True  # per-pair partials fp32, else the input dtype (half the traffic); unfused only
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
@@ -232,7 +94,9 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     - prefill: 64-row blocks (128 from 256 rows per expert), 64 gate + 64 up columns and 128 down
       columns, 64-deep steps, 3 stages, 8 warps on the 128-row tiles; programs grouped 8 row blocks
       at a time over the column blocks (L2 reuse of the rows).
-    Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, :data:`TILES` the override.
+    Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, ``tools/tune_moe.py``
+    times candidate tiles (the fused sum, partials in the input dtype included), :data:`TILES` the
+    override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
     same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
@@ -295,8 +159,8 @@ class _Plan(NamedTuple):
     tiles: Tiles
     grouping: moe_routing.Grouping  # its num_blocks: pairs (direct) or the padded bound / bm (sorted)
     gate_up: Launch
-    down: Launch
-    sum_k: Launch
+    down: Launch  # _down_sum_kernel with tiles.fused_sum, else _down_kernel
+    sum_k: Launch  # grid None with tiles.fused_sum
 
     @property
     def num_blocks(self) -> int:
@@ -312,17 +176,21 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     P = T * k
     t = tiles(T, k, E, invariant)
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
-    consts = dict(HAS_BIAS=w13_bias is not None, SORTED=not t.direct,
-                  DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", BM=t.bm, BK=t.bk,
-                  GROUP_M=t.group_m)
+    consts = dict(HAS_BIAS=w13_bias is not None, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+                  BM=t.bm, BK=t.bk)
+    grouped = dict(SORTED=not t.direct, GROUP_M=t.group_m)
     opts = dict(num_warps=t.warps, num_stages=t.stages)
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
-                     dict(consts, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13), **opts)
-    down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
-                  dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages), **opts)
+                     dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13), **opts)
+    down_consts = dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages)
+    if t.fused_sum:
+        down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),), down_consts, **opts)
+    else:
+        down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
+                      dict(down_consts, **grouped), **opts)
     block_h = min(1024, next_pow2(H))
-    sum_k = Launch(_sum_k_kernel, None if nothing else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
+    sum_k = Launch(_sum_k_kernel, None if nothing or t.fused_sum else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
     grouping = moe_routing.plan_grouping(P, E, t.bm, num_blocks, launch=not (nothing or t.direct))
     return _Plan(t, grouping, gate_up, down, sum_k)
 
@@ -350,16 +218,19 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     else:
         sorted_ids, block_expert = _group(plan, topk_ids, P, E, k, id0, id1)
     inter = torch.empty((P, I), dtype=hidden.dtype, device=hidden.device)
-    part = torch.empty((P, H), dtype=torch.float32, device=hidden.device)
     b13 = w13 if w13_bias is None else w13_bias
     b2 = w2 if w2_bias is None else w2_bias
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
     faults = validate.fault_buffer(hidden.device)
+    w2_strides = (w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
+    if t.fused_sum:
+        plan.down(inter, w2, b2, topk_weights, topk_ids, out, faults, T, H, I, E, k, out.stride(0), *w2_strides)
+        return
+    part = torch.empty((P, H), dtype=torch.float32 if t.part_fp32 else hidden.dtype, device=hidden.device)
     plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, faults,
-              P, H, I, E, k, plan.num_blocks,
-              w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
+              P, H, I, E, k, plan.num_blocks, *w2_strides)
     plan.sum_k(part, out, H, k, out.stride(0))
 
 
@@ -411,8 +282,8 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     activation ``"silu"``: ``silu(g) * u`` (Mixtral, Qwen3-MoE; no biases). ``"swigluoai"`` (GPT-OSS):
     ``g = min(g, limit); u = clamp(u, -limit, limit); (u + 1) * g * sigmoid(alpha * g)``, with
     optional biases w13_bias ``[E, 2I]`` (gate then up) and w2_bias ``[E, H]``, both or neither.
-    The activation is rounded to hidden's dtype (the intermediate); each pair's weighted output and
-    the sum over k are fp32. No host sync (CUDA-graph safe). An id outside ``[0, E)`` makes its
+    The activation is rounded to hidden's dtype (the intermediate); each pair's weighted output
+    (unless forced tiles say ``part_fp32=False``) and the sum over k are fp32. No host sync (CUDA-graph safe). An id outside ``[0, E)`` makes its
     token's row NaN (refused on the host in the debug mode ``validate.value_checks(True)``).
     ``batch_invariant``: each token's row the same bits whatever the other tokens (one tile for every
     T: :func:`tiles`); None: the process-wide default (:mod:`pagedflash.batch_invariance`)."""

@@ -1,0 +1,207 @@
+"""The expert GEMMs of the fused mixture-of-experts layer (:mod:`pagedflash.ops.moe`, which holds
+the launch choices, the host side and the layout this module's kernels read; dimensions as there).
+
+- ``_gate_up_kernel``: a block of ``BM`` pairs of one expert times its gate and up rows, biases and
+  activation fused, into the intermediate ``[P, I]`` in the input dtype;
+- ``_down_kernel``: a block of the intermediate times ``W2^T`` (plus bias) times each pair's routing
+  weight, into per-pair partials ``[P, H]`` (fp32, or the input dtype), summed by ``_sum_k_kernel``;
+- ``_down_sum_kernel`` (the *fused sum*, for few tokens): one program per (token, column block)
+  runs the same per-expert product (:func:`_expert_down`) for the token's ``k`` experts in order
+  ``j = 0..k-1`` and stores their sum in the output dtype: no partials, no third launch.
+
+Every sum runs in a fixed order: no atomics, results reproducible.
+"""
+
+import triton
+import triton.language as tl
+
+from pagedflash.ops._jit import dot_over_k, report_fault
+
+
+@triton.jit
+def _block(pid, SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, P, top_k,
+           SORTED: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid`` -> ``(pid_n, e, rows)``: its column block, its block's expert (sorted: ``-1``
+    past the end, ``E`` for invalid ids; direct: the raw id) and its ``BM`` pair ids (``P`` = pad).
+    Programs are ordered in groups of ``GROUP_M`` row blocks sharing column blocks (L2 reuse)."""
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    offs = tl.arange(0, BM)
+    if SORTED:
+        e = tl.load(BlockExpert + pid_m).to(tl.int64)
+        rows = tl.load(SortedIds + pid_m * BM + offs)
+    else:
+        e = tl.load(Ids + (pid_m // top_k) * stride_id0 + (pid_m % top_k) * stride_id1).to(tl.int64)
+        rows = tl.where(offs == 0, pid_m, P)
+    return pid_n, e, rows
+
+
+@triton.jit(do_not_specialize=["alpha", "limit"])
+def _gate_up_kernel(
+    X,  # [T, H] hidden, row stride stride_x
+    W13,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
+    B13,  # [E, 2I] (HAS_BIAS)
+    SortedIds,  # [NB * BM] pair ids grouped by expert (SORTED)
+    BlockExpert,  # [NB] each row block's expert (SORTED)
+    Ids,  # [T, k] expert ids (direct)
+    Inter,  # [P, I] act(gate, up), row stride I
+    P, H, I, E, top_k, num_m,
+    stride_x, stride_we, stride_wn, stride_be, stride_id0, stride_id1,
+    alpha, limit,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_n = tl.cdiv(I, BN)
+    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
+                            P, top_k, SORTED, BM, GROUP_M)
+    if (e < 0) | (e >= E):  # past the end, or an invalid id (the down kernel writes its NaN)
+        return
+    row_ok = rows < P
+    tok = tl.where(row_ok, rows // top_k, 0).to(tl.int64)  # pad rows read row 0, never stored
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < I
+    w_n = offs_n % I  # in-bounds rows for every column; the store masks the extra ones
+    offs_k = tl.arange(0, BK)
+    p_x = X + tok[:, None] * stride_x + offs_k[None, :]
+    p_g = W13 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    p_u = p_g + I * stride_wn
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if EVEN_K:
+            x = tl.load(p_x)
+            wg = tl.load(p_g)
+            wu = tl.load(p_u)
+        else:
+            k_ok = offs_k < H - k0
+            x = tl.load(p_x, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(p_g, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(p_u, mask=k_ok[:, None], other=0.0)
+        acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
+        p_x += BK
+        p_g += BK
+        p_u += BK
+    if HAS_BIAS:
+        p_b = B13 + e * stride_be + w_n
+        acc_g += tl.load(p_b).to(tl.float32)[None, :]
+        acc_u += tl.load(p_b + I).to(tl.float32)[None, :]
+    if ACT == 0:  # silu(g) * u
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:  # GPT-OSS: g clamped above, u both sides (NaN kept), (u + 1) * g * sigmoid(alpha * g)
+        g = tl.where(acc_g > limit, limit, acc_g)
+        u = tl.where(acc_u > limit, limit, tl.where(acc_u < -limit, -limit, acc_u))
+        h = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+    p_i = Inter + rows.to(tl.int64)[:, None] * I + offs_n[None, :]
+    tl.store(p_i, h.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
+                 stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """One expert's weighted output for a block of pairs: intermediate rows ``rows`` (``row_ok``
+    False: a pad row, which reads row 0) times expert ``e``'s (valid) ``W2^T`` columns ``offs_n``,
+    plus its bias, times each pair's routing weight: ``[BM, BN]`` fp32."""
+    safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)
+    w_n = offs_n % H  # in-bounds rows for every column; the caller's store masks the extra ones
+    offs_k = tl.arange(0, BK)
+    p_a = Inter + safe_rows[:, None] * I + offs_k[None, :]
+    p_w = W2 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = dot_over_k(acc, p_a, p_w, I, BK, EVEN_K, DOT_PRECISION, NUM_STAGES)
+    if HAS_BIAS:
+        acc += tl.load(B2 + e * stride_be + w_n).to(tl.float32)[None, :]
+    weight = tl.load(TopkW + (safe_rows // top_k) * stride_tw0 + (safe_rows % top_k) * stride_tw1)
+    return acc * weight.to(tl.float32)[:, None]
+
+
+@triton.jit
+def _down_kernel(
+    Inter,  # [P, I] from _gate_up_kernel
+    W2,  # [E, H, I]
+    B2,  # [E, H] (HAS_BIAS)
+    TopkW,  # [T, k] fp32 routing weights
+    SortedIds, BlockExpert, Ids,  # as in _gate_up_kernel
+    Part,  # [P, H] fp32 or the input dtype: each pair's weighted expert output
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT: the code)
+    P, H, I, E, top_k, num_m,
+    stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
+    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    num_n = tl.cdiv(H, BN)
+    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
+                            P, top_k, SORTED, BM, GROUP_M)
+    if SORTED:
+        if e < 0:  # past the end of the grouped rows
+            return
+    row_ok = rows < P
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    p_out = Part + rows.to(tl.int64)[:, None] * H + offs_n[None, :]
+    out_mask = row_ok[:, None] & (offs_n < H)[None, :]
+    if (e < 0) | (e >= E):  # an invalid expert id: no weight read, the pair's contribution is NaN
+        tl.store(p_out, tl.full([BM, BN], float("nan"), tl.float32).to(Part.dtype.element_ty), mask=out_mask)
+        if pid_n == 0:
+            report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
+        return
+    acc = _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
+                       stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
+                       HAS_BIAS, EVEN_K, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
+    tl.store(p_out, acc.to(Part.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _down_sum_kernel(
+    Inter, W2, B2, TopkW,  # as in _down_kernel
+    Ids,  # [T, k] expert ids
+    Out,  # [T, H], row stride stride_o
+    Faults,  # as in _down_kernel
+    T, H, I, E, top_k,
+    stride_o, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
+    share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
+    token's pair, the other rows pad (the smallest ``tl.dot``)."""
+    pid = tl.program_id(0)
+    t = pid % T
+    offs_n = (pid // T) * BN + tl.arange(0, BN)
+    P = T * top_k
+    first = tl.arange(0, BM) == 0
+    total = tl.zeros([BM, BN], dtype=tl.float32)
+    for j in range(top_k):  # fixed order: reproducible
+        e = tl.load(Ids + t * stride_id0 + j * stride_id1).to(tl.int64)
+        rows = tl.where(first, t * top_k + j, P)
+        bad = (e < 0) | (e >= E)
+        if bad:  # an invalid expert id: no weight read, the token's row is NaN
+            total += float("nan")
+            report_fault(Faults, FAULT, t, bad & (pid < T))  # recorded by column block 0
+        else:
+            total += _expert_down(Inter, W2, B2, TopkW, rows, rows < P, e, offs_n, H, I, top_k,
+                                  stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
+                                  HAS_BIAS, EVEN_K, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
+    p_out = Out + t.to(tl.int64) * stride_o + offs_n[None, :] + tl.zeros([BM, 1], dtype=tl.int64)
+    tl.store(p_out, total.to(Out.dtype.element_ty), mask=first[:, None] & (offs_n < H)[None, :])
+
+
+@triton.jit
+def _sum_k_kernel(
+    Part,  # [T, k, H] fp32 or the input dtype
+    Out,  # [T, H], row stride stride_o
+    H, top_k, stride_o,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(top_k):  # fixed order: reproducible
+        acc += tl.load(Part + (t * top_k + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + t * stride_o + cols, acc.to(Out.dtype.element_ty), mask=ok)
