@@ -97,7 +97,14 @@ def active_bytes(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> int:
     return experts * per_expert + 2 * x.numel() * x.element_size()
 
 
-def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
+def bound_ms(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> float:
+    """The bandwidth bound of a decode step: :func:`active_bytes` at the H200's HBM bandwidth."""
+    return active_bytes(weights, topk_ids, x) / (HBM_TBPS * 1e12) * 1e3
+
+
+def inputs(name: str, T: int, spec: dict) -> dict:
+    """One case's layer (:func:`layer`), tokens, routing from random logits and fp32 reference:
+    ``fused_moe``'s arguments (``hidden`` and keywords) plus ``want`` and the shape's ``k``, ``E``."""
     h, i, E, k, activation = spec["shapes"][name]
     dtype, dev = spec["dtype"], device()
     weights = layer(h, i, E, activation, dtype, dev)
@@ -106,29 +113,56 @@ def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
     logits = torch.randn(T, E, generator=g, device=dev)
     topk_weights, topk_ids = moe.route(logits, k, scoring="topk_softmax" if activation == "swigluoai" else "softmax")
     want = fused_moe_ref(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, **weights)
+    return dict(hidden=x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, weights=weights,
+                want=want, k=k, E=E)
+
+
+def ours_fn(case: dict):
+    """``fn() -> out``: :func:`pagedflash.ops.moe.fused_moe` on an :func:`inputs` case, into one
+    preallocated output (CUDA-graph capturable)."""
+    x = case["hidden"]
+    out = torch.empty_like(x)
+    return lambda: moe.fused_moe(x, topk_weights=case["topk_weights"], topk_ids=case["topk_ids"],
+                                 activation=case["activation"], out=out, **case["weights"])
+
+
+def dense_fn(case: dict):
+    """``fn()``: a dense GEMM of the case's FLOPs, ``[T*k, H] @ [H, 3I]``."""
+    x, w2 = case["hidden"], case["weights"]["w2"]
+    h, i = w2.shape[1], w2.shape[2]
+    a = torch.randn(x.shape[0] * case["k"], h, device=x.device).to(x.dtype)
+    b = torch.randn(h, 3 * i, device=x.device).to(x.dtype)
+    return lambda: a @ b
+
+
+def flops(case: dict) -> int:
+    """The layer's FLOPs: ``6 * T * k * H * I``."""
+    w2 = case["weights"]["w2"]
+    return 6 * case["hidden"].shape[0] * case["k"] * w2.shape[1] * w2.shape[2]
+
+
+def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
+    c = inputs(name, T, spec)
+    dtype, topk_ids, weights = spec["dtype"], c["topk_ids"], c["weights"]
 
     def check(got):
-        return check_close(got, want, dtype)
+        return check_close(got, c["want"], dtype)
 
     label = f"{name} T={T}"
-    out = torch.empty(T, h, dtype=dtype, device=dev)
-    ours = measure(lambda: moe.fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation,
-                                         out=out, **weights), check, label=f"ours {label}")
-    loop = measure(loop_baseline(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, **weights),
-                   check, label=f"loop {label}")
-    P = T * k
-    a, b = torch.randn(P, h, device=dev).to(dtype), torch.randn(h, 3 * i, device=dev).to(dtype)
-    dense = measure(lambda: a @ b, label=f"dense GEMM {label}")
-    flops = 6 * P * h * i
-    row = {"shape": name, "T": T, "experts": int(torch.unique(topk_ids).numel()), "tiles": str(moe.tiles(T, k, E)),
+    ours = measure(ours_fn(c), check, label=f"ours {label}")
+    loop = measure(loop_baseline(c["hidden"], topk_weights=c["topk_weights"], topk_ids=topk_ids,
+                                 activation=c["activation"], **weights), check, label=f"loop {label}")
+    dense = measure(dense_fn(c), label=f"dense GEMM {label}")
+    n = flops(c)
+    row = {"shape": name, "T": T, "experts": int(torch.unique(topk_ids).numel()),
+           "tiles": str(moe.tiles(T, c["k"], c["E"])),
            "ours_ms": ours.ms, "loop_ms": loop.ms, "dense_ms": dense.ms, "ours_err": ours.err, "loop_err": loop.err,
-           "speedup": ratio(ours, loop), "tflops": ours.show(lambda ms: tflops(flops, ms)),
-           "dense_tflops": dense.show(lambda ms: tflops(flops, ms)), "vs_dense": ratio(ours, dense)}
+           "speedup": ratio(ours, loop), "tflops": ours.show(lambda ms: tflops(n, ms)),
+           "dense_tflops": dense.show(lambda ms: tflops(n, ms)), "vs_dense": ratio(ours, dense)}
     if T <= spec["decode_max"]:
-        nbytes = active_bytes(weights, topk_ids, x)
-        bound_ms = nbytes / (HBM_TBPS * 1e12) * 1e3
-        row.update(active_mb=nbytes / 1e6, bound_ms=bound_ms,
-                   pct_bound=ours.show(lambda ms: 100 * bound_ms / ms))
+        bound = bound_ms(weights, topk_ids, c["hidden"])
+        row.update(active_mb=active_bytes(weights, topk_ids, c["hidden"]) / 1e6, bound_ms=bound,
+                   pct_bound=ours.show(lambda ms: 100 * bound / ms))
     return row, [ours, loop]
 
 

@@ -1,0 +1,192 @@
+"""Candidate launch tiles of the fused MoE layer (pagedflash/ops/moe.py, ``moe.Tiles``) against the
+current choice (``moe.tiles()``), on the layers of ``pagedflash bench moe`` (a Qwen3-30B-A3B and a
+GPT-OSS-20B layer, bf16) at T = 1, 4, 16, 64 and 8192 tokens.
+
+Per case, the current tiles and each candidate are run once and checked against the fp32 reference
+(a wrong or failing candidate is reported and skipped), then timed as ``pagedflash bench moe``
+times (``bench.common.measure``: CUDA-graph replays, L2 flushed before each call). Candidates are
+changes to the current tiles: at decode sizes (T <= 64) the fused sum (down GEMM and sum over k in
+one kernel), narrower column blocks, deeper reduction steps, stages and warps, and the other grouping
+form at T <= 16; at T = 8192 the per-pair partials in the input dtype and prefill row/column/
+reduction blocks, warps, stages and program grouping (labels: the changes; ``part=dtype``: partials in
+the input dtype). Printed: per case the current ms, the best
+candidate, their ratio and (decode) % of the bandwidth bound (``bench.moe.bound_ms``); then per
+regime (T = 1, T = 4..64, T = 8192) each variant's geometric mean speedup over the cases, the
+variants to put into ``moe.tiles()``.
+
+    python tools/tune_moe.py                 # the H200 run (about 4-6 minutes, --budget-s caps it)
+    python tools/tune_moe.py --quick         # tiny shapes on the CPU interpreter (checks the script)
+"""
+import argparse
+import math
+import time
+
+import torch
+
+from pagedflash.bench import moe as bench_moe
+from pagedflash.bench.common import free_memory, measure, ratio, tflops
+from pagedflash.ops import moe
+from pagedflash.testing import check_close
+
+# (label, changes to the current tiles); every decode candidate keeps the current rows per block
+DECODE = [
+    ("fused", dict(fused_sum=True)),
+    ("fused bn13=16", dict(fused_sum=True, bn13=16)),
+    ("fused bn13=16 bn2=16", dict(fused_sum=True, bn13=16, bn2=16)),
+    ("fused bn13=16 bn2=64", dict(fused_sum=True, bn13=16, bn2=64)),
+    ("fused bn13=16 bk=256", dict(fused_sum=True, bn13=16, bk=256)),
+    ("fused bn13=16 bk=256 stages=3", dict(fused_sum=True, bn13=16, bk=256, stages=3)),
+    ("fused bn13=16 bk=64 stages=6", dict(fused_sum=True, bn13=16, bk=64, stages=6)),
+    ("fused bn13=16 warps=2", dict(fused_sum=True, bn13=16, warps=2)),
+    ("fused bn13=16 stages=3", dict(fused_sum=True, bn13=16, stages=3)),
+    ("fused bn2=64", dict(fused_sum=True, bn2=64)),
+    ("fused bk=64 stages=5", dict(fused_sum=True, bk=64, stages=5)),
+    ("fused bn13=64 bn2=64", dict(fused_sum=True, bn13=64, bn2=64)),
+    ("bn13=16", dict(bn13=16)),
+    ("bn13=16 bk=256", dict(bn13=16, bk=256)),
+    ("bn13=16 bn2=64 bk=64 stages=5", dict(bn13=16, bn2=64, bk=64, stages=5)),
+]
+# at T <= 16: the other grouping form for the first few
+OTHER_GROUPING = ("fused", "fused bn13=16", "bn13=16")
+PREFILL = [
+    ("part=dtype", dict(part_fp32=False)),
+    ("part=dtype stages=4", dict(part_fp32=False, stages=4)),
+    ("stages=4", dict(stages=4)),
+    ("part=dtype bn13=128", dict(part_fp32=False, bn13=128)),
+    ("part=dtype bn2=256", dict(part_fp32=False, bn2=256)),
+    ("part=dtype bn13=128 bn2=256", dict(part_fp32=False, bn13=128, bn2=256)),
+    ("part=dtype bk=32 stages=5", dict(part_fp32=False, bk=32, stages=5)),
+    ("part=dtype bk=128 stages=2", dict(part_fp32=False, bk=128, stages=2)),
+    ("part=dtype warps=4", dict(part_fp32=False, warps=4)),
+    ("part=dtype bm=64 warps=4", dict(part_fp32=False, bm=64, warps=4)),
+    ("part=dtype group_m=16", dict(part_fp32=False, group_m=16)),
+    ("part=dtype group_m=1", dict(part_fp32=False, group_m=1)),
+]
+
+
+def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool) -> list[tuple[str, moe.Tiles]]:
+    """The labelled candidate tiles of one case (each distinct from the current tiles)."""
+    found = []
+    for label, changes in DECODE if decode else PREFILL:
+        found.append((label, current._replace(**changes)))
+        if decode and 1 < T <= 16 and label in OTHER_GROUPING:
+            other = "direct" if not current.direct else "sorted"
+            found.append((f"{label} {other}", current._replace(direct=not current.direct, **changes)))
+    found = [(label, t) for label, t in found if t != current]
+    return found[:2] if quick else found
+
+
+def regime(T: int, decode_max: int) -> str:
+    return "T=1" if T == 1 else f"T=2..{decode_max}" if T <= decode_max else f"T>{decode_max}"
+
+
+def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedups: dict) -> dict:
+    """Time the current tiles and the candidates on one case; record each candidate's speedup over the
+    current tiles in ``speedups[(regime, label)]``; return the case's summary row."""
+    c = bench_moe.inputs(name, T, spec)
+    decode = T <= spec["decode_max"]
+    current = moe.tiles(T, c["k"], c["E"])
+
+    def check(got):
+        return check_close(got, c["want"], spec["dtype"])
+
+    def timed(tiles: moe.Tiles | None, label: str):
+        moe.TILES = tiles
+        try:
+            return measure(bench_moe.ours_fn(c), check, label=f"{name} T={T} {label}")
+        finally:
+            moe.TILES = None
+
+    bound = bench_moe.bound_ms(c["weights"], c["topk_ids"], c["hidden"]) if decode else None
+
+    def figure(ms: float) -> str:
+        if bound is not None:
+            return f"{100 * bound / ms:5.1f} % of bound"
+        return f"{tflops(bench_moe.flops(c), ms):6.1f} TFLOP/s"
+
+    base = timed(None, "current")
+    row = dict(shape=name, T=T, current=current, current_ms=base.ms, best=None, best_label="current",
+               best_ms=base.ms, bound_ms=bound)
+    if not base.ok:
+        print(f"{name} T={T}: current tiles {base.status} ({base.note or 'wrong result'}); candidates skipped",
+              flush=True)
+        return row
+    extra = ""
+    if not decode:
+        dense = measure(bench_moe.dense_fn(c), label=f"dense GEMM {name} T={T}")
+        extra = f", dense GEMM {dense.ms:.4f} ms, ours÷dense {ratio(base, dense):.3f}" if dense.ok else ""
+        row["dense"] = dense
+    print(f"{name} T={T}: current {current} {base.ms:.4f} ms, {figure(base.ms)}{extra}", flush=True)
+    for label, tiles in candidates(current, T, decode, quick):
+        if time.monotonic() > deadline:
+            print(f"  budget spent: the remaining candidates of {name} T={T} are not timed", flush=True)
+            break
+        got = timed(tiles, label)
+        if not got.ok:
+            print(f"  {label:34s} {got.status}: {(got.note or 'wrong result')[:100]} (skipped)", flush=True)
+            continue
+        speedup = base.ms / got.ms
+        speedups.setdefault((regime(T, spec["decode_max"]), label), []).append(speedup)
+        print(f"  {label:34s} {got.ms:.4f} ms  x{speedup:.3f}  {figure(got.ms)}", flush=True)
+        if got.ms < row["best_ms"]:
+            row.update(best=tiles, best_label=label, best_ms=got.ms)
+    return row
+
+
+def report(rows: list[dict], speedups: dict, spec: dict) -> None:
+    print("\n| shape | T | current ms | best | best ms | current÷best | % of bound (current → best) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["current_ms"] is None:
+            print(f"| {r['shape']} | {r['T']} | FAIL | - | - | - | - |")
+            continue
+        pct = (f"{100 * r['bound_ms'] / r['current_ms']:.1f} → {100 * r['bound_ms'] / r['best_ms']:.1f}"
+               if r["bound_ms"] is not None else "-")
+        print(f"| {r['shape']} | {r['T']} | {r['current_ms']:.4f} | {r['best_label']} | {r['best_ms']:.4f} | "
+              f"{r['current_ms'] / r['best_ms']:.3f} | {pct} |")
+    print("\nPer regime, variants by geometric-mean speedup over the current tiles (cases timed / cases):")
+    cases = {}
+    for r in rows:
+        reg = regime(r["T"], spec["decode_max"])
+        cases[reg] = cases.get(reg, 0) + 1
+    for reg in cases:
+        ranked = sorted(((math.prod(v) ** (1 / len(v)), len(v), label) for (g, label), v in speedups.items()
+                         if g == reg), reverse=True)
+        print(f"  {reg}:")
+        for score, n, label in ranked[:5]:
+            print(f"    {label:34s} x{score:.3f}  ({n}/{cases[reg]})")
+    print("\nSuggested tiles() per case (the best measured; 'current' where no candidate beat it):")
+    for r in rows:
+        print(f"  {r['shape']} T={r['T']}: {r['best'] or r['current']}")
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU interpreter, 2 candidates")
+    parser.add_argument("--shapes", nargs="*", help="a subset of the shapes (default: all)")
+    parser.add_argument("--tokens", nargs="*", type=int, help="a subset of the token counts (default: all)")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="stop timing candidates after this many seconds (the summary still prints)")
+    args = parser.parse_args(argv)
+    spec = bench_moe.QUICK if args.quick else bench_moe.FULL
+    shapes = args.shapes or list(spec["shapes"])
+    unknown = [s for s in shapes if s not in spec["shapes"]]
+    if unknown:
+        parser.error(f"--shapes: expected names from {sorted(spec['shapes'])}, got {unknown}")
+    tokens = args.tokens or list(spec["tokens"])
+    tokens.sort(key=lambda T: (T not in (min(tokens), max(tokens)), T))  # the smallest and largest first
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    rows, speedups = [], {}
+    for T in tokens:  # should the budget run out, T = 1 and the prefill size are timed on every shape
+        for name in shapes:
+            rows.append(run_case(name, T, spec, args.quick, deadline, speedups))
+            free_memory()
+    report(sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["T"])), speedups, spec)
+    print(f"\n{time.monotonic() - start:.0f} s")
+    return 1 if any(r["current_ms"] is None for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
