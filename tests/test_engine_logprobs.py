@@ -209,8 +209,11 @@ def test_bad_k_raises_naming_the_field(kwargs, field):
 
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-def test_two_ranks_give_one_ranks_entries():
-    """Tensor parallelism: the logits are gathered on every rank and rank 0 computes the entries."""
+def test_two_ranks_give_one_ranks_entries(monkeypatch):
+    """Tensor parallelism: the logits are gathered on every rank and rank 0 computes the entries; the
+    prompt positions' LM head in slices of 2 rows (set on rank 0 only: the plan carries it, so every
+    rank gathers the same slices)."""
+    monkeypatch.setattr(logprobs_mod, "ROWS_PER_GATHER", 2)
     config = {**TINY_LLAMA, "num_hidden_layers": 1}
     kwargs = dict(device="cuda" if ON_GPU else "cpu", dtype=torch.float32, page_size=4, num_blocks=16)
     prompts = [tokens(6, 40), tokens(3, 41)]

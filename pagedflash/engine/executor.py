@@ -19,11 +19,13 @@ from pagedflash.cache import BlockManager, KVCache
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.model import CausalLM
 from pagedflash.engine.parallel import Collectives, ShardSizes
-from pagedflash.engine.runner import ModelRunner
+from pagedflash.engine.runner import GRAPH_BATCH_SIZES, ModelRunner, graph_num_splits
 from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
+from pagedflash.ops.launch import MAX_SPLITS, invariant_split_keys
+from pagedflash.ops.utils import cdiv, interpreted, num_sms
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
 
@@ -106,16 +108,17 @@ def build_rank(spec: EngineSpec, *, rank: int = 0, comm: Collectives | None = No
 
 
 def auto_num_blocks(model: CausalLM, spec: EngineSpec, device: torch.device) -> int:
-    """Pages that fit ``spec.gpu_memory_utilization`` of the GPU next to the weights and a largest
-    step's activations, its logits and logprobs included (:func:`largest_step`; :data:`CPU_NUM_BLOCKS`
-    off the GPU)."""
+    """Pages that fit ``spec.gpu_memory_utilization`` of the GPU next to the weights, a largest
+    step's activations, its logits and logprobs included (:func:`largest_step`), and a batch-invariant
+    engine's decode-graph split partials (:func:`graph_split_bytes`); :data:`CPU_NUM_BLOCKS` off the
+    GPU."""
     if device.type != "cuda":
         return CPU_NUM_BLOCKS
     config = spec.config
     per_block = KVCache.bytes_per_block(num_layers=config.num_layers, page_size=spec.page_size,
                                         num_kv_heads=model.shard.num_kv_heads, head_dim=config.head_dim,
                                         dtype=spec.kv_dtype)
-    peak = _profile_activations(model, spec, device)
+    peak = _profile_activations(model, spec, device) + graph_split_bytes(model, spec, num_sms(device))
     free, total = torch.cuda.mem_get_info(device)
     budget = int(total * spec.gpu_memory_utilization) - (total - free) - peak
     num_blocks = budget // per_block
@@ -142,11 +145,38 @@ def _profile_activations(model: CausalLM, spec: EngineSpec, device: torch.device
     return int(peak * 1.1) + (256 << 20)  # margin for CUDA graphs and allocator slack
 
 
+def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
+    """Bytes of the attention's split partials held by a batch-invariant engine's decode CUDA graphs
+    (0 without the mode or without graphs), which the profiled prefill step does not allocate.
+
+    A graph of ``bs`` rows captured with a split (:func:`~pagedflash.engine.runner.graph_num_splits`
+    above 1) splits, in the mode, ``max_model_len`` keys into one split per
+    :func:`~pagedflash.ops.launch.invariant_split_keys` (no split when that is one, or more than
+    ``MAX_SPLITS``): fp32 partials ``[splits, bs, Hq, D]`` and ``[splits, bs, Hq]`` per layer
+    (``Hq``: this rank's query heads). Each graph's eager warm-up run leaves one such set in the
+    scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all layers), and its capture takes
+    one set at a time in the graphs' shared pool (a layer's set is freed after its combine, before
+    the next layer's): the sum over the graphs plus the largest one."""
+    if not (spec.batch_invariant and spec.cuda_graphs):
+        return 0
+    splits = cdiv(spec.max_model_len, invariant_split_keys(interpreted()))
+    if not 1 < splits <= MAX_SPLITS:
+        return 0
+    rows = min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1])  # ModelRunner.max_decode_rows; its capture_graphs sizes:
+    sizes = [b for b in GRAPH_BATCH_SIZES if b < rows] + [rows]
+    split = [bs for bs in sizes if min(graph_num_splits(bs, model.shard.num_kv_heads, sms), MAX_SPLITS) > 1]
+    per_row = splits * model.shard.num_heads * (spec.config.head_dim + 1) * 4
+    return (sum(split) + max(split, default=0)) * per_row
+
+
 def largest_step(model: CausalLM, spec: EngineSpec, device: torch.device) -> tuple[ModelRunner, Batch]:
     """A runner on a scratch pool and the step of largest activations it can be given: the prefill
     of max_num_batched_tokens prompt tokens spread over max_num_seqs sequences, each asking for
-    ``logprobs`` and ``prompt_logprobs`` of :data:`~pagedflash.engine.sampling.MAX_LOGPROBS`, so the
-    step computes logits for every position and their log-softmax (:mod:`pagedflash.engine.logprobs`)."""
+    ``logprobs`` and ``prompt_logprobs`` of :data:`~pagedflash.engine.sampling.MAX_LOGPROBS`. Its
+    logits: ``[max_num_seqs, vocab]`` for the sampling rows, and the prompt positions' in slices of
+    :data:`~pagedflash.engine.logprobs.ROWS_PER_GATHER` rows, each slice's fp32 log-softmax and top
+    k computed before the next slice's LM head (:mod:`pagedflash.engine.logprobs`): its logits peak is
+    ``O((max_num_seqs + ROWS_PER_GATHER) x vocab)``, not ``O(max_num_batched_tokens x vocab)``."""
     page_size, max_len = spec.page_size, spec.max_model_len
     tokens = min(spec.max_num_batched_tokens, spec.max_num_seqs * max_len)
     num_seqs = min(spec.max_num_seqs, tokens)

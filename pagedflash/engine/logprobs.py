@@ -12,11 +12,14 @@ log-softmax of the logits the sampler saw (before temperature and filtering), th
 value and the top ``k`` (``torch.topk``, largest first), and brings them to the host together with
 the sampled tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
 
-Memory: the fp32 copy, log-softmax and top k run in slices of :data:`ROWS_PER_GATHER` rows (bitwise
-equal to one slice: each row's reduction is its own); the logits themselves (model dtype) come from
-the runner for every position at once, ``[T, vocab]`` for a chunk of ``T`` prompt positions. The
-engine's activation profile (:func:`~pagedflash.engine.executor.largest_step`) runs a step of
-max_num_batched_tokens positions all asking for logprobs, so the KV pool is sized next to both.
+Memory: prompt positions are reduced in slices of :data:`ROWS_PER_GATHER` rows (:func:`prompt`):
+a slice's logits (the LM head of its hidden rows, model dtype, gathered over the ranks), their fp32
+copy, log-softmax and top k, then the next slice; so a chunk of ``T`` prompt positions never holds
+more than ``ROWS_PER_GATHER x vocab`` logits at once, not ``T x vocab``. Each row's values are its
+own reduction (bitwise those of one slice of all rows, given the same logits). The sampling rows'
+logits ``[S, vocab]`` come whole from the runner (the sampler needs them). The engine's activation
+profile (:func:`~pagedflash.engine.executor.largest_step`) runs a step of max_num_batched_tokens
+positions all asking for logprobs, so the KV pool is sized next to that bound.
 
 Prompt tokens served from the prefix cache have no logits. A request asking for
 ``prompt_logprobs`` is admitted with those positions to compute again (as vLLM, which skips the
@@ -28,11 +31,12 @@ the cached keys and values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-ROWS_PER_GATHER = 1024  # logits rows per log-softmax: bounds the fp32 copy of a long prompt chunk's logits
+ROWS_PER_GATHER = 1024  # logits rows per slice of prompt positions: bounds their logits and log-softmax
 
 Logprobs = dict[int, float]  # token id -> logprob: the target token first, then the top k (largest first)
 
@@ -55,6 +59,8 @@ class LogprobPlan:
     prompt_positions: list[int] = field(default_factory=list)  # packed index of each prompt position
     prompt_targets: list[int] = field(default_factory=list)  # the prompt token each of them predicts
     unwritten: list[tuple[int, int]] = field(default_factory=list)  # (packed index, count): slot -1
+    # prompt positions per slice: fixed when planned on rank 0, so every rank slices alike
+    slice_rows: int = field(default_factory=lambda: ROWS_PER_GATHER)
 
 
 def plan(batch, vocab_size: int) -> LogprobPlan | None:
@@ -84,15 +90,18 @@ def plan(batch, vocab_size: int) -> LogprobPlan | None:
     return out if out.sampled or out.prompt or out.unwritten else None
 
 
-def gather(logits: torch.Tensor, rows: list[int], targets: torch.Tensor, k: int) -> torch.Tensor:
-    """For each row ``r`` of ``rows``: the fp32 log-softmax of ``logits[r]`` at its target, then the
-    ``k`` largest values' token ids and values. ``logits [R, V]`` (any float dtype), ``targets``
-    int64 ``[len(rows)]`` on the same device. Returns float64 ``[len(rows) * (1 + 2k)]``, row by row."""
+def gather(logits_of: Callable[[torch.Tensor], torch.Tensor], rows: list[int], targets: torch.Tensor, k: int,
+           slice_rows: int | None = None) -> torch.Tensor:
+    """For each row ``r`` of ``rows``: the fp32 log-softmax of its logits at its target, then the
+    ``k`` largest values' token ids and values. ``logits_of(idx)``: the logits ``[len(idx), V]`` (any
+    float dtype) of the rows ``idx`` (int64, on ``targets``' device), asked for in order, ``slice_rows``
+    rows at a time (default :data:`ROWS_PER_GATHER`); ``targets`` int64 ``[len(rows)]``. Returns
+    float64 ``[len(rows) * (1 + 2k)]``, row by row."""
+    step = slice_rows or ROWS_PER_GATHER
     parts = []
-    for a in range(0, len(rows), ROWS_PER_GATHER):
-        idx = _on_device(rows[a : a + ROWS_PER_GATHER], logits.device)
-        lp = torch.log_softmax(logits[idx].float(), dim=-1)
-        cols = [lp.gather(1, targets[a : a + ROWS_PER_GATHER, None])]
+    for a in range(0, len(rows), step):
+        lp = torch.log_softmax(logits_of(_on_device(rows[a : a + step], targets.device)).float(), dim=-1)
+        cols = [lp.gather(1, targets[a : a + step, None])]
         if k:
             top = lp.topk(k, dim=-1)
             cols += [top.indices, top.values]
@@ -100,21 +109,30 @@ def gather(logits: torch.Tensor, rows: list[int], targets: torch.Tensor, k: int)
     return torch.cat(parts)
 
 
-def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor, logits: torch.Tensor,
-         prompt_rows: list[int]) -> tuple[list[int], StepLogprobs]:
+def prompt(want: LogprobPlan, logits_of: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor | None:
+    """:func:`gather` of ``want``'s prompt positions (``logits_of``: as there, by packed index) in
+    slices of ``want.slice_rows``, on ``device``; None when it has none. Every rank of a
+    tensor-parallel engine calls it with the same ``want`` (``logits_of`` may gather over the ranks:
+    the same slices everywhere)."""
+    if not want.prompt:
+        return None
+    return gather(logits_of, want.prompt_positions, _on_device(want.prompt_targets, device), _width(want.prompt),
+                  want.slice_rows)
+
+
+def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor,
+         prompt_values: torch.Tensor | None) -> tuple[list[int], StepLogprobs]:
     """The step's sampled tokens and its logprobs, in one device-to-host transfer.
 
     ``tokens`` int64 ``[S]``: the sampled token of each sampling row, whose logits are
-    ``sample_logits [S, V]``. ``logits``: the step's logits, of which ``prompt_rows`` are those of
-    ``want.prompt_positions``."""
+    ``sample_logits [S, V]``. ``prompt_values``: :func:`prompt`'s result for ``want``."""
     parts = [tokens.double()]
-    k_sampled = max((k for *_, k in want.sampled), default=0)
-    k_prompt = max((k for *_, k in want.prompt), default=0)
+    k_sampled, k_prompt = _width(want.sampled), _width(want.prompt)
     if want.sampled:
         rows = [s for _, s, _ in want.sampled]
-        parts.append(gather(sample_logits, rows, tokens[_on_device(rows, tokens.device)], k_sampled))
+        parts.append(gather(sample_logits.__getitem__, rows, tokens[_on_device(rows, tokens.device)], k_sampled))
     if want.prompt:
-        parts.append(gather(logits, prompt_rows, _on_device(want.prompt_targets, logits.device), k_prompt))
+        parts.append(prompt_values)
     values = torch.cat(parts).tolist()  # the one transfer (and sync) of the step
     n = tokens.shape[0]
     step = StepLogprobs()
@@ -130,6 +148,11 @@ def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor, l
             at += 1 + 2 * k_prompt
         step.prompt[i] = entries
     return [int(t) for t in values[:n]], step
+
+
+def _width(items: list[tuple[int, int, int]]) -> int:
+    """The top-k width of a step's entries of one kind: the largest ``k`` that its rows ask for."""
+    return max((k for *_, k in items), default=0)
 
 
 def _on_device(ints: list[int], device) -> torch.Tensor:

@@ -133,7 +133,7 @@ class ModelRunner:
         its logprobs come to the host with its tokens; so no step is launched ahead after it (run-ahead
         needs deferred tokens). Steps without such rows are unchanged."""
         want = logprobs.plan(batch, self.model.config.vocab_size)  # None: no row asks
-        prompt_rows: list[int] = []  # rows of ``logits`` at want.prompt_positions
+        prompt = None  # the gathered entries of want's prompt positions (logprobs.prompt)
         with validate.value_checks(False):
             if batch.is_decode_only and len(batch.rows) <= self.max_decode_rows:
                 n = len(batch.rows)
@@ -146,29 +146,20 @@ class ModelRunner:
                 logits = sample_logits = self._logits[:n]  # row i: row i's one position
                 greedy = self._greedy[:n]
                 if want is not None:
-                    prompt_rows = want.prompt_positions
+                    prompt = logprobs.prompt(want, logits.__getitem__, self.device)
                 if not all(r.samples for r in batch.rows):  # a one-token recompute chunk samples nothing
                     keep = [i for i, r in enumerate(batch.rows) if r.samples]
                     sample_logits, greedy = logits[keep], greedy[keep]
             else:
                 *args, sample_idx = self.plan(batch)
-                computed = sample_idx
                 if want is not None:
                     slots = args[2]
                     for first, count in want.unwritten:
                         slots[first : first + count] = [-1] * count
-                    if want.prompt_positions:
-                        computed = sorted(sample_idx + want.prompt_positions)
-                logits = sample_logits = self._call("_forward", *args, computed)
+                sample_logits, prompt = self._call("_forward", *args, sample_idx, want)
                 greedy = None
-                if logits is None:
-                    return PendingTokens([])
-                if computed is not sample_idx:
-                    where = {p: j for j, p in enumerate(computed)}
-                    prompt_rows = [where[p] for p in want.prompt_positions]
-                    sample_logits = logits[self._tensor([where[p] for p in sample_idx], torch.int64)]
         rows = [r for r in batch.rows if r.samples]
-        if not rows and not prompt_rows:
+        if not rows and prompt is None:
             return PendingTokens([])
         if self.workers is not None:
             self.workers.wait_device()  # sampling reads the device: wait there, watching the ranks
@@ -179,7 +170,7 @@ class ModelRunner:
             tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         if want is None:
             return PendingTokens(tokens.tolist())
-        tokens, step_logprobs = logprobs.read(want, tokens, sample_logits, logits, prompt_rows)
+        tokens, step_logprobs = logprobs.read(want, tokens, sample_logits, prompt)
         return PendingTokens(tokens, logprobs=step_logprobs)
 
     @torch.inference_mode()
@@ -232,15 +223,17 @@ class ModelRunner:
     def prompt_logits(self, batch: Batch) -> torch.Tensor:
         """fp32 logits ``[T, vocab]`` of every position of ``batch``'s rows (one forward, every rank)."""
         with validate.value_checks(False):
-            logits = self._call("_forward", *self.plan(batch)[:-1], None).float()
+            logits = self._call("_forward", *self.plan(batch)[:-1], None)[0].float()
         if self.workers is not None:
             self.workers.wait_device()  # the caller reads them: wait here, watching the ranks
         return logits
 
-    def _forward(self, ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx) -> torch.Tensor | None:
+    def _forward(self, ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx,
+                 want: logprobs.LogprobPlan | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Device half of a step with prefill rows (every rank): the forward of :meth:`plan`'s lists,
-        then the logits (model dtype, gathered) of the rows ``logits_idx``: None when it is empty,
-        every row when it is None."""
+        then the logits (model dtype, gathered) of the rows ``logits_idx`` (None when it is empty,
+        every row when it is None) and the gathered entries of ``want``'s prompt positions
+        (:func:`logprobs.prompt`: their LM head slice by slice; None without such positions)."""
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             cu_seqlens_q=self._tensor(cu_q, torch.int32),
@@ -250,12 +243,15 @@ class ModelRunner:
             block_tables=self._tensor(tables, torch.int32),
         )
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, self.kv_caches)
-        if logits_idx is not None:
-            if not logits_idx:
-                return None
-            if len(logits_idx) < hidden.shape[0]:
-                hidden = hidden[self._tensor(logits_idx, torch.int64)]
-        return self.model.lm_logits(hidden)
+        logits = None
+        if logits_idx is None:
+            logits = self.model.lm_logits(hidden)
+        elif logits_idx:
+            rows = hidden if len(logits_idx) == hidden.shape[0] else hidden[self._tensor(logits_idx, torch.int64)]
+            logits = self.model.lm_logits(rows)
+        prompt = None if want is None else logprobs.prompt(want, lambda idx: self.model.lm_logits(hidden[idx]),
+                                                           self.device)
+        return logits, prompt
 
     def plan(self, batch: Batch):
         """The host half of a step with prefill rows: plain lists (input ids, positions, slots,
