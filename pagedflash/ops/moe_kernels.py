@@ -6,8 +6,9 @@ the launch choices, the host side and the layout this module's kernels read; dim
 - ``_down_kernel``: a block of the intermediate times ``W2^T`` (plus bias) times each pair's routing
   weight, into per-pair partials ``[P, H]`` (fp32, or the input dtype), summed by ``_sum_k_kernel``;
 - ``_down_sum_kernel`` (the *fused sum*, for few tokens): one program per (token, column block)
-  runs the same per-expert product (:func:`_expert_down`) for the token's ``k`` experts in order
-  ``j = 0..k-1`` and stores their sum in the output dtype: no partials, no third launch.
+  runs the token's ``k`` experts' products in order ``j = 0..k-1`` (the per-expert epilogue
+  :func:`_weighted` shared with ``_down_kernel``) and stores their sum in the output dtype: no
+  partials, no third launch.
 
 Every sum runs in a fixed order: no atomics, results reproducible.
 """
@@ -100,13 +101,23 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _weighted(acc, B2, TopkW, e, pairs, w_n, top_k, stride_be, stride_tw0, stride_tw1, HAS_BIAS: tl.constexpr):
+    """An expert's down product ``acc`` ``[BM, BN]`` plus its bias (columns ``w_n`` of expert ``e``)
+    times each pair's routing weight (``pairs``: ``[BM]`` in-bounds pair ids), fp32."""
+    if HAS_BIAS:
+        acc += tl.load(B2 + e * stride_be + w_n).to(tl.float32)[None, :]
+    weight = tl.load(TopkW + (pairs // top_k) * stride_tw0 + (pairs % top_k) * stride_tw1)
+    return acc * weight.to(tl.float32)[:, None]
+
+
+@triton.jit
 def _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
                  stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One expert's weighted output for a block of pairs: intermediate rows ``rows`` (``row_ok``
     False: a pad row, which reads row 0) times expert ``e``'s (valid) ``W2^T`` columns ``offs_n``,
-    plus its bias, times each pair's routing weight: ``[BM, BN]`` fp32."""
+    then :func:`_weighted`: ``[BM, BN]`` fp32."""
     safe_rows = tl.where(row_ok, rows, 0).to(tl.int64)
     w_n = offs_n % H  # in-bounds rows for every column; the caller's store masks the extra ones
     offs_k = tl.arange(0, BK)
@@ -114,10 +125,7 @@ def _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
     p_w = W2 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc = dot_over_k(acc, p_a, p_w, I, BK, EVEN_K, DOT_PRECISION, NUM_STAGES)
-    if HAS_BIAS:
-        acc += tl.load(B2 + e * stride_be + w_n).to(tl.float32)[None, :]
-    weight = tl.load(TopkW + (safe_rows // top_k) * stride_tw0 + (safe_rows % top_k) * stride_tw1)
-    return acc * weight.to(tl.float32)[:, None]
+    return _weighted(acc, B2, TopkW, e, safe_rows, w_n, top_k, stride_be, stride_tw0, stride_tw1, HAS_BIAS)
 
 
 @triton.jit
@@ -169,24 +177,43 @@ def _down_sum_kernel(
 ):
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
-    token's pair, the other rows pad (the smallest ``tl.dot``)."""
+    token's pair, the other rows are masked (the smallest ``tl.dot``). One loop over (expert ``j``,
+    K step), so that the pipeline runs on from one expert into the next; at expert ``j``'s last step
+    its product goes through :func:`_weighted` into the sum, in order ``j = 0..k-1``: the same
+    arithmetic as ``_down_kernel`` then ``_sum_k_kernel``."""
     pid = tl.program_id(0)
     t = pid % T
     offs_n = (pid // T) * BN + tl.arange(0, BN)
-    P = T * top_k
+    w_n = offs_n % H  # in-bounds rows for every column; the store masks the extra ones
     first = tl.arange(0, BM) == 0
+    offs_k = tl.arange(0, BK)
+    for j in range(top_k):  # invalid ids recorded once, by column block 0
+        e = tl.load(Ids + t * stride_id0 + j * stride_id1)
+        report_fault(Faults, FAULT, t, ((e < 0) | (e >= E)) & (pid < T))
+    steps = tl.cdiv(I, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     total = tl.zeros([BM, BN], dtype=tl.float32)
-    for j in range(top_k):  # fixed order: reproducible
+    for s in tl.range(0, top_k * steps, num_stages=NUM_STAGES):
+        j = s // steps
+        k0 = (s - j * steps) * BK
         e = tl.load(Ids + t * stride_id0 + j * stride_id1).to(tl.int64)
-        rows = tl.where(first, t * top_k + j, P)
-        bad = (e < 0) | (e >= E)
-        if bad:  # an invalid expert id: no weight read, the token's row is NaN
-            total += float("nan")
-            report_fault(Faults, FAULT, t, bad & (pid < T))  # recorded by column block 0
+        ok = (e >= 0) & (e < E)  # an invalid id reads no weight; its pair's contribution is NaN
+        e = tl.where(ok, e, 0)
+        pair = (t * top_k + j).to(tl.int64)
+        p_a = Inter + pair * I + k0 + offs_k[None, :] + tl.zeros([BM, 1], dtype=tl.int64)  # [BM, BK]
+        p_w = W2 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + (k0 + offs_k)[:, None]  # [BK, BN]
+        if EVEN_K:
+            k_ok = offs_k < tl.where(ok, BK, 0)
         else:
-            total += _expert_down(Inter, W2, B2, TopkW, rows, rows < P, e, offs_n, H, I, top_k,
-                                  stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
-                                  HAS_BIAS, EVEN_K, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
+            k_ok = offs_k < tl.where(ok, I - k0, 0)
+        a = tl.load(p_a, mask=first[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(p_w, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        last = k0 + BK >= I
+        done = _weighted(acc, B2, TopkW, e, pair + tl.zeros([BM], dtype=tl.int64), w_n, top_k, stride_be,
+                         stride_tw0, stride_tw1, HAS_BIAS)
+        total = tl.where(last, total + tl.where(ok, done, float("nan")), total)
+        acc = tl.where(last, 0.0, acc)
     p_out = Out + t.to(tl.int64) * stride_o + offs_n[None, :] + tl.zeros([BM, 1], dtype=tl.int64)
     tl.store(p_out, total.to(Out.dtype.element_ty), mask=first[:, None] & (offs_n < H)[None, :])
 
