@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--shapes: expected names from {sorted(spec['shapes'])}, got {unknown}")
     tokens = args.tokens or list(spec["tokens"])
-    tokens.sort(key=lambda T: (T not in (min(tokens), max(tokens)), T))  # the smallest and largest first
+    ends = (min(tokens), max(tokens))
+    tokens = sorted(tokens, key=lambda T: (T not in ends, T))  # the smallest and largest first
     start = time.monotonic()
     deadline = start + args.budget_s
     rows, speedups = [], {}
