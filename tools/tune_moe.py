@@ -29,22 +29,24 @@ from pagedflash.ops import moe
 from pagedflash.testing import check_close
 
 # (label, changes to the current tiles); every decode candidate keeps the current rows per block
+# at T = 1 the fused sum has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused down k times as many
 DECODE = [
     ("fused", dict(fused_sum=True)),
     ("fused bn13=16", dict(fused_sum=True, bn13=16)),
     ("fused bn13=16 bn2=16", dict(fused_sum=True, bn13=16, bn2=16)),
-    ("fused bn13=16 bn2=64", dict(fused_sum=True, bn13=16, bn2=64)),
+    ("fused bn13=16 bn2=16 bk=256", dict(fused_sum=True, bn13=16, bn2=16, bk=256)),
+    ("fused bn13=16 bn2=16 stages=6", dict(fused_sum=True, bn13=16, bn2=16, stages=6)),
+    ("fused bn13=16 bn2=16 warps=2", dict(fused_sum=True, bn13=16, bn2=16, warps=2)),
     ("fused bn13=16 bk=256", dict(fused_sum=True, bn13=16, bk=256)),
     ("fused bn13=16 bk=256 stages=3", dict(fused_sum=True, bn13=16, bk=256, stages=3)),
     ("fused bn13=16 bk=64 stages=6", dict(fused_sum=True, bn13=16, bk=64, stages=6)),
-    ("fused bn13=16 warps=2", dict(fused_sum=True, bn13=16, warps=2)),
-    ("fused bn13=16 stages=3", dict(fused_sum=True, bn13=16, stages=3)),
     ("fused bn2=64", dict(fused_sum=True, bn2=64)),
-    ("fused bk=64 stages=5", dict(fused_sum=True, bk=64, stages=5)),
     ("fused bn13=64 bn2=64", dict(fused_sum=True, bn13=64, bn2=64)),
     ("bn13=16", dict(bn13=16)),
+    ("bn13=16 bn2=16", dict(bn13=16, bn2=16)),
     ("bn13=16 bk=256", dict(bn13=16, bk=256)),
     ("bn13=16 bn2=64 bk=64 stages=5", dict(bn13=16, bn2=64, bk=64, stages=5)),
+    ("bk=64 stages=5", dict(bk=64, stages=5)),
 ]
 # at T <= 16: the other grouping form for the first few
 OTHER_GROUPING = ("fused", "fused bn13=16", "bn13=16")
@@ -59,6 +61,7 @@ PREFILL = [
     ("part=dtype bk=128 stages=2", dict(part_fp32=False, bk=128, stages=2)),
     ("part=dtype warps=4", dict(part_fp32=False, warps=4)),
     ("part=dtype bm=64 warps=4", dict(part_fp32=False, bm=64, warps=4)),
+    ("part=dtype bm=64 bn13=128 warps=4 stages=4", dict(part_fp32=False, bm=64, bn13=128, warps=4, stages=4)),
     ("part=dtype group_m=16", dict(part_fp32=False, group_m=16)),
     ("part=dtype group_m=1", dict(part_fp32=False, group_m=1)),
 ]

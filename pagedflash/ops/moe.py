@@ -95,8 +95,8 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
       columns, 64-deep steps, 3 stages, 8 warps on the 128-row tiles; programs grouped 8 row blocks
       at a time over the column blocks (L2 reuse of the rows).
     Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, ``tools/tune_moe.py``
-    times candidate tiles (the fused sum, partials in the input dtype included), :data:`TILES` the
-    override.
+    times candidate tiles, :data:`TILES` the override. The fused sum and partials in the input dtype
+    are off in every form here until measured.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
     same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
