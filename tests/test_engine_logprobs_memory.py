@@ -24,6 +24,7 @@ from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.engine.executor import EngineSpec, build_rank, graph_split_bytes, largest_step
 from pagedflash.engine.sampling import MAX_LOGPROBS
 from pagedflash.ops import scratch
+from pagedflash.ops.launch import INTERPRET_INVARIANT_SPLIT_KEYS, MAX_SPLITS
 from pagedflash.ops.utils import num_sms
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -39,8 +40,9 @@ def test_sliced_log_softmax_is_bitwise_the_unsliced_one(dtype, k):
     rows = torch.randperm(41, generator=g)[:37].tolist()
     targets = torch.randint(0, VOCAB, (len(rows),), generator=g)
     whole = logprobs_mod.gather(logits.__getitem__, rows, targets, k, 1 << 30)
+    asked = []
     for rows_per_slice in (1, 5, 36, 37):
-        asked = []
+        asked.clear()
         got = logprobs_mod.gather(lambda idx: asked.append(idx.tolist()) or logits[idx], rows, targets, k,
                                   rows_per_slice)
         assert torch.equal(got, whole)
@@ -135,7 +137,8 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     """A batch-invariant engine on the CPU (16 nominal SMs, 2 KV heads: graphs of 1, 2, 4 and 8
     rows split; 256 keys, 32-key splits under the interpreter: 8 splits): each capture body's split
     partials, one shape per graph, are what :func:`graph_split_bytes` counts (each graph's warm-up
-    set kept, plus the largest in the graphs' pool); nothing without the mode or without graphs."""
+    set kept, plus the largest in the graphs' pool); nothing without the mode, without graphs, or
+    when the launch takes no split (one split's worth of keys, or more than ``MAX_SPLITS`` splits)."""
     llm = LLM(CONFIG, dtype=torch.float32, seed=0, page_size=8, num_blocks=16)
     spec = spec_of(llm, tokens=64, seqs=8, batch_invariant=True, cuda_graphs=True)
     rank = build_rank(spec)
@@ -162,8 +165,11 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     assert all(len(b) == 1 for b in per_graph.values()), per_graph  # one shape for every layer
     sizes = {bs: b.pop() for bs, b in per_graph.items()}
     heads, dim = CONFIG["num_attention_heads"], CONFIG["head_dim"]
-    assert sizes == {bs: 8 * bs * heads * (dim + 1) * 4 for bs in sizes}
+    splits = CONFIG["max_position_embeddings"] // INTERPRET_INVARIANT_SPLIT_KEYS  # 8
+    assert sizes == {bs: splits * bs * heads * (dim + 1) * 4 for bs in sizes}
     assert graph_split_bytes(rank.model, spec, num_sms(spec.device)) == sum(sizes.values()) + max(sizes.values())
-    for other in (dict(batch_invariant=False), dict(cuda_graphs=False)):
-        assert graph_split_bytes(rank.model, spec_of(llm, tokens=64, seqs=8, **{**dict(
-            batch_invariant=True, cuda_graphs=True), **other}), 16) == 0
+    for off in (dict(batch_invariant=False, cuda_graphs=True), dict(batch_invariant=True, cuda_graphs=False),
+                dict(batch_invariant=True, cuda_graphs=True, max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS),  # one split
+                dict(batch_invariant=True, cuda_graphs=True,
+                     max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS * (MAX_SPLITS + 1))):
+        assert graph_split_bytes(rank.model, spec_of(llm, tokens=64, seqs=8, **off), 16) == 0, off
