@@ -154,16 +154,17 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     :func:`~pagedflash.ops.launch.invariant_split_keys` (no split when that is one, or more than
     ``MAX_SPLITS``): fp32 partials ``[splits, bs, Hq, D]`` and ``[splits, bs, Hq]`` per layer
     (``Hq``: this rank's query heads). Each graph's eager warm-up run leaves one such set in the
-    scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all layers), and its capture takes
-    one set at a time in the graphs' shared pool (a layer's set is freed after its combine, before
-    the next layer's): the sum over the graphs plus the largest one."""
+    scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all layers; it keeps at most
+    ``MAX_BUFFERS`` sets, so their sum is a bound), and its capture takes one set at a time in the
+    graphs' shared pool (a layer's set is freed after its combine, before the next layer's): the sum
+    over the graphs plus the largest one."""
     if not (spec.batch_invariant and spec.cuda_graphs):
         return 0
     splits = cdiv(spec.max_model_len, invariant_split_keys(interpreted()))
     if not 1 < splits <= MAX_SPLITS:
         return 0
-    rows = min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1])  # ModelRunner.max_decode_rows; its capture_graphs sizes:
-    sizes = [b for b in GRAPH_BATCH_SIZES if b < rows] + [rows]
+    rows = min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1])  # ModelRunner.max_decode_rows
+    sizes = [b for b in GRAPH_BATCH_SIZES if b < rows] + [rows]  # as ModelRunner.capture_graphs
     split = [bs for bs in sizes if min(graph_num_splits(bs, model.shard.num_kv_heads, sms), MAX_SPLITS) > 1]
     per_row = splits * model.shard.num_heads * (spec.config.head_dim + 1) * 4
     return (sum(split) + max(split, default=0)) * per_row

@@ -7,19 +7,21 @@ A step with such rows samples synchronously (the runner never defers its tokens,
 launched ahead after it). :func:`plan` says which positions need logprobs: the sampling position of
 a row asking for ``logprobs``, and the positions of a prefill chunk whose next token is a prompt
 token not covered yet (position ``i`` gives the entry of prompt token ``i + 1``; the first prompt
-token has none). :func:`read` computes, on the device and for those rows only, the fp32
-log-softmax of the logits the sampler saw (before temperature and filtering), the target token's
-value and the top ``k`` (``torch.topk``, largest first), and brings them to the host together with
-the sampled tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
+token has none). :func:`prompt` (prompt positions, in the runner's forward) and :func:`read`
+(sampling rows) compute, on the device and for those rows only, the fp32 log-softmax of the logits
+the sampler saw (before temperature and filtering), the target token's value and the top ``k``
+(``torch.topk``, largest first); :func:`read` brings them to the host together with the sampled
+tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
 
 Memory: prompt positions are reduced in slices of :data:`ROWS_PER_GATHER` rows (:func:`prompt`):
 a slice's logits (the LM head of its hidden rows, model dtype, gathered over the ranks), their fp32
 copy, log-softmax and top k, then the next slice; so a chunk of ``T`` prompt positions never holds
 more than ``ROWS_PER_GATHER x vocab`` logits at once, not ``T x vocab``. Each row's values are its
-own reduction (bitwise those of one slice of all rows, given the same logits). The sampling rows'
-logits ``[S, vocab]`` come whole from the runner (the sampler needs them). The engine's activation
-profile (:func:`~pagedflash.engine.executor.largest_step`) runs a step of max_num_batched_tokens
-positions all asking for logprobs, so the KV pool is sized next to that bound.
+own reduction (bitwise those of one slice of all rows, given the same logits; a row's LM head output
+may depend on the rows beside it through the BLAS, except in batch-invariant mode). The sampling
+rows' logits ``[S, vocab]`` come whole from the runner (the sampler needs them). The engine's
+activation profile (:func:`~pagedflash.engine.executor.largest_step`) runs a step of
+max_num_batched_tokens positions all asking for logprobs, so the KV pool is sized next to that bound.
 
 Prompt tokens served from the prefix cache have no logits. A request asking for
 ``prompt_logprobs`` is admitted with those positions to compute again (as vLLM, which skips the
