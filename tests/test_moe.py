@@ -84,7 +84,7 @@ def test_fused_moe(T, E, k, activation, how, dtype):
 
 # forced tiles of each launch form (tools/tune_moe.py's candidates) on a case each: the fused sum
 # (direct and over sorted blocks), 16-wide column blocks, reduction steps deeper than H, more
-# stages, partials in the input dtype with other prefill tiles
+# stages, partials in the input dtype with other prefill tiles, one-row matrix-vector products
 TILE_FORMS = {
     "fused_direct_bn16": (moe.Tiles(True, 16, 16, 16, 128, 4, 4, 1, fused_sum=True), (1, 16, 4, "silu", "routed")),
     "fused_direct_bk256": (moe.Tiles(True, 16, 16, 32, 256, 2, 5, 1, fused_sum=True),
@@ -94,6 +94,8 @@ TILE_FORMS = {
     "part_in_dtype_bm32": (moe.Tiles(False, 32, 64, 32, 32, 4, 3, 4, part_fp32=False), (64, 16, 4, "silu", "some_empty")),
     "part_in_dtype_bm64": (moe.Tiles(False, 64, 16, 128, 64, 8, 2, 2, part_fp32=False),
                            (40, 8, 2, "swigluoai", "routed")),
+    "gemv_bn8": (moe.Tiles(True, 1, 8, 8, 64, 4, 3, 1, fused_sum=True, gemv=True), (1, 16, 4, "swigluoai", "routed")),
+    "gemv_bn4_bk256": (moe.Tiles(True, 1, 16, 4, 256, 4, 3, 1, fused_sum=True, gemv=True), (3, 8, 2, "silu", "all")),
 }
 
 
@@ -135,9 +137,18 @@ def test_grouping_layout(monkeypatch):
 
 
 FUSED_SUM = moe.Tiles(True, 16, 16, 32, 64, 4, 2, 1, fused_sum=True)
+GEMV = moe.Tiles(True, 1, 64, 128, 128, 4, 2, 1, fused_sum=True, gemv=True)
 
 
-@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM)], ids=["direct", "sorted", "fused_sum"])
+def test_gemv_needs_its_form(monkeypatch):
+    monkeypatch.setattr(moe, "TILES", GEMV._replace(fused_sum=False))
+    x, (w13, w2, _), (weights, ids_) = randn(3, H), make_layer(4, H, I, torch.float32, "silu"), make_ids(3, 4, 2, "routed")
+    with pytest.raises(ValueError, match="moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1"):
+        moe.fused_moe(x, w13, w2, weights, ids_)
+
+
+@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV)],
+                         ids=["direct", "sorted", "fused_sum", "gemv"])
 def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
     """Value checks off: an id outside [0, E) reads no weight (the next expert in memory is NaN, and
     so would be a read past it), its token's row is NaN and every other row is right; the debug mode
@@ -158,7 +169,7 @@ def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
-@pytest.mark.parametrize("tiles", [None, FUSED_SUM], ids=["default", "fused_sum"])
+@pytest.mark.parametrize("tiles", [None, FUSED_SUM, GEMV], ids=["default", "fused_sum", "gemv"])
 def test_invalid_ids_are_recorded(monkeypatch, tiles):
     """The last token with an expert id outside [0, E) is recorded; raise_if_invalid names topk_ids
     and clears the record."""

@@ -18,7 +18,7 @@ def test_quick(capsys):
     for T in (1, 70):  # a decode and a prefill case, each with its timed candidates and a suggestion
         assert f"tiny_swiglu T={T}: current Tiles(" in out
         assert f"| tiny_swiglu | {T} |" in out
-    assert "fused" in out and "part=dtype" in out and "Suggested tiles()" in out
+    assert "fused" in out and "gemv" in out and "part=dtype" in out and "Suggested tiles()" in out
     assert moe.TILES is None
 
 
@@ -31,3 +31,5 @@ def test_candidates_are_distinct_tiles():
         tiles = [t for _, t in found]
         assert current not in tiles and len(set(tiles)) == len(tiles)
         assert any(t.direct != current.direct for t in tiles) == (1 < T <= 16)
+        assert all(t.direct and t.fused_sum and t.bm == 1 for t in tiles if t.gemv)
+        assert any(t.gemv for t in tiles) == (T <= 16)

@@ -6,8 +6,8 @@ Per case, the current tiles and each candidate are run once and checked against 
 (a wrong or failing candidate is reported and skipped), then timed as ``pagedflash bench moe``
 times (``bench.common.measure``: CUDA-graph replays, L2 flushed before each call). Candidates are
 changes to the current tiles: at decode sizes (T <= 64) the fused sum (down GEMM and sum over k in
-one kernel), narrower column blocks, deeper reduction steps, stages and warps, and the other grouping
-form at T <= 16; at T = 8192 the per-pair partials in the input dtype and prefill row/column/
+one kernel), narrower column blocks, deeper reduction steps, stages and warps, and at T <= 16 the
+other grouping form and one-row matrix-vector products (``gemv``: no ``tl.dot``); at T = 8192 the per-pair partials in the input dtype and prefill row/column/
 reduction blocks, warps, stages and program grouping (labels: the changes; ``part=dtype``: partials in
 the input dtype). Printed: per case the current ms, the best
 candidate, their ratio and (decode) % of the bandwidth bound (``bench.moe.bound_ms``); then per
@@ -50,6 +50,16 @@ DECODE = [
 ]
 # at T <= 16: the other grouping form for the first few
 OTHER_GROUPING = ("fused", "fused bn13=16", "bn13=16")
+# at T <= 16: one-row matrix-vector products on the CUDA cores (direct, fused sum; pagedflash.ops.gemv's
+# tiles: 8 rows of 512 per program, 4 warps, 3 stages, and neighbours)
+_GEMV = dict(gemv=True, fused_sum=True, direct=True, bm=1, group_m=1, warps=4)
+GEMV = [
+    ("gemv bn=8 bk=512", dict(_GEMV, bn13=8, bn2=8, bk=512, stages=3)),
+    ("gemv bn=8 bk=256 stages=4", dict(_GEMV, bn13=8, bn2=8, bk=256, stages=4)),
+    ("gemv bn13=16 bn2=8 bk=256", dict(_GEMV, bn13=16, bn2=8, bk=256, stages=3)),
+    ("gemv bn=4 bk=512", dict(_GEMV, bn13=4, bn2=4, bk=512, stages=3)),
+    ("gemv bn=8 bk=512 warps=8", dict(_GEMV, bn13=8, bn2=8, bk=512, stages=3, warps=8)),
+]
 PREFILL = [
     ("part=dtype", dict(part_fp32=False)),
     ("part=dtype stages=4", dict(part_fp32=False, stages=4)),
@@ -70,13 +80,15 @@ PREFILL = [
 def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool) -> list[tuple[str, moe.Tiles]]:
     """The labelled candidate tiles of one case (each distinct from the current tiles)."""
     found = []
-    for label, changes in DECODE if decode else PREFILL:
+    for label, changes in (DECODE + (GEMV if T <= 16 else [])) if decode else PREFILL:
         found.append((label, current._replace(**changes)))
         if decode and 1 < T <= 16 and label in OTHER_GROUPING:
             other = "direct" if not current.direct else "sorted"
             found.append((f"{label} {other}", current._replace(direct=not current.direct, **changes)))
     found = [(label, t) for label, t in found if t != current]
-    return found[:2] if quick else found
+    if quick:  # the first candidate and the first matrix-vector one (or the second)
+        return found[:1] + ([c for c in found if c[1].gemv] or found[1:])[:1]
+    return found
 
 
 def regime(T: int, decode_max: int) -> str:
@@ -166,7 +178,7 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU interpreter, 2 candidates")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU interpreter, 2 candidates a case")
     parser.add_argument("--shapes", nargs="*", help="a subset of the shapes (default: all)")
     parser.add_argument("--tokens", nargs="*", type=int, help="a subset of the token counts (default: all)")
     parser.add_argument("--budget-s", type=float, default=400.0,

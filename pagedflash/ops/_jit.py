@@ -192,3 +192,17 @@ def report_fault(Faults, code: tl.constexpr, index, bad):
     """Record metadata fault ``code`` (:data:`pagedflash.validate.NUM_FAULTS` entries) at ``index``
     (a sequence or token; scalars or matching blocks) where ``bad``."""
     tl.atomic_max(Faults + code + index * 0, index, mask=bad)
+
+
+@triton.jit
+def mac(a, b, acc, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+    """``acc + a @ b`` for ``a`` ``[M, K]``, ``b`` ``[K, N]``, ``acc`` ``[M, N]`` fp32: by ``tl.dot``
+    (every dim at least 16), or (``USE_DOT`` False, one row: ``M`` 1) as a matrix-vector product on
+    the CUDA cores in fp32, ``b``'s tile reduced along K in the layout it was loaded in (as
+    :mod:`pagedflash.ops.gemv` does)."""
+    if USE_DOT:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    else:
+        tl.static_assert(a.shape[0] == 1, "mac: the CUDA-core product takes one row (M = 1)")
+        x = tl.sum(a.to(tl.float32), axis=0)  # [K]: the one row
+        return acc + tl.sum(b.to(tl.float32) * x[:, None], axis=0)[None, :]

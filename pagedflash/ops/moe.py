@@ -20,7 +20,8 @@ This module holds the launch choices (:func:`tiles`) and the public API; the ker
 
   or, with ``Tiles.fused_sum`` (few tokens), in two: ``_down_sum_kernel`` replaces 2 and 3, one
   program per (token, column block) summing the token's ``k`` expert outputs in fixed order in
-  fp32 and storing the row in ``out``'s dtype.
+  fp32 and storing the row in ``out``'s dtype. ``Tiles.gemv`` (with the fused sum and direct
+  grouping): one-row blocks, each product a matrix-vector product on the CUDA cores, not ``tl.dot``.
 
 Grouping (which pairs a block of rows holds) has two forms, chosen on the host from the shapes
 (:func:`tiles`), never from device values:
@@ -76,6 +77,7 @@ class Tiles(NamedTuple):
     group_m: int
     fused_sum: bool = False  # down GEMM and sum over k in one kernel (per token: for few tokens)
     part_fp32: bool = True  # per-pair partials fp32, else the input dtype (half the traffic); unfused only
+    gemv: bool = False  # products on the CUDA cores, not tl.dot (with direct, fused_sum and bm 1: one row)
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
@@ -175,6 +177,8 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
     t = tiles(T, k, E, invariant)
+    if t.gemv and not (t.direct and t.fused_sum and t.bm == 1):
+        raise ValueError(f"moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1, got {t}")
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                   BM=t.bm, BK=t.bk)
@@ -182,10 +186,12 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     opts = dict(num_warps=t.warps, num_stages=t.stages)
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
-                     dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13), **opts)
+                     dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13, USE_DOT=not t.gemv),
+                     **opts)
     down_consts = dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages)
     if t.fused_sum:
-        down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),), down_consts, **opts)
+        down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),),
+                      dict(down_consts, USE_DOT=not t.gemv), **opts)
     else:
         down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
                       dict(down_consts, **grouped), **opts)

@@ -16,7 +16,7 @@ Every sum runs in a fixed order: no atomics, results reproducible.
 import triton
 import triton.language as tl
 
-from pagedflash.ops._jit import dot_over_k, report_fault
+from pagedflash.ops._jit import dot_over_k, mac, report_fault
 
 
 @triton.jit
@@ -54,6 +54,7 @@ def _gate_up_kernel(
     alpha, limit,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_DOT: tl.constexpr,
 ):
     num_n = tl.cdiv(I, BN)
     pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
@@ -81,8 +82,8 @@ def _gate_up_kernel(
             x = tl.load(p_x, mask=k_ok[None, :], other=0.0)
             wg = tl.load(p_g, mask=k_ok[:, None], other=0.0)
             wu = tl.load(p_u, mask=k_ok[:, None], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
+        acc_g = mac(x, wg, acc_g, DOT_PRECISION, USE_DOT)
+        acc_u = mac(x, wu, acc_u, DOT_PRECISION, USE_DOT)
         p_x += BK
         p_g += BK
         p_u += BK
@@ -173,11 +174,12 @@ def _down_sum_kernel(
     T, H, I, E, top_k,
     stride_o, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
 ):
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
-    token's pair, the other rows are masked (the smallest ``tl.dot``). One loop over (expert ``j``,
+    token's pair, the other rows are masked (the smallest ``tl.dot``; ``BM`` 1 with ``USE_DOT``
+    False: a matrix-vector product). One loop over (expert ``j``,
     K step), so that the pipeline runs on from one expert into the next; at expert ``j``'s last step
     its product goes through :func:`_weighted` into the sum, in order ``j = 0..k-1``: the same
     arithmetic as ``_down_kernel`` then ``_sum_k_kernel``."""
@@ -208,7 +210,7 @@ def _down_sum_kernel(
             k_ok = offs_k < tl.where(ok, I - k0, 0)
         a = tl.load(p_a, mask=first[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(p_w, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        acc = mac(a, w, acc, DOT_PRECISION, USE_DOT)
         last = k0 + BK >= I
         done = _weighted(acc, B2, TopkW, e, pair + tl.zeros([BM], dtype=tl.int64), w_n, top_k, stride_be,
                          stride_tw0, stride_tw1, HAS_BIAS)
