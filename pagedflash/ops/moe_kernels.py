@@ -179,10 +179,10 @@ def _down_sum_kernel(
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
     token's pair, the other rows are masked (the smallest ``tl.dot``; ``BM`` 1 with ``USE_DOT``
-    False: a matrix-vector product). One loop over (expert ``j``,
-    K step), so that the pipeline runs on from one expert into the next; at expert ``j``'s last step
-    its product goes through :func:`_weighted` into the sum, in order ``j = 0..k-1``: the same
-    arithmetic as ``_down_kernel`` then ``_sum_k_kernel``."""
+    False: a matrix-vector product). One loop over (expert ``j``, K step), so that the pipeline runs
+    on from one expert into the next; at expert ``j``'s last step its product goes through
+    :func:`_weighted` into the sum, in order ``j = 0..k-1``: the same arithmetic as ``_down_kernel``
+    then ``_sum_k_kernel``."""
     pid = tl.program_id(0)
     t = pid % T
     offs_n = (pid // T) * BN + tl.arange(0, BN)
