@@ -5,14 +5,20 @@ GPT-OSS-20B layer, bf16) at T = 1, 4, 16, 64 and 8192 tokens.
 Per case, the current tiles and each candidate are run once and checked against the fp32 reference
 (a wrong or failing candidate is reported and skipped), then timed as ``pagedflash bench moe``
 times (``bench.common.measure``: CUDA-graph replays, L2 flushed before each call). Candidates are
-changes to the current tiles: at decode sizes (T <= 64) the fused sum (down GEMM and sum over k in
-one kernel), narrower column blocks, deeper reduction steps, stages and warps, and at T <= 16 the
-other grouping form and one-row matrix-vector products (``gemv``: no ``tl.dot``); at T = 8192 the per-pair partials in the input dtype and prefill row/column/
-reduction blocks, warps, stages and program grouping (labels: the changes; ``part=dtype``: partials in
-the input dtype). Printed: per case the current ms, the best
-candidate, their ratio and (decode) % of the bandwidth bound (``bench.moe.bound_ms``); then per
-regime (T = 1, T = 4..64, T = 8192) each variant's geometric mean speedup over the cases, the
-variants to put into ``moe.tiles()``.
+changes to the current tiles (labels name the changes):
+
+- decode sizes (T <= 64): the fused sum (down GEMM and sum over k in one kernel), narrower column
+  blocks, deeper reduction steps, stages and warps; at T <= 16 also the other grouping form and
+  one-row matrix-vector products (``gemv``: no ``tl.dot``);
+- T = 8192: per-pair partials in the input dtype (``part=dtype``) and prefill row, column and
+  reduction blocks, warps, stages and program grouping.
+
+Printed: per case the current ms, the best candidate, their ratio and the issue's figures (current
+tiles -> best): % of the bandwidth bound (``bench.moe.bound_ms``) and the per-expert PyTorch loop's
+time over ours at decode sizes, a dense GEMM of the same FLOPs' time over ours at T = 8192 (issue
+33's targets: >= 60 % at T = 1, >= 3x, >= 0.6x); then per regime (T = 1, T = 2..64, T > 64) each
+variant's geometric-mean speedup over the current tiles, and the best tiles per case: what to put
+into ``moe.tiles()``.
 
     python tools/tune_moe.py                 # the H200 run (about 4-6 minutes, --budget-s caps it)
     python tools/tune_moe.py --quick         # tiny shapes on the CPU interpreter (checks the script)
@@ -121,16 +127,19 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
 
     base = timed(None, "current")
     row = dict(shape=name, T=T, current=current, current_ms=base.ms, best=None, best_label="current",
-               best_ms=base.ms, bound_ms=bound)
+               best_ms=base.ms, bound_ms=bound, loop_ms=None, dense_ms=None)
     if not base.ok:
         print(f"{name} T={T}: current tiles {base.status} ({base.note or 'wrong result'}); candidates skipped",
               flush=True)
         return row
-    extra = ""
-    if not decode:
+    if decode:  # the issue's comparisons: a per-expert loop of PyTorch matmuls, a dense GEMM
+        loop = measure(bench_moe.loop_baseline(c["hidden"], topk_weights=c["topk_weights"], topk_ids=c["topk_ids"],
+                                               activation=c["activation"], **c["weights"]),
+                       check, label=f"loop {name} T={T}")
+        row["loop_ms"], extra = loop.ms, f", loop {loop.ms:.4f} ms, loop÷ours {ratio(base, loop):.2f}" if loop.ok else ""
+    else:
         dense = measure(bench_moe.dense_fn(c), label=f"dense GEMM {name} T={T}")
-        extra = f", dense GEMM {dense.ms:.4f} ms, ours÷dense {ratio(base, dense):.3f}" if dense.ok else ""
-        row["dense"] = dense
+        row["dense_ms"], extra = dense.ms, f", dense GEMM {dense.ms:.4f} ms, ours÷dense {ratio(base, dense):.3f}" if dense.ok else ""
     print(f"{name} T={T}: current {current} {base.ms:.4f} ms, {figure(base.ms)}{extra}", flush=True)
     for label, tiles in candidates(current, T, decode, quick):
         if time.monotonic() > deadline:
@@ -148,17 +157,24 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
     return row
 
 
+def _change(row: dict, other_ms: float | None, scale: float = 1.0) -> str:
+    """``scale * other_ms / ours``, the current tiles' then the best's ("-": not measured)."""
+    if other_ms is None:
+        return "-"
+    return f"{scale * other_ms / row['current_ms']:.2f} → {scale * other_ms / row['best_ms']:.2f}"
+
+
 def report(rows: list[dict], speedups: dict, spec: dict) -> None:
-    print("\n| shape | T | current ms | best | best ms | current÷best | % of bound (current → best) |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| shape | T | current ms | best | best ms | current÷best | % of bound | loop÷ours | ours÷dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["current_ms"] is None:
-            print(f"| {r['shape']} | {r['T']} | FAIL | - | - | - | - |")
+            print(f"| {r['shape']} | {r['T']} | FAIL | - | - | - | - | - | - |")
             continue
-        pct = (f"{100 * r['bound_ms'] / r['current_ms']:.1f} → {100 * r['bound_ms'] / r['best_ms']:.1f}"
-               if r["bound_ms"] is not None else "-")
+
+        figures = [_change(r, r["bound_ms"], 100), _change(r, r["loop_ms"]), _change(r, r["dense_ms"])]
         print(f"| {r['shape']} | {r['T']} | {r['current_ms']:.4f} | {r['best_label']} | {r['best_ms']:.4f} | "
-              f"{r['current_ms'] / r['best_ms']:.3f} | {pct} |")
+              f"{r['current_ms'] / r['best_ms']:.3f} | {' | '.join(figures)} |")
     print("\nPer regime, variants by geometric-mean speedup over the current tiles (cases timed / cases):")
     cases = {}
     for r in rows:
