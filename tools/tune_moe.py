@@ -34,8 +34,8 @@ from pagedflash.bench.common import free_memory, measure, ratio, tflops
 from pagedflash.ops import moe
 from pagedflash.testing import check_close
 
-# (label, changes to the current tiles); every decode candidate keeps the current rows per block
-# at T = 1 the fused sum has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused down k times as many
+# (label, changes to the current tiles). Decode candidates keep the current rows per block; at T = 1
+# the fused sum's down GEMM has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused one k times as many
 DECODE = [
     ("fused", dict(fused_sum=True)),
     ("fused bn13=16", dict(fused_sum=True, bn13=16)),
