@@ -107,6 +107,19 @@ def test_tile_forms(monkeypatch, form, dtype):
     check_moe(T, E, k, dtype, activation, how)
 
 
+@pytest.mark.skipif(ON_GPU, reason="compiled, the fused sum may fuse a multiply and an add (one fma)")
+def test_fused_sum_same_arithmetic(monkeypatch):
+    """Under the interpreter the fused sum gives the bits of the partials and _sum_k_kernel (same tiles)."""
+    x, (w13, w2, biases) = randn(5, H), make_layer(8, H, I, torch.float32, "swigluoai")
+    weights, ids_ = make_ids(5, 8, 2, "routed")
+    tiles = moe.Tiles(True, 16, 32, 32, 64, 4, 2, 1)
+    got = []
+    for fused in (False, True):
+        monkeypatch.setattr(moe, "TILES", tiles._replace(fused_sum=fused))
+        got.append(moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases))
+    assert torch.equal(*got)
+
+
 @pytest.mark.parametrize("form", ["direct", "sorted", "fused_sum"])
 def test_both_groupings_agree(monkeypatch, form):
     """The same call through each grouping form and the fused sum (forced tiles), duplicates of an

@@ -181,8 +181,9 @@ def _down_sum_kernel(
     token's pair, the other rows are masked (the smallest ``tl.dot``; ``BM`` 1 with ``USE_DOT``
     False: a matrix-vector product). One loop over (expert ``j``, K step), so that the pipeline runs
     on from one expert into the next; at expert ``j``'s last step its product goes through
-    :func:`_weighted` into the sum, in order ``j = 0..k-1``: the same arithmetic as ``_down_kernel``
-    then ``_sum_k_kernel``."""
+    :func:`_weighted` into the sum, in order ``j = 0..k-1``: the operations of ``_down_kernel`` then
+    ``_sum_k_kernel`` in the same order (bitwise equal under the interpreter; compiled, the weight's
+    multiply and the sum's add may become one fma)."""
     pid = tl.program_id(0)
     t = pid % T
     offs_n = (pid // T) * BN + tl.arange(0, BN)
