@@ -186,12 +186,13 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     opts = dict(num_warps=t.warps, num_stages=t.stages)
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
-                     dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13, USE_DOT=not t.gemv),
+                     dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13, USE_DOT=not t.gemv,
+                          NUM_STAGES=t.stages),
                      **opts)
     down_consts = dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages)
     if t.fused_sum:
         down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),),
-                      dict(down_consts, USE_DOT=not t.gemv), **opts)
+                      dict(down_consts, USE_DOT=not t.gemv, BLOCK_TOPK=next_pow2(k)), **opts)
     else:
         down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
                       dict(down_consts, **grouped), **opts)

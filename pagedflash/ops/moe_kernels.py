@@ -54,7 +54,7 @@ def _gate_up_kernel(
     alpha, limit,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     num_n = tl.cdiv(I, BN)
     pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
@@ -72,7 +72,7 @@ def _gate_up_kernel(
     p_u = p_g + I * stride_wn
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in tl.range(0, H, BK, num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(p_x)
             wg = tl.load(p_g)
@@ -175,6 +175,7 @@ def _down_sum_kernel(
     stride_o, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,  # next_pow2(top_k)
 ):
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
@@ -190,16 +191,19 @@ def _down_sum_kernel(
     w_n = offs_n % H  # in-bounds rows for every column; the store masks the extra ones
     first = tl.arange(0, BM) == 0
     offs_k = tl.arange(0, BK)
-    for j in range(top_k):  # invalid ids recorded once, by column block 0
-        e = tl.load(Ids + t * stride_id0 + j * stride_id1)
-        report_fault(Faults, FAULT, t, ((e < 0) | (e >= E)) & (pid < T))
+    # the token's expert ids, in registers: the loop's weight addresses then depend on no load in
+    # the loop, which lets the compiler pipeline it (an id loaded per step kept it to one stage)
+    slots = tl.arange(0, BLOCK_TOPK)
+    expert_ids = tl.load(Ids + t * stride_id0 + slots * stride_id1, mask=slots < top_k, other=0)
+    bad = (expert_ids < 0) | (expert_ids >= E)
+    report_fault(Faults, FAULT, t + slots * 0, bad & (slots < tl.where(pid < T, top_k, 0)))  # column block 0
     steps = tl.cdiv(I, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     total = tl.zeros([BM, BN], dtype=tl.float32)
     for s in tl.range(0, top_k * steps, num_stages=NUM_STAGES):
         j = s // steps
         k0 = (s - j * steps) * BK
-        e = tl.load(Ids + t * stride_id0 + j * stride_id1).to(tl.int64)
+        e = tl.sum(tl.where(slots == j, expert_ids, 0)).to(tl.int64)
         ok = (e >= 0) & (e < E)  # an invalid id reads no weight; its pair's contribution is NaN
         e = tl.where(ok, e, 0)
         pair = (t * top_k + j).to(tl.int64)
