@@ -2,11 +2,15 @@
 (every candidate checked against the reference; its times mean nothing here)."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from pagedflash.ops import moe
 
-_spec = importlib.util.spec_from_file_location("tune_moe", Path(__file__).resolve().parents[1] / "tools" / "tune_moe.py")
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "tune_moe.py"
+_spec = importlib.util.spec_from_file_location("tune_moe", TOOL)
 tune_moe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tune_moe)
 
@@ -33,3 +37,19 @@ def test_candidates_are_distinct_tiles():
         assert any(t.direct != current.direct for t in tiles) == (1 < T <= 16)
         assert all(t.direct and t.fused_sum and t.bm == 1 for t in tiles if t.gemv)
         assert any(t.gemv for t in tiles) == (T <= 16)
+
+
+def test_compile_check():
+    """``--compile-check`` (a process of its own: the kernels compiled, not interpreted): the current
+    tiles' kernels and a gemv candidate's, for sm_90 with the wheel's ptxas, at the real shape; the
+    weight-streaming loops pipelined."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(TOOL), "--compile-check", "--shapes", "qwen3_30b_a3b", "--tokens", "1",
+                          "--labels", "gemv bn=8 bk=512", "fused"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1].endswith(" 0 failed")
+    for label, kernel in [("current", "_gate_up_kernel"), ("current", "_down_kernel"),
+                          ("gemv bn=8 bk=512", "_gate_up_kernel"), ("fused", "_down_sum_kernel")]:
+        line = next(x for x in lines if f" {label} " in x and kernel in x)
+        assert " 0 async copies" not in line, line

@@ -22,10 +22,17 @@ into ``moe.tiles()``.
 
     python tools/tune_moe.py                 # the H200 run (about 4-6 minutes, --budget-s caps it)
     python tools/tune_moe.py --quick         # tiny shapes on the CPU interpreter (checks the script)
+    python tools/tune_moe.py --compile-check # every candidate compiled for sm_90, no GPU (~2-4 min on a CPU)
 """
 import argparse
+import contextlib
 import math
+import os
+import sys
 import time
+
+if __name__ == "__main__" and "--compile-check" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: its kernels must be defined for the compiler
 
 import torch
 
@@ -83,15 +90,17 @@ PREFILL = [
 ]
 
 
-def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool) -> list[tuple[str, moe.Tiles]]:
-    """The labelled candidate tiles of one case (each distinct from the current tiles)."""
+def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool,
+               labels: list[str] | None = None) -> list[tuple[str, moe.Tiles]]:
+    """The labelled candidate tiles of one case (each distinct from the current tiles; only those
+    named in ``labels`` if given)."""
     found = []
     for label, changes in (DECODE + (GEMV if T <= 16 else [])) if decode else PREFILL:
         found.append((label, current._replace(**changes)))
         if decode and 1 < T <= 16 and label in OTHER_GROUPING:
             other = "direct" if not current.direct else "sorted"
             found.append((f"{label} {other}", current._replace(direct=not current.direct, **changes)))
-    found = [(label, t) for label, t in found if t != current]
+    found = [(label, t) for label, t in found if t != current and (labels is None or label in labels)]
     if quick:  # the first candidate and the first matrix-vector one (or the second)
         return found[:1] + ([c for c in found if c[1].gemv] or found[1:])[:1]
     return found
@@ -101,7 +110,8 @@ def regime(T: int, decode_max: int) -> str:
     return "T=1" if T == 1 else f"T=2..{decode_max}" if T <= decode_max else f"T>{decode_max}"
 
 
-def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedups: dict) -> dict:
+def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedups: dict,
+             labels: list[str] | None = None) -> dict:
     """Time the current tiles and the candidates on one case; record each candidate's speedup over the
     current tiles in ``speedups[(regime, label)]``; return the case's summary row."""
     c = bench_moe.inputs(name, T, spec)
@@ -141,7 +151,7 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
         dense = measure(bench_moe.dense_fn(c), label=f"dense GEMM {name} T={T}")
         row["dense_ms"], extra = dense.ms, f", dense GEMM {dense.ms:.4f} ms, ours÷dense {ratio(base, dense):.3f}" if dense.ok else ""
     print(f"{name} T={T}: current {current} {base.ms:.4f} ms, {figure(base.ms)}{extra}", flush=True)
-    for label, tiles in candidates(current, T, decode, quick):
+    for label, tiles in candidates(current, T, decode, quick, labels):
         if time.monotonic() > deadline:
             print(f"  budget spent: the remaining candidates of {name} T={T} are not timed", flush=True)
             break
@@ -191,6 +201,90 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
         print(f"  {r['shape']} T={r['T']}: {r['best'] or r['current']}")
 
 
+@contextlib.contextmanager
+def _recorded_launches():
+    """Launches of ``pagedflash.ops`` recorded as ``(launch, args)`` instead of run (the list yielded)."""
+    from pagedflash.ops import utils
+
+    calls, run = [], utils.Launch.__call__
+    utils.Launch.__call__ = lambda self, *args: calls.append((self, args)) if self.grid is not None else None
+    try:
+        yield calls
+    finally:
+        utils.Launch.__call__ = run
+
+
+_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                  torch.int64: "i64"}
+
+
+def _compiled(launch, args):
+    """``launch``'s kernel compiled for sm_90 by Triton's whole pipeline (no GPU needed: the ptxas of the
+    wheel), specialized as a launch with ``args`` would be: pointers and ints divisible by 16 marked so."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel, sig, attrs = launch.kernel, {}, {}
+    runtime = [a for a in kernel.arg_names if a not in launch.consts]
+    for name, value in zip(runtime, args):
+        index = (kernel.arg_names.index(name),)
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TRITON_DTYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        else:
+            sig[name] = "fp32" if isinstance(value, float) else "i32" if abs(value) < 2**31 else "i64"
+            aligned = not isinstance(value, float) and value % 16 == 0
+        if aligned:
+            attrs[index] = [["tt.divisibility", 16]]
+    sig.update({name: "constexpr" for name in launch.consts})
+    source = triton.compiler.ASTSource(kernel, sig, constexprs=dict(launch.consts), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch.options)
+
+
+def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None) -> int:
+    """Compile the current tiles' and every candidate's kernels for sm_90 (bf16, the real layer shapes,
+    weights as zero-stride views: nothing is allocated but the activations) and print each distinct
+    kernel's shared memory and whether its loop is pipelined (asynchronous copies): what the H200 run
+    would compile, checked on any machine. Returns the number of kernels that failed to compile."""
+    spec, seen, failed = bench_moe.FULL, set(), 0
+    for name in shapes:
+        h, i, E, k, activation = spec["shapes"][name]
+        one = bench_moe.layer(h, i, 1, activation, spec["dtype"], "cpu")
+        weights = {n: w.expand((E,) + tuple(w.shape[1:])) for n, w in one.items()}
+        for T in tokens:
+            current = moe.tiles(T, k, E)
+            found = [("current", current)] + candidates(current, T, T <= spec["decode_max"], False, labels)
+            for label, tiles in found:
+                x = torch.empty(T, h, dtype=spec["dtype"])
+                topk_weights, topk_ids = torch.full((T, k), 1 / k), torch.arange(T * k, dtype=torch.int32).view(T, k) % E
+                moe.TILES = tiles
+                try:
+                    with _recorded_launches() as calls:
+                        moe.fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, **weights)
+                finally:
+                    moe.TILES = None
+                for launch, args in calls:
+                    key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())),
+                           tuple(sorted(launch.options.items())), tuple(isinstance(a, torch.Tensor) and a.dtype
+                                                                         for a in args))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    t0 = time.monotonic()
+                    try:
+                        ck = _compiled(launch, args)
+                    except Exception as e:  # noqa: BLE001 - every kernel is reported
+                        failed += 1
+                        print(f"{name} T={T} {label}: {launch.kernel.__name__} FAILED {type(e).__name__}: "
+                              f"{str(e)[:300]}", flush=True)
+                        continue
+                    copies = ck.asm["ttgir"].count("async_copy_global_to_local")  # none: loads not pipelined
+                    print(f"{name} T={T} {label:34s} {launch.kernel.__name__:17s} smem {ck.metadata.shared:6d} B, "
+                          f"{copies:2d} async copies, {time.monotonic() - t0:.1f} s", flush=True)
+    print(f"{len(seen)} kernels, {failed} failed")
+    return failed
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -199,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="*", type=int, help="a subset of the token counts (default: all)")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stop timing candidates after this many seconds (the summary still prints)")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="no timing, no GPU: compile every candidate's kernels for sm_90 and print their shared "
+                             "memory and whether their loops are pipelined (run as a script)")
+    parser.add_argument("--labels", nargs="*", help="only the candidates of these labels (as printed; none: only "
+                                                    "the current tiles)")
     args = parser.parse_args(argv)
     spec = bench_moe.QUICK if args.quick else bench_moe.FULL
     shapes = args.shapes or list(spec["shapes"])
@@ -206,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--shapes: expected names from {sorted(spec['shapes'])}, got {unknown}")
     tokens = args.tokens or list(spec["tokens"])
+    if args.compile_check:
+        if os.environ.get("TRITON_INTERPRET") != "0":
+            parser.error("--compile-check: run tools/tune_moe.py as a script (the kernels must not be interpreted)")
+        return 1 if compile_check(shapes, tokens, args.labels) else 0
     ends = (min(tokens), max(tokens))
     tokens = sorted(tokens, key=lambda T: (T not in ends, T))  # the smallest and largest first
     start = time.monotonic()
@@ -213,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, speedups = [], {}
     for T in tokens:  # should the budget run out, T = 1 and the prefill size are timed on every shape
         for name in shapes:
-            rows.append(run_case(name, T, spec, args.quick, deadline, speedups))
+            rows.append(run_case(name, T, spec, args.quick, deadline, speedups, args.labels))
             free_memory()
     report(sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["T"])), speedups, spec)
     print(f"\n{time.monotonic() - start:.0f} s")
