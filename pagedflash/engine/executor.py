@@ -160,7 +160,7 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     over the graphs plus the largest one."""
     if not (spec.batch_invariant and spec.cuda_graphs):
         return 0
-    splits = cdiv(spec.max_model_len, invariant_split_keys(interpreted()))
+    splits = cdiv(spec.max_model_len, invariant_split_keys(interpreted(), spec.config.head_dim))
     if not 1 < splits <= MAX_SPLITS:
         return 0
     rows = min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1])  # ModelRunner.max_decode_rows

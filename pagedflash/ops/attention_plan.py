@@ -101,9 +101,9 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                              causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size(), fp8_cvt=fp8_cvt)
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
-    split_keys = invariant_split_keys(interpreted()) if invariant else 0
+    split_keys = invariant_split_keys(interpreted(), d) if invariant else 0
     if invariant:
-        cfg = config or invariant_config(group=group, interpreted=interpreted())
+        cfg = config or invariant_config(group=group, head_dim=d, interpreted=interpreted())
         if split_keys % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
                              f"({split_keys} keys), got {cfg.block_n}")

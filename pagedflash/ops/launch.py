@@ -150,13 +150,18 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 # multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
 INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
 INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
-# The GPU tile of the mode, rows:keys:warps:stages (invariant_config); another value is the tuning lever
-# (every launch of a process takes the same one, so results stay invariant; they differ between values).
-INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "64:32:4:1")
+# The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: 64:64:4:3 up to D = 128,
+# two stages above (the fastest of five measured on the H200, docs/performance.md v36). Another value is
+# the tuning lever (every launch of a process takes the same one, so results stay invariant; they differ
+# between values).
+INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 
 
-def _invariant_tile() -> tuple[int, int, int, int]:
-    """:data:`INVARIANT_TILE` as (rows, keys, warps, stages), or a clear error."""
+def _invariant_tile(head_dim: int) -> tuple[int, int, int, int]:
+    """:data:`INVARIANT_TILE` as (rows, keys, warps, stages), or a clear error; unset: the default for
+    ``head_dim`` (three stages of 64 keys of K and V fit shared memory up to D = 128)."""
+    if not INVARIANT_TILE:
+        return 64, 64, 4, 3 if head_dim <= 128 else 2
     try:
         rows, keys, warps, stages = (int(x) for x in INVARIANT_TILE.split(":"))
     except ValueError:
@@ -168,25 +173,25 @@ def _invariant_tile() -> tuple[int, int, int, int]:
     return rows, keys, warps, stages
 
 
-def invariant_split_keys(interpreted: bool) -> int:
+def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
     """Keys per split of the batch-invariant mode (a multiple of the invariant tile's keys)."""
     keys = INTERPRET_INVARIANT_SPLIT_KEYS if interpreted else INVARIANT_SPLIT_KEYS
-    block_n = invariant_config(group=1, interpreted=interpreted).block_n
+    block_n = invariant_config(group=1, head_dim=head_dim, interpreted=interpreted).block_n
     if keys <= 0 or keys % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
     return keys
 
 
-def invariant_config(*, group: int, interpreted: bool) -> LaunchConfig:
+def invariant_config(*, group: int, head_dim: int, interpreted: bool) -> LaunchConfig:
     """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
     softmax sums are reduced by the same instructions in the same order only under one tile shape and
     warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
-    each K/V byte once per group); by default 64 rows, 32-key tiles, one stage: the packed shape that
-    compiles on sm90 with triton 3.6 (see :func:`choose_config`; in the mode a tile that does not
-    compile is an error, never a fallback to another). Nothing here depends on the lengths, the
-    batch or the GPU's size; ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
-    rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile()
+    each K/V byte once per group). By default 64 rows, 64-key tiles, 4 warps, 3 stages (2 above
+    D = 128); in the mode a tile that does not compile is an error, never a fallback to another.
+    Nothing here depends on the lengths, the batch or the GPU's size, only on the model's head size;
+    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
+    rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim)
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
