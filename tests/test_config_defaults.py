@@ -89,7 +89,8 @@ def expected(c, family):
         moe_renormalize=getattr(c, "norm_topk_prob", family == "mixtral") if experts else None,
         dense_layers=[i for i in range(c.num_hidden_layers) if i in (getattr(c, "mlp_only_layers", None) or [])
                       or (i + 1) % getattr(c, "decoder_sparse_step", 1)],
-        swiglu=(c.swiglu_alpha, c.swiglu_limit) if family == "gpt_oss" else None,
+        # older transformers (5.17) has no such keys: its GPT-OSS experts hard-code 1.702 and 7.0
+        swiglu=(getattr(c, "swiglu_alpha", 1.702), getattr(c, "swiglu_limit", 7.0)) if family == "gpt_oss" else None,
     )
 
 

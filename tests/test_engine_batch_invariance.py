@@ -120,6 +120,7 @@ def test_refusals():
 
 
 def test_server_option():
+    pytest.importorskip("fastapi")  # the serve extra
     from pagedflash.entrypoints.openai import api_server
 
     llm = api_server.build_llm(api_server.parse_args(["--batch-invariant"]))
