@@ -22,15 +22,12 @@ summed in different orders, and greedy decoding then depends on what else is ser
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
 
-Expected cost (a prediction, not yet measured; ``tools/tune_matmul.py`` measures it against ``torch.mm``
-at ``M = 1, 32, 256, 8192`` on Llama-3-8B's projections):
-
-- ``M <= 64`` (decode): one row block, so ``cdiv(N, BLOCK_N)`` programs stream the weight: 64 of 132
-  SMs for a 4096-wide projection (about 2 MB of weight in flight where HBM wants ~3 MB), so ~1.3-1.6x
-  cuBLAS's time there; ~1.1-1.3x on the 28672-wide gate_up (224 tiles over 132 programs);
-- ``M = 8192`` (prefill): 64-row tiles on one warpgroup move twice the operand bytes per FLOP of
-  cuBLAS's usual 128x256 two-warpgroup tiles: ~0.55-0.7x its throughput (the fused MoE's untuned
-  64/128-row tiles reached 0.41-0.53x a dense GEMM with extra work of their own, performance.md v33).
+Cost on the H200 (``tools/tune_matmul.py``: Llama-3-8B's projections at ``M = 1, 32, 256, 8192``
+against ``torch.mm``, docs/performance.md v36): with the first tiles (64x64 or 64x128, 64-deep, 4
+stages) 0.27-0.65x cuBLAS's speed at every M (M = 1: 0.7-1.9 TB/s); the sweep's best tiles, now the
+default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). A 64-row
+tile at M = 1 computes 63 empty rows, and the tile may not change with M, so M <= 64 stays well
+below cuBLAS's GEMV-like kernels.
 """
 
 from __future__ import annotations
@@ -111,21 +108,26 @@ TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's ke
 def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     """The launch configuration from the weight's shape, the dtype and the device only (never ``M``):
 
-    - 64 rows (:data:`BLOCK_M`); 128 columns from ``N >= 8192`` (64+ column blocks: every SM busy at
-      one row block on an H200 when ``N >= 16896``), else 64 (4096 columns: 64 programs instead of 32
-      while ``M <= 64``), at least 16 and no wider than ``N`` needs;
-    - 16-bit: 64-deep K steps (128-byte rows for the shared-memory swizzle), 4 pipeline stages on
-      sm90 (98 KB of shared memory at 128 columns), 3 on sm80/sm89, 2 elsewhere;
-    - fp32 (IEEE products on the FMA units): 64 columns, 32-deep steps;
-    - 4 warps: one warpgroup, the wgmma of a 64-row tile.
+    - 64 rows (:data:`BLOCK_M`), 4 warps: one warpgroup, the wgmma of a 64-row tile;
+    - 16-bit on sm90: 256 columns by 64-deep K steps in 5 stages from ``N >= 16384``, else 128 by 128
+      in 4 (200 / 192 KB of shared memory): the best of `tools/tune_matmul.py --sweep` on the H200
+      (Llama-3-8B's projections, geometric mean over M = 1..8192: gate/up 0.53 -> 0.74 of cuBLAS,
+      down 0.33 -> 0.55; docs/performance.md v36); wide tiles stream more bytes a program, which
+      matters more than the program count even at M = 1;
+    - 16-bit elsewhere (unmeasured): 128 columns from ``N >= 8192``, else 64, by 64, 3 stages on
+      sm80/sm89, 2 elsewhere;
+    - fp32 (IEEE products on the FMA units): 64 columns, 32-deep steps, 4 stages on sm90;
+    - columns and steps at least 16 and no wider than ``N`` / ``K`` need.
 
-    Unmeasured on the H200 (see the module doc): :data:`TILE` overrides it for a sweep."""
+    :data:`TILE` overrides it for a sweep."""
     if TILE is not None:
         return TILE
     capability = nvidia_capability(device)
     stages = 4 if capability is not None and capability >= (9, 0) else 3 if capability is not None else 2
     if dtype == torch.float32:
         block_n, block_k = 64, 32
+    elif capability is not None and capability >= (9, 0):
+        block_n, block_k, stages = (256, 64, 5) if n >= 16384 else (128, 128, 4)
     else:
         block_n, block_k = 128 if n >= 8192 else 64, 64
     block_n = max(16, min(block_n, next_pow2(n)))
