@@ -12,8 +12,8 @@ everywhere else).
 The decoder's other kernels (used by :mod:`pagedflash.engine`): ``norm`` (RMSNorm with the residual
 add), ``rope`` (rotary embedding in place), ``activation`` (SiLU-and-multiply), ``sampling`` (greedy
 argmax), ``gemv`` (single-row projections with the norm or SiLU fused in front), ``matmul`` (the
-batch-invariant GEMM), ``moe`` and ``moe_routing`` (the fused mixture-of-experts layer; its routing
-and grouping).
+batch-invariant GEMM), ``moe``, ``moe_kernels`` and ``moe_routing`` (the fused mixture-of-experts
+layer: its host side and API, its expert GEMM kernels, its routing and grouping).
 
 ``utils``: host helpers every launcher shares (cdiv, next_pow2, SM count, compute capability, the
 interpreter flag, operand checks).
