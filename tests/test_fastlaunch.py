@@ -54,6 +54,7 @@ class _Compiled:
 
     def run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, leave, *full):
         self.calls.append(((g0, g1, g2), stream, function, metadata, launch_meta, enter, leave))
+        self.args = full
         if self.jit.raises is not None:
             raise self.jit.raises
         assert launch_meta is enter is leave is None  # hooks take the public launch
@@ -81,6 +82,7 @@ class _Jit:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.public += 1
+            self.public_args = args
             kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
             self.fn[grid](*args, **kwargs)
             return self.compiled
@@ -202,6 +204,25 @@ def test_fast_path_matches_public_path(fake_triton, case):
     assert_close(outs[1][0], want_out, dtype)
     if with_lse:
         assert_close(outs[1][1], want_lse, torch.float32 if dtype == torch.float32 else torch.float16, name="lse")
+
+
+def test_absent_tensors_reach_the_handle_as_null_pointers(fake_triton):
+    """An absent optional tensor (its constexpr off) goes to the launcher as None, a null pointer
+    for which Triton's C launcher reads no address; the public launch gets ``out`` in its place,
+    since Triton would specialize a None into another kernel. Both kernels of a split decode."""
+    run, _ = _decode(return_lse=False, num_splits=3)
+    run()
+    run()
+    for jit, absent, out_at in ((fake_triton.attention, {"Lse", "CuSeqlensQ", "CuSeqlensK", "BlockTable", "Sinks",
+                                                          "KDescale", "VDescale"}, 3),
+                                (fake_triton.combine, {"Lse"}, 2)):
+        names = [p.name for p in jit.params]
+        public, fast = jit.public_args, jit.compiled.args
+        for i, name in enumerate(names[:len(public)]):
+            if name in absent:
+                assert fast[i] is None and public[i] is public[out_at], name
+            else:
+                assert fast[i] is not None and public[i] is not None, name
 
 
 def _decoder_calls():

@@ -334,22 +334,33 @@ def _attention_kernel(
         tl.store(LsePart + split * stride_lps + tok * stride_lpt + row_head, lse, mask=row_ok)
 
 
+try:  # Triton's allocator slot for global scratch (a ContextVar), read on every TMA launch
+    from triton.runtime import _allocation
+except ImportError:  # another triton layout: ensure_tma_allocator just sets ours
+    _allocation = None
+
+_CUDA_DEVICES: dict[int, torch.device] = {}  # torch.device("cuda", i) by index, made once
+
+
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for device-side tensor descriptors (Triton asks for it per launch)."""
+    """Global scratch for device-side tensor descriptors (Triton asks for it per launch, on the
+    current device)."""
     if interpreted():
         return torch.empty(size, dtype=torch.int8, device="cpu")
-    return scratch.buffers((((size,), torch.int8),), torch.device("cuda", torch.cuda.current_device()))[0]
+    index = torch.cuda.current_device()
+    device = _CUDA_DEVICES.get(index)
+    if device is None:
+        device = _CUDA_DEVICES[index] = torch.device("cuda", index)
+    return scratch.buffers((((size,), torch.int8),), device)[0]
 
 
 def ensure_tma_allocator() -> None:
     """Device-side descriptors need a Triton allocator; install ours only where none is set, so a
     user's own allocator (used by their kernels) is left in place and serves ours too."""
     try:
-        from triton.runtime import _allocation
-
         if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
             return
-    except (ImportError, AttributeError):  # another triton layout: just set ours
+    except AttributeError:  # another triton layout: just set ours
         pass
     triton.set_allocator(_tma_scratch)
 
@@ -366,7 +377,10 @@ _FALLBACK: dict[tuple, tuple[LaunchConfig, bool]] = {}
 
 def _launch_with_fallback(plan: Plan, args: tuple) -> None:
     """The public launch, retried once with a safe tile if compiling fails; a launch that compiled
-    as planned binds the plan's slot (:mod:`pagedflash.ops.fastlaunch`) for its next call."""
+    as planned binds the plan's slot (:mod:`pagedflash.ops.fastlaunch`) for its next call. None
+    arguments (absent optional tensors) become ``out`` (``args[3]``), as Triton would specialize a
+    None into the kernel."""
+    args = fastlaunch.stand_in(args, args[3])
     key = plan.fallback_key
     cfg, tma_on = _FALLBACK.get(key, (plan.cfg, plan.tma_on))
     for attempt in range(2):
@@ -485,19 +499,17 @@ def attention_forward(
     if plan.part_shapes is not None:
         out_part, lse_part = scratch.buffers(plan.part_shapes, device)
     else:
-        out_part = lse_part = out  # unused
-    dummy = out  # stands in for absent optional tensors (never read: their constexpr is off)
+        out_part = lse_part = None  # unused
     if block_table is not None:  # the kernel's bounds for metadata values
         kv_limit, num_blocks = min(block_table.shape[1] * k.shape[1], INT32_MAX), k.shape[0]
     else:
         kv_limit, num_blocks = k.shape[0] if cu_seqlens_k is not None else k.shape[1], 0
-    args = (q, k, v, out, dummy if lse is None else lse, out_part, lse_part,
-            dummy if cu_seqlens_q is None else cu_seqlens_q, dummy if cu_seqlens_k is None else cu_seqlens_k,
-            dummy if seqused_k is None else seqused_k, dummy if block_table is None else block_table,
-            *plan.ints, sm_scale, softcap, left, right,
-            dummy if sinks is None else sinks, dummy if k_descale is None else k_descale,
-            dummy if v_descale is None else v_descale, *plan.head_strides, validate.fault_buffer(device),
-            q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit, min_seqused_k, num_blocks)
+    # None: an absent optional tensor (its constexpr is off, never read): a null pointer to the fast
+    # handle, which then reads no tensor's address for it; ``out`` on the public launch
+    args = (q, k, v, out, lse, out_part, lse_part, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
+            *plan.ints, sm_scale, softcap, left, right, sinks, k_descale, v_descale, *plan.head_strides,
+            validate.fault_buffer(device), q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit,
+            min_seqused_k, num_blocks)
     _launch(plan, args)
     if plan.part_shapes is not None:
         if plan.combine is None:

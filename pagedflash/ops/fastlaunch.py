@@ -212,10 +212,21 @@ def _disable(reason: str) -> None:
     _enabled, _off_reason = False, reason
 
 
-def launch(slot: Slot, fn, grid, args: tuple, consts: dict, **options) -> None:
-    """``fn[grid](*args, **consts, **options)``, through ``slot``'s handle when it has one."""
+def stand_in(args: tuple, tensor) -> tuple:
+    """``args`` with each None replaced by ``tensor``: the public launch's arguments where None marks
+    an absent optional tensor the kernel never reads (its constexpr is off). The fast handle takes
+    the None itself, a null pointer, so Triton's launcher reads no address for it; the public launch
+    needs the tensor, since Triton would specialize a None into another kernel."""
+    return tuple(tensor if a is None else a for a in args)
+
+
+def launch(slot: Slot, fn, grid, args: tuple, consts: dict, *, absent=None, **options) -> None:
+    """``fn[grid](*args, **consts, **options)``, through ``slot``'s handle when it has one. With
+    ``absent`` (a tensor), None arguments are absent optional tensors: null pointers to the handle,
+    ``absent`` to the public launch (:func:`stand_in`)."""
     if not run(slot, fn, grid, args):
-        bind(slot, fn, fn[grid](*args, **consts, **options), consts)
+        public = args if absent is None else stand_in(args, absent)
+        bind(slot, fn, fn[grid](*public, **consts, **options), consts)
 
 
 @contextlib.contextmanager
