@@ -31,6 +31,9 @@ from pagedflash.testing import row_exact_interpreter_dot
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="real sizes and the real dot are for the compiled GPU run")
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 SMALL_TILE = mm.Tile(16, 16, 16, 4, 1, 2)  # 16 programs on the CPU: each walks several tiles, groups ragged
+# K = 100 in chunks of 32 (the last one 4 keys): below 16 output tiles one program per (tile, chunk)
+# and the fold kernel, above one program per tile adding its chunks (the interpreter's 16 SMs)
+CHUNK_TILE = mm.Tile(16, 16, 16, 4, 1, 2, chunk_k=32)
 # Llama-3-8B's projections (N, K): qkv, o_proj, gate_up, down
 LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -74,6 +77,33 @@ def test_small_tile_many_tiles_per_program(monkeypatch, dtype):
     assert_close(mm.matmul(x, w, b), ref.matmul_ref(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("m", [1, 7, 130])  # 3 and 21 output tiles: one program per (tile, chunk); 27: per tile
+@pytest.mark.parametrize("bias,use_out", [(True, False), (False, True)], ids=["bias", "out"])
+def test_chunked_k_matches_reference(monkeypatch, m, dtype, bias, use_out):
+    monkeypatch.setattr(mm, "TILE", CHUNK_TILE)
+    x, w = in_wider_rows(randn(m, 100, dtype=dtype)), in_wider_rows(randn(37, 100, dtype=dtype))
+    b = randn(37, dtype=dtype) if bias else None
+    out = in_wider_rows(torch.full((m, 37), float("nan"), dtype=dtype, device=DEVICE)) if use_out else None
+    got = mm.matmul(x, w, b, out=out)
+    assert_close(got, ref.matmul_ref(x, w, b), dtype)
+    split = mm._PLANS[mm._PLANS.key(x, w, b, got, extra=(CHUNK_TILE, mm.CHUNK_K))].fold is not None
+    assert split == (m < 100), "the split form below 16 output tiles, the folded one above"
+
+
+def test_chunk_rule(monkeypatch):
+    """With CHUNK_K on an H200 (132 SMs): chunks where the column tiles fill less than half the SMs,
+    at least MIN_CHUNK keys, tiles x chunks about the SM count; none on the wide gate/up."""
+    monkeypatch.setattr(mm, "CHUNK_K", True)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
+    chunks = {name: mm.tile(n, k, torch.bfloat16, DEVICE).chunk_k for name, (n, k) in LLAMA_8B.items()}
+    assert chunks == {"qkv": 1408, "o_proj": 1024, "gate_up": 0, "down": 2944}
+    assert mm.tile(2048, 1024, torch.bfloat16, DEVICE).chunk_k == 0  # one chunk: none
+    monkeypatch.setattr(mm, "CHUNK_K", False)
+    assert all(mm.tile(n, k, torch.bfloat16, DEVICE).chunk_k == 0 for n, k in LLAMA_8B.values())
+
+
 @pytest.mark.parametrize("m,n,k", [(0, 5, 8), (4, 0, 8), (4, 5, 0)], ids=["no_rows", "no_columns", "no_k"])
 def test_empty_dimensions(m, n, k):
     """As ``torch.nn.functional.linear``: an empty output, or (K = 0) the bias alone."""
@@ -107,7 +137,7 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("tile", [None, SMALL_TILE], ids=["table", "small_tile"])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE], ids=["table", "small_tile", "chunked"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
     monkeypatch.setattr(mm, "TILE", tile)
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))

@@ -5,7 +5,9 @@ when M changes (ours must; cuBLAS picks its kernel by M).
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
 of a model do, so weights come from HBM. ``--sweep`` also times candidate tiles: one tile serves
 every M (the invariance), so a shape's best tile is the one with the best geometric mean of
-cuBLAS ÷ ours over the M values.   python tools/tune_matmul.py [--sweep]
+cuBLAS ÷ ours over the M values.   python tools/tune_matmul.py [--sweep] [--chunk-k]
+``--chunk-k``: also the default tile with K in fixed chunks (``matmul.CHUNK_K``: more programs at small
+M where the column tiles leave SMs idle), its times and its own invariance check in the same run.
 ``--smoke``: tiny shapes on the CPU interpreter (checks the script; its times mean nothing, and
 its invariance flag is the interpreter's: numpy's matmul is not row-invariant, tests/test_matmul.py).
 """
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the interpreter)")
+    parser.add_argument("--chunk-k", action="store_true", help="also the default tile with K in fixed chunks")
     args = parser.parse_args()
     dev, dt = ("cpu", torch.float16) if args.smoke else ("cuda", torch.bfloat16)
     shapes = {"tiny": (48, 40)} if args.smoke else SHAPES
@@ -58,6 +61,18 @@ def main() -> None:
         print(f"{name}: N={n} K={k} tile {mm.tile(n, k, dt, x_all.device)}; bitwise row invariance (M=1, 32, "
               f"{max(rows)}): ours {flags['ours']}, cuBLAS {flags['cuBLAS']}", flush=True)
         tiles = [None] + (SWEEP if args.sweep else [])
+        if args.chunk_k:
+            mm.CHUNK_K = True
+            chunked = mm.tile(n, k, dt, x_all.device)
+            mm.CHUNK_K = False
+            if chunked.chunk_k:
+                mm.TILE = chunked
+                flag = invariant(mm.matmul, x_all, weights[0])
+                mm.TILE = None
+                print(f"  chunked: {chunked}; bitwise row invariance {flag}", flush=True)
+                tiles.append(chunked)
+            else:
+                print("  chunked: no chunks for this shape (its column tiles fill the SMs)", flush=True)
         results = {}  # tile -> [cuBLAS / ours per M]
         for m in rows:
             x = x_all[:m]
@@ -75,11 +90,12 @@ def main() -> None:
                     mm.TILE = None
                 if results.get(t, []) is not None:
                     results.setdefault(t, []).append(base / ours)
-                if t is None:
+                if t is None or (args.chunk_k and t.chunk_k):
                     tflops, tbs = 2 * m * n * k / ours / 1e6, (n * k + m * (n + k)) * 2 / ours / 1e6
-                    print(f"  M={m:5d}: cuBLAS {base:9.2f} us  ours {ours:9.2f} us  ({tflops:6.1f} TFLOP/s, "
-                          f"{tbs:5.2f} TB/s)  cuBLAS/ours {base / ours:.2f}", flush=True)
-        if args.sweep:
+                    label = "chunked" if t is not None else "ours"
+                    print(f"  M={m:5d}: cuBLAS {base:9.2f} us  {label} {ours:9.2f} us  ({tflops:6.1f} TFLOP/s, "
+                          f"{tbs:5.2f} TB/s)  cuBLAS/{label} {base / ours:.2f}", flush=True)
+        if args.sweep or args.chunk_k:
             ranked = sorted(((math.prod(r) ** (1 / len(r)), t) for t, r in results.items() if t is not None and r),
                             key=lambda e: -e[0])
             for score, t in ranked[:6]:

@@ -9,9 +9,13 @@ summed in different orders, and greedy decoding then depends on what else is ser
 - one tile configuration (``BLOCK_M/N/K``, warps, stages, and so the same MMA instruction: on sm90
   Triton emits wgmma for ``BLOCK_M >= 64`` with 4+ warps, hence ``BLOCK_M = 64`` for every ``M``)
   chosen by :func:`tile` from ``(N, K, dtype, device capability)`` only, never from ``M``;
-- no split-K: each output tile is reduced by one program, over ``K`` in ``BLOCK_K`` steps in
-  increasing order, into one fp32 accumulator; the bias is added after the loop, then one rounding
-  to x's dtype. A row's position inside its 64-row tile does not change its arithmetic (rows past
+- no split of ``K`` that follows ``M``: each output tile is reduced over ``K`` in ``BLOCK_K`` steps
+  in increasing order into one fp32 accumulator; the bias is added after the loop, then one rounding
+  to x's dtype. With :data:`CHUNK_K` (off by default, not yet measured) a layer whose column tiles
+  leave SMs idle sums ``K`` in fixed chunks (``Tile.chunk_k``, from ``N``, ``K`` and the SM count),
+  each chunk from zero, the chunks' sums added in order after a zero; a few output tiles run one
+  program per (tile, chunk) and a fold kernel adds the fp32 partials, many tiles one program per
+  tile adding its own chunks: the same operations, so the same bits, whichever form ``M`` picks. A row's position inside its 64-row tile does not change its arithmetic (rows past
   ``M`` read row 0 and are never stored; they do not enter any other row's sums);
 - persistent: ``min(tiles, SMs)`` programs walk the output tiles in one fixed order (8 row blocks
   at a time over the column blocks, for L2 reuse). Which program computes a tile does not change
@@ -32,6 +36,7 @@ below cuBLAS's GEMV-like kernels.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -39,7 +44,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit, custom_ops
+from pagedflash.ops import _jit, custom_ops, scratch
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
@@ -52,22 +57,54 @@ from pagedflash.ops.utils import (
 )
 
 
+@triton.jit
+def _tile_sum(p_x, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+              CHUNKED: tl.constexpr):
+    """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0): unchunked, one accumulator over
+    every ``BLOCK_K`` step; chunked, ``0 + sum_c (chunk c's own sum from zero)`` over the chunks
+    ``first_chunk .. first_chunk + num_chunks - 1`` of ``CHUNK_K`` keys, in increasing order."""
+    if CHUNKED:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in range(first_chunk, first_chunk + num_chunks):
+            k0 = c * CHUNK_K
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            part = _jit.dot_over_k(part, p_x + k0, p_w + k0, tl.minimum(CHUNK_K, K - k0), BLOCK_K, EVEN_K,
+                                   DOT_PRECISION, NUM_STAGES)
+            total += part
+    else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES)
+    return total
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     X,  # [M, K], row stride stride_xm
     W,  # [N, K], row stride stride_wn
     Bias,  # [N] (HAS_BIAS)
-    Out,  # [M, N], row stride stride_om
-    M, N, K, stride_xm, stride_wn, stride_om,
+    Out,  # [M, N], row stride stride_om; SPLIT: fp32 partials [num_chunks, M, N]
+    M, N, K, stride_xm, stride_wn, stride_om, CHUNK_K,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, CHUNKED: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    """Persistent programs over the output tiles; SPLIT (chunked only): over (tile, chunk) pairs, each
+    writing its chunk's fp32 sum to the partials, which :func:`_fold_kernel` adds in chunk order."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
+    num_chunks = 1
+    if CHUNKED:
+        num_chunks = tl.cdiv(K, CHUNK_K)
     per_group = GROUP_M * num_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile_id in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+    work = num_m * num_n
+    if SPLIT:
+        work = work * num_chunks
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        tile_id = item
+        if SPLIT:
+            tile_id = item // num_chunks
         first_m = (tile_id // per_group) * GROUP_M
         size_m = tl.minimum(num_m - first_m, GROUP_M)
         pid_m = first_m + (tile_id % per_group) % size_m
@@ -79,12 +116,36 @@ def _matmul_kernel(
         # rows past M read row 0 and columns past N weight row 0: in bounds, never stored
         p_x = X + tl.where(m_rows, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         p_w = W + tl.where(m_cols, cols, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _jit.dot_over_k(acc, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES)
-        if HAS_BIAS:
-            acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
-        p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(p_o, acc.to(Out.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+        mask = m_rows[:, None] & m_cols[None, :]
+        if SPLIT:
+            chunk = item % num_chunks
+            acc = _tile_sum(p_x, p_w, K, CHUNK_K, chunk, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                            NUM_STAGES, CHUNKED)
+            p_part = Out + (chunk * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(p_part, acc, mask=mask)
+        else:
+            acc = _tile_sum(p_x, p_w, K, CHUNK_K, 0, num_chunks, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+                            NUM_STAGES, CHUNKED)
+            if HAS_BIAS:
+                acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
+            p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(p_o, acc.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fold_kernel(Part, Bias, Out, M, N, num_chunks, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``0 + sum_c Part[c]`` in chunk order, plus the bias, rounded to Out's dtype: the same operations
+    as the unsplit chunked kernel's, so a row's bits do not depend on which form ran."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * N
+    row = offs // N
+    col = offs % N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(num_chunks):
+        total += tl.load(Part + c * M * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(Bias + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_om + col, total.to(Out.dtype.element_ty), mask=ok)
 
 
 # ---------------------------------------------------------------- launch choices
@@ -99,10 +160,16 @@ class Tile(NamedTuple):
     warps: int
     stages: int
     group_m: int
+    chunk_k: int = 0  # K in fixed chunks of this many (a multiple of block_k), summed in order; 0: one
 
 
 BLOCK_M = 64  # every M: the smallest wgmma tile on sm90 (with 4 warps), so the instruction never changes
 TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's key
+# K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default until
+# measured on the H200 (PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
+CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
+MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
+FOLD_BLOCK = 1024  # elements per program of the chunk fold
 
 
 def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
@@ -117,7 +184,11 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     - 16-bit elsewhere (unmeasured): 128 columns from ``N >= 8192``, else 64, by 64, 3 stages on
       sm80/sm89, 2 elsewhere;
     - fp32 (IEEE products on the FMA units): 64 columns, 32-deep steps, 4 stages on sm90;
-    - columns and steps at least 16 and no wider than ``N`` / ``K`` need.
+    - columns and steps at least 16 and no wider than ``N`` / ``K`` need;
+    - with :data:`CHUNK_K`, where the column tiles are fewer than half the SMs, K in chunks of at
+      least :data:`MIN_CHUNK` keys so that tiles x chunks reach the SM count (``chunk_k``; a chunk's
+      sum starts from zero, the chunks' sums are added in order: the same bits whether one program
+      adds them or one program per chunk writes them and :func:`_fold_kernel` adds them).
 
     :data:`TILE` overrides it for a sweep."""
     if TILE is not None:
@@ -132,7 +203,11 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
         block_n, block_k = 128 if n >= 8192 else 64, 64
     block_n = max(16, min(block_n, next_pow2(n)))
     block_k = max(16, min(block_k, next_pow2(k)))
-    return Tile(BLOCK_M, block_n, block_k, 4, stages, 8)
+    chunk_k, tiles_n, sms = 0, cdiv(n, block_n), num_sms(device)
+    if CHUNK_K and 2 * tiles_n < sms:
+        chunk_k = max(MIN_CHUNK, cdiv(cdiv(k, cdiv(sms, tiles_n)), block_k) * block_k)
+        chunk_k = 0 if chunk_k >= k else chunk_k
+    return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
 
 
 # ---------------------------------------------------------------- host
@@ -154,9 +229,18 @@ def _check(x, weight, bias, out) -> None:
     validate.check_no_grad(x=x, weight=weight, bias=bias)
 
 
-def _plan(x, weight, bias, out) -> Launch:
+class _Plan(NamedTuple):
+    main: Launch  # the GEMM (with ``split``: each (tile, chunk) pair's sum into the partials)
+    fold: Launch | None  # with ``split``: the partials added in chunk order, the bias, the rounding
+    chunk_k: int
+    num_chunks: int
+
+
+def _plan(x, weight, bias, out) -> _Plan:
     """Check the operands (all the checks read is in the plan's key; the device's type here, as it
-    reads Triton's interpreter switch, which ``torch.compile`` cannot trace) and work out the launch."""
+    reads Triton's interpreter switch, which ``torch.compile`` cannot trace) and work out the launch:
+    a chunked tile runs one program per (tile, chunk) while the output tiles alone leave SMs idle
+    (the split form), else one program per tile adds its chunks itself; both give the same bits."""
     _check(x, weight, bias, out)
     if x.device.type != "cuda" and not interpreted():
         raise ValueError(f"x: expected a CUDA tensor (a CPU one only under the Triton interpreter, "
@@ -164,22 +248,38 @@ def _plan(x, weight, bias, out) -> Launch:
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
     tiles = cdiv(m, t.block_m) * cdiv(n, t.block_n)
-    return Launch(_matmul_kernel, (min(tiles, num_sms(x.device)),) if tiles else None,
+    chunked = 0 < t.chunk_k < k
+    num_chunks = cdiv(k, t.chunk_k) if chunked else 1
+    sms = num_sms(x.device)
+    split = chunked and tiles < sms
+    work = tiles * num_chunks if split else tiles
+    main = Launch(_matmul_kernel, (min(work, sms),) if work else None,
                   dict(HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
                        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                       NUM_STAGES=t.stages),
+                       NUM_STAGES=t.stages, CHUNKED=chunked, SPLIT=split),
                   num_warps=t.warps)
+    fold = None
+    if split and work:
+        fold = Launch(_fold_kernel, (cdiv(m * n, FOLD_BLOCK),), dict(HAS_BIAS=bias is not None, BLOCK=FOLD_BLOCK),
+                      num_warps=4)
+    return _Plan(main, fold, t.chunk_k if chunked else k, num_chunks)
 
 
 _PLANS = PlanCache()
 
 
 def _launch(x, weight, bias, out) -> None:
-    key = _PLANS.key(x, weight, bias, out, extra=(TILE,))
+    key = _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K))
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out))
     (m, k), n = x.shape, weight.shape[0]
-    plan(x, weight, weight if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0))
+    b = weight if bias is None else bias
+    if plan.fold is None:
+        plan.main(x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.chunk_k)
+        return
+    (part,) = scratch.buffers((((plan.num_chunks, m, n), torch.float32),), x.device)
+    plan.main(x, weight, b, part, m, n, k, x.stride(0), weight.stride(0), n, plan.chunk_k)
+    plan.fold(part, b, out, m, n, plan.num_chunks, out.stride(0))
 
 
 _op = custom_ops.implement("matmul", _launch)
