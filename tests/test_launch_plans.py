@@ -146,13 +146,54 @@ def test_a_changed_signature_misses_the_plan_cache(no_kernels, monkeypatch):
         new = set(attention._PLANS) - before
         keys[name] = new
     assert all(len(new) == 1 for name, new in keys.items() if not name.startswith("same_as_")), keys
+    assert len(keys["same_as_fp8_k_descale_per_tensor_0d"]) <= 1
     assert not keys["same_as_base_aligned_offset"]  # only the pointer moved, its alignment class did not
-    assert not keys["same_as_sinks_other_values"] and not keys["same_as_fp8_k_descale_per_tensor_0d"]
+    assert not keys["same_as_sinks_other_values"]
+    # a 0-d descale where a [1] one was: the same launch; the public key (its checks read the shape)
+    # may keep it under a key of its own, with the same plan
+    for extra in keys["same_as_fp8_k_descale_per_tensor_0d"]:
+        same = attention._PLANS[next(iter(keys["fp8_k_descale_per_tensor"]))]
+        assert all(getattr(same, f) == getattr(attention._PLANS[extra], f) for f in _PLAN_FIELDS)
     for switch in ("TMA", "TMA_FP8"):  # the launch table's switches are part of the key
         monkeypatch.setattr(launch, switch, not getattr(launch, switch))
         before = set(attention._PLANS)
         dict(_decode_key_variants())["base"]()
         assert len(set(attention._PLANS) - before) == 1
+
+
+def test_a_public_plan_key_determines_plan_key(no_kernels, monkeypatch):
+    """A public call's plan key (:func:`attention_plan.public_plan_key`, from its checks' key) stands
+    for one :func:`attention_plan.plan_key`: every call under it would have made the same plan."""
+    from pagedflash.ops import decode, prefill
+    real, seen = attention.attention_forward, {}
+
+    def spy(q, k, v, *, signature=None, **kw):
+        if signature is not None:
+            lse = None
+            if kw.get("return_lse"):
+                lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device)
+            key = attention_plan.plan_key(
+                q, k, v, kw["out"], lse, q.device, kw["batch"], kw["max_seqlen_q"], kw["max_seqlen_k"],
+                tuple(kw["window"]), float(kw["softcap"]), None, None, kw.get("seqused_k"), kw.get("block_table"),
+                kw.get("num_splits", 0), None, kw.get("sinks"), kw.get("k_descale"), kw.get("v_descale"),
+                kw.get("batch_invariant", False))
+            seen.setdefault(signature, set()).add(key)
+        return real(q, k, v, signature=signature, **kw)
+
+    for module in (decode, prefill):
+        monkeypatch.setattr(module, "attention_forward", spy)
+    for _, call in _decode_key_variants():
+        call()
+        call()
+    for _, spec in _shapes():
+        if "lq" not in spec:
+            _call(spec)
+            _call(spec)
+    q, k = randn(1, 20, 4, 32), randn(1, 20, 2, 32)
+    for kw in (dict(causal=True), dict(return_lse=True), dict(batch_invariant=True), dict(window_size=(3, 0))):
+        flash_attn_func(q, k, k, **kw)
+    assert len(seen) > 20
+    assert all(len(keys) == 1 for keys in seen.values())
 
 
 @pytest.mark.parametrize("page", [0, 16, 64])

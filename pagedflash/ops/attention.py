@@ -449,6 +449,7 @@ def attention_forward(
     v_descale: torch.Tensor | None = None,
     min_seqused_k: int = 0,
     batch_invariant: bool = False,
+    signature: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the attention kernel on validated inputs (public functions validate first).
 
@@ -461,6 +462,8 @@ def attention_forward(
     ``[Hq]`` attention-sink logits, or None. ``k_descale``/``v_descale``: fp32 ``[Hkv]`` or one value
     (``[]``/``[1]``) by which stored K/V are multiplied (fp8 caches), or None. ``batch_invariant``:
     each row computed the same way whatever the call (:mod:`pagedflash.batch_invariance`).
+    ``signature``: the plan key, where a public function has one from its own checks
+    (:func:`~pagedflash.ops.attention_plan.public_plan_key`); None: :func:`plan_key` of the arguments.
 
     Metadata values are checked by the kernel, not here (nothing is read from the device): a
     sequence whose ``cu_seqlens``, ``seqused_k`` or page ids are invalid reads and writes nothing
@@ -484,9 +487,11 @@ def attention_forward(
     left, right = window
     window = (left, right)
     sm_scale, softcap = float(sm_scale), float(softcap)
-    key = plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale,
-                   batch_invariant)
+    key = signature
+    if key is None:
+        key = plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+                       cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale,
+                       batch_invariant)
     plan = _PLANS.get(key)
     if plan is None:
         plan = make_plan(q, k, v, out, lse, batch=batch, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,

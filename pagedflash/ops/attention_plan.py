@@ -70,10 +70,26 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
             batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
             None if sinks is None else _per_head(sinks), None if k_descale is None else _per_head(k_descale),
-            None if v_descale is None else _per_head(v_descale),
-            launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
+            None if v_descale is None else _per_head(v_descale), _switches(invariant))
+
+
+def _switches(invariant: bool) -> tuple:
+    """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
+    return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
             invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS,
                            launch_table.INVARIANT_TILE))
+
+
+def public_plan_key(entry: str, checked: tuple, return_lse: bool, invariant: bool) -> tuple:
+    """The plan key of a public call that :func:`plan_key` would give, from the key of the call's
+    input checks (``checked``: :func:`pagedflash.ops.utils.checked_signature` over every tensor and
+    scalar the call takes, pointer alignments included), so that a call reads its tensors'
+    properties once. Valid only where everything else :func:`plan_key` reads follows from those:
+    the output and LSE fresh (contiguous, aligned, shaped from q), the call's tensors passed to
+    :func:`~pagedflash.ops.attention.attention_forward` as they were checked, and its sizes and
+    window derived from the checked shapes and scalars alone. ``entry`` names the public function
+    (a tag: two functions' keys never meet). The launch table's switches as in :func:`plan_key`."""
+    return entry, checked, return_lse, invariant, _switches(invariant)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,

@@ -219,6 +219,11 @@ def implement(name: str, launch: Callable) -> Callable:
     """Bind ``launch`` (the operator's arguments, in schema order) to ``torch.ops.pagedflash.<name>``;
     return the callable the public function uses: the operator while compiling, else ``launch``.
 
+    Keyword arguments of the returned callable are hints for the launcher that the schema does not
+    carry (an attention launcher's plan key, :func:`pagedflash.ops.attention_plan.public_plan_key`):
+    passed to an eager launch, dropped through the operator, so a launcher gives the same result
+    without them.
+
     A launcher returns None for a result it does not make (an attention launcher's LSE without
     ``return_lse``, ``rms_norm``'s residual stream without a residual); the operator returns an
     empty tensor there (fp32 for an LSE, else the first argument's dtype), as schemas have no
@@ -244,14 +249,14 @@ def implement(name: str, launch: Callable) -> Callable:
     _lib.impl(name, kernel, "CompositeExplicitAutograd")
     op = getattr(torch.ops.pagedflash, name).default
 
-    def call(*args):  # via_operator() and on_device_of() inline: this runs on every eager call
+    def call(*args, **hints):  # via_operator() and on_device_of() inline: this runs on every eager call
         if _eager_via_ops or torch.compiler.is_compiling():
             return op(*args)
         first = args[0]
         if first.is_cuda and _several_gpus():
             with on_device(first.get_device()):
-                return launch(*args)
-        return launch(*args)
+                return launch(*args, **hints)
+        return launch(*args, **hints)
 
     call.__name__ = call.__qualname__ = name
     return call

@@ -15,6 +15,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.attention_plan import public_plan_key
 from pagedflash.ops.cache_write import append_kv
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
@@ -34,7 +35,9 @@ def _check_cache_seqlens(cache_seqlens, batch: int, device) -> torch.Tensor | No
 
 def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k, out,
             softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None, k_descale=None,
-            v_descale=None, batch_invariant=False):
+            v_descale=None, batch_invariant=False, signature=None):
+    """The operator's launcher; ``signature``: the plan key from the public checks (eager calls
+    without new keys only: :func:`pagedflash.ops.attention_plan.public_plan_key`)."""
     s_new = 0
     if k is not None and k.numel():  # appended in q's dtype, or quantized by the descales into an fp8 cache
         append_kv(k, v, k_cache, v_cache, cache_seqlens, block_table, k_scale=k_descale, v_scale=v_descale)
@@ -47,7 +50,7 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
         sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
         softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
         return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale, min_seqused_k=s_new,
-        batch_invariant=batch_invariant,
+        batch_invariant=batch_invariant, signature=None if s_new else signature,
     )[1]
 
 
@@ -121,10 +124,13 @@ def flash_attn_with_kvcache(
     else:
         seqlens = cache_seqlens
     max_len, softmax_scale, left, right, softcap = checked
+    invariant = batch_invariance.resolve(batch_invariant)
+    # the checks' key covers the plan's (a fresh out; new keys replace cache_seqlens by a sum)
+    signature = None if key is None or k is not None else public_plan_key("kvcache", key, return_lse, invariant)
     if out is None:
         out = new_output(q)
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
-              num_splits, return_lse, sinks, k_descale, v_descale, batch_invariance.resolve(batch_invariant))
+              num_splits, return_lse, sinks, k_descale, v_descale, invariant, signature=signature)
     return (out, lse) if return_lse else out
 
 

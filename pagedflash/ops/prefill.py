@@ -16,6 +16,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.attention_plan import public_plan_key
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
 
@@ -41,7 +42,9 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
 
 
 def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None,
-                  batch_invariant=False):
+                  batch_invariant=False, signature=None):
+    """The operator's launcher; ``signature``: the plan key from the public checks (eager calls
+    with a fresh out: :func:`pagedflash.ops.attention_plan.public_plan_key`)."""
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     scale = validate.check_scale(softmax_scale, q.shape[-1])
@@ -54,6 +57,7 @@ def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softca
         q, k, v, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
         sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, return_lse=return_lse, out=out, sinks=sinks, batch_invariant=batch_invariant,
+        signature=signature,
     )[1]
 
 
@@ -129,9 +133,12 @@ def flash_attn_func(
         checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
         _CHECKED.add(key, checked)
     softmax_scale, left, right, softcap = checked
+    invariant = batch_invariance.resolve(batch_invariant)
+    # the checks' key covers the plan's where out is fresh
+    signature = None if key is None or out is not None else public_plan_key("func", key, return_lse, invariant)
     out = _output(out, q, k=k, v=v, sinks=sinks)
-    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks,
-                    batch_invariance.resolve(batch_invariant))
+    lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks, invariant,
+                    signature=signature)
     return (out, lse) if return_lse else out
 
 

@@ -163,10 +163,12 @@ _SCALAR_TYPES = frozenset((type(None), bool, int, float))
 def checked_signature(tensors: tuple, scalars: tuple) -> tuple | None:
     """The key under which a public function may keep the outcome of its input checks for these
     arguments: every property of ``tensors`` its checks read (type, shape, strides, dtype, device,
-    whether autograd tracks it; None entries allowed) and ``scalars`` with their types (None, bool,
-    int, float, or tuples of them, so that ``True``, ``1`` and ``1.0`` differ). None, and the checks
-    run, when a scalar is of another type (a tensor's value may change), an argument that should be
-    a tensor is not one, value checks are on (they read values) or ``torch.compile`` traces."""
+    whether autograd tracks it; None entries allowed), each pointer's 16-byte alignment (so that the
+    key also covers what a launch plan reads of these tensors:
+    :func:`pagedflash.ops.attention_plan.public_plan_key`), and ``scalars`` with their types (None,
+    bool, int, float, or tuples of them, so that ``True``, ``1`` and ``1.0`` differ). None, and the
+    checks run, when a scalar is of another type (a tensor's value may change), an argument that
+    should be a tensor is not one, value checks are on (they read values) or ``torch.compile`` traces."""
     if torch.compiler.is_compiling() or validate.value_checks_enabled():
         return None
     key = []
@@ -186,7 +188,7 @@ def checked_signature(tensors: tuple, scalars: tuple) -> tuple | None:
         if t is None:
             key.append(None)
         elif isinstance(t, torch.Tensor):
-            key.append((type(t), t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad))
+            key.append((type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, grad and t.requires_grad))
         else:
             return None
     return tuple(key)
