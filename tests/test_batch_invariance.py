@@ -183,17 +183,19 @@ def test_invariant_tile_setting(monkeypatch):
     from pagedflash.ops import launch
 
     monkeypatch.setattr(launch, "INVARIANT_TILE", "")
-    for d, stages in ((64, 3), (128, 3), (256, 2)):  # the default: 64:64:4:3, two stages above D = 128
-        cfg = launch.invariant_config(group=4, head_dim=d, interpreted=False)
+    # the default: 64:64:4:3 up to D = 128 with 164+ KB of shared memory, a stage fewer above or with less
+    for d, cap, stages in ((64, (9, 0), 3), (128, (9, 0), 3), (256, (9, 0), 2), (128, (8, 0), 3), (128, (8, 9), 2),
+                           (256, (12, 0), 1)):
+        cfg = launch.invariant_config(group=4, head_dim=d, capability=cap, interpreted=False)
         assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (64, 64, 4, 4, stages)
     monkeypatch.setattr(launch, "INVARIANT_TILE", "32:64:4:3")
-    cfg = launch.invariant_config(group=4, head_dim=256, interpreted=False)
+    cfg = launch.invariant_config(group=4, head_dim=256, capability=(8, 9), interpreted=False)
     assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (32, 64, 4, 4, 3)
-    assert launch.invariant_config(group=3, head_dim=128, interpreted=False).g_pack == 1  # 3 does not divide 32
+    assert launch.invariant_config(group=3, head_dim=128, capability=(9, 0), interpreted=False).g_pack == 1
     for bad in ("64:32:4", "48:32:4:1", "64:8:4:1", "a:b:c:d", "64:32:4:0"):
         monkeypatch.setattr(launch, "INVARIANT_TILE", bad)
         with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_TILE: expected rows:keys:warps:stages"):
-            launch.invariant_config(group=1, head_dim=128, interpreted=False)
+            launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False)
 
 
 def test_no_compile_fallback_in_the_mode(monkeypatch):

@@ -78,10 +78,11 @@ def test_small_tile_many_tiles_per_program(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("m", [1, 7, 130])  # 3 and 21 output tiles: one program per (tile, chunk); 27: per tile
+@pytest.mark.parametrize("m", [1, 100, 130])  # 3 and 21 output tiles: one program per (tile, chunk); 27: per tile
 @pytest.mark.parametrize("bias,use_out", [(True, False), (False, True)], ids=["bias", "out"])
 def test_chunked_k_matches_reference(monkeypatch, m, dtype, bias, use_out):
     monkeypatch.setattr(mm, "TILE", CHUNK_TILE)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # the form switches at 16 tiles on any device
     x, w = in_wider_rows(randn(m, 100, dtype=dtype)), in_wider_rows(randn(37, 100, dtype=dtype))
     b = randn(37, dtype=dtype) if bias else None
     out = in_wider_rows(torch.full((m, 37), float("nan"), dtype=dtype, device=DEVICE)) if use_out else None
@@ -89,6 +90,12 @@ def test_chunked_k_matches_reference(monkeypatch, m, dtype, bias, use_out):
     assert_close(got, ref.matmul_ref(x, w, b), dtype)
     split = mm._PLANS[mm._PLANS.key(x, w, b, got, extra=(CHUNK_TILE, mm.CHUNK_K))].fold is not None
     assert split == (m < 100), "the split form below 16 output tiles, the folded one above"
+
+
+def test_chunk_not_a_multiple_of_block_k_is_refused(monkeypatch):
+    monkeypatch.setattr(mm, "TILE", CHUNK_TILE._replace(chunk_k=24))
+    with pytest.raises(ValueError, match=r"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k \(16\)"):
+        mm.matmul(randn(3, 96), randn(5, 96))
 
 
 def test_chunk_rule(monkeypatch):
@@ -140,6 +147,7 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 @pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE], ids=["table", "small_tile", "chunked"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
     monkeypatch.setattr(mm, "TILE", tile)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 130 rows folded, 1 and 7 split
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
     check_rows_invariant(x, w, randn(37, dtype=dtype) if bias else None, rows=[0, 6, 11, 63, 64, 129])
 

@@ -27,7 +27,7 @@ from pagedflash.ops.launch import (
     invariant_split_keys,
     use_tma,
 )
-from pagedflash.ops.utils import cdiv, fp8_cvt_device, head_stride, interpreted, next_pow2, num_sms
+from pagedflash.ops.utils import cdiv, fp8_cvt_device, head_stride, interpreted, next_pow2, num_sms, nvidia_capability
 
 
 def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
@@ -119,7 +119,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     split_keys = invariant_split_keys(interpreted(), d) if invariant else 0
     if invariant:
-        cfg = config or invariant_config(group=group, head_dim=d, interpreted=interpreted())
+        cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
+                                         interpreted=interpreted())
         if split_keys % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
                              f"({split_keys} keys), got {cfg.block_n}")

@@ -157,11 +157,17 @@ INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split
 INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 
 
-def _invariant_tile(head_dim: int) -> tuple[int, int, int, int]:
+BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
+
+
+def _invariant_tile(head_dim: int, capability: tuple[int, int] | None) -> tuple[int, int, int, int]:
     """:data:`INVARIANT_TILE` as (rows, keys, warps, stages), or a clear error; unset: the default for
-    ``head_dim`` (three stages of 64 keys of K and V fit shared memory up to D = 128)."""
+    ``head_dim`` and the GPU: 64 rows, 64 keys, 4 warps, and as many stages of K and V as shared
+    memory holds (3 up to D = 128 on the GPUs of :data:`BIG_SHARED_MEMORY`, else one fewer; stages
+    do not change the arithmetic, only the tile does)."""
     if not INVARIANT_TILE:
-        return 64, 64, 4, 3 if head_dim <= 128 else 2
+        stages = (3 if head_dim <= 128 else 2) - (capability not in BIG_SHARED_MEMORY)
+        return 64, 64, 4, stages
     try:
         rows, keys, warps, stages = (int(x) for x in INVARIANT_TILE.split(":"))
     except ValueError:
@@ -176,22 +182,24 @@ def _invariant_tile(head_dim: int) -> tuple[int, int, int, int]:
 def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
     """Keys per split of the batch-invariant mode (a multiple of the invariant tile's keys)."""
     keys = INTERPRET_INVARIANT_SPLIT_KEYS if interpreted else INVARIANT_SPLIT_KEYS
-    block_n = invariant_config(group=1, head_dim=head_dim, interpreted=interpreted).block_n
+    block_n = invariant_config(group=1, head_dim=head_dim, capability=None, interpreted=interpreted).block_n
     if keys <= 0 or keys % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
     return keys
 
 
-def invariant_config(*, group: int, head_dim: int, interpreted: bool) -> LaunchConfig:
+def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
+                     interpreted: bool) -> LaunchConfig:
     """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
     softmax sums are reduced by the same instructions in the same order only under one tile shape and
     warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
-    each K/V byte once per group). By default 64 rows, 64-key tiles, 4 warps, 3 stages (2 above
-    D = 128); in the mode a tile that does not compile is an error, never a fallback to another.
-    Nothing here depends on the lengths, the batch or the GPU's size, only on the model's head size;
-    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`)."""
-    rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim)
+    each K/V byte once per group). By default 64 rows, 64-key tiles, 4 warps, 3 stages on an H200
+    up to D = 128 (:func:`_invariant_tile`); in the mode a tile that does not compile is an error,
+    never a fallback to another. Nothing here depends on the lengths, the batch or the GPU's size,
+    only on the model's head size and the GPU's ``capability``; ``PAGEDFLASH_INVARIANT_TILE`` sets
+    another GPU tile (:data:`INVARIANT_TILE`)."""
+    rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 

@@ -136,13 +136,14 @@ def _matmul_kernel(
 def _fold_kernel(Part, Bias, Out, M, N, num_chunks, stride_om, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``0 + sum_c Part[c]`` in chunk order, plus the bias, rounded to Out's dtype: the same operations
     as the unsplit chunked kernel's, so a row's bits do not depend on which form ran."""
+    plane = M.to(tl.int64) * N
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * N
+    ok = offs < plane
     row = offs // N
     col = offs % N
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for c in range(num_chunks):
-        total += tl.load(Part + c * M * N + offs, mask=ok, other=0.0)
+        total += tl.load(Part + c * plane + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         total += tl.load(Bias + col, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_om + col, total.to(Out.dtype.element_ty), mask=ok)
@@ -181,8 +182,8 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
       (Llama-3-8B's projections, geometric mean over M = 1..8192: gate/up 0.53 -> 0.74 of cuBLAS,
       down 0.33 -> 0.55; docs/performance.md v36); wide tiles stream more bytes a program, which
       matters more than the program count even at M = 1;
-    - 16-bit elsewhere (unmeasured): 128 columns from ``N >= 8192``, else 64, by 64, 3 stages on
-      sm80/sm89, 2 elsewhere;
+    - 16-bit elsewhere (unmeasured; sm120's ~99 KB would not hold the sm90 tiles): 128 columns from
+      ``N >= 8192``, else 64, by 64, 3 stages on other NVIDIA GPUs, 2 elsewhere;
     - fp32 (IEEE products on the FMA units): 64 columns, 32-deep steps, 4 stages on sm90;
     - columns and steps at least 16 and no wider than ``N`` / ``K`` need;
     - with :data:`CHUNK_K`, where the column tiles are fewer than half the SMs, K in chunks of at
@@ -197,7 +198,7 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     stages = 4 if capability is not None and capability >= (9, 0) else 3 if capability is not None else 2
     if dtype == torch.float32:
         block_n, block_k = 64, 32
-    elif capability is not None and capability >= (9, 0):
+    elif capability is not None and (9, 0) <= capability < (10, 0):  # 227 KB of shared memory a block
         block_n, block_k, stages = (256, 64, 5) if n >= 16384 else (128, 128, 4)
     else:
         block_n, block_k = 128 if n >= 8192 else 64, 64
@@ -247,6 +248,9 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
+    if t.chunk_k < 0 or t.chunk_k % t.block_k:
+        raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
+                         f"got {t.chunk_k}")
     tiles = cdiv(m, t.block_m) * cdiv(n, t.block_n)
     chunked = 0 < t.chunk_k < k
     num_chunks = cdiv(k, t.chunk_k) if chunked else 1
