@@ -19,13 +19,13 @@ from pagedflash.cache import BlockManager, KVCache
 from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.model import CausalLM
 from pagedflash.engine.parallel import Collectives, ShardSizes
-from pagedflash.engine.runner import GRAPH_BATCH_SIZES, ModelRunner, graph_num_splits
+from pagedflash.engine.runner import GRAPH_BATCH_SIZES, ModelRunner, graph_num_splits, graph_sizes
 from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
-from pagedflash.ops.launch import MAX_SPLITS, invariant_split_keys
-from pagedflash.ops.utils import cdiv, interpreted, num_sms
+from pagedflash.ops.launch import MAX_SPLITS, invariant_num_splits, invariant_split_keys
+from pagedflash.ops.utils import interpreted, num_sms
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
 
@@ -160,11 +160,10 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     over the graphs plus the largest one."""
     if not (spec.batch_invariant and spec.cuda_graphs):
         return 0
-    splits = cdiv(spec.max_model_len, invariant_split_keys(interpreted(), spec.config.head_dim))
-    if not 1 < splits <= MAX_SPLITS:
+    splits = invariant_num_splits(spec.max_model_len, invariant_split_keys(interpreted(), spec.config.head_dim))
+    if splits == 1:
         return 0
-    rows = min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1])  # ModelRunner.max_decode_rows
-    sizes = [b for b in GRAPH_BATCH_SIZES if b < rows] + [rows]  # as ModelRunner.capture_graphs
+    sizes = graph_sizes(min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1]))  # ModelRunner.max_decode_rows
     split = [bs for bs in sizes if min(graph_num_splits(bs, model.shard.num_kv_heads, sms), MAX_SPLITS) > 1]
     per_row = splits * model.shard.num_heads * (spec.config.head_dim + 1) * 4
     return (sum(split) + max(split, default=0)) * per_row

@@ -71,6 +71,12 @@ class PendingTokens:
         return self._tokens
 
 
+def graph_sizes(max_rows: int) -> list[int]:
+    """The batch sizes of the decode graphs captured for ``max_rows`` rows: the ladder
+    :data:`GRAPH_BATCH_SIZES` below it, then ``max_rows`` itself."""
+    return [b for b in GRAPH_BATCH_SIZES if b < max_rows] + [max_rows]
+
+
 def graph_num_splits(batch_size: int, num_kv_heads: int, sms: int) -> int:
     """KV splits of a decode graph's attention: enough (row x KV head x split) programs to fill the
     SMs about twice, rounded up to a power of two and capped. A graph is captured for the capacity
@@ -410,7 +416,7 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture one graph per batch size of the ladder up to ``max_decode_rows``."""
-        sizes = [b for b in GRAPH_BATCH_SIZES if b < self.max_decode_rows] + [self.max_decode_rows]
+        sizes = graph_sizes(self.max_decode_rows)
         sms = num_sms(self.device)
         pool = None
         with torch.inference_mode(), validate.value_checks(False):  # no syncs in the warm-up runs either

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from pagedflash.ops import fastlaunch
 from pagedflash.ops import launch as launch_table
 from pagedflash.ops.launch import (
@@ -24,10 +23,19 @@ from pagedflash.ops.launch import (
     choose_config,
     choose_num_splits,
     invariant_config,
+    invariant_num_splits,
     invariant_split_keys,
     use_tma,
 )
-from pagedflash.ops.utils import cdiv, fp8_cvt_device, head_stride, interpreted, next_pow2, num_sms, nvidia_capability
+from pagedflash.ops.utils import (
+    cdiv,
+    fp8_cvt_device,
+    head_stride,
+    interpreted,
+    next_pow2,
+    num_sms,
+    nvidia_capability,
+)
 
 
 def _bsh(strides: tuple[int, ...]) -> tuple[int, int, int]:
@@ -134,9 +142,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
             decode=packed, page_size=page_size, device=q.device,
         )
     num_splits = min(num_splits, MAX_SPLITS)
-    if invariant and num_splits > 1:  # a program per split of the longest row's keys, or none if too many
-        num_splits = cdiv(max(max_seqlen_k, 1), split_keys)
-        num_splits = num_splits if num_splits <= MAX_SPLITS else 1
+    if invariant and num_splits > 1:
+        num_splits = invariant_num_splits(max_seqlen_k, split_keys)
     elif config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
         cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]

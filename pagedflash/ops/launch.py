@@ -188,6 +188,14 @@ def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
     return keys
 
 
+def invariant_num_splits(max_seqlen_k: int, split_keys: int) -> int:
+    """The batch-invariant mode's split count when a launch splits at all: one program per split of
+    the longest row's keys, or none (1) past :data:`MAX_SPLITS` (any other count would merge the
+    partials in another order)."""
+    splits = cdiv(max(max_seqlen_k, 1), split_keys)
+    return splits if splits <= MAX_SPLITS else 1
+
+
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
                      interpreted: bool) -> LaunchConfig:
     """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
