@@ -12,8 +12,10 @@ on the values in the tensors.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
+
 from pagedflash.ops import fastlaunch
 from pagedflash.ops import launch as launch_table
 from pagedflash.ops.launch import (
@@ -88,16 +90,21 @@ def _switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_TILE))
 
 
-def public_plan_key(entry: str, checked: tuple, return_lse: bool, invariant: bool) -> tuple:
-    """The plan key of a public call that :func:`plan_key` would give, from the key of the call's
-    input checks (``checked``: :func:`pagedflash.ops.utils.checked_signature` over every tensor and
-    scalar the call takes, pointer alignments included), so that a call reads its tensors'
-    properties once. Valid only where everything else :func:`plan_key` reads follows from those:
+checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
+
+
+def public_plan_key(entry: str, checks: int, return_lse: bool, invariant: bool) -> tuple:
+    """The plan key of a public call, standing for the :func:`plan_key` of its arguments, from the
+    outcome of the call's input checks kept under their key
+    (:func:`pagedflash.ops.utils.checked_signature` over every tensor and scalar the call takes,
+    pointer alignments included): ``checks`` is the number :func:`checks_id` gave that outcome when
+    it was kept, one per key and never reused, so that a call reads and hashes its tensors'
+    properties once. Valid only where everything else :func:`plan_key` reads follows from that key:
     the output and LSE fresh (contiguous, aligned, shaped from q), the call's tensors passed to
     :func:`~pagedflash.ops.attention.attention_forward` as they were checked, and its sizes and
     window derived from the checked shapes and scalars alone. ``entry`` names the public function
     (a tag: two functions' keys never meet). The launch table's switches as in :func:`plan_key`."""
-    return entry, checked, return_lse, invariant, _switches(invariant)
+    return entry, checks, return_lse, invariant, _switches(invariant)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,

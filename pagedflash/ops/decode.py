@@ -15,7 +15,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward
-from pagedflash.ops.attention_plan import public_plan_key
+from pagedflash.ops.attention_plan import checks_id, public_plan_key
 from pagedflash.ops.cache_write import append_kv
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
@@ -57,7 +57,8 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
 _op = custom_ops.implement("flash_attn_with_kvcache", _launch)
 
 
-_CHECKED = PlanCache()  # the outcome of _check by call signature (checked_signature: every property it reads)
+# the outcome of _check by call signature (checked_signature: every property it reads), and its checks_id
+_CHECKED = PlanCache()
 
 
 def flash_attn_with_kvcache(
@@ -120,13 +121,14 @@ def flash_attn_with_kvcache(
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
+        checked = (*checked, None if key is None else checks_id())  # (not while torch.compile traces)
         _CHECKED.add(key, checked)
     else:
         seqlens = cache_seqlens
-    max_len, softmax_scale, left, right, softcap = checked
+    max_len, softmax_scale, left, right, softcap, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's (a fresh out; new keys replace cache_seqlens by a sum)
-    signature = None if key is None or k is not None else public_plan_key("kvcache", key, return_lse, invariant)
+    signature = None if key is None or k is not None else public_plan_key("kvcache", checks, return_lse, invariant)
     if out is None:
         out = new_output(q)
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,

@@ -16,7 +16,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward
-from pagedflash.ops.attention_plan import public_plan_key
+from pagedflash.ops.attention_plan import checks_id, public_plan_key
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
 
@@ -88,7 +88,8 @@ _dense_op = custom_ops.implement("flash_attn_func", _launch_dense)
 _varlen_op = custom_ops.implement("flash_attn_varlen_func", _launch_varlen)
 
 
-_CHECKED = PlanCache()  # the outcome of _check_dense by call signature (checked_signature: every property it reads)
+# the outcome of _check_dense by call signature (checked_signature: every property it reads), and its checks_id
+_CHECKED = PlanCache()
 
 
 def flash_attn_func(
@@ -130,12 +131,13 @@ def flash_attn_func(
     key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
     checked = _CHECKED.get(key)
     if checked is None:
-        checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
+        checked = (*_check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks),
+                   None if key is None else checks_id())  # (not while torch.compile traces)
         _CHECKED.add(key, checked)
-    softmax_scale, left, right, softcap = checked
+    softmax_scale, left, right, softcap, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
-    signature = None if key is None or out is not None else public_plan_key("func", key, return_lse, invariant)
+    signature = None if key is None or out is not None else public_plan_key("func", checks, return_lse, invariant)
     out = _output(out, q, k=k, v=v, sinks=sinks)
     lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks, invariant,
                     signature=signature)
