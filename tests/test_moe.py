@@ -158,6 +158,9 @@ def test_gemv_needs_its_form(monkeypatch):
     x, (w13, w2, _), (weights, ids_) = randn(3, H), make_layer(4, H, I, torch.float32, "silu"), make_ids(3, 4, 2, "routed")
     with pytest.raises(ValueError, match="moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1"):
         moe.fused_moe(x, w13, w2, weights, ids_)
+    monkeypatch.setattr(moe, "TILES", FUSED_SUM._replace(part_fp32=False))
+    with pytest.raises(ValueError, match="moe.TILES: part_fp32=False has no partials to keep with fused_sum=True"):
+        moe.fused_moe(x, w13, w2, weights, ids_)
 
 
 @pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV)],

@@ -179,6 +179,8 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     t = tiles(T, k, E, invariant)
     if t.gemv and not (t.direct and t.fused_sum and t.bm == 1):
         raise ValueError(f"moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1, got {t}")
+    if t.fused_sum and not t.part_fp32:
+        raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                   BM=t.bm, BK=t.bk)
