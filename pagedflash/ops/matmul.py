@@ -8,7 +8,8 @@ summed in different orders, and greedy decoding then depends on what else is ser
 
 - one tile configuration (``BLOCK_M/N/K``, warps, stages, and so the same MMA instruction: on sm90
   Triton emits wgmma for ``BLOCK_M >= 64`` with 4+ warps, hence ``BLOCK_M = 64`` for every ``M``)
-  chosen by :func:`tile` from ``(N, K, dtype, device capability)`` only, never from ``M``;
+  chosen by :func:`tile` from ``N``, ``K``, the dtype and the device (capability, SM count) only,
+  never from ``M``;
 - no split of ``K`` that follows ``M``: each output tile is reduced over ``K`` in ``BLOCK_K`` steps
   in increasing order into one fp32 accumulator; the bias is added after the loop, then one rounding
   to x's dtype. With :data:`CHUNK_K` (off by default, not yet measured) a layer whose column tiles
