@@ -10,7 +10,8 @@ from pagedflash import cli, flash_attn_with_kvcache, validate
 from pagedflash.bench import common, overhead
 from pagedflash.ops import attention, combine, fastlaunch, scratch
 
-COLUMNS = ("ours", "public", "checked", "checks", "launch", "sdpa", "vs_sdpa", "public_vs_sdpa", "ours_wall")
+COLUMNS = ("ours", "public", "checked", "checks", "launch", "replay", "sdpa", "vs_sdpa", "public_vs_sdpa",
+           "ours_wall")
 
 
 def test_bench_overhead_quick(tmp_path, capsys):
@@ -22,6 +23,7 @@ def test_bench_overhead_quick(tmp_path, capsys):
     for row in rows:
         assert all(isinstance(row[c], float) and row[c] > 0 for c in COLUMNS), row
         assert row["sdpa_backend"] and isinstance(row["meets_target"], bool)
+        assert row["launches"] >= 1 and row["replay"] < row["launch"], row
     summary = doc["summary"]
     assert summary["failures"] == 0 and summary["target"] == overhead.TARGET
     assert {"decode_vs_sdpa", "prefill_vs_sdpa", "paged_decode_vs_sdpa"} <= summary.keys()

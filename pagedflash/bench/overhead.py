@@ -28,8 +28,12 @@ Columns: ``ours``, the public call; ``public launch``, the same with
 :mod:`pagedflash.ops.fastlaunch` off (Triton's ``kernel[grid](...)`` for every launch);
 ``value checks``, the public call with the device-reading checks on (on a GPU a host sync per
 call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward``
-replaced by a no-op (input checks, output allocation, dispatch); ``launch``, ``attention_forward``
-alone (launch plan, scratch, both kernel launches); ``sdpa``; and the ratios to SDPA.
+replaced by a no-op (input checks, the launch plan's key, output allocation, dispatch);
+``launch``, ``attention_forward`` alone (launch plan, scratch, both kernel launches); ``launches``,
+the kernel launches of one public call, and ``replay``, those launches alone, repeated through
+:func:`pagedflash.ops.fastlaunch.run` with the call's arguments (on a GPU Triton's launcher and
+the driver; ``launch`` minus ``replay`` is pagedflash's Python around them); ``sdpa``; and the
+ratios to SDPA.
 
 **CPU** (no GPU, no ``--quick`` needed): the kernels do not run. Each Triton launch is replaced by
 a launcher that does nothing, reached through the fast-launch path exactly as the GPU's compiled
@@ -125,6 +129,32 @@ def fast_launch(enabled: bool):
         yield
     finally:
         fastlaunch.set_enabled(previous)
+
+
+@contextlib.contextmanager
+def recorded_launches(launches: list):
+    """Inside: every launch that goes through a fast-launch handle is also appended to ``launches``
+    as ``(slot, fn, grid, args)``, which :func:`replay` repeats."""
+    real = fastlaunch.run
+
+    def run(slot, fn, grid, args):
+        done = real(slot, fn, grid, args)
+        if done:
+            launches.append((slot, fn, grid, args))
+        return done
+
+    fastlaunch.run = run
+    try:
+        yield
+    finally:
+        fastlaunch.run = real
+
+
+def replay(launches: list) -> None:
+    """Repeat recorded fast launches (:func:`recorded_launches`)."""
+    for slot, fn, grid, args in launches:
+        if not fastlaunch.run(slot, fn, grid, args):
+            raise RuntimeError("overhead: a recorded launch no longer goes through its fast handle")
 
 
 @contextlib.contextmanager
@@ -265,6 +295,12 @@ def measure_case(case: dict, *, calls: int, rounds: int, dtype) -> dict:
     with without_attention_forward():
         row["checks"], _ = host_wall_us(case["ours"], **timing)
     row["launch"], _ = host_wall_us(case["launch"], **timing)
+    launches = []
+    case["ours"]()  # binds the handles again if a public launch above dropped them
+    with recorded_launches(launches):
+        case["ours"]()
+    row["launches"] = len(launches)
+    row["replay"], _ = host_wall_us(lambda: replay(launches), **timing)
     row["sdpa_shape"] = case["sdpa_shape"]
     row["sdpa_backend"] = _sdpa_backend(*case["sdpa_args"])
     row["vs_sdpa"] = row["ours"] / row["sdpa"]
@@ -279,7 +315,8 @@ def overhead_table(*, calls: int, rounds: int) -> tuple[Table, str]:
     table = Table(
         "overhead", "Host time per eager call, µs (" + ("GPU" if gpu else "CPU: launches replaced, see note") + ")",
         {"workload": "workload", "ours": "pagedflash", "public": "public launch", "checked": "value checks",
-         "checks": "checks", "launch": "launch", "sdpa": "SDPA", "vs_sdpa": "pf÷SDPA",
+         "checks": "checks", "launch": "launch", "launches": "launches", "replay": "replay", "sdpa": "SDPA",
+         "vs_sdpa": "pf÷SDPA",
          "public_vs_sdpa": "public÷SDPA", "ours_wall": "pf wall", "sdpa_backend": "SDPA backend"},
         note=(f"Least of {rounds} loops of {calls} calls without waiting for the GPU (pagedflash's and SDPA's "
               f"loops alternating); value checks off except in 'value checks'; target pf÷SDPA <= {TARGET}. "
