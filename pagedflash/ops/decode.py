@@ -127,8 +127,8 @@ def flash_attn_with_kvcache(
         seqlens = cache_seqlens
     max_len, softmax_scale, left, right, softcap, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
-    # the checks' key covers the plan's (a fresh out; new keys replace cache_seqlens by a sum)
-    signature = None if key is None or k is not None else public_plan_key("kvcache", checks, return_lse, invariant)
+    # the checks' key covers the plan's with a fresh out (_launch drops it where new keys are appended)
+    signature = None if key is None else public_plan_key("kvcache", checks, return_lse, invariant)
     if out is None:
         out = new_output(q)
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,

@@ -150,10 +150,10 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 # multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
 INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
 INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
-# The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: 64:64:4:3 up to D = 128,
-# two stages above (the fastest of five measured on the H200, docs/performance.md v36). Another value is
-# the tuning lever (every launch of a process takes the same one, so results stay invariant; they differ
-# between values).
+# The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
+# (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
+# Another value is the tuning lever (every launch of a process takes the same one, so results stay
+# invariant; they differ between values).
 INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 
 

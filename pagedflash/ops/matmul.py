@@ -65,8 +65,8 @@ def _tile_sum(p_x, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constex
     """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0): unchunked, one accumulator over
     every ``BLOCK_K`` step; chunked, ``0 + sum_c (chunk c's own sum from zero)`` over the chunks
     ``first_chunk .. first_chunk + num_chunks - 1`` of ``CHUNK_K`` keys, in increasing order."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if CHUNKED:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for c in range(first_chunk, first_chunk + num_chunks):
             k0 = c * CHUNK_K
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -74,7 +74,6 @@ def _tile_sum(p_x, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constex
                                    DOT_PRECISION, NUM_STAGES)
             total += part
     else:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES)
     return total
 
