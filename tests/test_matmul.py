@@ -231,9 +231,11 @@ def test_operator_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_compiled_is_bit_identical_and_compiles_once_for_every_m():
+@pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
+def test_compiled_is_bit_identical_and_compiles_once_for_every_m(monkeypatch, tile):
     """``torch.compile(dynamic=True, fullgraph=True)``: one graph (the operator) for two batch sizes,
-    results bit-identical to eager."""
+    results bit-identical to eager (chunked: K = 100 in 4 chunks, the split form at 5 and 9 rows)."""
+    monkeypatch.setattr(mm, "TILE", tile)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
 
@@ -241,19 +243,21 @@ def test_compiled_is_bit_identical_and_compiles_once_for_every_m():
         return mm.matmul(x, w, b)
 
     compiled = torch.compile(linear, backend=counter, fullgraph=True, dynamic=True)
-    w, b = randn(12, 24), randn(12)
+    w, b = randn(12, 100), randn(12)
     try:
         with torch.inference_mode():
             for m in (5, 9):
-                x = randn(m, 24)
+                x = randn(m, 100)
                 assert torch.equal(bits(compiled(x, w, b)), bits(linear(x, w, b)))
         assert counter.frame_count == 1
     finally:
         torch._dynamo.reset()
 
 
-def test_eager_through_the_dispatcher_is_bit_identical():
-    x, w, b = randn(7, 24), randn(12, 24), randn(12)
+@pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
+def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
+    monkeypatch.setattr(mm, "TILE", tile)
+    x, w, b = randn(7, 100), randn(12, 100), randn(12)
     want = mm.matmul(x, w, b)
     previous = custom_ops.dispatch_eager(True)
     try:
@@ -295,8 +299,11 @@ def test_one_compiled_kernel_for_every_m():
 
 @pytest.mark.gpu
 @gpu_only
-def test_cuda_graph_replay_is_bit_identical():
-    """Captured into a CUDA graph (no host sync in the call) and replayed on new values of x."""
+@pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
+def test_cuda_graph_replay_is_bit_identical(monkeypatch, tile):
+    """Captured into a CUDA graph (no host sync in the call) and replayed on new values of x (chunked:
+    the split form's partials allocated inside the capture)."""
+    monkeypatch.setattr(mm, "TILE", tile)
     dtype = torch.bfloat16
     x, w, b = randn(37, 520, dtype=dtype), randn(300, 520, dtype=dtype), randn(300, dtype=dtype)
     out = torch.empty(37, 300, dtype=dtype, device=DEVICE)
