@@ -6,6 +6,7 @@ routed experts only; bad combinations are refused by name."""
 import json
 
 import pytest
+import torch
 
 from pagedflash.bench import serve
 from pagedflash.bench.decode_bound import bound_seconds, bytes_read, kv_read
@@ -37,7 +38,7 @@ def test_quick_shape_runs_itl_and_throughput_with_the_routed_bound(tmp_path, mon
     assert doc["summary"]["model"] == "gpt-oss-20b"
     assert doc["tables"]["throughput"]["rows"][0]["tok_s"] > 0
     config = ModelConfig.from_dict(shape_config("gpt-oss-20b", small=True))
-    weights, kv = bytes_read(config, {}, on_gpu=False)
+    weights, kv = bytes_read(config, {}, on_gpu=torch.cuda.is_available())  # bf16 on a GPU
     assert weights < 4 * (config.num_parameters() - config.vocab_size * config.hidden_size)  # 2 of 4 experts
     rows = doc["tables"]["itl"]["rows"]
     assert [(r["graphs"], r["batch"], r["context"]) for r in rows] == [("on", 1, 8), ("off", 1, 8)]

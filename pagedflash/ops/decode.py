@@ -117,12 +117,12 @@ def flash_attn_with_kvcache(
     if out is None and type(cache_seqlens) is not int:  # out's checks read addresses; an int makes a tensor
         key = checked_signature((q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks),
                                 (softmax_scale, causal, window_size, softcap, num_splits))
-    checked = _CHECKED.get(key)
+    # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
+    checked = None if key is None else _CHECKED.get(key)
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
-        checked = (*checked, None if key is None else checks_id())  # (not while torch.compile traces)
-        _CHECKED.add(key, checked)
+        checked = (*checked, None) if key is None else _CHECKED.add(key, (*checked, checks_id()))
     else:
         seqlens = cache_seqlens
     max_len, softmax_scale, left, right, softcap, checks = checked

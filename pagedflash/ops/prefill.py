@@ -129,11 +129,11 @@ def flash_attn_func(
         batch of 0 gives empty tensors.
     """
     key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
-    checked = _CHECKED.get(key)
+    # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
+    checked = None if key is None else _CHECKED.get(key)
     if checked is None:
-        checked = (*_check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks),
-                   None if key is None else checks_id())  # (not while torch.compile traces)
-        _CHECKED.add(key, checked)
+        checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
+        checked = (*checked, None) if key is None else _CHECKED.add(key, (*checked, checks_id()))
     softmax_scale, left, right, softcap, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
