@@ -94,13 +94,17 @@ def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool,
                labels: list[str] | None = None) -> list[tuple[str, moe.Tiles]]:
     """The labelled candidate tiles of one case (each distinct from the current tiles; only those
     named in ``labels`` if given)."""
-    found = []
+    # decode changes apply to the tensor-core tiles, also where the current ones are the gemv form
+    base = moe.decode_tiles(current.direct) if current.gemv else current
+    found = [("tensor cores", base)] if current.gemv else []
     for label, changes in (DECODE + (GEMV if T <= 16 else [])) if decode else PREFILL:
-        found.append((label, current._replace(**changes)))
+        found.append((label, base._replace(**changes)))
         if decode and 1 < T <= 16 and label in OTHER_GROUPING:
             other = "direct" if not current.direct else "sorted"
-            found.append((f"{label} {other}", current._replace(direct=not current.direct, **changes)))
-    found = [(label, t) for label, t in found if t != current and (labels is None or label in labels)]
+            found.append((f"{label} {other}", base._replace(direct=not current.direct, **changes)))
+    seen = {current}  # each tile once, under its first label (a change the current tiles already have drops)
+    found = [(label, t) for label, t in found
+             if t not in seen and not seen.add(t) and (labels is None or label in labels)]
     if quick:  # the first candidate and the first matrix-vector one (or the second)
         return found[:1] + ([c for c in found if c[1].gemv] or found[1:])[:1]
     return found

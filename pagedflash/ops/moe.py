@@ -90,15 +90,19 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
 
     - direct grouping for one token (its experts are distinct) or while pairs are at most a quarter
       of the experts (few experts picked twice), else sorted;
+    - one token: products on the CUDA cores (the gemv form: one row, 8 columns a program, 512-deep
+      steps, 3 stages) and the down GEMM summing its top-k outputs itself (fused sum);
     - decode (``T <= DECODE_MAX_TOKENS`` or ``rows <= 16``: weight-bandwidth bound): 16-row blocks
       (the smallest ``tl.dot``), 32-wide column blocks so that even one token spreads each expert's
       weight over many programs, 128-deep reduction steps, 4 stages to keep weight bytes in flight;
-    - prefill: 64-row blocks (128 from 256 rows per expert), 64 gate + 64 up columns and 128 down
-      columns, 64-deep steps, 3 stages, 8 warps on the 128-row tiles; programs grouped 8 row blocks
-      at a time over the column blocks (L2 reuse of the rows).
-    Unmeasured guesses on the H200: ``pagedflash bench moe`` is the measure, ``tools/tune_moe.py``
-    times candidate tiles, :data:`TILES` the override. The fused sum and partials in the input dtype
-    are off in every form here until measured.
+    - prefill: 64-row blocks (128 from 256 rows per expert), 64-deep steps, 3 stages, per-pair
+      partials in the input dtype (half the traffic of fp32); on the 128-row tiles 8 warps, 128 gate
+      + 128 up columns and 256 down columns, else 64 + 64 and 128; programs grouped 8 row blocks at
+      a time over the column blocks (L2 reuse of the rows).
+    ``tools/tune_moe.py`` times candidate tiles against these (docs/performance.md v38: on an H100,
+    the one-token and 128-row choices measured 1.02-1.07x and 1.22-1.41x the earlier tiles on the
+    Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile and 2-64 tokens kept theirs);
+    :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
     same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
@@ -108,11 +112,19 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     direct = T == 1 or T * top_k * 4 <= E
     if invariant:
         return Tiles(direct, 64, 64, 128, 64, 4, 3, 8)
+    if T == 1:
+        return Tiles(True, 1, 8, 8, 512, 4, 3, 1, fused_sum=True, gemv=True)
     rows = T * top_k / E
     if T <= DECODE_MAX_TOKENS or rows <= 16:
-        return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
-    bm = 128 if rows >= 256 else 64
-    return Tiles(False, bm, 64, 128, 64, 8 if bm == 128 else 4, 3, 8)
+        return decode_tiles(direct)
+    if rows >= 256:
+        return Tiles(False, 128, 128, 256, 64, 8, 3, 8, part_fp32=False)
+    return Tiles(False, 64, 64, 128, 64, 4, 3, 8, part_fp32=False)
+
+
+def decode_tiles(direct: bool) -> Tiles:
+    """The tensor-core decode tiles of :func:`tiles` (2 to ``DECODE_MAX_TOKENS`` tokens)."""
+    return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
 
 
 # ---------------------------------------------------------------- host
