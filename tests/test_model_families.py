@@ -5,6 +5,7 @@ perturbed so that they matter, windows shorter than the prompts. Prompt logits a
 whose weights shard in their own way: OLMo 2's q/k norms, Phi-3's fused tensors) on two; and with a
 config.json that leaves out every key but the required ones (the engine's defaults: transformers')."""
 
+import copy
 import json
 import os
 
@@ -152,6 +153,26 @@ def test_two_ranks_match_transformers(tmp_path, family, kv_heads):
         for p, got in zip(prompts, logits):
             torch.testing.assert_close(got.cpu(), hf(torch.tensor([p])).logits[0], rtol=1e-4, atol=1e-4)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 3) for p in prompts]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 kernels need a GPU (the interpreter computes bf16 dots wrongly)")
+@pytest.mark.parametrize("family", list(FAMILY_CASES))
+def test_family_in_bf16_on_the_gpu(tmp_path, family):
+    """The compiled kernels in bf16 with CUDA graphs, as served: prompt logits no further from
+    transformers' fp32 model than transformers' own model cast to bf16 is (twice its error, plus 1 %
+    of the logits' range), and greedy decoding through the decode graphs runs to its length."""
+    hf = save_family(tmp_path, family)
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    llm = LLM(tmp_path, dtype=torch.bfloat16, page_size=4, num_blocks=48, max_num_batched_tokens=8)
+    prompts = prompts_of([19, 6], seed=0, low=3)
+    with torch.no_grad():
+        for p, got in zip(prompts, llm.prompt_logits(prompts)):
+            want = hf(torch.tensor([p])).logits[0]
+            own_error = (hf_bf16(torch.tensor([p])).logits[0].float() - want).abs().max()
+            error = (got.float().cpu() - want).abs().max()
+            assert error <= 2 * own_error + 0.01 * want.abs().max(), (family, error, own_error)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8, 8]
 
 
 def test_kernel_path_and_decode_graphs_match_transformers(tmp_path, monkeypatch):
