@@ -37,7 +37,7 @@ if __name__ == "__main__" and "--compile-check" in sys.argv:
 import torch
 
 from pagedflash.bench import moe as bench_moe
-from pagedflash.bench.common import free_memory, measure, ratio, tflops
+from pagedflash.bench.common import free_memory, hbm_bandwidth, measure, ratio, tflops
 from pagedflash.ops import moe
 from pagedflash.testing import check_close
 
@@ -189,6 +189,7 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
         figures = [_change(r, r["bound_ms"], 100), _change(r, r["loop_ms"]), _change(r, r["dense_ms"])]
         print(f"| {r['shape']} | {r['T']} | {r['current_ms']:.4f} | {r['best_label']} | {r['best_ms']:.4f} | "
               f"{r['current_ms'] / r['best_ms']:.3f} | {' | '.join(figures)} |")
+    print(f"\n% of bound: the picked experts' bytes at {hbm_bandwidth()}")
     print("\nPer regime, variants by geometric-mean speedup over the current tiles (cases timed / cases):")
     cases = {}
     for r in rows:

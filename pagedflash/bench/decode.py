@@ -4,7 +4,8 @@
    auto (0): microseconds per cell, the best split per N, auto's time over the best's, and SDPA.
 2. The serving grid: B in {1, 4, 16, 64}, Hq/Hkv = 32/8, D=128, bf16, N in 1K..128K (cells whose
    K+V exceed 40 GB skipped): microseconds, TB/s of bytes read (K+V + Q + O), the fraction of the
-   4.8 TB/s datasheet, and the speed ratio to SDPA cuDNN and flash from the same run.
+   GPU's datasheet HBM bandwidth (:func:`~pagedflash.bench.common.hbm_bandwidth`), and the speed
+   ratio to SDPA cuDNN and flash from the same run.
 3. FP8 KV: the serving grid's cells (bf16 K+V up to ``max_kv_gb`` of the fp8 spec) with the same
    caches quantized to ``float8_e4m3fn`` (per-KV-head scales from the data, amax / 448), contiguous:
    fp8 and bf16 microseconds in the same run, the speedup, TB/s of the bytes the fp8 call moves (K+V
@@ -35,7 +36,6 @@ import pagedflash as pf
 from pagedflash._progress import progress
 from pagedflash.batch_invariance import batch_invariant
 from pagedflash.bench.common import (
-    HBM_TBPS,
     INVARIANT_NOTE,
     NA,
     Config,
@@ -44,6 +44,7 @@ from pagedflash.bench.common import (
     failures,
     free_memory,
     geomean,
+    hbm_bandwidth,
     host_us,
     human,
     invariant_x,
@@ -213,7 +214,7 @@ def fp8_row(inputs: DecodeInputs, fp8: Fp8Inputs, label: str, page: int = 0) -> 
     row = {"B": b, "N": human(n), "n": n, "page": page or "contig", "kv_gb": kv_bytes(b, n, hkv, d, inputs.dtype) / 1e9,
            "bf16_us": bf16.show(lambda ms: ms * 1e3), "fp8_us": ours.show(lambda ms: ms * 1e3),
            "speedup": ratio(ours, bf16), "fp8_tbps": ours.show(lambda ms: tbps(nbytes, ms)),
-           "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / HBM_TBPS), "err_dequant": ours.err,
+           "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / hbm_bandwidth().tbps), "err_dequant": ours.err,
            "err_unquant": fp8.unquantized_err(call8) if ours.ok else None, "err_bf16": bf16.err}
     return row, [bf16, ours]
 
@@ -223,7 +224,7 @@ def fp8_columns(dtype) -> dict[str, str]:
     (bf16 in the full run; JSON keys say bf16 either way)."""
     dt = str(dtype).removeprefix("torch.")
     return {"B": "B", "N": "N", "page": "page", "kv_gb": f"{dt} K+V GB", "bf16_us": f"{dt} µs", "fp8_us": "fp8 µs",
-            "speedup": "fp8 speedup", "fp8_tbps": "fp8 TB/s", "of_peak": f"of {HBM_TBPS} TB/s",
+            "speedup": "fp8 speedup", "fp8_tbps": "fp8 TB/s", "of_peak": f"of {hbm_bandwidth().tbps:g} TB/s",
             "err_dequant": "err vs dequantized", "err_unquant": "err vs unquantized", "err_bf16": f"{dt} err"}
 
 
@@ -234,13 +235,18 @@ FP8_NOTE = ("fp8 = float8_e4m3fn K/V, per-KV-head scales amax/448 from the data,
             "cache's own for scale.")
 
 
+def fp8_note() -> str:
+    """:data:`FP8_NOTE` and the HBM figure the ``of_peak`` column divides by."""
+    return f"{FP8_NOTE} of peak = fp8 TB/s / {hbm_bandwidth()}."
+
+
 def fp8_grid(spec: dict, invariant: bool = False) -> tuple[Table, int]:
     """``invariant``: each fp8 call also timed with ``batch_invariant=True`` (columns ``fp8_inv_us``, ``fp8_inv_x``)."""
     (hq, hkv), d, dtype = spec["heads"], spec["dim"], spec["dtype"]
     columns = fp8_columns(dtype) | ({"fp8_inv_us": "fp8 invariant µs", "fp8_inv_x": "fp8 inv x"} if invariant else {})
     table = Table("fp8", f"FP8 KV decode vs {str(dtype)[6:]}, same shapes: Hq/Hkv={hq}/{hkv}, D={d}, "
                   "contiguous cache, num_splits=auto", columns,
-                  note=FP8_NOTE + (" " + INVARIANT_NOTE if invariant else ""))
+                  note=fp8_note() + (" " + INVARIANT_NOTE if invariant else ""))
     bad = 0
     for b, n in progress(grid_cells(spec), desc="decode fp8 vs bf16"):
         inputs = DecodeInputs(b, n, hq, hkv, d, dtype)
@@ -310,12 +316,13 @@ def serving_grid(spec: dict, invariant: bool = False) -> tuple[Table, int]:
     table = Table(
         "grid", f"Decode serving grid: Hq/Hkv={hq}/{hkv}, D={d}, {str(dtype)[6:]}, num_splits=auto",
         {"B": "B", "N": "N", "kv_gb": "K+V GB", "us": "pagedflash µs", "tbps": "TB/s",
-         "of_peak": f"of {HBM_TBPS} TB/s", "cudnn_us": "cuDNN µs", "flash_us": "flash µs",
+         "of_peak": f"of {hbm_bandwidth().tbps:g} TB/s", "cudnn_us": "cuDNN µs", "flash_us": "flash µs",
          "vs_cudnn": "pf÷cuDNN", "vs_flash": "pf÷flash", "full_us": "pf µs, no lengths", "full_vs_cudnn":
          "no lengths÷cuDNN", "host_us": "host µs", "sdpa": "SDPA GQA"},
         note="pagedflash µs: with a cache_seqlens tensor (N for every row), as a serving engine calls it; "
              "'no lengths': cache_seqlens=None, the whole cache, which is what SDPA computes. "
-             "TB/s counts K+V read + Q + O (SDPA's TB/s uses the same bytes). pf÷X: speed ratio, same run "
+             "TB/s counts K+V read + Q + O (SDPA's TB/s uses the same bytes); of peak = TB/s / "
+             f"{hbm_bandwidth()}. pf÷X: speed ratio, same run "
              "(>1: pagedflash faster). L2 is flushed before every timed call, so small caches come from HBM too. "
              "host µs: host time to enqueue one pagedflash call (above the kernel time, back-to-back calls are "
              "launch-bound without CUDA graphs; do_bench's L2 flush hides up to ~50-90 µs of it). "
@@ -336,7 +343,7 @@ def serving_grid(spec: dict, invariant: bool = False) -> tuple[Table, int]:
         table.rows.append({
             "B": b, "N": human(n), "n": n, "kv_gb": kv_bytes(b, n, hkv, d, dtype) / 1e9,
             "us": ours.show(lambda ms: ms * 1e3), "tbps": ours.show(lambda ms: tbps(nbytes, ms)),
-            "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / HBM_TBPS),
+            "of_peak": ours.show(lambda ms: tbps(nbytes, ms) / hbm_bandwidth().tbps),
             "cudnn_us": sdpa["cudnn"].show(lambda ms: ms * 1e3), "flash_us": sdpa["flash"].show(lambda ms: ms * 1e3),
             "cudnn_tbps": sdpa["cudnn"].show(lambda ms: tbps(nbytes, ms)),
             "flash_tbps": sdpa["flash"].show(lambda ms: tbps(nbytes, ms)),
@@ -373,6 +380,7 @@ def main(cfg: Config) -> int:
 
 def _main(cfg: Config) -> int:
     spec = QUICK if cfg.quick else FULL
+    print(f"of peak: TB/s over {hbm_bandwidth()}", flush=True)  # a bad PAGEDFLASH_HBM_TBPS stops here, untimed
     splits_table, heat, bad_seed = seed_sweep(spec["seed"])
     print_table(splits_table)
     grid, bad_grid = serving_grid(spec["grid"], cfg.batch_invariant)
@@ -401,7 +409,7 @@ def _main(cfg: Config) -> int:
     g = spec["grid"]
     panels = panels_by_batch(grid.rows, g["batches"], lambda b, rows, xs: {
         "title": f"B={b}, Hq/Hkv={g['heads'][0]}/{g['heads'][1]}, D={g['dim']}", "xlabel": "N",
-        "ylabel": "TB/s (K+V+Q+O)", "hline": (HBM_TBPS, "HBM datasheet"), "series": {
+        "ylabel": "TB/s (K+V+Q+O)", "hline": (hbm_bandwidth().tbps, f"HBM {hbm_bandwidth()}"), "series": {
             "pagedflash": (xs, [r["tbps"] for r in rows]),
             "SDPA cuDNN": (xs, [r["cudnn_tbps"] for r in rows]),
             "SDPA flash": (xs, [r["flash_tbps"] for r in rows])}})

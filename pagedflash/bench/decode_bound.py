@@ -1,5 +1,6 @@
 """The memory-bandwidth bound of a decode step (``bench serve``'s ``% of bound``): the bytes of weights
-and K/V one step reads, over ``HBM_TBPS`` per GPU.
+and K/V one step reads, over the HBM bandwidth per GPU (:func:`pagedflash.bench.common.hbm_bandwidth`:
+the datasheet figure of the GPU the bench runs on).
 
 Weights: every parameter once, in the model's dtype, but for an untied input embedding (a lookup
 reads one row per token) and, in a mixture of experts, the experts no row of the step is routed to.
@@ -8,13 +9,13 @@ K/V: each layer's cached tokens, at most the window in a sliding-window layer.
 
 from __future__ import annotations
 
-from pagedflash.bench.common import HBM_TBPS
+from pagedflash.bench.common import hbm_bandwidth
 
 
 def bound_seconds(weight_bytes: float, kv_read: float, gpus: int = 1) -> float:
     """A decode step's bandwidth bound: the weights and ``kv_read`` bytes of K/V read once, spread
-    over ``gpus`` GPUs at ``HBM_TBPS`` each."""
-    return (weight_bytes + kv_read) / (gpus * HBM_TBPS * 1e12)
+    over ``gpus`` GPUs at :func:`~pagedflash.bench.common.hbm_bandwidth` each."""
+    return (weight_bytes + kv_read) / (gpus * hbm_bandwidth().tbps * 1e12)
 
 
 def bytes_read(config, engine_kw: dict, on_gpu: bool, batch: int = 1) -> tuple[float, int]:

@@ -9,8 +9,8 @@ Per case, each checked against :func:`pagedflash.reference.fused_moe_ref` before
   their token lists made on the host before timing, so the loop has no host sync and replays in a
   CUDA graph like ours);
 - decode sizes: the bandwidth bound, the bytes of the experts the tokens picked (gate/up and down
-  weights and biases, once each) plus the tokens in and out at the H200's HBM bandwidth, and ours
-  as a percentage of it;
+  weights and biases, once each) plus the tokens in and out at the GPU's datasheet HBM bandwidth
+  (:func:`~pagedflash.bench.common.hbm_bandwidth`), and ours as a percentage of it;
 - every size: TFLOP/s (6 * T * k * H * I FLOPs) and a dense bf16 GEMM of the same FLOPs
   (``[T*k, H] @ [H, 3I]``) for comparison.
 """
@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 
 from pagedflash.bench.common import (
-    HBM_TBPS,
     Config,
     Measured,
     device,
     failures,
     free_memory,
+    hbm_bandwidth,
     measure,
     ratio,
     tflops,
@@ -98,8 +98,9 @@ def active_bytes(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> int:
 
 
 def bound_ms(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> float:
-    """The bandwidth bound of a decode step: :func:`active_bytes` at the H200's HBM bandwidth."""
-    return active_bytes(weights, topk_ids, x) / (HBM_TBPS * 1e12) * 1e3
+    """The bandwidth bound of a decode step: :func:`active_bytes` at the GPU's HBM bandwidth
+    (:func:`~pagedflash.bench.common.hbm_bandwidth`)."""
+    return active_bytes(weights, topk_ids, x) / (hbm_bandwidth().tbps * 1e12) * 1e3
 
 
 def inputs(name: str, T: int, spec: dict) -> dict:
@@ -173,7 +174,7 @@ def main(cfg: Config) -> int:
         {"shape": "shape", "T": "T", "experts": "experts hit", "ours_ms": "ours ms", "loop_ms": "loop ms",
          "speedup": "loop÷ours", "pct_bound": "% of bound", "tflops": "TFLOP/s", "dense_tflops": "dense TFLOP/s",
          "vs_dense": "ours÷dense"},
-        note=f"bound = bytes of the picked experts' weights (once each) + tokens in and out at {HBM_TBPS} TB/s "
+        note=f"bound = bytes of the picked experts' weights (once each) + tokens in and out at {hbm_bandwidth()} "
              "(decode sizes). FLOPs = 6*T*k*H*I; dense = one [T*k, H] @ [H, 3I] GEMM of the same FLOPs. "
              "Ratios: throughput, same run (>1: ours faster). Every case checked against the fp32 reference "
              "first; FAIL = wrong result, not timed.",

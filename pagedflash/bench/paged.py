@@ -39,6 +39,7 @@ from pagedflash.bench.common import (
     failures,
     free_memory,
     geomean,
+    hbm_bandwidth,
     human,
     measure,
     randn,
@@ -49,9 +50,9 @@ from pagedflash.bench.common import (
 )
 from pagedflash.bench.decode import (
     FP8,
-    FP8_NOTE,
     DecodeInputs,
     fp8_columns,
+    fp8_note,
     fp8_row,
     grid_cells,
     kv_scale,
@@ -119,7 +120,7 @@ def fp8_paged(spec: dict, pages: tuple[int, ...], name: str = "fp8_paged") -> tu
     (hq, hkv), d = spec["heads"], spec["dim"]
     table = Table(name, f"FP8 KV paged decode vs {str(spec['dtype'])[6:]} at the same page size: "
                   f"Hq/Hkv={hq}/{hkv}, D={d}, block tables = random permutation of the pool, num_splits=auto",
-                  fp8_columns(spec["dtype"]), note=FP8_NOTE)
+                  fp8_columns(spec["dtype"]), note=fp8_note())
     bad = 0
     cells = [(b, n) for b, n in grid_cells(spec) if all(n % p == 0 for p in pages)]
     for b, n in progress(cells, desc="paged decode fp8 vs bf16"):
@@ -318,6 +319,7 @@ def prefix_row(manager, tokens: list[list[int]], x: dict, spec: dict) -> tuple[d
 
 def main(cfg: Config) -> int:
     spec = QUICK if cfg.quick else FULL
+    print(f"fp8 of peak: TB/s over {hbm_bandwidth()}", flush=True)  # a bad PAGEDFLASH_HBM_TBPS stops here, untimed
     decode, bad_decode = paged_vs_contiguous(spec["grid"], spec["pages"])
     print_table(decode)
     chunked, bad_chunked = chunked_prefill(spec["chunked"])

@@ -6,6 +6,7 @@ Every bench builds :class:`Table` objects and hands them to :func:`print_table` 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.bench.common import has_gpu, human, timing_description
+from pagedflash.bench.common import has_gpu, hbm_bandwidth, human, timing_description
 
 # ---------------------------------------------------------------- tables and results
 
@@ -100,6 +101,7 @@ def env_info(quick: bool) -> dict:
     except ImportError:
         info["triton"] = None
     info["device"] = torch.cuda.get_device_name() if has_gpu() else platform.processor() or "cpu"
+    info["hbm"] = dataclasses.asdict(hbm_bandwidth())  # what every bandwidth bound and "of peak" divides by
     info["interpreter"] = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return info
 

@@ -23,7 +23,8 @@ longer contexts; ``longctx`` and ``tp`` set their own). serve.json's summary nam
   prompts are prefilled once beforehand, so the timed run serves them from the prefix cache and the
   whole batch decodes together; the median gap after every request has its first token is
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
-  read, over 4.8 TB/s) divided by the measured gap. The weights count every parameter once but an
+  read, over the GPU's datasheet HBM bandwidth, ``bench.common.hbm_bandwidth``) divided by the
+  measured gap. The weights count every parameter once but an
   untied input embedding (its lookup reads a row per token; the LM head, tied or not, reads the
   whole ``[vocab, hidden]`` matrix) and, in a mixture of experts, the experts no row is routed to
   (batch 1: the active parameters; a batch: the experts its rows reach under uniform routing, in
@@ -40,7 +41,7 @@ longer contexts; ``longctx`` and ``tp`` set their own). serve.json's summary nam
   (target >= 1.5x), the N-GPU engine once per all-reduce on GPUs (``PAGEDFLASH_ALLREDUCE``: the
   environment's, default ``nccl``, then ``symm_mem``); then a Llama-3-70B-shaped model (too large for one H200 with its KV pool) on N
   GPUs alone: tokens/s, ITL and ``% of bound``, the bound of a decode step with the weights and KV
-  spread over N GPUs (each reads its shard at 4.8 TB/s). Random weights are made on each rank, tensor
+  spread over N GPUs (each reads its shard at the datasheet HBM bandwidth). Random weights are made on each rank, tensor
   by tensor, keeping its slice (:func:`pagedflash.engine.weights.init_random_weights`): the model is
   never whole on one GPU.
   ``--tensor-parallel-size`` also runs the other sections' engine on N GPUs.
@@ -72,7 +73,7 @@ from unittest import mock
 
 import torch
 
-from pagedflash.bench.common import HBM_TBPS, free_memory, time_ms
+from pagedflash.bench.common import free_memory, hbm_bandwidth, time_ms
 from pagedflash.bench.decode_bound import bound_seconds, bytes_read, experts_note, kv_read
 from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_transformers, static_batches
 from pagedflash.bench.report import Table, print_table, write_results
@@ -150,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"bench serve: --max-model-len must be >= 1, got {args.max_model_len}", file=sys.stderr)
+        return 2
+    try:
+        print(f"bench serve: % of bound at {hbm_bandwidth()}", flush=True)
+    except ValueError as e:  # PAGEDFLASH_HBM_TBPS
+        print(f"bench serve: {e}", file=sys.stderr)
         return 2
     w = dict(QUICK if args.quick else FULL)
     if args.num_requests:
@@ -333,7 +339,7 @@ def bench_itl(model, config, w, rng, engine_kw, summary, on_gpu, invariant=False
                   "fwd_ms": "graph ms", "rest_ms": "rest ms"} | (INV_COLUMNS if invariant else {}),
                  rows, note=(f"{INV_NOTE}; " if invariant else "") + f"bound = (weights {weight_bytes / 1e9:.2f} GB{experts_note(config)} + KV read"
                             f"{', sliding layers at most their window' if config.sliding_window else ''}) "
-                            f"/ {HBM_TBPS} TB/s; "
+                            f"/ {hbm_bandwidth()}; "
                             "graph ms: GPU time of one replay of the decode graph (forward, LM head, greedy "
                             "argmax); rest = ITL - graph: the host's step work and the token read; "
                             f"target: batch 1, 1K, graphs >= {100 * TARGETS['itl_bound']:.0f}%")
@@ -380,7 +386,7 @@ def bench_long_context(model, config, w, rng, engine_kw, summary, on_gpu) -> Tab
                   "bound_ms": "bound ms", "pct_bound": "% of bound", "fwd_ms": "graph ms",
                   "preemptions": "preemptions", "tps_ratio": "throughput x", "itl_ratio": "decode gap x lower"},
                  rows, note="decode gap: median token gap once every request decodes; bound = (weights + the "
-                            f"mean KV read) / {HBM_TBPS} TB/s; graph ms: GPU time of one replay of the decode "
+                            f"mean KV read) / {hbm_bandwidth()}; graph ms: GPU time of one replay of the decode "
                             "graph with every row at the prompt's length (the prompts again after the run, "
                             "prefix-cached, two tokens each); pool: pages sized from the same free memory (fp8: "
                             "twice the pages, up to the engine's cap of max_num_seqs sequences at full length)")
@@ -466,7 +472,7 @@ def bench_tp(w, rng, engine_kw, args, summary, on_gpu) -> Table:
                  {"model": "model", "gpus": "GPUs", "all_reduce": "all-reduce", "itl_ms": "ITL ms",
                   "bound_ms": "bound ms", "pct_bound": "% of bound", "itl_x": "ITL x 1 GPU", "tok_s": "output tok/s",
                   "tps_x": "tok/s x 1 GPU", "steps": "steps", "msg_us": "step message us", "note": "note"},
-                 rows, note=f"bound = (weights + KV read) / (GPUs x {HBM_TBPS} TB/s); step message us: rank 0's host "
+                 rows, note=f"bound = (weights + KV read) / (GPUs x {hbm_bandwidth()}); step message us: rank 0's host "
                             f"time to send one step to the other ranks; targets: {n} GPUs ITL <= "
                             f"{TARGETS['tp_itl']}x and throughput >= {TARGETS['tp_tps']}x one GPU's (8B)")
 
