@@ -147,7 +147,8 @@ def datasheet_tbps(name: str) -> tuple[float, str] | None:
 def hbm_bandwidth() -> HBMBandwidth:
     """The HBM bandwidth of the GPU the bench runs on (the current CUDA device).
 
-    ``PAGEDFLASH_HBM_TBPS`` (TB/s, a positive number) overrides everything. Otherwise: a GPU in the
+    ``PAGEDFLASH_HBM_TBPS`` (TB/s, a positive number; empty counts as unset) overrides everything;
+    several GPUs count as copies of the current one. Otherwise: a GPU in the
     datasheet table gets its figure; a GPU not in it gets the H200's 4.8 TB/s with a warning, and
     the figure says so wherever it is printed (``known=False``), because the timings stay valid and
     only the bound columns depend on it; no GPU (the CPU interpreter's smoke runs) gets the H200's,
