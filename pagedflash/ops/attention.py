@@ -339,19 +339,15 @@ try:  # Triton's allocator slot for global scratch (a ContextVar), read on every
 except ImportError:  # another triton layout: ensure_tma_allocator just sets ours
     _allocation = None
 
-_CUDA_DEVICES: dict[int, torch.device] = {}  # torch.device("cuda", i) by index, made once
-
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch, on the
-    current device)."""
-    if interpreted():
-        return torch.empty(size, dtype=torch.int8, device="cpu")
-    index = torch.cuda.current_device()
-    device = _CUDA_DEVICES.get(index)
-    if device is None:
-        device = _CUDA_DEVICES[index] = torch.device("cuda", index)
-    return scratch.buffers((((size,), torch.int8),), device)[0]
+    current device; fast launches take the same buffer without the call:
+    :func:`pagedflash.ops.fastlaunch.register_scratch_allocator`)."""
+    return fastlaunch.global_scratch(size, -1 if interpreted() else torch.cuda.current_device())
+
+
+fastlaunch.register_scratch_allocator(_tma_scratch)
 
 
 def ensure_tma_allocator() -> None:

@@ -25,6 +25,22 @@ The launcher's calling convention is a Triton internal that changes between rele
   ``knobs.runtime.debug`` changed;
 - ``PAGEDFLASH_FAST_LAUNCH=0`` or :func:`set_enabled` forces the public path (tests run both).
 
+**Direct launches.** Triton 3.6's launcher (``CudaLauncher.__call__``) is itself Python around a C
+launch function: per call it builds two closures and asks its allocators for the kernel's global
+scratch (``grid × num_ctas × global_scratch_size`` bytes; kernels with device-side tensor
+descriptors have some) and profile scratch, then calls ``launcher.launch``. Where the launcher has
+3.6's shape (:func:`_direct_shape`: the C function's leading-argument format, ``__call__``'s
+parameters, the attributes it reads; no profile scratch; a scratch alignment CUDA memory always
+has), the handle records those attributes at bind time and calls ``launcher.launch`` itself,
+passing the global scratch that the launcher's allocator would have returned: while Triton's
+current allocator is pagedflash's (:func:`register_scratch_allocator`), :func:`global_scratch`'s
+buffer, taken with a spec key kept per handle; under any other allocator (a user's
+``triton.set_allocator``) the launcher is called as before. The exception argument above holds for
+the direct call: the scratch is taken before anything is queued, the C function converts every
+argument before queueing, and with no hooks passed it runs nothing after. :data:`DIRECT`
+(``PAGEDFLASH_DIRECT_LAUNCH=0`` turns it off) switches it; :func:`direct_status` says whether
+handles use it.
+
 Not checked on the fast path, as ``JITFunction.run`` does: that globals the kernel read were not
 reassigned (pagedflash's kernels read only constants) and compile knobs other than ``debug``
 changed after the first launch (set them before launching, or turn the fast path off).
@@ -33,14 +49,25 @@ changed after the first launch (set them before launching, or turn the fast path
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import sys
 import warnings
 
 import torch
 import triton
 
+from pagedflash.ops import scratch
+
 # Triton releases whose CompiledKernel launcher convention this module speaks: 3.6 (the H200's).
 KNOWN_VERSIONS = ("3.6.",)
+# 3.6's C launch function: grid (3 ints), stream and function (2 handles), cooperative grid and PDL
+# (2 flags), then global scratch, profile scratch, kernel metadata, launch metadata, enter and exit
+# hooks (6 objects), then the kernel's arguments; and its launcher's __call__ parameters
+DIRECT_FORMAT = "iiiKKppOOOOOO"
+DIRECT_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
+DIRECT_ALIGNMENT = 256  # every CUDA allocation starts at a multiple of this (torch's at 512)
+DIRECT = os.environ.get("PAGEDFLASH_DIRECT_LAUNCH", "1") != "0"  # direct launches (module doc)
 
 _enabled = os.environ.get("PAGEDFLASH_FAST_LAUNCH", "1") != "0"
 _off_reason = "" if _enabled else "PAGEDFLASH_FAST_LAUNCH=0"
@@ -49,6 +76,11 @@ _refused = ""  # the last reason a launch kept the public path (a kernel or resu
 _driver = None  # (get_current_device, get_current_stream), taken from Triton's active driver once
 _knobs = None  # triton.knobs.runtime: the launch hooks and the debug flag
 _HookChain = None  # 3.6's hook list type: one with no hooks needs no call
+_allocator = None  # Triton's allocator ContextVar (triton.runtime._allocation._allocator)
+_own_allocator = None  # the allocator whose buffers direct launches take themselves
+_direct_refused = ""  # the last reason a handle kept calling its launcher
+_LAUNCHER_TYPES: dict[type, str | None] = {}  # launcher class -> why it has not 3.6's shape (None: it has)
+_DEVICES: dict[int, torch.device] = {}  # CUDA devices by index, made once (-1: the CPU)
 
 
 class Slot:
@@ -86,22 +118,106 @@ def status() -> str:
     return "on" if _api is None else "no launch yet"
 
 
+def direct_status() -> str:
+    """"on", or why handles call Triton's launcher instead of its C launch function (module doc)."""
+    if not DIRECT:
+        return "off: PAGEDFLASH_DIRECT_LAUNCH=0 or DIRECT = False"
+    if _direct_refused:
+        return f"refused: {_direct_refused}"
+    return "on"
+
+
+def register_scratch_allocator(allocator) -> None:
+    """Name pagedflash's Triton allocator: one that returns :func:`global_scratch`'s buffer for
+    the current device (on a GPU). While it is Triton's current allocator, direct launches take
+    that buffer without calling it."""
+    global _own_allocator
+    _own_allocator = allocator
+
+
+def _device(index: int) -> torch.device:
+    device = _DEVICES.get(index)
+    if device is None:
+        device = _DEVICES[index] = torch.device("cpu") if index < 0 else torch.device("cuda", index)
+    return device
+
+
+def _scratch_specs(nbytes: int) -> tuple:
+    return (((nbytes,), torch.int8),)
+
+
+def global_scratch(nbytes: int, index: int) -> torch.Tensor:
+    """Triton's global scratch for a launch on CUDA device ``index`` (-1: the CPU, for the
+    interpreter): ``nbytes`` int8 under :mod:`pagedflash.ops.scratch`'s reuse rules (per thread,
+    device and stream; fresh while a CUDA graph is captured or inside ``scratch.no_reuse()``),
+    starting at a multiple of :data:`DIRECT_ALIGNMENT` on a GPU."""
+    return scratch.buffers(_scratch_specs(nbytes), _device(index))[0]
+
+
 class _Handle:
     """One compiled kernel's launcher with what it takes besides a call's grid and arguments: the
-    launch is ``launcher(*grid, stream, function, metadata, None, None, None, *args, *tail)``, in
+    launch is ``launcher(*grid, stream, function, metadata, None, None, None, *args, *tail)``, or,
+    where ``direct`` (the launcher's C function) is set, ``direct(*grid, stream, function,
+    cooperative, pdl, global scratch, None, metadata, None, None, None, *args, *tail)``, in
     :func:`run`, which also decides whether the handle applies."""
 
-    __slots__ = ("fn", "compiled", "launcher", "function", "metadata", "tail", "device", "debug")
+    __slots__ = ("fn", "compiled", "launcher", "function", "metadata", "tail", "device", "debug", "direct",
+                 "cooperative", "pdl", "scratch_bytes", "scratch_device", "scratch_key")
 
     def __init__(self, fn, compiled, tail: tuple, device: int, debug) -> None:
+        global _direct_refused
         self.fn = fn
         self.compiled = compiled
-        self.launcher = compiled.run  # a property in 3.6: loads the module once, then the launcher
+        self.launcher = launcher = compiled.run  # a property in 3.6: loads the module once, then the launcher
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.tail = tail  # the constexpr values, in parameter order (they follow every runtime argument)
         self.device = device
         self.debug = debug
+        self.direct = None
+        reason = _direct_shape(launcher)
+        if reason is None:
+            self.direct = launcher.launch
+            self.cooperative, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+            self.scratch_bytes = launcher.num_ctas * launcher.global_scratch_size  # per program
+            self.scratch_device = _device(device)
+            self.scratch_key = ((), ())  # (grid, scratch specs) of the last direct launch
+        else:
+            _direct_refused = reason
+
+
+def _direct_shape(launcher) -> str | None:
+    """Why ``launcher`` cannot be bypassed by a direct launch (None where it can: module doc)."""
+    kind = type(launcher)
+    reason = _LAUNCHER_TYPES.get(kind, False)
+    if reason is False:
+        module = sys.modules.get(kind.__module__)
+        try:
+            params = tuple(inspect.signature(kind.__call__).parameters)
+        except (AttributeError, TypeError, ValueError):  # not a Python-level __call__
+            params = ()
+        reason = None
+        if getattr(module, "_BASE_ARGS_FORMAT", None) != DIRECT_FORMAT:
+            reason = f"{kind.__module__}'s launch format is not {DIRECT_FORMAT}"
+        elif params != DIRECT_CALL:
+            reason = f"{kind.__qualname__}.__call__ takes {params}, not {DIRECT_CALL}"
+        _LAUNCHER_TYPES[kind] = reason
+    if reason is not None:
+        return reason
+    names = ("launch", "num_ctas", "global_scratch_size", "global_scratch_align", "profile_scratch_size",
+             "launch_cooperative_grid", "launch_pdl")
+    missing = [name for name in names if not hasattr(launcher, name)]
+    if missing:
+        return f"{kind.__qualname__} lacks {missing}"
+    if launcher.profile_scratch_size:  # instrumented: its allocator is asked on every launch
+        return "the kernel asks for profile scratch"
+    align = launcher.global_scratch_align
+    if launcher.global_scratch_size:
+        if _allocator is None:
+            return "triton.runtime._allocation has no _allocator"
+        if not (isinstance(align, int) and 0 < align <= DIRECT_ALIGNMENT and align & (align - 1) == 0):
+            return f"global scratch alignment {align} is not a power of two up to {DIRECT_ALIGNMENT}"
+    return None
 
 
 def _detect() -> str | None:
@@ -127,7 +243,18 @@ def _detect() -> str | None:
         _api = f"triton's driver/knobs layout differs ({type(e).__name__}: {e})"
         return _api
     _api, _driver, _knobs, _HookChain = None, getters, knobs, getattr(triton.knobs, "HookChain", None)
+    _find_allocator()
     return None
+
+
+def _find_allocator() -> None:
+    global _allocator
+    try:
+        from triton.runtime import _allocation
+
+        _allocator = _allocation._allocator
+    except (ImportError, AttributeError):  # no direct launch of kernels with global scratch
+        _allocator = None
 
 
 def bind(slot: Slot, fn, compiled, consts: dict) -> None:
@@ -198,8 +325,23 @@ def run(slot: Slot, fn, grid: tuple[int, int, int], args: tuple) -> bool:
     if getters[0]() != device:
         return False
     try:
-        handle.launcher(grid[0], grid[1], grid[2], getters[1](device), handle.function, handle.metadata, None, None,
-                        None, *args, *handle.tail)
+        direct = handle.direct if DIRECT else None
+        buffer = None
+        if direct is not None and handle.scratch_bytes:
+            if _allocator.get() is _own_allocator:
+                key = handle.scratch_key
+                if key[0] != grid:
+                    key = handle.scratch_key = (tuple(grid), _scratch_specs(grid[0] * grid[1] * grid[2]
+                                                                            * handle.scratch_bytes))
+                buffer = scratch.buffers(key[1], handle.scratch_device)[0]
+            else:  # a user's allocator: the launcher asks it
+                direct = None
+        if direct is not None:
+            direct(grid[0], grid[1], grid[2], getters[1](device), handle.function, handle.cooperative, handle.pdl,
+                   buffer, None, handle.metadata, None, None, None, *args, *handle.tail)
+        else:
+            handle.launcher(grid[0], grid[1], grid[2], getters[1](device), handle.function, handle.metadata, None,
+                            None, None, *args, *handle.tail)
     except Exception as e:  # noqa: BLE001  (any failure: the public path, for good)
         _disable(f"a fast launch failed ({type(e).__name__}: {e})")
         warnings.warn(f"pagedflash: {_off_reason}; using triton's public launch from now on", stacklevel=3)
@@ -235,10 +377,12 @@ def assume_api(get_device, get_stream, knobs):
     stream getters and this ``knobs.runtime`` stand-in (``launch_enter_hook``, ``launch_exit_hook``,
     ``debug``). For kernels that are stand-ins themselves: the overhead bench's CPU mode and the
     tests of this module, which run no GPU."""
-    global _api, _driver, _knobs, _enabled, _off_reason, _refused
-    saved = (_api, _driver, _knobs, _enabled, _off_reason, _refused)
+    global _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused
+    saved = (_api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused)
     _api, _driver, _knobs, _enabled, _off_reason, _refused = None, (get_device, get_stream), knobs, True, "", ""
+    _direct_refused = ""
+    _find_allocator()
     try:
         yield
     finally:
-        _api, _driver, _knobs, _enabled, _off_reason, _refused = saved
+        _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused = saved
