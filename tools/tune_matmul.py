@@ -1,30 +1,123 @@
-"""The batch-invariant GEMM (pagedflash/ops/matmul.py) against cuBLAS (F.linear) on Llama-3-8B's
-projections at M = 1, 32, 256, 8192 rows, bf16, in the same run; and whether each keeps a row's bits
-when M changes (ours must; cuBLAS picks its kernel by M).
+"""The batch-invariant GEMM (pagedflash/ops/matmul.py) against cuBLAS (F.linear) on an engine model's
+projections, bf16, in the same run; and whether each keeps a row's bits when M changes (ours must;
+cuBLAS picks its kernel by M).
+
+    python tools/tune_matmul.py [--shape llama-3.2-1b] [--rows 1,8,32,64,8192] [--objective decode]
+                                [--sweep] [--chunk-k] [--out PATH] [--budget-s S] [--smoke]
+
+``--shape``: the weights that model shape's engine runs through ``matmul`` in batch-invariant mode
+(:func:`projections`, from ``pagedflash/bench/shapes.py`` through ``ModelConfig``; comma-separated
+for several; default ``llama-3-8b``): qkv, o_proj, gate_up, down in every layer and the LM head
+once; a mixture of experts (qwen3-30b-a3b, gpt-oss-20b) has qkv, o_proj, its router and the LM head
+(gate_up and down only in dense layers): its experts run in ``fused_moe``'s own invariant tiles
+(``ops/moe.py``), not through ``matmul``. ``--rows`` (default 1, 32, 256, 8192): the M values timed.
 
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
-of a model do, so weights come from HBM. ``--sweep`` also times candidate tiles: one tile serves
-every M (the invariance), so a shape's best tile is the one with the best geometric mean of
-cuBLAS ÷ ours over the M values.   python tools/tune_matmul.py [--sweep] [--chunk-k]
-``--chunk-k``: also the default tile with K in fixed chunks (``matmul.CHUNK_K``: more programs at small
-M where the column tiles leave SMs idle), its times and its own invariance check in the same run.
-``--smoke``: tiny shapes on the CPU interpreter (checks the script; its times mean nothing, and
-its invariance flag is the interpreter's: numpy's matmul is not row-invariant, tests/test_matmul.py).
+of a model do, so weights come from HBM. One tile serves every M (the invariance), so a weight's best
+tile is the one with the best geometric mean of cuBLAS / ours: over every M (``--objective all``) or
+over the decode rows, M <= 64 (``--objective decode``, the prefill rows' ratios shown beside).
+``--sweep`` also times :data:`SWEEP` (16-256 columns: a narrow layer, N = 2048, has 16 column tiles of
+128 for 132 SMs at M = 1); a candidate that matmul or Triton refuses is skipped with its reason.
+``--chunk-k``: also each timed tile with K in fixed chunks (:func:`chunked`, ``matmul.CHUNK_K``'s rule).
+
+Output: everything goes to ``--out`` (default ``$OUT/tune_matmul.log``, else ``tune_matmul.log``),
+each weight's full ranking as soon as it is timed; stdout gets the top 6 of each, and its last lines
+are a summary: per weight the current and the best tile with their ratios per M, the decode step's
+GEMM time (weights x layers) and a suggested rule on N. ``--budget-s`` shares a time cap among the
+weights (the current tile is always timed). ``--smoke``: the shapes at ``tiny`` sizes on the CPU
+interpreter (checks the script; its times mean nothing, and its invariance flag is the interpreter's:
+numpy's matmul is not row-invariant, tests/test_matmul.py).
 """
+from __future__ import annotations
+
 import argparse
 import itertools
 import math
+import os
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pagedflash.bench.common import time_ms
+from pagedflash.bench.shapes import SHAPES as MODELS
+from pagedflash.bench.shapes import shape_config
+from pagedflash.engine import ModelConfig
 from pagedflash.ops import matmul as mm
+from pagedflash.ops.utils import cdiv, next_pow2, num_sms
 
-SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 32, 256, 8192)
-SWEEP = [mm.Tile(64, bn, bk, w, st, 8)
-         for bn, bk, w, st in itertools.product((64, 128, 256), (64, 128), (4, 8), (3, 4, 5)) if bn * bk <= 16384]
+SMOKE_ROWS = (1, 3, 70)
+DECODE_ROWS = mm.BLOCK_M  # the decode objective's rows: M within one row tile
+SMEM = 227 * 1024  # sm90's shared memory a block: candidates whose pipeline would not fit are not tried
+# (block_n, block_k), bn * bk <= 16384; 8 warps only where the tile is wide enough to share
+PAIRS = ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (64, 256), (128, 64), (128, 128), (256, 64))
+SWEEP = [mm.Tile(mm.BLOCK_M, bn, bk, w, st, 8) for (bn, bk), w, st in itertools.product(PAIRS, (4, 8), (3, 4, 5))
+         if (w == 4 or bn >= 128) and st * (mm.BLOCK_M + bn) * bk * 2 <= SMEM]
+SMOKE_SWEEP = [mm.Tile(mm.BLOCK_M, bn, 64, 4, 2, 8) for bn in (16, 32)]
+
+
+def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, int]]:
+    """``label -> (N, K, per step)``: the weights ``[N, K]`` model shape ``name``'s engine runs through
+    ``matmul`` in batch-invariant mode and how many of each a decode step runs (module doc); weights
+    of one shape share a label (``a+b``). ``small``: at ``tiny``'s sizes (:func:`shape_config`)."""
+    cfg = ModelConfig.from_dict(shape_config(name, small=small))
+    h, q, kv, layers = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_layers
+    dense = len(cfg.dense_layers) if cfg.num_experts else layers
+    found = [("qkv", q + 2 * kv, h, layers), ("o_proj", h, q, layers)]
+    if cfg.num_experts:
+        found.append(("router", cfg.num_experts, h, layers - dense))
+    if dense:
+        found += [("gate_up", 2 * cfg.intermediate_size, h, dense), ("down", h, cfg.intermediate_size, dense)]
+    found.append(("lm_head", cfg.vocab_size, h, 1))
+    out: dict[tuple[int, int], tuple[str, int]] = {}
+    for label, n, k, count in found:
+        if count:
+            prev = out.get((n, k))
+            out[n, k] = (f"{prev[0]}+{label}", prev[1] + count) if prev else (label, count)
+    return {label: (n, k, count) for (n, k), (label, count) in out.items()}
+
+
+def chunked(t: mm.Tile, n: int, k: int, sms: int, min_chunk: int = mm.MIN_CHUNK) -> mm.Tile | None:
+    """``t`` with K in the fixed chunks ``matmul.tile`` gives its own tile under ``CHUNK_K`` (the same
+    rule, here for any tile: where the column tiles fill under half the SMs, chunks of at least
+    ``min_chunk`` keys so that tiles x chunks reach the SM count); None where the rule makes none."""
+    tiles_n = cdiv(n, t.block_n)
+    if 2 * tiles_n >= sms:
+        return None
+    chunk = max(min_chunk, cdiv(cdiv(k, cdiv(sms, tiles_n)), t.block_k) * t.block_k)
+    return t._replace(chunk_k=chunk) if chunk < k else None
+
+
+def fits(t: mm.Tile, n: int, k: int) -> bool:
+    """No wider than N, no deeper than K needs (``matmul.tile`` clamps its own tile likewise)."""
+    return t.block_n <= max(16, next_pow2(n)) and t.block_k <= max(16, next_pow2(k))
+
+
+def name(t: mm.Tile) -> str:
+    return f"bn{t.block_n} bk{t.block_k} w{t.warps} s{t.stages}" + (f" chunks {t.chunk_k}" if t.chunk_k else "")
+
+
+def rule_form(t: mm.Tile) -> str:
+    """The tile as ``matmul.Tile``'s constructor takes it; chunks as ``CHUNK_K`` (their size follows K)."""
+    return f"Tile({t.block_m}, {t.block_n}, {t.block_k}, {t.warps}, {t.stages}, {t.group_m})" + \
+        (" + CHUNK_K" if t.chunk_k else "")
+
+
+def rows_arg(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        rows = ()
+    if not rows or rows[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive row counts (1,8,32,64,8192), got {text!r}")
+    return rows
+
+
+def geomean(values: list[float]) -> float:
+    return math.prod(values) ** (1 / len(values)) if values else float("nan")
 
 
 def graph_us(fn, calls: int) -> float:
@@ -43,65 +136,195 @@ def invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
     return alone and all(torch.equal(batch[j], full[i]) for j, i in enumerate(rows))
 
 
-@torch.inference_mode()
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the interpreter)")
-    parser.add_argument("--chunk-k", action="store_true", help="also the default tile with K in fixed chunks")
-    args = parser.parse_args()
-    dev, dt = ("cpu", torch.float16) if args.smoke else ("cuda", torch.bfloat16)
-    shapes = {"tiny": (48, 40)} if args.smoke else SHAPES
-    rows = (1, 3, 70) if args.smoke else ROWS
-    for name, (n, k) in shapes.items():
-        copies = 2 if args.smoke else max(2, -(-300_000_000 // (n * k * 2)))
-        weights = [torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
-        x_all = torch.randn(max(rows), k, device=dev, dtype=dt)
-        flags = {label: invariant(fn, x_all, weights[0]) for label, fn in (("ours", mm.matmul), ("cuBLAS", F.linear))}
-        print(f"{name}: N={n} K={k} tile {mm.tile(n, k, dt, x_all.device)}; bitwise row invariance (M=1, 32, "
-              f"{max(rows)}): ours {flags['ours']}, cuBLAS {flags['cuBLAS']}", flush=True)
-        tiles = [None] + (SWEEP if args.sweep else [])
-        if args.chunk_k:
-            mm.CHUNK_K = True
-            chunked = mm.tile(n, k, dt, x_all.device)
-            mm.CHUNK_K = False
-            if chunked.chunk_k:
-                mm.TILE = chunked
-                flag = invariant(mm.matmul, x_all, weights[0])
-                mm.TILE = None
-                print(f"  chunked: {chunked}; bitwise row invariance {flag}", flush=True)
-                tiles.append(chunked)
-            else:
-                print("  chunked: no chunks for this shape (its column tiles fill the SMs)", flush=True)
-        results = {}  # tile -> [cuBLAS / ours per M]
+def with_tile(t: mm.Tile | None, fn, *args):
+    mm.TILE = t
+    try:
+        return fn(*args)
+    finally:
+        mm.TILE = None
+
+
+class Log:
+    """Lines to the file (always, flushed) and to stdout (unless ``file_only``)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.file = path, open(path, "w")
+
+    def __call__(self, line: str = "", file_only: bool = False) -> None:
+        self.file.write(line + "\n")
+        self.file.flush()
+        if not file_only:
+            print(line, flush=True)
+
+
+def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: float, log: Log):
+    """cuBLAS's µs per M and each tile's (a list as long as ``rows``, or the reason it has none;
+    tiles after the first are skipped past ``deadline``)."""
+    dev, dt = ("cpu", torch.float16) if smoke else ("cuda", torch.bfloat16)
+    copies = 2 if smoke else max(2, cdiv(300_000_000, n * k * 2))
+    weights = [torch.randn(n, k, device=dev, dtype=dt) / k**0.5 for _ in range(copies)]
+    x_all = torch.randn(max(*rows, 32), k, device=dev, dtype=dt)
+    calls = max(2, copies)
+    base = [graph_us(lambda i, x=x_all[:m]: F.linear(x, weights[i % copies]), calls) for m in rows]
+    times: dict[mm.Tile, list[float] | str] = {}
+    for j, t in enumerate(tiles):
+        if j and time.monotonic() > deadline:
+            times[t] = "not timed: budget spent"
+            continue
+        us = []
         for m in rows:
             x = x_all[:m]
-            calls = max(2, copies)
-            base = graph_us(lambda i, x=x, ws=weights, c=copies: F.linear(x, ws[i % c]), calls)
-            for t in tiles:
-                mm.TILE = t
-                try:
-                    ours = graph_us(lambda i, x=x, ws=weights, c=copies: mm.matmul(x, ws[i % c]), calls)
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile is reported, not fatal
-                    print(f"  M={m} {t}: failed {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    results[t] = None
-                    continue
-                finally:
-                    mm.TILE = None
-                if results.get(t, []) is not None:
-                    results.setdefault(t, []).append(base / ours)
-                if t is None or (args.chunk_k and t.chunk_k):
-                    tflops, tbs = 2 * m * n * k / ours / 1e6, (n * k + m * (n + k)) * 2 / ours / 1e6
-                    label = "chunked" if t is not None else "ours"
-                    print(f"  M={m:5d}: cuBLAS {base:9.2f} us  {label} {ours:9.2f} us  ({tflops:6.1f} TFLOP/s, "
-                          f"{tbs:5.2f} TB/s)  cuBLAS/{label} {base / ours:.2f}", flush=True)
-        if args.sweep or args.chunk_k:
-            ranked = sorted(((math.prod(r) ** (1 / len(r)), t) for t, r in results.items() if t is not None and r),
-                            key=lambda e: -e[0])
-            for score, t in ranked[:6]:
-                print(f"  {t}: geomean cuBLAS/ours {score:.3f}  per M {[f'{v:.2f}' for v in results[t]]}", flush=True)
-        del weights
+            try:
+                with_tile(t, mm.matmul, x, weights[0])  # compiled and checked outside the graph
+                us.append(with_tile(t, graph_us, lambda i, x=x: mm.matmul(x, weights[i % copies]), calls))
+            except Exception as e:  # noqa: BLE001 - a tile matmul or Triton refuses is reported, not fatal
+                us = f"refused at M={m}: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                log(f"  {name(t)}: {us}", file_only=True)
+                break
+        times[t] = us
+    flags = {"cuBLAS": invariant(F.linear, x_all, weights[0])}
+    return base, times, flags, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
+
+
+def rank(rows, base, times, objective: str) -> list[tuple[float, mm.Tile, list[float]]]:
+    """``(score, tile, cuBLAS / ours per M)``, best first; the score: the geometric mean over the
+    objective's rows."""
+    keep = [i for i, m in enumerate(rows) if objective == "all" or m <= DECODE_ROWS]
+    out = []
+    for t, us in times.items():
+        if isinstance(us, list):
+            ratios = [b / u for b, u in zip(base, us)]
+            out.append((geomean([ratios[i] for i in keep]), t, ratios))
+    return sorted(out, key=lambda e: -e[0])
+
+
+def ratios_text(rows, ratios, objective: str) -> str:
+    cells = [f"{m}:{r:.2f}" for m, r in zip(rows, ratios)]
+    split = sum(m <= DECODE_ROWS for m in rows) if objective == "decode" else len(rows)
+    return " ".join(cells[:split]) + (" | " + " ".join(cells[split:]) if split < len(rows) else "")
+
+
+def suggest(weights: list[tuple[int, dict]]) -> str:
+    """One tile per N, from ``(N, {tile: score})`` of each weight: the tile whose geometric mean over
+    the weights of that N is best (among tiles timed on all of them; chunked tiles as one form), then
+    neighbouring N with the same tile merged: ``N <= a: Tile(..); ...; else: Tile(..)``."""
+    picks = []
+    for n in sorted({n for n, _ in weights}):
+        scores = [{rule_form(t): s for t, s in sc.items()} for m, sc in weights if m == n]
+        common = set.intersection(*(set(s) for s in scores))
+        if common:
+            best = max(sorted(common), key=lambda f: geomean([s[f] for s in scores]))
+            if picks and picks[-1][1] == best:
+                picks[-1] = (n, best)
+            else:
+                picks.append((n, best))
+    if len(picks) == 1:
+        return f"every N: {picks[0][1]}"
+    parts = [f"N <= {n}: {form}" for n, form in picks[:-1]] + ([f"else: {picks[-1][1]}"] if picks else [])
+    return "; ".join(parts) or "none (no tile timed on every weight)"
+
+
+def candidates(n: int, k: int, current: mm.Tile, args, sms: int) -> list[mm.Tile]:
+    """The current tile, the sweep's that fit, and with ``--chunk-k`` each one's K-chunk form (on the
+    interpreter chunks of one K step: its tiny K would have none)."""
+    grid = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
+    tiles = list(dict.fromkeys([current] + [t for t in grid if fits(t, n, k)]))
+    if args.chunk_k:
+        chunks = (chunked(t, n, k, sms, t.block_k if args.smoke else mm.MIN_CHUNK) for t in tiles)
+        tiles += [c for c in dict.fromkeys(chunks) if c is not None and c not in tiles]
+    return tiles
+
+
+def report(log: Log, n: int, k: int, rows, objective: str, base, times, flags, ranked) -> None:
+    """One weight's lines: the current tile per M (as ``times``' first), the invariance flags, the
+    ranking (the top 6 on stdout, all in the file) and the tiles refused or not timed (file)."""
+    current = next(iter(times))
+    us = times[current] if isinstance(times[current], list) else [None] * len(rows)
+    for m, b, u in zip(rows, base, us):
+        tflops, tbs = (2 * m * n * k / u / 1e6, (n * k + m * (n + k)) * 2 / u / 1e6) if u else (0, 0)
+        perf = f"ours {u:9.2f} us ({tflops:6.1f} TFLOP/s, {tbs:5.2f} TB/s)  cuBLAS/ours {b / u:.2f}" if u else "refused"
+        log(f"  M={m:5d}: cuBLAS {b:9.2f} us  {perf}")
+    log(f"  bitwise row invariance (M=1, 32, {max(*rows, 32)}): " + ", ".join(f"{t}: {v}" for t, v in flags.items()))
+    for i, (score, t, ratios) in enumerate(ranked):
+        log(f"  {i + 1:2d}. {score:.3f}  {name(t):24s} {ratios_text(rows, ratios, objective)}", file_only=i >= 6)
+    for t, why in times.items():
+        if isinstance(why, str):
+            log(f"  -- {name(t)}: {why}", file_only=True)
+
+
+def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int]) -> list[str]:
+    """Time ``model``'s weights (``share``: how many weights came before, of how many, for the
+    budget); returns its summary lines."""
+    rows, objective = args.rows, args.objective
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    summary, scored, step = [], [], {m: [0.0, 0.0, 0.0] for m in rows if m <= DECODE_ROWS}
+    for label, (n, k, count) in projections(model, small=args.smoke).items():
+        t0 = time.monotonic()
+        current = mm.tile(n, k, torch.float16 if args.smoke else torch.bfloat16, dev)
+        tiles = candidates(n, k, current, args, num_sms(dev))
+        log(f"{model} {label}: N={n} K={k}, {count} a step; current {name(current)}; {len(tiles)} tiles x "
+            f"{len(rows)} rows")
+        deadline = start + args.budget_s * (share[0] + len(scored) + 1) / share[1]
+        base, times, flags, check = measure(n, k, rows, tiles, args.smoke, deadline, log)
+        ranked = rank(rows, base, times, objective)
+        for t in dict.fromkeys([current] + [e[1] for e in ranked[:1]]):
+            if isinstance(times[t], list):
+                flags[name(t)] = check(t)
+        del check  # the weights go before the next weight's are made
+        report(log, n, k, rows, objective, base, times, flags, ranked)
+        log(f"  ({time.monotonic() - t0:.1f} s)")
+        cur = next((e for e in ranked if e[1] == current), None)
+        text = [f"{name(t)} {s:.3f} [{ratios_text(rows, r, objective)}] inv {flags.get(name(t))}"
+                for s, t, r in filter(None, (cur, ranked[0] if ranked else None))]
+        summary.append(f"{label} {n}x{k} x{count}: current {text[0] if cur else 'refused'}; "
+                       f"best {text[-1] if ranked else 'none'}")
+        scored.append((n, {t: s for s, t, _ in ranked}))
+        if cur:
+            for i, m in enumerate(rows):
+                for j, us in enumerate((base[i], times[current][i], times[ranked[0][1]][i]) if m in step else ()):
+                    step[m][j] += count * us
+    device = "CPU interpreter: times mean nothing" if args.smoke else torch.cuda.get_device_name()
+    over = f"M <= {DECODE_ROWS}, prefill rows after |" if objective == "decode" else "every M"
+    steps = "; ".join(f"M={m}: cuBLAS {c:.0f}, current {o:.0f} ({c / o:.2f}), best {b:.0f} ({c / b:.2f})"
+                      for m, (c, o, b) in step.items() if o)
+    return [f"== summary {model} ({device}), objective {objective}: geomean cuBLAS/ours over {over} ==", *summary,
+            f"decode step us (weights x per step): {steps or f'no rows <= {DECODE_ROWS}'}",
+            f"suggested rule ({model}): {suggest(scored)}"]
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3-8b",
+                        help=f"model shape(s), comma-separated, of {', '.join(MODELS)} (default llama-3-8b)")
+    parser.add_argument("--rows", type=rows_arg, default=None, help="M values, e.g. 1,8,32,64,8192 "
+                        f"(default {','.join(map(str, ROWS))}; --smoke {','.join(map(str, SMOKE_ROWS))})")
+    parser.add_argument("--objective", choices=("decode", "all"), default="all",
+                        help=f"rank by the geometric mean over M <= {DECODE_ROWS} (decode) or over every M (all)")
+    parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles")
+    parser.add_argument("--chunk-k", action="store_true", help="also each timed tile with K in fixed chunks")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the full log (default $OUT/tune_matmul.log if OUT is set, else ./tune_matmul.log)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="time cap, shared among the weights")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the interpreter)")
+    args = parser.parse_args(argv)
+    models = args.shape.split(",")
+    for model in models:
+        if model not in MODELS:
+            parser.error(f"argument --shape: expected one of {', '.join(MODELS)}, got {model!r}")
+    args.rows = args.rows or (SMOKE_ROWS if args.smoke else ROWS)
+    if args.objective == "decode" and args.rows[0] > DECODE_ROWS:
+        parser.error(f"argument --objective decode: --rows needs an M <= {DECODE_ROWS}, got {args.rows}")
+    log = Log(args.out or Path(os.environ.get("OUT") or ".") / "tune_matmul.log")
+    start, summaries = time.monotonic(), []
+    counts = [len(projections(m, small=args.smoke)) for m in models]
+    for i, model in enumerate(models):
+        summaries += tune_model(model, args, log, start, (sum(counts[:i]), sum(counts)))
+    for line in summaries + [f"full log: {log.path} ({time.monotonic() - start:.0f} s)"]:
+        log(line)
+    log.file.close()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
