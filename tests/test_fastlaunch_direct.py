@@ -261,14 +261,18 @@ def test_direct_launches_match_the_public_path(gpu_scratch, monkeypatch, case):
     assert_close(fast[0], want()[0], fast[0].dtype)
 
 
-def test_environment_switch_turns_direct_launches_off(monkeypatch):
-    """PAGEDFLASH_DIRECT_LAUNCH=0, read when the module loads (a fresh copy of it, so that the
-    module every other test uses keeps its state)."""
-    monkeypatch.setenv("PAGEDFLASH_DIRECT_LAUNCH", "0")
+@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("1", True)])
+def test_environment_switch(monkeypatch, value, on):
+    """Off by default, PAGEDFLASH_DIRECT_LAUNCH=1 turns it on, read when the module loads (a fresh
+    copy of it, so that the module every other test uses keeps its state)."""
+    if value is None:
+        monkeypatch.delenv("PAGEDFLASH_DIRECT_LAUNCH", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDFLASH_DIRECT_LAUNCH", value)
     spec = importlib.util.spec_from_file_location("fastlaunch_copy", fastlaunch.__file__)
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
-    assert not copy.DIRECT and copy.direct_status().startswith("off: ")
+    assert copy.DIRECT is on and copy.direct_status().startswith("off: ") is not on
 
 
 # ---------------------------------------------------------------- compiled (GPU)
