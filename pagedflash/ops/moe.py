@@ -101,7 +101,8 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
       a time over the column blocks (L2 reuse of the rows).
     ``tools/tune_moe.py`` times candidate tiles against these (docs/performance.md v38: on an H100,
     the one-token and 128-row choices measured 1.02-1.07x and 1.22-1.41x the earlier tiles on the
-    Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile and 2-64 tokens kept theirs);
+    Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile took the input-dtype partials
+    unmeasured at its sizes, and 2-64 tokens kept their tiles);
     :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
@@ -303,8 +304,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     activation ``"silu"``: ``silu(g) * u`` (Mixtral, Qwen3-MoE; no biases). ``"swigluoai"`` (GPT-OSS):
     ``g = min(g, limit); u = clamp(u, -limit, limit); (u + 1) * g * sigmoid(alpha * g)``, with
     optional biases w13_bias ``[E, 2I]`` (gate then up) and w2_bias ``[E, H]``, both or neither.
-    The activation is rounded to hidden's dtype (the intermediate); each pair's weighted output
-    (unless forced tiles say ``part_fp32=False``) and the sum over k are fp32. No host sync (CUDA-graph safe). An id outside ``[0, E)`` makes its
+    The activation is rounded to hidden's dtype (the intermediate); each pair's weighted output is
+    fp32 at decode sizes and in batch-invariant mode, rounded to hidden's dtype at prefill sizes
+    (``Tiles.part_fp32``: :func:`tiles`); the sum over k is fp32. No host sync (CUDA-graph safe). An id outside ``[0, E)`` makes its
     token's row NaN (refused on the host in the debug mode ``validate.value_checks(True)``).
     ``batch_invariant``: each token's row the same bits whatever the other tokens (one tile for every
     T: :func:`tiles`); None: the process-wide default (:mod:`pagedflash.batch_invariance`)."""
