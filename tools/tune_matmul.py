@@ -81,14 +81,10 @@ def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, 
 
 
 def chunked(t: mm.Tile, n: int, k: int, sms: int, min_chunk: int = mm.MIN_CHUNK) -> mm.Tile | None:
-    """``t`` with K in the fixed chunks ``matmul.tile`` gives its own tile under ``CHUNK_K`` (the same
-    rule, here for any tile: where the column tiles fill under half the SMs, chunks of at least
-    ``min_chunk`` keys so that tiles x chunks reach the SM count); None where the rule makes none."""
-    tiles_n = cdiv(n, t.block_n)
-    if 2 * tiles_n >= sms:
-        return None
-    chunk = max(min_chunk, cdiv(cdiv(k, cdiv(sms, tiles_n)), t.block_k) * t.block_k)
-    return t._replace(chunk_k=chunk) if chunk < k else None
+    """``t`` with K in the fixed chunks ``matmul.tile`` gives its own tile under ``CHUNK_K``
+    (``matmul.k_chunk``, here for any tile); None where the rule makes none."""
+    chunk = mm.k_chunk(n, k, t.block_n, t.block_k, sms, min_chunk)
+    return t._replace(chunk_k=chunk) if chunk else None
 
 
 def fits(t: mm.Tile, n: int, k: int) -> bool:

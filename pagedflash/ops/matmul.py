@@ -204,11 +204,19 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
         block_n, block_k = 128 if n >= 8192 else 64, 64
     block_n = max(16, min(block_n, next_pow2(n)))
     block_k = max(16, min(block_k, next_pow2(k)))
-    chunk_k, tiles_n, sms = 0, cdiv(n, block_n), num_sms(device)
-    if CHUNK_K and 2 * tiles_n < sms:
-        chunk_k = max(MIN_CHUNK, cdiv(cdiv(k, cdiv(sms, tiles_n)), block_k) * block_k)
-        chunk_k = 0 if chunk_k >= k else chunk_k
+    chunk_k = k_chunk(n, k, block_n, block_k, num_sms(device)) if CHUNK_K else 0
     return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
+
+
+def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
+    """The K chunk of :func:`tile`'s rule for a ``block_n`` x ``block_k`` tile: where its column tiles
+    are fewer than half of ``sms``, chunks of at least ``min_chunk`` keys (a multiple of ``block_k``)
+    so that tiles x chunks reach the SM count; 0 where the rule makes none (or one chunk holds K)."""
+    tiles_n = cdiv(n, block_n)
+    if 2 * tiles_n >= sms:
+        return 0
+    chunk = max(min_chunk, cdiv(cdiv(k, cdiv(sms, tiles_n)), block_k) * block_k)
+    return chunk if chunk < k else 0
 
 
 # ---------------------------------------------------------------- host
