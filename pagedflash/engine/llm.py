@@ -380,15 +380,18 @@ class LLM:
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             return None, TypeError(f"prompt must be a list of int token ids (or a string), got {type(prompt).__name__}")
-        bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
-        if bad is not None:
-            return None, TypeError(f"prompt must be a list of int token ids, got an element {bad!r} of type "
-                                   f"{type(bad).__name__}")
+        # the element checks run at C speed (type set, min, max) and element by element only to name a bad one:
+        # a 4K-token prompt took ~1 ms of Python per element loop, serial in a burst of requests
+        if not set(map(type, prompt)) <= {int}:
+            bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                return None, TypeError(f"prompt must be a list of int token ids, got an element {bad!r} of type "
+                                       f"{type(bad).__name__}")
         ids = list(prompt)
         if not ids:
             return ids, ValueError("prompt is empty")
-        bad = next((t for t in ids if not 0 <= t < self.config.vocab_size), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
             return ids, ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(ids) > self.max_model_len:
             return ids, ValueError(f"prompt has {len(ids)} tokens, more than the model's maximum length "
