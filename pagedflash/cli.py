@@ -95,6 +95,11 @@ def _bench(args, extra: list[str]) -> int:
         print("pagedflash bench: the benchmarks need a CUDA GPU and none is visible. "
               "Use --quick for a smoke run on tiny shapes (CPU: Triton interpreter).", file=sys.stderr)
         return 2
+    try:  # every result file records it (env.hbm): a bad PAGEDFLASH_HBM_TBPS is refused before anything runs
+        common.hbm_bandwidth()
+    except ValueError as e:
+        print(f"pagedflash bench: {e}", file=sys.stderr)
+        return 2
     common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graphs=not args.eager)
     cfg = common.Config(out=args.out, quick=args.quick, batch_invariant=args.batch_invariant)
     if args.name in FORWARDED:

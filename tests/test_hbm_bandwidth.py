@@ -139,3 +139,16 @@ def test_bench_serve_refuses_a_bad_override_before_running(monkeypatch, capsys):
     assert serve.main(["--quick", "--sections", "itl", "--no-hf"]) == 2
     assert "bench serve: PAGEDFLASH_HBM_TBPS must be a positive number of TB/s (e.g. 3.35), got '0'" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["prefill", "overhead"])
+def test_every_bench_refuses_a_bad_override_before_running(monkeypatch, capsys, tmp_path, name):
+    """Benches that print no bound still write env.hbm: the CLI refuses a bad value before running
+    them, not when the result file is written after the run."""
+    from pagedflash import cli
+
+    monkeypatch.setenv(common.HBM_TBPS_ENV, "fast")
+    assert cli.main(["bench", name, "--quick", "--out", str(tmp_path)]) == 2
+    assert "pagedflash bench: PAGEDFLASH_HBM_TBPS must be a positive number of TB/s (e.g. 3.35), got 'fast'" in \
+        capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
