@@ -84,7 +84,8 @@ def test_fused_moe(T, E, k, activation, how, dtype):
 
 # forced tiles of each launch form (tools/tune_moe.py's candidates) on a case each: the fused sum
 # (direct and over sorted blocks), 16-wide column blocks, reduction steps deeper than H, more
-# stages, partials in the input dtype with other prefill tiles, one-row matrix-vector products
+# stages, partials in the input dtype with other prefill tiles, one-row matrix-vector products, and
+# the default tile from 256 rows an expert (CASES stay below it)
 TILE_FORMS = {
     "fused_direct_bn16": (moe.Tiles(True, 16, 16, 16, 128, 4, 4, 1, fused_sum=True), (1, 16, 4, "silu", "routed")),
     "fused_direct_bk256": (moe.Tiles(True, 16, 16, 32, 256, 2, 5, 1, fused_sum=True),
@@ -96,6 +97,7 @@ TILE_FORMS = {
                            (40, 8, 2, "swigluoai", "routed")),
     "gemv_bn8": (moe.Tiles(True, 1, 8, 8, 64, 4, 3, 1, fused_sum=True, gemv=True), (1, 16, 4, "swigluoai", "routed")),
     "gemv_bn4_bk256": (moe.Tiles(True, 1, 16, 4, 256, 4, 3, 1, fused_sum=True, gemv=True), (3, 8, 2, "silu", "all")),
+    "default_prefill_bm128": (moe.tiles(4096, 2, 8), (40, 8, 2, "swigluoai", "routed")),  # 1024 rows an expert
 }
 
 
