@@ -12,7 +12,8 @@ summed in different orders, and greedy decoding then depends on what else is ser
   never from ``M``;
 - no split of ``K`` that follows ``M``: each output tile is reduced over ``K`` in ``BLOCK_K`` steps
   in increasing order into one fp32 accumulator; the bias is added after the loop, then one rounding
-  to x's dtype. With :data:`CHUNK_K` (off by default, not yet measured) a layer whose column tiles
+  to x's dtype. With :data:`CHUNK_K` (off by default: on an H100 0.85-1.23x the tile's speed at
+  M = 1, 1.6-1.9x slower from M = 256, docs/performance.md v38) a layer whose column tiles
   leave SMs idle sums ``K`` in fixed chunks (``Tile.chunk_k``, from ``N``, ``K`` and the SM count),
   each chunk from zero, the chunks' sums added in order after a zero; a few output tiles run one
   program per (tile, chunk) and a fold kernel adds the fp32 partials, many tiles one program per
@@ -166,8 +167,8 @@ class Tile(NamedTuple):
 
 BLOCK_M = 64  # every M: the smallest wgmma tile on sm90 (with 4 warps), so the instruction never changes
 TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's key
-# K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default until
-# measured on the H200 (PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
+# K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default, as
+# measured (module doc; PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
 CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
 MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
 FOLD_BLOCK = 1024  # elements per program of the chunk fold
