@@ -26,6 +26,7 @@ def test_bench_overhead_quick(tmp_path, capsys):
         assert row["launches"] >= 1 and row["replay"] < row["launch"], row
     summary = doc["summary"]
     assert summary["failures"] == 0 and summary["target"] == overhead.TARGET
+    assert summary["direct_launch"] == fastlaunch.direct_status()  # on, off or why refused
     assert {"decode_vs_sdpa", "prefill_vs_sdpa", "paged_decode_vs_sdpa"} <= summary.keys()
     assert (tmp_path / "overhead.md").stat().st_size > 0
     assert "Host time per eager call" in capsys.readouterr().out

@@ -359,7 +359,9 @@ def main(cfg: Config) -> int:
     by_name = {r["workload"]: r for r in table.rows}
     failed = sum(r.get("ours") == FAIL for r in table.rows)
     summary = {f"{name.replace(' ', '_')}_vs_sdpa": by_name[name].get("vs_sdpa") for name in by_name}
-    summary.update(fast_launch=status, target=TARGET, failures=failed,
+    # direct C launches (PAGEDFLASH_DIRECT_LAUNCH) change the launch columns: the file says which ran
+    summary.update(fast_launch=status, direct_launch=fastlaunch.direct_status(), target=TARGET,
+                   failures=failed,
                    method=(f"host wall time per call: least of {rounds} loops of {calls} eager calls that do not "
                            "wait for the GPU (pagedflash's and SDPA's alternating), value checks off" if has_gpu() else
                            f"CPU time of the calling thread, Triton launches replaced by no-ops: least of {rounds} "
