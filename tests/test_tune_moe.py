@@ -39,6 +39,16 @@ def test_candidates_are_distinct_tiles():
         assert any(t.gemv for t in tiles) == (T <= 16)
 
 
+def test_labels_pick_their_candidate_even_when_an_earlier_label_gives_the_same_tile():
+    """--labels keeps the tiles of the labels named: "stages=4" at prefill is the tile "part=dtype
+    stages=4" also gives (the current tiles keep partials in the input dtype), and is still tried."""
+    current = moe.tiles(8192, 4, 32)
+    assert not current.part_fp32
+    want = [("stages=4", current._replace(stages=4))]
+    assert tune_moe.candidates(current, 8192, False, quick=False, labels=["stages=4"]) == want
+    assert ("stages=4", current._replace(stages=4)) not in tune_moe.candidates(current, 8192, False, quick=False)
+
+
 def test_compile_check():
     """``--compile-check`` (a process of its own: the kernels compiled, not interpreted): the current
     tiles' kernels (the gemv form at one token) and the tensor-core candidates', for sm_90 with the

@@ -102,9 +102,10 @@ def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool,
         if decode and 1 < T <= 16 and label in OTHER_GROUPING:
             other = "direct" if not current.direct else "sorted"
             found.append((f"{label} {other}", base._replace(direct=not current.direct, **changes)))
-    seen = {current}  # each tile once, under its first label (a change the current tiles already have drops)
+    # of the labels asked for, each tile once, under its first label (the current tiles drop)
+    seen = {current}
     found = [(label, t) for label, t in found
-             if t not in seen and not seen.add(t) and (labels is None or label in labels)]
+             if (labels is None or label in labels) and t not in seen and not seen.add(t)]
     if quick:  # the first candidate and the first matrix-vector one (or the second)
         return found[:1] + ([c for c in found if c[1].gemv] or found[1:])[:1]
     return found
