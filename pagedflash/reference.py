@@ -234,16 +234,24 @@ def rms_norm_ref(x, weight, eps, residual=None):
     return y * weight.float(), h
 
 
-def rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim=None):
+def rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim=None, *, q_norm_weight=None,
+             k_norm_weight=None, num_q_heads=0, eps=0.0):
     """``x [T, W]`` with heads ``0 .. num_heads - 1`` (``head_dim`` wide, rotate-half) rotated by the
     angles of ``positions [T]``: each head's first ``rotary_dim`` dims (default ``head_dim``), pairs
     ``(i, i + rotary_dim / 2)``; ``cos``/``sin`` ``[max_len, >= rotary_dim]``, the first
     ``rotary_dim / 2`` entries of a row read. Returns the whole row ``[T, W]``, the rest of it (a
-    head's dims past ``rotary_dim`` included) unchanged."""
+    head's dims past ``rotary_dim`` included) unchanged. With ``q_norm_weight``/``k_norm_weight``
+    (``[head_dim]``, whole heads rotated) each head is first RMS-normed over its ``head_dim`` dims and
+    scaled by the q weight (heads ``0 .. num_q_heads - 1``) or the k weight, in fp32, not rounded
+    before the rotation."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     out = x.float().clone()
     half = rotary_dim // 2
     heads = out[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    if q_norm_weight is not None:
+        is_q = torch.arange(num_heads, device=x.device)[:, None] < num_q_heads
+        weights = torch.where(is_q, q_norm_weight.float(), k_norm_weight.float())  # [num_heads, head_dim]
+        heads.mul_(torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * weights)
     x1, x2 = heads[..., :half].clone(), heads[..., half:rotary_dim].clone()
     c, s = cos[positions, None, :half].float(), sin[positions, None, :half].float()
     heads[..., :rotary_dim] = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

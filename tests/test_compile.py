@@ -220,6 +220,8 @@ def _decoder(x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out,
     normed, summed = norm.rms_norm(x, norm_w, 1e-5, res)
     plain, same = norm.rms_norm(x, norm_w, 1e-5)
     rope.rope_(qkv, pos, cos, sin, num_heads=heads, head_dim=d)
+    rope.rope_(qkv, pos, cos, sin, num_heads=heads, head_dim=d, q_norm_weight=norm_w[:d], k_norm_weight=norm_w[-d:],
+               num_q_heads=heads // 2, eps=1e-5)  # with the q/k norm
     act = activation.silu_mul(gate_up)
     row_out, row_res = gemv.rms_norm_gemv(x[:1], w_in, norm_weight=norm_w, eps=1e-5, residual=res[:1])
     down = gemv.silu_mul_gemv(gate_up[:1], w_out, norm_w)

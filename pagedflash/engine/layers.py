@@ -39,14 +39,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-          head_dim: int, rotary_dim: int | None = None) -> None:
+          head_dim: int, rotary_dim: int | None = None, *, q_norm_weight: torch.Tensor | None = None,
+          k_norm_weight: torch.Tensor | None = None, num_q_heads: int | None = None,
+          eps: float | None = None) -> None:
     """Rotate, in place, the first ``num_heads`` heads of every row of ``x [T, >= num_heads * D]``
     (rotate-half layout) by the angles of ``positions [T]``: each head's first ``rotary_dim`` dims
-    (default ``D``; the rest left alone); ``cos``/``sin`` ``[max_len, >= rotary_dim]`` fp32."""
+    (default ``D``; the rest left alone); ``cos``/``sin`` ``[max_len, >= rotary_dim]`` fp32. With
+    ``q_norm_weight``/``k_norm_weight`` ``[D]``, each head RMS-normed first (the first ``num_q_heads``
+    with the q weight, the rest with the k weight; :func:`pagedflash.ops.rope.rope_`)."""
+    norm = {} if q_norm_weight is None and k_norm_weight is None else dict(
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, num_q_heads=num_q_heads, eps=eps)
     if use_kernels(x):
-        rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim, rotary_dim=rotary_dim)
+        rope.rope_(x, positions, cos, sin, num_heads=num_heads, head_dim=head_dim, rotary_dim=rotary_dim, **norm)
     else:
-        x.copy_(reference.rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim))
+        x.copy_(reference.rope_ref(x, positions, cos, sin, num_heads, head_dim, rotary_dim, **norm))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

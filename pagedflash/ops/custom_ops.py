@@ -107,7 +107,8 @@ _SCHEMAS = {
                       "Tensor? k_scale=None, Tensor? v_scale=None) -> ()",
     "rms_norm": "(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)",
     "rope_": "(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim, "
-             "int rotary_dim) -> ()",
+             "int rotary_dim, Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, int num_q_heads=0, "
+             "float eps=0.0) -> ()",
     "silu_mul": "(Tensor gate_up) -> Tensor",
     "argmax": "(Tensor logits) -> Tensor",
     "gemv": "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, "
@@ -151,7 +152,8 @@ def _fake_rms_norm(x, weight, eps, residual):
     return x.new_empty(x.shape), x.new_empty(x.shape if residual is not None else (0,))
 
 
-def _fake_rope(x, positions, cos, sin, num_heads, head_dim, rotary_dim):
+def _fake_rope(x, positions, cos, sin, num_heads, head_dim, rotary_dim, q_norm_weight=None, k_norm_weight=None,
+               num_q_heads=0, eps=0.0):
     return None
 
 

@@ -21,6 +21,7 @@ projection (OLMo 2), and a gather of the logits. With one rank (the default) no 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
 
+# Per-head q/k norms (qk_norm "head") inside the RoPE launch (pagedflash.ops.rope.rope_ with norm
+# weights): one launch a layer where the unfused path takes five; off until a GPU has timed it.
+# Its q/k differ from the unfused path's in the last bits (the normed heads are not rounded to the
+# model's dtype before the rotation). Read at every forward (and at CUDA-graph capture).
+FUSED_QK_NORM = os.environ.get("PAGEDFLASH_FUSED_QK_NORM", "0") == "1"
+
+
 class Attention(nn.Module):
     """This rank's heads (all of them with one rank), with the layer's own window, softcap, softmax
     scale and RoPE (``local_rope``: the sliding layers' own tables) and, where the family has them,
-    q/k norms before RoPE (``ModelConfig.qk_norm``) and a learned sink logit per head (``sinks``,
-    fp32 whatever the model's dtype, as the kernels take it: GPT-OSS)."""
+    q/k norms before RoPE (``ModelConfig.qk_norm``; per head and whole heads rotated: inside the RoPE
+    launch with :data:`FUSED_QK_NORM`) and a learned sink logit per head (``sinks``, fp32 whatever
+    the model's dtype, as the kernels take it: GPT-OSS)."""
 
     def __init__(self, config: ModelConfig, layer: int, shard: ShardSizes, comm: Collectives):
         super().__init__()
@@ -143,9 +152,14 @@ class Attention(nn.Module):
         """Attention of the projected ``qkv [T, (Hq + 2 Hkv) D]`` (the layer computes it with the norm
         fused in), through ``o_proj``: this rank's part of the output, which the layer sums over ranks."""
         t, d = qkv.shape[0], self.head_dim
-        if self.qk_norm:
-            self._norm_qk(qkv)
-        layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d, rope.rotary_dim)
+        if self.qk_norm == "head" and FUSED_QK_NORM and rope.rotary_dim == d:
+            layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d,
+                         q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                         num_q_heads=self.num_heads, eps=self.q_norm.eps)
+        else:
+            if self.qk_norm:
+                self._norm_qk(qkv)
+            layers.rope_(qkv, positions, rope.cos, rope.sin, self.num_heads + self.num_kv_heads, d, rope.rotary_dim)
         q = qkv[:, : self.q_size].view(t, self.num_heads, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
