@@ -22,7 +22,7 @@ def test_projections_match_the_published_shapes():
     assert tm.projections("llama-3.2-1b") == {
         "qkv": (3072, 2048, 16), "o_proj": (2048, 2048, 16), "gate_up": (16384, 2048, 16),
         "down": (2048, 8192, 16), "lm_head": (128256, 2048, 1)}
-    # Llama-3-8B: the four projections the tool timed before shapes were derived, and the LM head
+    # Llama-3-8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads of 128, vocab 128256, 32 layers
     assert tm.projections("llama-3-8b") == {
         "qkv": (6144, 4096, 32), "o_proj": (4096, 4096, 32), "gate_up": (28672, 4096, 32),
         "down": (4096, 14336, 32), "lm_head": (128256, 4096, 1)}
