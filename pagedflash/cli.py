@@ -82,7 +82,7 @@ def _run_forwarded(name: str, cfg, extra: list[str]) -> int:
 
 
 def _bench(args, extra: list[str]) -> int:
-    from pagedflash.bench import common
+    from pagedflash.bench import common, hbm
 
     if extra and args.name not in FORWARDED:
         print(f"pagedflash bench {args.name}: unrecognized arguments: {' '.join(extra)}", file=sys.stderr)
@@ -96,7 +96,7 @@ def _bench(args, extra: list[str]) -> int:
               "Use --quick for a smoke run on tiny shapes (CPU: Triton interpreter).", file=sys.stderr)
         return 2
     try:  # every result file records it (env.hbm): a bad PAGEDFLASH_HBM_TBPS is refused before anything runs
-        common.hbm_bandwidth()
+        hbm.hbm_bandwidth()
     except ValueError as e:
         print(f"pagedflash bench: {e}", file=sys.stderr)
         return 2

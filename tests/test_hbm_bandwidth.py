@@ -1,4 +1,4 @@
-"""The HBM bandwidth the benches' bounds divide by (:func:`pagedflash.bench.common.hbm_bandwidth`):
+"""The HBM bandwidth the benches' bounds divide by (:func:`pagedflash.bench.hbm.hbm_bandwidth`):
 the datasheet figure by CUDA device name, ``PAGEDFLASH_HBM_TBPS`` overriding it (checked), the H200's
 figure named as such on the CPU and, with a warning, for a GPU not in the table; the decode-step and
 MoE bounds, the notes and the result files use it."""
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pagedflash.bench import common, decode, moe, report
+from pagedflash.bench import common, decode, hbm, moe, report
 from pagedflash.bench.decode_bound import bound_seconds
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -17,14 +17,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 @pytest.fixture(autouse=True)
 def _no_override(monkeypatch):
-    monkeypatch.delenv(common.HBM_TBPS_ENV, raising=False)
-    common._from_datasheet.cache_clear()  # the unknown-GPU warning is given once per name
+    monkeypatch.delenv(hbm.HBM_TBPS_ENV, raising=False)
+    hbm._from_datasheet.cache_clear()  # the unknown-GPU warning is given once per name
     yield
-    common._from_datasheet.cache_clear()
+    hbm._from_datasheet.cache_clear()
 
 
 def on_gpu(monkeypatch, name: str | None) -> None:
-    monkeypatch.setattr(common, "gpu_name", lambda: name)
+    monkeypatch.setattr(hbm, "gpu_name", lambda: name)
 
 
 @pytest.mark.parametrize("name, tbps", [
@@ -48,52 +48,52 @@ def on_gpu(monkeypatch, name: str | None) -> None:
     ("nvidia h100 pcie", 2.0),  # case does not matter
 ], ids=lambda x: str(x))
 def test_datasheet_figure_by_device_name(monkeypatch, name, tbps):
-    assert common.datasheet_tbps(name)[0] == tbps
+    assert hbm.datasheet_tbps(name)[0] == tbps
     on_gpu(monkeypatch, name)
-    hbm = common.hbm_bandwidth()
-    assert (hbm.tbps, hbm.device, hbm.known) == (tbps, name, True)
-    assert str(hbm).startswith(f"{tbps:g} TB/s ({name}: ") and str(hbm).endswith(" datasheet)")
+    figure = hbm.hbm_bandwidth()
+    assert (figure.tbps, figure.device, figure.known) == (tbps, name, True)
+    assert str(figure).startswith(f"{tbps:g} TB/s ({name}: ") and str(figure).endswith(" datasheet)")
 
 
 @pytest.mark.parametrize("name", ["NVIDIA H100", "NVIDIA GeForce RTX 4090", "NVIDIA A10G", "NVIDIA H800"])
 def test_a_gpu_not_in_the_table_gets_the_h200_figure_and_says_so(monkeypatch, name):
-    assert common.datasheet_tbps(name) is None
+    assert hbm.datasheet_tbps(name) is None
     on_gpu(monkeypatch, name)
     with pytest.warns(RuntimeWarning, match=f"{name!r} is not in pagedflash's HBM bandwidth table.*PAGEDFLASH_HBM_TBPS"):
-        hbm = common.hbm_bandwidth()
-    assert (hbm.tbps, hbm.device, hbm.known) == (common.H200_TBPS, name, False)
-    assert "NOT this GPU's" in str(hbm) and name in str(hbm) and common.HBM_TBPS_ENV in str(hbm)
+        figure = hbm.hbm_bandwidth()
+    assert (figure.tbps, figure.device, figure.known) == (hbm.H200_TBPS, name, False)
+    assert "NOT this GPU's" in str(figure) and name in str(figure) and hbm.HBM_TBPS_ENV in str(figure)
 
 
 def test_no_gpu_gets_the_h200_figure_named_as_such(monkeypatch):
     on_gpu(monkeypatch, None)
-    hbm = common.hbm_bandwidth()
-    assert (hbm.tbps, hbm.device, hbm.known) == (4.8, "cpu", True)
-    assert "H200" in hbm.source
+    figure = hbm.hbm_bandwidth()
+    assert (figure.tbps, figure.device, figure.known) == (4.8, "cpu", True)
+    assert "H200" in figure.source
 
 
 @pytest.mark.parametrize("name", [H100, "NVIDIA GeForce RTX 4090", None])
 def test_the_variable_overrides_any_device(monkeypatch, name):
     on_gpu(monkeypatch, name)
-    monkeypatch.setenv(common.HBM_TBPS_ENV, " 1.008 ")
-    hbm = common.hbm_bandwidth()
-    assert (hbm.tbps, hbm.device, hbm.known) == (1.008, name or "cpu", True)
-    assert str(hbm) == f"1.008 TB/s (PAGEDFLASH_HBM_TBPS on {name or 'the CPU'})"
+    monkeypatch.setenv(hbm.HBM_TBPS_ENV, " 1.008 ")
+    figure = hbm.hbm_bandwidth()
+    assert (figure.tbps, figure.device, figure.known) == (1.008, name or "cpu", True)
+    assert str(figure) == f"1.008 TB/s (PAGEDFLASH_HBM_TBPS on {name or 'the CPU'})"
 
 
 @pytest.mark.parametrize("raw", ["fast", "0", "-3.35", "nan", "inf", "3.35TB/s"])
 def test_a_bad_override_is_refused_by_name(monkeypatch, raw):
     on_gpu(monkeypatch, H100)
-    monkeypatch.setenv(common.HBM_TBPS_ENV, raw)
+    monkeypatch.setenv(hbm.HBM_TBPS_ENV, raw)
     with pytest.raises(ValueError, match=f"PAGEDFLASH_HBM_TBPS must be a positive number of TB/s.*got {raw!r}"):
-        common.hbm_bandwidth()
+        hbm.hbm_bandwidth()
 
 
 def test_decode_step_bound_uses_the_device_figure(monkeypatch):
     on_gpu(monkeypatch, H100)
     assert bound_seconds(3.0e12, 0.35e12) == pytest.approx(1.0)
     assert bound_seconds(3.0e12, 0.35e12, gpus=2) == pytest.approx(0.5)
-    monkeypatch.setenv(common.HBM_TBPS_ENV, "6.7")
+    monkeypatch.setenv(hbm.HBM_TBPS_ENV, "6.7")
     assert bound_seconds(3.0e12, 0.35e12) == pytest.approx(0.5)
 
 
@@ -128,14 +128,14 @@ def test_moe_bench_note_and_result_file_record_the_figure(monkeypatch, tmp_path)
 
 def test_every_table_figure_is_positive_and_the_h200_is_the_fallback():
     """Every figure in the table is a positive, finite number of TB/s, and the H200's is the fallback's."""
-    assert all(math.isfinite(t) and t > 0 for _, t, _ in common._DATASHEET_TBPS)
-    assert common.datasheet_tbps("NVIDIA H200")[0] == common.H200_TBPS
+    assert all(math.isfinite(t) and t > 0 for _, t, _ in hbm._DATASHEET_TBPS)
+    assert hbm.datasheet_tbps("NVIDIA H200")[0] == hbm.H200_TBPS
 
 
 def test_bench_serve_refuses_a_bad_override_before_running(monkeypatch, capsys):
     from pagedflash.bench import serve
 
-    monkeypatch.setenv(common.HBM_TBPS_ENV, "0")
+    monkeypatch.setenv(hbm.HBM_TBPS_ENV, "0")
     assert serve.main(["--quick", "--sections", "itl", "--no-hf"]) == 2
     assert "bench serve: PAGEDFLASH_HBM_TBPS must be a positive number of TB/s (e.g. 3.35), got '0'" in \
         capsys.readouterr().err
@@ -147,7 +147,7 @@ def test_every_bench_refuses_a_bad_override_before_running(monkeypatch, capsys, 
     them, not when the result file is written after the run."""
     from pagedflash import cli
 
-    monkeypatch.setenv(common.HBM_TBPS_ENV, "fast")
+    monkeypatch.setenv(hbm.HBM_TBPS_ENV, "fast")
     assert cli.main(["bench", name, "--quick", "--out", str(tmp_path)]) == 2
     assert "pagedflash bench: PAGEDFLASH_HBM_TBPS must be a positive number of TB/s (e.g. 3.35), got 'fast'" in \
         capsys.readouterr().err

@@ -37,7 +37,8 @@ if __name__ == "__main__" and "--compile-check" in sys.argv:
 import torch
 
 from pagedflash.bench import moe as bench_moe
-from pagedflash.bench.common import free_memory, hbm_bandwidth, measure, ratio, tflops
+from pagedflash.bench.common import free_memory, measure, ratio, tflops
+from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.ops import moe
 from pagedflash.testing import check_close
 

@@ -4,7 +4,7 @@
    auto (0): microseconds per cell, the best split per N, auto's time over the best's, and SDPA.
 2. The serving grid: B in {1, 4, 16, 64}, Hq/Hkv = 32/8, D=128, bf16, N in 1K..128K (cells whose
    K+V exceed 40 GB skipped): microseconds, TB/s of bytes read (K+V + Q + O), the fraction of the
-   GPU's datasheet HBM bandwidth (:func:`~pagedflash.bench.common.hbm_bandwidth`), and the speed
+   GPU's datasheet HBM bandwidth (:func:`~pagedflash.bench.hbm.hbm_bandwidth`), and the speed
    ratio to SDPA cuDNN and flash from the same run.
 3. FP8 KV: the serving grid's cells (bf16 K+V up to ``max_kv_gb`` of the fp8 spec) with the same
    caches quantized to ``float8_e4m3fn`` (per-KV-head scales from the data, amax / 448), contiguous:
@@ -44,7 +44,6 @@ from pagedflash.bench.common import (
     failures,
     free_memory,
     geomean,
-    hbm_bandwidth,
     host_us,
     human,
     invariant_x,
@@ -54,6 +53,7 @@ from pagedflash.bench.common import (
     ratio,
     tbps,
 )
+from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.bench.report import (
     Table,
     heatmap,

@@ -1,5 +1,5 @@
 """The memory-bandwidth bound of a decode step (``bench serve``'s ``% of bound``): the bytes of weights
-and K/V one step reads, over the HBM bandwidth per GPU (:func:`pagedflash.bench.common.hbm_bandwidth`:
+and K/V one step reads, over the HBM bandwidth per GPU (:func:`pagedflash.bench.hbm.hbm_bandwidth`:
 the datasheet figure of the GPU the bench runs on).
 
 Weights: every parameter once, in the model's dtype, but for an untied input embedding (a lookup
@@ -9,12 +9,12 @@ K/V: each layer's cached tokens, at most the window in a sliding-window layer.
 
 from __future__ import annotations
 
-from pagedflash.bench.common import hbm_bandwidth
+from pagedflash.bench.hbm import hbm_bandwidth
 
 
 def bound_seconds(weight_bytes: float, kv_read: float, gpus: int = 1) -> float:
     """A decode step's bandwidth bound: the weights and ``kv_read`` bytes of K/V read once, spread
-    over ``gpus`` GPUs at :func:`~pagedflash.bench.common.hbm_bandwidth` each."""
+    over ``gpus`` GPUs at :func:`~pagedflash.bench.hbm.hbm_bandwidth` each."""
     return (weight_bytes + kv_read) / (gpus * hbm_bandwidth().tbps * 1e12)
 
 

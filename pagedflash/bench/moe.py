@@ -10,7 +10,7 @@ Per case, each checked against :func:`pagedflash.reference.fused_moe_ref` before
   CUDA graph like ours);
 - decode sizes: the bandwidth bound, the bytes of the experts the tokens picked (gate/up and down
   weights and biases, once each) plus the tokens in and out at the GPU's datasheet HBM bandwidth
-  (:func:`~pagedflash.bench.common.hbm_bandwidth`), and ours as a percentage of it;
+  (:func:`~pagedflash.bench.hbm.hbm_bandwidth`), and ours as a percentage of it;
 - every size: TFLOP/s (6 * T * k * H * I FLOPs) and a dense bf16 GEMM of the same FLOPs
   (``[T*k, H] @ [H, 3I]``) for comparison.
 """
@@ -25,11 +25,11 @@ from pagedflash.bench.common import (
     device,
     failures,
     free_memory,
-    hbm_bandwidth,
     measure,
     ratio,
     tflops,
 )
+from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.bench.report import Table, print_summary, print_table, write_results
 from pagedflash.ops import moe
 from pagedflash.reference import fused_moe_ref
@@ -99,7 +99,7 @@ def active_bytes(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> int:
 
 def bound_ms(weights: dict, topk_ids: torch.Tensor, x: torch.Tensor) -> float:
     """The bandwidth bound of a decode step: :func:`active_bytes` at the GPU's HBM bandwidth
-    (:func:`~pagedflash.bench.common.hbm_bandwidth`)."""
+    (:func:`~pagedflash.bench.hbm.hbm_bandwidth`)."""
     return active_bytes(weights, topk_ids, x) / (hbm_bandwidth().tbps * 1e12) * 1e3
 
 

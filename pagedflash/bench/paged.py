@@ -39,7 +39,6 @@ from pagedflash.bench.common import (
     failures,
     free_memory,
     geomean,
-    hbm_bandwidth,
     human,
     measure,
     randn,
@@ -60,6 +59,7 @@ from pagedflash.bench.decode import (
 )
 from pagedflash.bench.decode import FULL as DECODE_FULL
 from pagedflash.bench.decode import QUICK as DECODE_QUICK
+from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.bench.report import Table, panels_by_batch, plot, print_summary, print_table, write_results
 from pagedflash.cache import BlockManager, block_table_tensor, cu_seqlens_tensor, slot_mapping_tensor
 from pagedflash.reference import dequantize_ref

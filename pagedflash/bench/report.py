@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from pagedflash.bench.common import has_gpu, hbm_bandwidth, human, timing_description
+from pagedflash.bench.common import has_gpu, human, timing_description
+from pagedflash.bench.hbm import hbm_bandwidth
 
 # ---------------------------------------------------------------- tables and results
 

@@ -23,7 +23,7 @@ longer contexts; ``longctx`` and ``tp`` set their own). serve.json's summary nam
   prompts are prefilled once beforehand, so the timed run serves them from the prefix cache and the
   whole batch decodes together; the median gap after every request has its first token is
   reported. ``% of bound``: the memory-bandwidth bound of a decode step (weight bytes + KV bytes
-  read, over the GPU's datasheet HBM bandwidth, ``bench.common.hbm_bandwidth``) divided by the
+  read, over the GPU's datasheet HBM bandwidth, ``bench.hbm.hbm_bandwidth``) divided by the
   measured gap. The weights count every parameter once but an
   untied input embedding (its lookup reads a row per token; the LM head, tied or not, reads the
   whole ``[vocab, hidden]`` matrix) and, in a mixture of experts, the experts no row is routed to
@@ -73,8 +73,9 @@ from unittest import mock
 
 import torch
 
-from pagedflash.bench.common import free_memory, hbm_bandwidth, time_ms
+from pagedflash.bench.common import free_memory, time_ms
 from pagedflash.bench.decode_bound import bound_seconds, bytes_read, experts_note, kv_read
+from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.bench.hf_baselines import continuous_batching, load_hf, quiet_transformers, static_batches
 from pagedflash.bench.report import Table, print_table, write_results
 from pagedflash.bench.serve_invariant import COLUMNS as INV_COLUMNS
