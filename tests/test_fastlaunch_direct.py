@@ -21,6 +21,7 @@ from triton.runtime import _allocation
 
 from pagedflash import flash_attn_func, flash_attn_with_kvcache
 from pagedflash.ops import attention, combine, fastlaunch, scratch
+from pagedflash.testing import capture_graph
 
 _BASE_ARGS_FORMAT = "iiiKKppOOOOOO"  # 3.6's driver module: the C function's leading arguments
 
@@ -335,14 +336,7 @@ def test_gpu_direct_launch_under_graph_capture_and_a_users_allocator():
         mp.setattr(fastlaunch, "DIRECT", True)
         want = decode().clone()
         decode()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            decode()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = decode()
+        graph, captured = capture_graph(decode)
         for _ in range(3):
             graph.replay()
             eager = decode()
