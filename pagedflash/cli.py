@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not figures")
     bench.add_argument("--rep-ms", type=int, default=100, help="do_bench timing budget per case, ms")
     bench.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup budget per case, ms")
+    bench.add_argument("--flush", choices=("zero", "read"), default="zero",
+                       help="L2 before each timed call: zeroed by do_bench (default; L2 left dirty, written back as "
+                            "the call reads) or a 256 MB read (L2 left clean: the absolute figures of small cases)")
     bench.add_argument("--eager", action="store_true",
                        help="time eager calls instead of CUDA-graph replays (includes host launch overhead)")
     bench.add_argument("--batch-invariant", action="store_true",
@@ -100,7 +103,7 @@ def _bench(args, extra: list[str]) -> int:
     except ValueError as e:
         print(f"pagedflash bench: {e}", file=sys.stderr)
         return 2
-    common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graphs=not args.eager)
+    common.set_timing(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, graphs=not args.eager, flush=args.flush)
     cfg = common.Config(out=args.out, quick=args.quick, batch_invariant=args.batch_invariant)
     if args.name in FORWARDED:
         return _run_forwarded(args.name, cfg, extra)

@@ -137,3 +137,20 @@ def test_tune_parses_cells_and_tiles():
             _parse_tiles(bad)
     with pytest.raises(SystemExit, match="--cells: dtype"):
         _parse_cell("1x1024@16/16/64/int8")
+
+
+def test_flush_option_sets_the_timing_default(tmp_path, monkeypatch):
+    """``--flush read`` makes every time_ms call that does not choose its own flush clean L2 by a read
+    (the run's recorded method says so); the default stays do_bench's zeroing; a bad value is refused."""
+    from pagedflash.bench import common
+
+    monkeypatch.setattr(common, "_TIMING", dict(common._TIMING))
+    assert cli.main(["bench", "prefill", "--quick", "--flush", "read", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(common, "has_gpu", lambda: True)  # timing_description's GPU wording
+    assert common._TIMING["flush"] == "read" and "256 MB read" in common.timing_description()
+    common.set_timing()
+    assert common._TIMING["flush"] == "zero" and "do_bench" in common.timing_description()
+    with pytest.raises(ValueError, match="flush must be 'zero' or 'read', got None"):
+        common.set_timing(flush=None)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "prefill", "--quick", "--flush", "none"])

@@ -45,7 +45,8 @@ from pagedflash.testing import capture_graph, check_close
 OOM, NA, FAIL, ERROR = "OOM", "n/a", "FAIL", "error"
 _OOM_ERRORS = (getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError),)
 
-_TIMING = {"warmup": 25, "rep": 100, "graphs": True}
+_TIMING = {"warmup": 25, "rep": 100, "graphs": True, "flush": "zero"}
+_AS_SET = object()  # time_ms's flush: as set_timing says
 FLUSHES = ("zero", "read", None)
 
 
@@ -70,9 +71,13 @@ def device() -> str:
     return "cuda" if has_gpu() else "cpu"
 
 
-def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100, graphs: bool = True) -> None:
-    """The defaults of :func:`time_ms` (the command line's ``--warmup-ms``, ``--rep-ms``, ``--eager``)."""
-    _TIMING.update(warmup=warmup_ms, rep=rep_ms, graphs=graphs)
+def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100, graphs: bool = True, flush: str = "zero") -> None:
+    """The defaults of :func:`time_ms` (the command line's ``--warmup-ms``, ``--rep-ms``, ``--eager``,
+    ``--flush``): ``flush`` is ``"zero"`` or ``"read"`` (:func:`time_ms`), for the calls that do not
+    choose their own."""
+    if flush not in ("zero", "read"):
+        raise ValueError(f"flush must be 'zero' or 'read', got {flush!r}")
+    _TIMING.update(warmup=warmup_ms, rep=rep_ms, graphs=graphs, flush=flush)
 
 
 def timing_description() -> str:
@@ -80,6 +85,9 @@ def timing_description() -> str:
     if not has_gpu():
         return "CPU wall clock under the Triton interpreter (smoke only, not a figure)"
     what = "CUDA-graph replays" if _TIMING["graphs"] else "eager calls"
+    if _TIMING["flush"] == "read":
+        return (f"median of {what} timed one by one between CUDA events (both sides), each after a 256 MB read "
+                "(L2 flushed, left clean); pagedflash value checks (host syncs) off while timing")
     return (f"triton.testing.do_bench(warmup={_TIMING['warmup']}, rep={_TIMING['rep']}, return_mode='median') of "
             f"{what} (both sides); L2 flushed before every call; pagedflash value checks (host syncs) off while timing")
 
@@ -111,7 +119,7 @@ _GRAPHS: list = []
 _READ_FLUSH: list = []
 
 
-def time_ms(fn: Callable[[], object], *, graph: bool | None = None, flush: str | None = "zero",
+def time_ms(fn: Callable[[], object], *, graph: bool | None = None, flush: str | None = _AS_SET,
             warmup_ms: int | None = None, rep_ms: int | None = None, reps: int = 20,
             value_checks: bool = False) -> float:
     """Milliseconds per call of ``fn()`` on the GPU; the wall clock of one call without one.
@@ -119,6 +127,8 @@ def time_ms(fn: Callable[[], object], *, graph: bool | None = None, flush: str |
     ``graph``: time the replay of ``fn`` captured in a CUDA graph (default: as :func:`set_timing`
     says, i.e. unless ``--eager``); a call that cannot be captured is timed eagerly. ``flush``, what
     happens to the L2 between calls:
+
+    By default as :func:`set_timing` says (``"zero"`` unless ``--flush read``).
 
     - ``"zero"`` (the benchmarks' figures): ``do_bench(fn, warmup=warmup_ms, rep=rep_ms,
       return_mode="median")``, which zeroes 256 MB before each call, leaving L2 full of dirty lines
@@ -130,6 +140,8 @@ def time_ms(fn: Callable[[], object], *, graph: bool | None = None, flush: str |
       for work that streams more than L2 holds by itself (a model step, weights cycled past L2).
 
     pagedflash's device-reading value checks are off while timing unless ``value_checks``."""
+    if flush is _AS_SET:
+        flush = _TIMING["flush"]
     if flush not in FLUSHES:
         raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
     with contextlib.nullcontext() if value_checks else no_host_syncs():
