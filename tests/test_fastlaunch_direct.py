@@ -176,6 +176,17 @@ def test_direct_scratch_is_fresh_under_graph_capture_and_no_reuse(gpu_scratch):
     assert launcher.called == 0
 
 
+def test_status_says_when_only_some_kernels_launch_directly(gpu_scratch):
+    """One kernel refused (profile scratch) beside one that launches directly: the status says both,
+    not 'refused' for the whole fast path."""
+    with fastlaunch.assume_api(_Device(), lambda index: 77, _Knobs()):
+        assert _bound(_Launcher(scratch=16))[0].handle.direct is not None
+        assert fastlaunch.direct_status() == "on"
+        assert _bound(_Launcher(profile=8))[0].handle.direct is None
+        status = fastlaunch.direct_status()
+        assert status.startswith("on, but not for every kernel (the last refused: ") and "profile" in status, status
+
+
 @pytest.mark.parametrize("shape", ["format", "call", "profile_scratch", "alignment_512", "alignment_48",
                                    "missing_attribute"])
 def test_launchers_of_another_shape_are_called_as_before(gpu_scratch, monkeypatch, shape):

@@ -79,6 +79,7 @@ _HookChain = None  # 3.6's hook list type: one with no hooks needs no call
 _allocator = None  # Triton's allocator ContextVar (triton.runtime._allocation._allocator)
 _own_allocator = None  # the allocator whose buffers direct launches take themselves
 _direct_refused = ""  # the last reason a handle kept calling its launcher
+_direct_handles = 0  # handles made that call the C launch function
 _LAUNCHER_TYPES: dict[type, str | None] = {}  # launcher class -> why it has not 3.6's shape (None: it has)
 _DEVICES: dict[int, torch.device] = {}  # CUDA devices by index, made once (-1: the CPU)
 
@@ -119,10 +120,13 @@ def status() -> str:
 
 
 def direct_status() -> str:
-    """"on", or why handles call Triton's launcher instead of its C launch function (module doc)."""
+    """"on" (every handle calls the C launch function), "on, but not for every kernel (...)" (some
+    kept their launcher), or why no handle calls it (module doc)."""
     if not DIRECT:
         return "off: DIRECT = False (PAGEDFLASH_DIRECT_LAUNCH=1 turns it on)"
     if _direct_refused:
+        if _direct_handles:
+            return f"on, but not for every kernel (the last refused: {_direct_refused})"
         return f"refused: {_direct_refused}"
     return "on"
 
@@ -165,7 +169,7 @@ class _Handle:
                  "cooperative", "pdl", "scratch_bytes", "scratch_device", "scratch_key")
 
     def __init__(self, fn, compiled, tail: tuple, device: int, debug) -> None:
-        global _direct_refused
+        global _direct_refused, _direct_handles
         self.fn = fn
         self.compiled = compiled
         self.launcher = launcher = compiled.run  # a property in 3.6: loads the module once, then the launcher
@@ -182,6 +186,7 @@ class _Handle:
             self.scratch_bytes = launcher.num_ctas * launcher.global_scratch_size  # per program
             self.scratch_device = _device(device)
             self.scratch_key = ((), ())  # (grid, scratch specs) of the last direct launch
+            _direct_handles += 1
         else:
             _direct_refused = reason
 
@@ -377,12 +382,12 @@ def assume_api(get_device, get_stream, knobs):
     stream getters and this ``knobs.runtime`` stand-in (``launch_enter_hook``, ``launch_exit_hook``,
     ``debug``). For kernels that are stand-ins themselves: the overhead bench's CPU mode and the
     tests of this module, which run no GPU."""
-    global _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused
-    saved = (_api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused)
+    global _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused, _direct_handles
+    saved = (_api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused, _direct_handles)
     _api, _driver, _knobs, _enabled, _off_reason, _refused = None, (get_device, get_stream), knobs, True, "", ""
-    _direct_refused = ""
+    _direct_refused, _direct_handles = "", 0
     _find_allocator()
     try:
         yield
     finally:
-        _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused = saved
+        _api, _driver, _knobs, _enabled, _off_reason, _refused, _direct_refused, _direct_handles = saved
