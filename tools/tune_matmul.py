@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedflash.bench.common import time_ms
+from pagedflash.bench.common import geomean, time_ms
 from pagedflash.bench.shapes import SHAPES as MODELS
 from pagedflash.bench.shapes import shape_config
 from pagedflash.engine import ModelConfig
@@ -110,10 +109,6 @@ def rows_arg(text: str) -> tuple[int, ...]:
     if not rows or rows[0] < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive row counts (1,8,32,64,8192), got {text!r}")
     return rows
-
-
-def geomean(values: list[float]) -> float:
-    return math.prod(values) ** (1 / len(values)) if values else float("nan")
 
 
 def graph_us(fn, calls: int) -> float:

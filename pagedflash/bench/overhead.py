@@ -292,16 +292,15 @@ def measure_cases(cases: list[dict], *, calls: int, rounds: int, dtype) -> list[
             if not ok:
                 row.update(ours=FAIL, vs_sdpa=FAIL)
         rows.append(row)
-    live = [(case, row) for case, row in zip(cases, rows) if row.get("ours") != FAIL]
-    ours, sdpa = {id(row): [] for _, row in live}, {id(row): [] for _, row in live}
+    live = [(case, row, [], []) for case, row in zip(cases, rows) if row.get("ours") != FAIL]
     for _ in range(rounds):
-        for case, row in live:
-            ours[id(row)].append(host_wall_us(case["ours"], **one))
+        for case, _, ours, sdpa in live:
+            ours.append(host_wall_us(case["ours"], **one))
             with contextlib.nullcontext() if has_gpu() else _one_thread():
-                sdpa[id(row)].append(host_wall_us(case["sdpa"], **one))
-    for case, row in live:
-        row["ours"], row["ours_wall"] = (min(x) for x in zip(*ours[id(row)]))
-        row["sdpa"], row["sdpa_wall"] = (min(x) for x in zip(*sdpa[id(row)]))
+                sdpa.append(host_wall_us(case["sdpa"], **one))
+    for case, row, ours, sdpa in live:
+        row["ours"], row["ours_wall"] = (min(x) for x in zip(*ours))
+        row["sdpa"], row["sdpa_wall"] = (min(x) for x in zip(*sdpa))
         _breakdown(case, row, timing)
     return rows
 
