@@ -312,6 +312,6 @@ def test_a_closed_engine_refuses_every_call():
         "abort_request": lambda: llm.abort_request(request),
         "has_unfinished_requests": llm.has_unfinished_requests,
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(RuntimeError, match=r"the engine is closed \(LLM.close\(\) was called\)"):
             call()

@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -146,8 +147,8 @@ def test_checkpoint_with_a_replicated_kv_head_and_a_worker_that_dies(tmp_path):
     assert time.perf_counter() - t0 < 30
     with pytest.raises(WorkerError, match="closed"):
         llm.step()
-    for call in (lambda: llm.generate([[1, 2]], params), lambda: llm.add_request([1, 2], params),
-                 lambda: llm.prompt_logits([[1, 2]]), lambda: llm.abort_request(0)):
+    for call in (partial(llm.generate, [[1, 2]], params), partial(llm.add_request, [1, 2], params),
+                 partial(llm.prompt_logits, [[1, 2]]), partial(llm.abort_request, 0)):
         with pytest.raises(WorkerError, match="closed"):  # not "generate needs an idle engine"
             call()
     assert gone(pid) and not children()
