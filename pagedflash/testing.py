@@ -28,7 +28,10 @@ __all__ = [
     "assert_close",
     "check_close",
     "compare",
+    "compile_for",
+    "cubin_resources",
     "random_block_table",
+    "recorded_launches",
     "row_exact_interpreter_dot",
     "random_paged_kv",
     "to_paged",
@@ -201,3 +204,68 @@ def row_exact_interpreter_dot():
         yield
     finally:
         builder.create_dot = original
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Inside the block the launches of :class:`pagedflash.ops.utils.Launch` (every kernel but the
+    attention, combine and cache-write ones) are recorded as ``(launch, args)`` in the list yielded
+    instead of run: a public op's plan and arguments, for :func:`compile_for`, on any machine."""
+    from pagedflash.ops import utils
+
+    calls, run = [], utils.Launch.__call__
+    utils.Launch.__call__ = lambda self, *args: calls.append((self, args)) if self.grid is not None else None
+    try:
+        yield calls
+    finally:
+        utils.Launch.__call__ = run
+
+
+_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+def compile_for(launch, args, capability: int = 90):
+    """``launch``'s kernel compiled by Triton's whole pipeline for NVIDIA ``sm_<capability>`` (the
+    wheel's ptxas: no GPU needed; not under the interpreter), specialized as a launch with ``args``
+    would be: pointers 16-byte aligned and ints divisible by 16 marked so. Returns the compiled kernel
+    (``.metadata``: ``shared``, ``num_warps``; ``.asm``: ``ttgir``, ``ptx``, ...); raises what the
+    compiler raises."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel, sig, attrs = launch.kernel, {}, {}
+    runtime = [a for a in kernel.arg_names if a not in launch.consts]
+    for name, value in zip(runtime, args):
+        index = (kernel.arg_names.index(name),)
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TRITON_DTYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        else:
+            sig[name] = "fp32" if isinstance(value, float) else "i32" if abs(value) < 2**31 else "i64"
+            aligned = not isinstance(value, float) and value % 16 == 0
+        if aligned:
+            attrs[index] = [["tt.divisibility", 16]]
+    sig.update({name: "constexpr" for name in launch.consts})
+    source = triton.compiler.ASTSource(kernel, sig, constexprs=dict(launch.consts), attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """What ``cuobjdump --dump-resource-usage`` (the Triton wheel's) reports for a compiled kernel's
+    cubin: ``REG`` registers a thread, ``STACK``, ``SHARED``, ``LOCAL`` (bytes a thread: spills),
+    ``CONSTANT[i]``, ... as ints."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = (w.split(":") for w in out.split() if ":" in w)
+    return {k: int(v) for k, v in fields if k.isupper() or k.startswith("CONSTANT") if v.isdigit()}

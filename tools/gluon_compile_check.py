@@ -27,6 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from pagedflash.ops import prefill_hopper, prefill_hopper_kernel  # noqa: E402
+from pagedflash.testing import cubin_resources  # noqa: E402
 
 KV_LAYOUTS = os.environ.get(
     "KV", "dense,varlen,page16,page32,page64,page128,page384,varlen:e4m3,page16:e4m3,page64:e4m3,page128:e5m2").split(",")
@@ -37,9 +38,8 @@ def sass_summary(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
-    usage = [w for w in res.split() if w.startswith(("REG:", "LOCAL:"))]
+    usage = [f"{k}:{v}" for k, v in cubin_resources(cubin).items() if k in ("REG", "LOCAL")]
     counts, n = [], None
     for line in sass:
         if "DEPBAR.LE gsb0, 0x1" in line:

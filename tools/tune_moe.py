@@ -25,7 +25,6 @@ into ``moe.tiles()``.
     python tools/tune_moe.py --compile-check # every candidate compiled for sm_90, no GPU (~2-4 min on a CPU)
 """
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -40,7 +39,7 @@ from pagedflash.bench import moe as bench_moe
 from pagedflash.bench.common import free_memory, measure, ratio, tflops
 from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.ops import moe
-from pagedflash.testing import check_close
+from pagedflash.testing import check_close, compile_for, recorded_launches
 
 # (label, changes to the current tiles). Decode candidates keep the current rows per block; at T = 1
 # the fused sum's down GEMM has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused one k times as many
@@ -211,46 +210,6 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
         print(f"  {r['shape']} T={r['T']}: {r['best'] or r['current']}")
 
 
-@contextlib.contextmanager
-def _recorded_launches():
-    """Launches of ``pagedflash.ops`` recorded as ``(launch, args)`` instead of run (the list yielded)."""
-    from pagedflash.ops import utils
-
-    calls, run = [], utils.Launch.__call__
-    utils.Launch.__call__ = lambda self, *args: calls.append((self, args)) if self.grid is not None else None
-    try:
-        yield calls
-    finally:
-        utils.Launch.__call__ = run
-
-
-_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                  torch.int64: "i64"}
-
-
-def _compiled(launch, args):
-    """``launch``'s kernel compiled for sm_90 by Triton's whole pipeline (no GPU needed: the ptxas of the
-    wheel), specialized as a launch with ``args`` would be: pointers and ints divisible by 16 marked so."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    kernel, sig, attrs = launch.kernel, {}, {}
-    runtime = [a for a in kernel.arg_names if a not in launch.consts]
-    for name, value in zip(runtime, args):
-        index = (kernel.arg_names.index(name),)
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _TRITON_DTYPES[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
-        else:
-            sig[name] = "fp32" if isinstance(value, float) else "i32" if abs(value) < 2**31 else "i64"
-            aligned = not isinstance(value, float) and value % 16 == 0
-        if aligned:
-            attrs[index] = [["tt.divisibility", 16]]
-    sig.update({name: "constexpr" for name in launch.consts})
-    source = triton.compiler.ASTSource(kernel, sig, constexprs=dict(launch.consts), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch.options)
-
-
 def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None) -> int:
     """Compile the current tiles' and every candidate's kernels for sm_90 (bf16, the real layer shapes,
     weights as zero-stride views: nothing is allocated but the activations) and print each distinct
@@ -269,7 +228,7 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
                 topk_weights, topk_ids = torch.full((T, k), 1 / k), torch.arange(T * k, dtype=torch.int32).view(T, k) % E
                 moe.TILES = tiles
                 try:
-                    with _recorded_launches() as calls:
+                    with recorded_launches() as calls:
                         moe.fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, **weights)
                 finally:
                     moe.TILES = None
@@ -282,7 +241,7 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
                     seen.add(key)
                     t0 = time.monotonic()
                     try:
-                        ck = _compiled(launch, args)
+                        ck = compile_for(launch, args)
                     except Exception as e:  # noqa: BLE001 - every kernel is reported
                         failed += 1
                         print(f"{name} T={T} {label}: {launch.kernel.__name__} FAILED {type(e).__name__}: "
