@@ -206,19 +206,39 @@ def row_exact_interpreter_dot():
         builder.create_dot = original
 
 
+_LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
+                             "launch_cooperative_grid", "launch_pdl"))
+
+
 @contextlib.contextmanager
 def recorded_launches():
-    """Inside the block the launches of :class:`pagedflash.ops.utils.Launch` (every kernel but the
-    attention, combine and cache-write ones) are recorded as ``(launch, args)`` in the list yielded
-    instead of run: a public op's plan and arguments, for :func:`compile_for`, on any machine."""
-    from pagedflash.ops import utils
+    """Inside the block every launch written ``kernel[grid](*args, **constexprs, **options)`` is
+    recorded instead of run, as ``(launch, args)`` in the list yielded: ``launch.kernel``, ``.grid``,
+    ``.consts`` (the constexpr keywords) and ``.options`` (``num_warps``, ``num_stages``, ...); ``args``
+    the runtime arguments in order. That is every pagedflash launch whose fast-launch handle is not
+    bound yet (:mod:`pagedflash.ops.fastlaunch`), so a fresh process's first calls of the public ops:
+    their plans and arguments, for :func:`compile_for`, on any machine. Kernels defined for the
+    compiler only (``TRITON_INTERPRET=0`` before pagedflash is imported; the interpreter's kernels
+    are another class)."""
+    from types import SimpleNamespace
 
-    calls, run = [], utils.Launch.__call__
-    utils.Launch.__call__ = lambda self, *args: calls.append((self, args)) if self.grid is not None else None
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+
+    def getitem(kernel, grid):
+        def record(*args, **kwargs):
+            options = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAUNCH_OPTIONS}
+            calls.append((SimpleNamespace(kernel=kernel, grid=grid, consts=kwargs, options=options), args))
+
+        return record
+
+    saved = JITFunction.__getitem__
+    JITFunction.__getitem__ = getitem
     try:
         yield calls
     finally:
-        utils.Launch.__call__ = run
+        JITFunction.__getitem__ = saved
 
 
 _TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",

@@ -1,18 +1,28 @@
-"""Compile the engine's per-layer kernels for sm_90 on any machine: what a GPU session compiles
-first, checked before it has a GPU.
+"""Compile pagedflash's kernels for sm_90 on any machine, as an sm90 GPU would plan them: what a GPU
+session compiles first, checked before it has a GPU (and in CI: tests/test_compile_check.py).
 
-The public ops are called at a model shape's real sizes in bf16 (CPU tensors, nothing computed):
-RMSNorm with and without the residual, RoPE with and without the fused q/k norm, SiLU-and-mul, the
-single-row projections (gemv and its RMSNorm and SiLU prologues), the GEMM with the tiles
-``matmul.tile`` gives sm90 (132 SMs), and the argmax of the LM head's logits; one decode row, a
-64-row decode step and a 512-token prefill chunk. Each distinct kernel specialization goes through
-Triton's whole pipeline for sm_90 (:func:`pagedflash.testing.compile_for`, the wheel's ptxas).
-Prints its registers, spills and shared memory; exits 1 if one fails to compile. The attention,
-combine and cache-write kernels launch through their own plans and are not covered here
-(``tools/gluon_compile_check.py`` covers the Hopper prefill kernel).
+The public ops are called at a model shape's real sizes in bf16 (CPU tensors, nothing computed) with
+every launch recorded instead of run (:func:`pagedflash.testing.recorded_launches`) and the host's
+device queries answering as an sm90 GPU of 132 SMs would (capability, SM count, tensor-descriptor
+loads, the fp8 conversion instruction):
 
-    python tools/compile_check.py                        # the engine's dense shapes (~1-3 min)
-    python tools/compile_check.py --shapes qwen3-1.7b    # one shape
+- ``layers``: RMSNorm with and without the residual, RoPE with and without the fused q/k norm,
+  SiLU-and-mul, the single-row projections (gemv and its RMSNorm and SiLU prologues), the GEMM,
+  and the argmax of the LM head's logits; one decode row, a 64-row decode step and a 512-token
+  prefill chunk;
+- ``attention``: the engine's attention as its layers call it (K/V written into 16-row pages, then
+  one paged varlen launch with the shape's window, softcap and sinks): a 1-row and a 64-row decode
+  step at 1K and 16K keys (split-KV and its combine) and a 512-token chunk over 4K cached keys; the
+  same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``) and dense prefill
+  (``flash_attn_func``); batch-invariant decode and prefill. The Hopper Gluon prefill kernel is not
+  among them (its own check: ``tools/gluon_compile_check.py``, with Triton 3.6).
+
+Each distinct kernel specialization goes through Triton's whole pipeline for sm_90
+(:func:`pagedflash.testing.compile_for`, the wheel's ptxas). Prints its registers, spills and
+shared memory; exits 1 if one fails to compile.
+
+    python tools/compile_check.py                          # the engine's dense shapes, both parts
+    python tools/compile_check.py --shapes qwen3-1.7b --parts attention
 
 Run it as a script: it sets ``TRITON_INTERPRET=0`` before pagedflash is imported (the kernels must
 be defined for the compiler, not the interpreter).
@@ -30,21 +40,29 @@ if __name__ == "__main__":
 
 import torch
 
+import pagedflash
 from pagedflash.bench.shapes import SHAPES
-from pagedflash.ops import activation, gemv, matmul, norm, rope, sampling
+from pagedflash.ops import activation, attention_plan, gemv, matmul, norm, rope, sampling
+from pagedflash.ops import launch as launch_table
 from pagedflash.testing import compile_for, cubin_resources, recorded_launches
 
 DENSE = ("llama-3.2-1b", "qwen3-1.7b", "gemma-2-2b")
 SM90 = (9, 0)
 SM90_SMS = 132
 ROWS = (1, 64, 512)  # one decode row, a 64-row decode step, a prefill chunk
+PARTS = ("layers", "attention")
+PAGE = 16
 
 
-def _calls(cfg: dict, rows: int):
+def _dims(cfg: dict) -> tuple[int, int, int]:
+    hq = cfg["num_attention_heads"]
+    return hq, cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // hq
+
+
+def _layer_calls(cfg: dict, rows: int):
     """(label, thunk) for every op of a layer (and the LM head's argmax) at ``rows`` rows of ``cfg``'s shape."""
     h, i, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // hq
+    hq, hkv, d = _dims(cfg)
     bf16 = dict(dtype=torch.bfloat16)
     x, w_h = torch.empty(rows, h, **bf16), torch.empty(h, **bf16)
     qkv = torch.empty(rows, (hq + 2 * hkv) * d, **bf16)
@@ -69,46 +87,122 @@ def _calls(cfg: dict, rows: int):
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
 
 
-def _as_sm90():
-    """The GEMM's host rule as on an sm90 GPU of 132 SMs, with CPU tensors (restored by the caller)."""
-    saved = (matmul.nvidia_capability, matmul.num_sms, matmul.interpreted)
-    matmul.nvidia_capability = lambda device: SM90
-    matmul.num_sms = lambda device: SM90_SMS
-    matmul.interpreted = lambda: True  # lets the plan take CPU tensors; the tile reads only the two above
+def _attention_calls(cfg: dict):
+    """(label, thunk) for the engine's attention at ``cfg``'s shape: K/V written into pages, then the
+    paged varlen launch with the layer's window, softcap and sinks (decode steps and a prefill chunk,
+    bf16 and fp8 pools), contiguous decode, dense prefill, and the batch-invariant forms."""
+    hq, hkv, d = _dims(cfg)
+    bf16 = dict(dtype=torch.bfloat16)
+    window = cfg.get("sliding_window") or 0
+    softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
+    sinks = torch.empty(hq, dtype=torch.float32) if cfg.get("model_type") == "gpt_oss" else None
+    kw = dict(causal=True, softcap=softcap, sinks=sinks)
+
+    def paged(rows: int, new: int, cached: int, fp8: bool = False, invariant: bool = False, windowed: bool = False):
+        total = cached + new
+        pages = -(-total // PAGE)
+        pool = (rows * pages + 1, PAGE, hkv, d)
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        k_cache, v_cache = torch.empty(pool, dtype=dtype), torch.empty(pool, dtype=dtype)
+        scales = dict(k_descale=torch.ones(hkv), v_descale=torch.ones(hkv)) if fp8 else {}
+        q = torch.empty(rows * new, hq, d, **bf16)
+        k = v = torch.empty(rows * new, hkv, d, **bf16)
+        cu_q = torch.arange(0, rows * new + 1, new, dtype=torch.int32)
+        cu_k = torch.arange(0, rows * total + 1, total, dtype=torch.int32)
+        table = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
+        slots = torch.zeros(rows * new, dtype=torch.int64)
+        win = (window - 1, -1) if windowed and window else (-1, -1)
+
+        def run():
+            pagedflash.write_kv_cache(k, v, k_cache, v_cache, slots, **({"k_scale": torch.ones(()),
+                                                                       "v_scale": torch.ones(())} if fp8 else {}))
+            pagedflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, new, total, block_table=table,
+                                              window_size=win, batch_invariant=invariant, **scales, **kw)
+        return run
+
+    for fp8 in (False, True):
+        tag = " fp8" if fp8 else ""
+        for rows, keys in ((1, 1024), (1, 16384), (64, 1024)):
+            yield f"paged decode{tag} {rows}x{keys}", paged(rows, 1, keys - 1, fp8)
+        yield f"paged chunk{tag} 512/4K", paged(1, 512, 4096, fp8)
+    if window:
+        yield "paged decode window", paged(1, 1, 16383, windowed=True)
+    yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
+    yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
+
+    def contiguous(rows: int, keys: int):
+        q = torch.empty(rows, 1, hq, d, **bf16)
+        cache = torch.empty(rows, keys, hkv, d, **bf16)
+        return lambda: pagedflash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=keys, **kw)
+
+    yield "decode 1x16K", contiguous(1, 16384)
+    yield "decode 64x1K", contiguous(64, 1024)
+    q, k = torch.empty(1, 2048, hq, d, **bf16), torch.empty(1, 2048, hkv, d, **bf16)
+    yield "prefill 2K", lambda: pagedflash.flash_attn_func(q, k, k, **kw)
+
+
+# the host's device queries, module by module, as an sm90 GPU answers them (CPU tensors planned as CUDA ones)
+_SM90 = [
+    (matmul, "nvidia_capability", lambda device: SM90), (matmul, "num_sms", lambda device: SM90_SMS),
+    (matmul, "interpreted", lambda: True),  # lets the GEMM's plan take CPU tensors; its tile reads the two above
+    (attention_plan, "nvidia_capability", lambda device: SM90), (attention_plan, "num_sms", lambda device: SM90_SMS),
+    (attention_plan, "interpreted", lambda: False), (attention_plan, "fp8_cvt_device", lambda device: True),
+    (launch_table, "num_sms", lambda device: SM90_SMS), (launch_table, "nvidia_capability", lambda device: SM90),
+    (launch_table, "interpreted", lambda: False), (launch_table, "tma_device", lambda device: True),
+]
+
+
+def _as_sm90() -> list:
+    """Patch :data:`_SM90` in; returns what to restore."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _SM90]
+    for module, name, value in _SM90:
+        setattr(module, name, value)
     return saved
 
 
-def check(shapes: list[str]) -> int:
+def _cases(shapes: list[str], parts: list[str]):
+    for name in shapes:
+        cfg = SHAPES[name]
+        if "layers" in parts:
+            for rows in ROWS:
+                for label, call in _layer_calls(cfg, rows):
+                    yield name, f"rows={rows:<4d} {label}", call
+        if "attention" in parts:
+            for label, call in _attention_calls(cfg):
+                yield name, label, call
+
+
+def check(shapes: list[str], parts: list[str] = PARTS) -> int:
     """Compile every distinct kernel of ``shapes`` for sm_90 and print one line each; the failures' count."""
     saved = _as_sm90()
     seen, failed = set(), 0
     try:
-        for name in shapes:
-            for rows in ROWS:
-                for label, call in _calls(SHAPES[name], rows):
-                    with recorded_launches() as launches:
-                        call()
-                    for launch, args in launches:
-                        key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())),
-                               tuple(sorted(launch.options.items())),
-                               tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        t0 = time.monotonic()
-                        try:
-                            ck = compile_for(launch, args)
-                        except Exception as e:  # noqa: BLE001 - every kernel is reported
-                            failed += 1
-                            print(f"{name} rows={rows} {label}: {launch.kernel.__name__} FAILED "
-                                  f"{type(e).__name__}: {str(e)[:400]}", flush=True)
-                            continue
-                        meta, usage = ck.metadata, cubin_resources(ck.asm["cubin"])
-                        print(f"{name:13s} rows={rows:<4d} {label:20s} {launch.kernel.__name__:24s} "
-                              f"{usage['REG']:3d} regs, {usage['LOCAL']:3d} B local (spills), smem {meta.shared:6d} B, "
-                              f"{meta.num_warps} warps, {time.monotonic() - t0:.1f} s", flush=True)
+        for name, label, call in _cases(shapes, parts):
+            with recorded_launches() as launches:
+                call()
+            for launch, args in launches:
+                key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())),
+                       tuple(sorted(launch.options.items())),
+                       tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a)
+                             for a in args))
+                if key in seen:
+                    continue
+                seen.add(key)
+                t0 = time.monotonic()
+                try:
+                    ck = compile_for(launch, args)
+                except Exception as e:  # noqa: BLE001 - every kernel is reported
+                    failed += 1
+                    print(f"{name} {label}: {launch.kernel.__name__} FAILED {type(e).__name__}: {str(e)[:400]}",
+                          flush=True)
+                    continue
+                meta, usage = ck.metadata, cubin_resources(ck.asm["cubin"])
+                print(f"{name:13s} {label:28s} {launch.kernel.__name__:22s} {usage['REG']:3d} regs, "
+                      f"{usage['LOCAL']:3d} B local (spills), smem {meta.shared:6d} B, {meta.num_warps} warps, "
+                      f"{time.monotonic() - t0:.1f} s", flush=True)
     finally:
-        matmul.nvidia_capability, matmul.num_sms, matmul.interpreted = saved
+        for module, attr, value in saved:
+            setattr(module, attr, value)
     print(f"{len(seen)} kernels, {failed} failed")
     return failed
 
@@ -117,12 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(DENSE),
                         help=f"comma-separated names of bench.shapes.SHAPES (default: {','.join(DENSE)})")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)} (default: both)")
     args = parser.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected names of {sorted(SHAPES)}")
-    return 1 if check(shapes) else 0
+    parts = [s for s in args.parts.split(",") if s]
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts: expected names of {PARTS}, got {args.parts!r}")
+    return 1 if check(shapes, parts) else 0
 
 
 if __name__ == "__main__":
