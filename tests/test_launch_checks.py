@@ -141,11 +141,21 @@ def test_results_of_kept_checks_are_the_fresh_ones(no_kernels, monkeypatch):
     seen = []
     real = attention.attention_forward
 
+    real_kept = attention.kept_forward
+
     def spy(*args, **kwargs):
         seen.append((kwargs["sm_scale"], kwargs["window"], kwargs["softcap"]))
         return real(*args, **kwargs)
 
+    def spy_kept(signature, q, k, v, out, return_lse, seqused_k, block_table, sm_scale, softcap, left, right, *rest):
+        done = real_kept(signature, q, k, v, out, return_lse, seqused_k, block_table, sm_scale, softcap, left, right,
+                         *rest)
+        if done is not None:  # None: no plan kept, attention_forward follows
+            seen.append((sm_scale, (left, right), softcap))
+        return done
+
     monkeypatch.setattr(decode, "attention_forward", spy)
+    monkeypatch.setattr(decode, "kept_forward", spy_kept)
     monkeypatch.setattr(prefill, "attention_forward", spy)
     for _ in range(3):
         _decode(softmax_scale=2, window_size=(3, 2**31), softcap=float("inf"))

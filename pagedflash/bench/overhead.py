@@ -160,22 +160,27 @@ def replay(launches: list) -> None:
 
 @contextlib.contextmanager
 def without_attention_forward():
-    """Inside: every pagedflash module's ``attention_forward`` returns the output it was given
-    (or q) at once, so a public call times what it does before the launch."""
-    real = attention.attention_forward
-
+    """Inside: every pagedflash module's ``attention_forward`` (and ``kept_forward``, its form for
+    a kept public plan) returns the output it was given (or q) at once, so a public call times what
+    it does before the launch."""
     def skip(q, k, v, *, out=None, **kwargs):
         return (q if out is None else out), None
 
-    holders = [m for name, m in list(sys.modules.items())
-               if name.startswith("pagedflash") and m is not None and getattr(m, "attention_forward", None) is real]
-    for m in holders:
-        m.attention_forward = skip
+    def skip_kept(signature, q, k, v, out, *args):
+        return out, None
+
+    replaced = []
+    for name, real, fake in (("attention_forward", attention.attention_forward, skip),
+                             ("kept_forward", attention.kept_forward, skip_kept)):
+        for m in list(sys.modules.values()):
+            if m is not None and m.__name__.startswith("pagedflash") and getattr(m, name, None) is real:
+                setattr(m, name, fake)
+                replaced.append((m, name, real))
     try:
         yield
     finally:
-        for m in holders:
-            m.attention_forward = real
+        for m, name, real in replaced:
+            setattr(m, name, real)
 
 
 # ---------------------------------------------------------------- workloads

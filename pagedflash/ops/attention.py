@@ -472,20 +472,15 @@ def attention_forward(
     (:mod:`pagedflash.ops.scratch`); repeated launches skip Triton's argument binding where
     :mod:`pagedflash.ops.fastlaunch` can.
     """
-    device = q.device
     if out is None:
         out = new_output(q)
-    lse = None
-    if return_lse:
-        shape = q.shape
-        lse_shape = (shape[1], shape[0]) if cu_seqlens_q is not None else (shape[0], shape[2], shape[1])
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    lse = _new_lse(q, cu_seqlens_q is not None) if return_lse else None
     left, right = window
     window = (left, right)
     sm_scale, softcap = float(sm_scale), float(softcap)
     key = signature
     if key is None:
-        key = plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
+        key = plan_key(q, k, v, out, lse, q.device, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,
                        cu_seqlens_k, seqused_k, block_table, num_splits, config, sinks, k_descale, v_descale,
                        batch_invariant)
     plan = _PLANS.get(key)
@@ -495,9 +490,42 @@ def attention_forward(
                          seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, config=config,
                          sinks=sinks, k_descale=k_descale, v_descale=v_descale, invariant=batch_invariant)
         _PLANS.add(key, plan)
+    _run(plan, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sm_scale, softcap, left, right,
+         sinks, k_descale, v_descale, max_seqlen_q, min_seqused_k, batch_invariant)
+    return out, lse
+
+
+def kept_forward(signature: tuple, q, k, v, out, return_lse: bool, seqused_k, block_table, sm_scale: float,
+                 softcap: float, left: int, right: int, sinks, k_descale, v_descale, batch_invariant: bool):
+    """:func:`attention_forward` of a dense-q call (no ``cu_seqlens``, nothing appended, a fresh
+    ``out``) whose plan is kept under its public ``signature``
+    (:func:`~pagedflash.ops.attention_plan.public_plan_key`), with positional arguments and the
+    scalars already normalized (``sm_scale`` and ``softcap`` floats): ``(out, lse)``, or None
+    where no plan is kept under ``signature`` (nothing launched: call :func:`attention_forward`)."""
+    plan = _PLANS.get(signature)
+    if plan is None:
+        return None
+    lse = _new_lse(q, False) if return_lse else None
+    _run(plan, q, k, v, out, lse, None, None, seqused_k, block_table, sm_scale, softcap, left, right, sinks,
+         k_descale, v_descale, q.shape[1], 0, batch_invariant)
+    return out, lse
+
+
+def _new_lse(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The LSE of q's rows, fp32: ``[Hq, total_q]`` for packed q, else ``[B, Hq, Sq]``."""
+    shape = q.shape
+    return torch.empty((shape[1], shape[0]) if varlen else (shape[0], shape[2], shape[1]), dtype=torch.float32,
+                       device=q.device)
+
+
+def _run(plan: Plan, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sm_scale, softcap, left,
+         right, sinks, k_descale, v_descale, max_seqlen_q, min_seqused_k, batch_invariant) -> None:
+    """Launch ``plan`` (the attention kernel, then the combine of its splits) on these tensors."""
     if plan.grid is None:  # no query rows
-        return out, lse
-    if plan.part_shapes is not None:
+        return
+    device = q.device
+    split = plan.part_shapes is not None
+    if split:
         out_part, lse_part = scratch.buffers(plan.part_shapes, device)
     else:
         out_part = lse_part = None  # unused
@@ -512,9 +540,8 @@ def attention_forward(
             validate.fault_buffer(device), q.shape[0] if cu_seqlens_q is not None else 0, max_seqlen_q, kv_limit,
             min_seqused_k, num_blocks)
     _launch(plan, args)
-    if plan.part_shapes is not None:
+    if split:
         if plan.combine is None:
             plan.combine = combine.plan_combine(out_part, lse_part, out, lse, tokens_per_batch=plan.tokens_per_batch,
                                                 invariant=batch_invariant)
         combine.launch_combine(plan.combine, out_part, lse_part, out, lse)
-    return out, lse

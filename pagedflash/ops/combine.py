@@ -129,7 +129,8 @@ def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invaria
 def launch_combine(plan: CombineLaunch, out_part, lse_part, out, lse) -> None:
     """Run ``plan`` (from :func:`plan_combine` on tensors like these) on these tensors."""
     args = (out_part, lse_part, out, lse, *plan.ints)  # lse None: absent (WRITE_LSE off)
-    fastlaunch.launch(plan.slot, _combine_kernel, plan.grid, args, plan.consts, absent=out, num_warps=4)
+    if not fastlaunch.run(plan.slot, _combine_kernel, plan.grid, args):
+        fastlaunch.launch_public(plan.slot, _combine_kernel, plan.grid, args, plan.consts, absent=out, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["rows"])

@@ -264,6 +264,14 @@ def implement(name: str, launch: Callable) -> Callable:
     return call
 
 
+def launches_here(first: torch.Tensor) -> bool:
+    """Whether an eager call (one that :func:`implement`'s callable would not send to the operator:
+    for a caller that knows Dynamo is not tracing it) may run its launcher itself, as that callable
+    does: eager calls not routed through the dispatcher (:func:`dispatch_eager`), and no device to
+    make current (``first`` not on a GPU, or one GPU visible)."""
+    return not _eager_via_ops and not (first.is_cuda and _several_gpus())
+
+
 # where the attention operators take ``out``, which they write in q's shape
 _OUT_ARG = {"flash_attn_func": 3, "flash_attn_varlen_func": 8, "flash_attn_with_kvcache": 8}
 

@@ -14,7 +14,7 @@ import torch
 
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops
-from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.attention import attention_forward, kept_forward
 from pagedflash.ops.attention_plan import checks_id, public_plan_key
 from pagedflash.ops.cache_write import append_kv
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
@@ -45,9 +45,15 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
         cache_seqlens = cache_seqlens + s_new  # int32: a sum past 2^31 wraps negative, which the kernel refuses
     if q.numel() == 0:  # a batch of 0: nothing to attend
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
+    scale = validate.check_scale(softmax_scale, q.shape[-1])
+    if signature is not None and not s_new:  # the plan kept for the public call's checks, if any
+        done = kept_forward(signature, q, k_cache, v_cache, out, return_lse, cache_seqlens, block_table, scale,
+                            softcap, window_left, window_right, sinks, k_descale, v_descale, batch_invariant)
+        if done is not None:
+            return done[1]
     return attention_forward(
         q, k_cache, v_cache, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=max_seqlen_k,
-        sm_scale=validate.check_scale(softmax_scale, q.shape[-1]), window=(window_left, window_right),
+        sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, seqused_k=cache_seqlens, block_table=block_table, num_splits=num_splits,
         return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale, v_descale=v_descale, min_seqused_k=s_new,
         batch_invariant=batch_invariant, signature=None if s_new else signature,
@@ -131,6 +137,12 @@ def flash_attn_with_kvcache(
     signature = None if key is None else public_plan_key("kvcache", checks, return_lse, invariant)
     if out is None:
         out = new_output(q)
+    if signature is not None and k is None and custom_ops.launches_here(q):  # _op's launcher, its kept-plan path
+        done = kept_forward(signature, q, k_cache, v_cache, out, return_lse, seqlens, block_table,
+                            validate.check_scale(softmax_scale, q.shape[-1]), softcap, left, right, sinks, k_descale,
+                            v_descale, invariant)
+        if done is not None:
+            return done if return_lse else out
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
               num_splits, return_lse, sinks, k_descale, v_descale, invariant, signature=signature)
     return (out, lse) if return_lse else out

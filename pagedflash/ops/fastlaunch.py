@@ -372,8 +372,14 @@ def launch(slot: Slot, fn, grid, args: tuple, consts: dict, *, absent=None, **op
     ``absent`` (a tensor), None arguments are absent optional tensors: null pointers to the handle,
     ``absent`` to the public launch (:func:`stand_in`)."""
     if not run(slot, fn, grid, args):
-        public = args if absent is None else stand_in(args, absent)
-        bind(slot, fn, fn[grid](*public, **consts, **options), consts)
+        launch_public(slot, fn, grid, args, consts, absent=absent, **options)
+
+
+def launch_public(slot: Slot, fn, grid, args: tuple, consts: dict, *, absent=None, **options) -> None:
+    """:func:`launch` without trying ``slot``'s handle (for a caller whose :func:`run` just returned
+    False): the public launch, which binds ``slot`` for the next call."""
+    public = args if absent is None else stand_in(args, absent)
+    bind(slot, fn, fn[grid](*public, **consts, **options), consts)
 
 
 @contextlib.contextmanager
