@@ -11,12 +11,15 @@ from helpers import DEVICE, assert_close, make_pool, randn
 from pagedflash import flash_attn_with_kvcache
 from pagedflash import reference as ref
 from pagedflash.ops import attention, custom_ops, decode
+from pagedflash.ops.utils import PlanCache
 
 
 @pytest.fixture
 def kept_calls(monkeypatch):
-    """The number of kept-plan launches made so far, as a one-element list (no plan kept before)."""
+    """The number of kept-plan launches made so far, as a one-element list (no plan kept before;
+    eager calls not routed through the dispatcher, whatever PAGEDFLASH_EAGER_OPS says)."""
     attention.clear_plans()
+    previous = custom_ops.dispatch_eager(False)
     count = [0]
     real = attention.kept_forward
 
@@ -26,7 +29,8 @@ def kept_calls(monkeypatch):
         return done
 
     monkeypatch.setattr(decode, "kept_forward", spy)
-    return count
+    yield count
+    custom_ops.dispatch_eager(previous)
 
 
 def _case(paged: bool, sinks: bool):
@@ -96,3 +100,30 @@ def test_kept_path_after_the_plans_are_cleared(kept_calls):
     again = flash_attn_with_kvcache(**case)
     assert kept_calls[0] == 0 and torch.equal(again, first)
     assert torch.equal(flash_attn_with_kvcache(**case), first) and kept_calls[0] == 1
+
+
+def test_plan_cache_find_is_get_and_forgets_on_clear():
+    cache = PlanCache(maxsize=2)
+    a, b = ("a", 1), ("b", 2)
+    assert cache.find(a) is None
+    cache.add(a, "A")
+    cache.add(b, "B")
+    assert cache.find(a) == "A" and cache.find(("a", 1)) == "A" and cache.find(b) == "B"
+    cache.clear()
+    assert cache.find(b) is None
+    cache.add(a, "A")
+    assert cache.find(a) == "A"
+    cache.add(b, "B")
+    cache.add(("c", 3), "C")  # past maxsize: starts over, the last found forgotten with the rest
+    assert cache.find(a) is None and cache.find(("c", 3)) == "C"
+
+
+def test_launches_here_follows_dispatch_eager():
+    q = randn(1, 1, 2, 16)
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        assert not custom_ops.launches_here(q)
+        custom_ops.dispatch_eager(False)
+        assert custom_ops.launches_here(q)
+    finally:
+        custom_ops.dispatch_eager(previous)

@@ -28,8 +28,8 @@ Before timing, each of our outputs is checked against SDPA's.
 Columns: ``ours``, the public call; ``public launch``, the same with
 :mod:`pagedflash.ops.fastlaunch` off (Triton's ``kernel[grid](...)`` for every launch);
 ``value checks``, the public call with the device-reading checks on (on a GPU a host sync per
-call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward``
-replaced by a no-op (input checks, the launch plan's key, output allocation, dispatch);
+call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward`` and
+``kept_forward`` replaced by no-ops (input checks, the launch plan's key, output allocation, dispatch);
 ``launch``, ``attention_forward`` alone (launch plan, scratch, both kernel launches); ``launches``,
 the kernel launches of one public call, and ``replay``, those launches alone, repeated through
 :func:`pagedflash.ops.fastlaunch.run` with the call's arguments (on a GPU Triton's launcher and

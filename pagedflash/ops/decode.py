@@ -124,7 +124,7 @@ def flash_attn_with_kvcache(
         key = checked_signature((q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks),
                                 (softmax_scale, causal, window_size, softcap, num_splits))
     # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
-    checked = None if key is None else _CHECKED.get(key)
+    checked = None if key is None else _CHECKED.find(key)
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)

@@ -202,6 +202,23 @@ class PlanCache(dict):
     def __init__(self, maxsize: int = 1024) -> None:
         super().__init__()
         self.maxsize = maxsize
+        self._last = None  # (key, value) that find() returned last
+
+    def find(self, key: tuple):
+        """``self.get(key)`` for a key that is not None, compared first with the key found last,
+        which is then not hashed (a loop repeats one signature: the hash of a key of tensor
+        properties costs about as much as the comparison)."""
+        last = self._last
+        if last is not None and last[0] == key:
+            return last[1]
+        found = self.get(key)
+        if found is not None:
+            self._last = (key, found)
+        return found
+
+    def clear(self) -> None:
+        super().clear()
+        self._last = None
 
     @staticmethod
     def key(*tensors, extra: tuple = ()) -> tuple | None:
