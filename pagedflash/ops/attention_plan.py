@@ -101,7 +101,7 @@ def public_plan_key(entry: str, checks: int, return_lse: bool, invariant: bool) 
     it was kept, one per key and never reused, so that a call reads and hashes its tensors'
     properties once. Valid only where everything else :func:`plan_key` reads follows from that key:
     the output and LSE fresh (contiguous, aligned, shaped from q), the call's tensors passed to
-    :func:`~pagedflash.ops.attention.attention_forward` as they were checked, and its sizes and
+    :func:`~pagedflash.ops.attention.attention_forward` (or ``kept_forward``) as they were checked, and its sizes and
     window derived from the checked shapes and scalars alone. ``entry`` names the public function
     (a tag: two functions' keys never meet). The launch table's switches as in :func:`plan_key`."""
     return entry, checks, return_lse, invariant, _switches(invariant)

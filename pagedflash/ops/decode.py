@@ -128,10 +128,12 @@ def flash_attn_with_kvcache(
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
-        checked = (*checked, None) if key is None else _CHECKED.add(key, (*checked, checks_id()))
+        # kept: with the scale the kernel takes (softmax_scale or its default) and a checks_id
+        checked = (*checked, None, None) if key is None else _CHECKED.add(
+            key, (*checked, validate.check_scale(checked[1], q.shape[-1]), checks_id()))
     else:
         seqlens = cache_seqlens
-    max_len, softmax_scale, left, right, softcap, checks = checked
+    max_len, softmax_scale, left, right, softcap, scale, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's with a fresh out (_launch drops it where new keys are appended)
     signature = None if key is None else public_plan_key("kvcache", checks, return_lse, invariant)
@@ -139,8 +141,7 @@ def flash_attn_with_kvcache(
         out = new_output(q)
     if signature is not None and k is None and custom_ops.launches_here(q):  # _op's launcher, its kept-plan path
         done = kept_forward(signature, q, k_cache, v_cache, out, return_lse, seqlens, block_table,
-                            validate.check_scale(softmax_scale, q.shape[-1]), softcap, left, right, sinks, k_descale,
-                            v_descale, invariant)
+                            scale, softcap, left, right, sinks, k_descale, v_descale, invariant)
         if done is not None:
             return done if return_lse else out
     lse = _op(q, k_cache, v_cache, k, v, seqlens, block_table, max_len, out, softmax_scale, left, right, softcap,
