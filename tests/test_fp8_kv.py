@@ -230,7 +230,7 @@ def test_bf16_queries_of_any_finite_magnitude(log2_q):
     and near its smallest normals (2^-124: a shift of -126, where a floor at -100 lost the mantissa)
     give the reference's answer with the softmax scale that keeps their scores of order one, decode
     and varlen prefill alike (the portable kernel; on sm90 the varlen call is small enough to stay
-    on it, ``tests/test_prefill_hopper.py`` covers the Gluon one)."""
+    on it, ``tests/test_prefill_hopper*.py`` cover the Gluon one)."""
     hq, hkv, d, n = 4, 2, 64, 40
     scale = 2.0 ** -log2_q / d**0.5
     q = (randn(2, 1, hq, d) * 2.0**log2_q).to(torch.bfloat16)
