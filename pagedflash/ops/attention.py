@@ -341,15 +341,18 @@ except ImportError:  # another triton layout: ensure_tma_allocator just sets our
 
 
 # the current GPU's index without torch.cuda.current_device()'s lazy-init check: Triton asks for
-# scratch only while it launches on a GPU, so CUDA is initialized
-_current_gpu = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# scratch only while it launches on a GPU, so CUDA is initialized (None in a CPU-only torch)
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (Triton asks for it per launch, on the
     current device; fast launches take the same buffer without the call:
     :func:`pagedflash.ops.fastlaunch.register_scratch_allocator`)."""
-    return fastlaunch.global_scratch(size, -1 if interpreted() else _current_gpu())
+    if interpreted():
+        return fastlaunch.global_scratch(size, -1)
+    index = _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
+    return fastlaunch.global_scratch(size, index)
 
 
 fastlaunch.register_scratch_allocator(_tma_scratch)
