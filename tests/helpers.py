@@ -9,6 +9,7 @@ sequences when compiled on a GPU. The comparison rule and the pool builder are t
 
 import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
 import math
+from array import array
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def check_invariants(bm: BlockManager) -> None:
         for i, b in enumerate(seq.block_table):
             block, tokens = blocks[b], seq.token_ids[i * p : (i + 1) * p]
             if i < seq.num_committed:
-                assert block.token_ids == tuple(tokens)
+                assert block.token_bytes == array("q", tokens).tobytes()
                 assert block.hash == bm_module.chain_hash(parent_hash, tokens)  # the patched one, if any
                 parent_hash = block.hash
             else:
@@ -111,7 +112,7 @@ def check_invariants(bm: BlockManager) -> None:
 def snapshot(bm: BlockManager):
     """Everything an all-or-nothing failure must leave unchanged."""
     return (
-        [(b.ref_count, b.hash, b.token_ids, b.parent, b.reuses) for b in bm._blocks],
+        [(b.ref_count, b.hash, b.token_bytes, b.parent, b.reuses) for b in bm._blocks],
         list(bm._free_uncached),
         list(bm._evictable),
         dict(bm._hash_to_block),

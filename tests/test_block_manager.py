@@ -4,6 +4,7 @@ vLLM's prefix-caching tests."""
 
 import math
 
+import numpy
 import pytest
 from helpers import check_invariants, snapshot
 
@@ -98,11 +99,20 @@ def test_token_ids_are_checked_before_any_change(caching):
     for bad, exc, match in ((1.0, TypeError, r"token_ids\[1\] must be an int token id, got 1.0 of type float"),
                             (True, TypeError, r"token_ids\[1\] must be an int token id, got True"),
                             (-1, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\), got -1"),
-                            (2**63, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)")):
+                            (2**63, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)"),
+                            (2**64 - 1, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)"),
+                            (2**64, ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)"),
+                            (-(2**70), ValueError, r"token_ids\[1\] must be a token id in \[0, 2\*\*63\)")):
         before = snapshot(bm)
         with pytest.raises(exc, match=match):
             bm.allocate(0, [1, bad])
         assert snapshot(bm) == before and 0 not in bm
+    big = [2**63 - 1, 0, 2**62, 255]  # the largest int64, and ids whose bytes are 0x00 or 0xff
+    bm.allocate(9, big + [1])
+    bm.commit(9, 5)
+    bm.free(9)
+    assert bm.allocate(8, [numpy.int64(t) for t in big] + [2])[1] == (4 if caching else 0)  # numpy ids hit
+    bm.free(8)
     bm.allocate(0, [1])
     bm.append_token(0, 2**63 - 1)  # the largest int64 is a valid id
     for bad, exc in ((2.5, TypeError), (2**63, ValueError), (-5, ValueError), (None, TypeError)):
@@ -399,7 +409,7 @@ def test_duplicate_full_blocks_keep_first_index_entry():
 
 
 def test_hash_collision_checks_tokens(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: 42)  # every block collides
+    monkeypatch.setattr(bm_module, "chain_hash_bytes", lambda parent_hash, data: 42)  # every block collides
     bm = BlockManager(16, 2)
     a, _ = run(bm, "a", [1, 2, 3, 4, 0])
     b, cached = run(bm, "b", [5, 6, 3, 4, 0])  # the index sends [5, 6] to a's [1, 2] block
@@ -409,7 +419,7 @@ def test_hash_collision_checks_tokens(monkeypatch):
 
 
 def test_hash_collision_checks_parent(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
+    monkeypatch.setattr(bm_module, "chain_hash_bytes", lambda parent_hash, data: hash(data))
     bm = BlockManager(16, 2)
     x, _ = run(bm, "x", [5, 6, 3, 4, 0])  # indexes [3, 4] computed after [5, 6]
     run(bm, "a", [1, 2, 0])
@@ -420,7 +430,7 @@ def test_hash_collision_checks_parent(monkeypatch):
 
 
 def test_hash_collision_checks_parent_incarnation(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent_hash, token_ids: hash(tuple(token_ids)))
+    monkeypatch.setattr(bm_module, "chain_hash_bytes", lambda parent_hash, data: hash(data))
     bm = BlockManager(4, 2)
     a, _ = run(bm, "a", [1, 2, 3, 4])
     run(bm, "u", [7, 7, 7, 7])  # the pool is full, nothing uncached

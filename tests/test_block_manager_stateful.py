@@ -4,13 +4,15 @@ each written slot holds the token prefix its K/V depends on, so any wrong sharin
 shared block, or hit on a block whose forward failed shows as a mismatched slot."""
 
 
+from array import array
+
 from helpers import check_invariants, snapshot
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedflash.cache import block_manager as bm_module
-from pagedflash.cache.block_manager import BlockManager, NoFreeBlocksError, chain_hash
+from pagedflash.cache.block_manager import BlockManager, NoFreeBlocksError, chain_hash_bytes
 
 # ----------------------------------------------------------------------------- stateful random test
 
@@ -18,8 +20,8 @@ TOKENS = st.integers(0, 2)  # a tiny vocabulary so prefixes repeat
 WEAK_HASH_BUCKETS = 3  # with the weak hash nearly every block collides: hits must be confirmed by content
 
 
-def weak_chain_hash(parent_hash, token_ids):
-    return hash((parent_hash, *token_ids)) % WEAK_HASH_BUCKETS
+def weak_chain_hash(parent_hash, data):
+    return hash((parent_hash, data)) % WEAK_HASH_BUCKETS
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -35,7 +37,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, page_size, caching, weak_hash):
         if weak_hash:
-            bm_module.chain_hash = weak_chain_hash  # restored in teardown
+            bm_module.chain_hash_bytes = weak_chain_hash  # restored in teardown
         self.bm = BlockManager(num_blocks, page_size, enable_prefix_caching=caching)
         self.pool: dict[int, tuple] = {}  # slot -> token prefix its K/V was computed from
         self.computed: dict[int, int] = {}  # live seq -> leading tokens written by completed forwards
@@ -152,7 +154,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         del self.computed[seq_id]
 
     def teardown(self):
-        bm_module.chain_hash = chain_hash
+        bm_module.chain_hash_bytes = chain_hash_bytes
 
     @invariant()
     def invariants_hold(self):
@@ -173,7 +175,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if block.hash is None:
                 continue
             reuses, prefix = self.registered[block.block_id]
-            assert reuses == block.reuses and prefix[-p:] == block.token_ids
+            assert reuses == block.reuses and array("q", prefix[-p:]).tobytes() == block.token_bytes
             for j in range(p):
                 assert self.pool[block.block_id * p + j] == prefix[: len(prefix) - p + j + 1]
 
