@@ -29,6 +29,7 @@ __all__ = [
     "check_close",
     "compare",
     "compile_for",
+    "compile_new",
     "cubin_resources",
     "random_block_table",
     "recorded_launches",
@@ -269,6 +270,27 @@ def compile_for(launch, args, capability: int = 90):
     sig.update({name: "constexpr" for name in launch.consts})
     source = triton.compiler.ASTSource(kernel, sig, constexprs=dict(launch.consts), attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
+
+
+def compile_new(launches, seen: set, capability: int = 90):
+    """Compile each ``(launch, args)`` of ``launches`` (:func:`recorded_launches`) whose
+    specialization is not in ``seen`` yet (its key is added): kernel, constexprs, options, and each
+    argument's dtype and 16-byte alignment (tensors) or type. Yields ``(launch, compiled, error,
+    seconds)``: the :func:`compile_for` result, or None and the exception it raised."""
+    import time
+
+    for launch, args in launches:
+        key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())), tuple(sorted(launch.options.items())),
+               tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args))
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.monotonic()
+        try:
+            compiled, error = compile_for(launch, args, capability), None
+        except Exception as e:  # noqa: BLE001 - the caller reports every kernel
+            compiled, error = None, e
+        yield launch, compiled, error, time.monotonic() - t0
 
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: its kernels must be defined for the compiler
@@ -44,7 +43,7 @@ import pagedflash
 from pagedflash.bench.shapes import SHAPES
 from pagedflash.ops import activation, attention_plan, gemv, matmul, norm, rope, sampling
 from pagedflash.ops import launch as launch_table
-from pagedflash.testing import compile_for, cubin_resources, recorded_launches
+from pagedflash.testing import compile_new, cubin_resources, recorded_launches
 
 DENSE = ("llama-3.2-1b", "qwen3-1.7b", "gemma-2-2b")
 SM90 = (9, 0)
@@ -180,26 +179,16 @@ def check(shapes: list[str], parts: list[str] = PARTS) -> int:
         for name, label, call in _cases(shapes, parts):
             with recorded_launches() as launches:
                 call()
-            for launch, args in launches:
-                key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())),
-                       tuple(sorted(launch.options.items())),
-                       tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a)
-                             for a in args))
-                if key in seen:
-                    continue
-                seen.add(key)
-                t0 = time.monotonic()
-                try:
-                    ck = compile_for(launch, args)
-                except Exception as e:  # noqa: BLE001 - every kernel is reported
+            for launch, ck, error, seconds in compile_new(launches, seen):
+                if error is not None:
                     failed += 1
-                    print(f"{name} {label}: {launch.kernel.__name__} FAILED {type(e).__name__}: {str(e)[:400]}",
+                    print(f"{name} {label}: {launch.kernel.__name__} FAILED {type(error).__name__}: {str(error)[:400]}",
                           flush=True)
                     continue
                 meta, usage = ck.metadata, cubin_resources(ck.asm["cubin"])
                 print(f"{name:13s} {label:28s} {launch.kernel.__name__:22s} {usage['REG']:3d} regs, "
                       f"{usage['LOCAL']:3d} B local (spills), smem {meta.shared:6d} B, {meta.num_warps} warps, "
-                      f"{time.monotonic() - t0:.1f} s", flush=True)
+                      f"{seconds:.1f} s", flush=True)
     finally:
         for module, attr, value in saved:
             setattr(module, attr, value)

@@ -39,7 +39,7 @@ from pagedflash.bench import moe as bench_moe
 from pagedflash.bench.common import free_memory, measure, ratio, tflops
 from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.ops import moe
-from pagedflash.testing import check_close, compile_for, recorded_launches
+from pagedflash.testing import check_close, compile_new, recorded_launches
 
 # (label, changes to the current tiles). Decode candidates keep the current rows per block; at T = 1
 # the fused sum's down GEMM has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused one k times as many
@@ -232,24 +232,15 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
                         moe.fused_moe(x, topk_weights=topk_weights, topk_ids=topk_ids, activation=activation, **weights)
                 finally:
                     moe.TILES = None
-                for launch, args in calls:
-                    key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())),
-                           tuple(sorted(launch.options.items())), tuple(isinstance(a, torch.Tensor) and a.dtype
-                                                                         for a in args))
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    t0 = time.monotonic()
-                    try:
-                        ck = compile_for(launch, args)
-                    except Exception as e:  # noqa: BLE001 - every kernel is reported
+                for launch, ck, error, seconds in compile_new(calls, seen):
+                    if error is not None:
                         failed += 1
-                        print(f"{name} T={T} {label}: {launch.kernel.__name__} FAILED {type(e).__name__}: "
-                              f"{str(e)[:300]}", flush=True)
+                        print(f"{name} T={T} {label}: {launch.kernel.__name__} FAILED {type(error).__name__}: "
+                              f"{str(error)[:300]}", flush=True)
                         continue
                     copies = ck.asm["ttgir"].count("async_copy_global_to_local")  # none: loads not pipelined
                     print(f"{name} T={T} {label:34s} {launch.kernel.__name__:17s} smem {ck.metadata.shared:6d} B, "
-                          f"{copies:2d} async copies, {time.monotonic() - t0:.1f} s", flush=True)
+                          f"{copies:2d} async copies, {seconds:.1f} s", flush=True)
     print(f"{len(seen)} kernels, {failed} failed")
     return failed
 
