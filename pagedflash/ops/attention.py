@@ -537,10 +537,11 @@ def _run(plan: Plan, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, b
         out_part, lse_part = scratch.buffers(plan.part_shapes, device)
     else:
         out_part = lse_part = None  # unused
+    k_shape = k.shape
     if block_table is not None:  # the kernel's bounds for metadata values
-        kv_limit, num_blocks = min(block_table.shape[1] * k.shape[1], INT32_MAX), k.shape[0]
+        kv_limit, num_blocks = min(block_table.shape[1] * k_shape[1], INT32_MAX), k_shape[0]
     else:
-        kv_limit, num_blocks = k.shape[0] if cu_seqlens_k is not None else k.shape[1], 0
+        kv_limit, num_blocks = k_shape[0] if cu_seqlens_k is not None else k_shape[1], 0
     # None: an absent optional tensor (its constexpr is off, never read): a null pointer to the fast
     # handle, which then reads no tensor's address for it; ``out`` on the public launch
     args = (q, k, v, out, lse, out_part, lse_part, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table,
