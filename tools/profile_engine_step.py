@@ -1,6 +1,8 @@
 """Where a batch-1 decode step of the 1B engine spends its time (H200): the kernels of one decode-graph
 replay (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
-    python tools/profile_engine_step.py [context]     # default 1024
+    python tools/profile_engine_step.py [context] [--batch-invariant]     # default 1024, mode off
+``--batch-invariant``: the engine in batch-invariant mode (issue 32: which kernels make its step
+slower than the mode-off one; run both in one call to compare).
 """
 import random
 import statistics
@@ -16,9 +18,12 @@ from pagedflash.engine.config import LLAMA_3_2_1B
 
 
 def main() -> None:
-    ctx = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
+    args = [a for a in sys.argv[1:] if a != "--batch-invariant"]
+    invariant = "--batch-invariant" in sys.argv[1:]
+    ctx = int(args[0]) if args else 1024
     rng = random.Random(0)
-    llm = LLM(LLAMA_3_2_1B, max_num_seqs=64)  # seeded random weights
+    llm = LLM(LLAMA_3_2_1B, max_num_seqs=64, batch_invariant=invariant)  # seeded random weights
+    print(f"batch-invariant mode {'on' if invariant else 'off'}")
     prompt = [rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)]
     llm.generate([prompt], SamplingParams(max_tokens=1))
     out = llm.generate([prompt], SamplingParams(max_tokens=128, ignore_eos=True))[0]
