@@ -207,86 +207,85 @@ def row_exact_interpreter_dot():
         builder.create_dot = original
 
 
-_LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
-                             "launch_cooperative_grid", "launch_pdl"))
-
-
 @contextlib.contextmanager
 def recorded_launches():
-    """Inside the block every launch written ``kernel[grid](*args, **constexprs, **options)`` is
-    recorded instead of run, as ``(launch, args)`` in the list yielded: ``launch.kernel``, ``.grid``,
-    ``.consts`` (the constexpr keywords) and ``.options`` (``num_warps``, ``num_stages``, ...); ``args``
-    the runtime arguments in order. That is every pagedflash launch whose fast-launch handle is not
-    bound yet (:mod:`pagedflash.ops.fastlaunch`), so a fresh process's first calls of the public ops:
-    their plans and arguments, for :func:`compile_for`, on any machine. Kernels defined for the
-    compiler only (``TRITON_INTERPRET=0`` before pagedflash is imported; the interpreter's kernels
-    are another class)."""
+    """Inside the block every launch written ``kernel[grid](*args, **keywords)`` is recorded instead
+    of run, as ``(launch, args)`` in the list yielded: ``launch.kernel``, ``.grid`` and ``.kwargs``
+    (constexprs and options such as ``num_warps``), ``args`` the positional arguments. That is every
+    pagedflash launch whose fast-launch handle is not bound yet (:mod:`pagedflash.ops.fastlaunch`),
+    so a fresh process's first calls of the public ops: their plans and arguments, for
+    :func:`compile_for`, on any machine. Kernels defined for the compiler only (``TRITON_INTERPRET=0``
+    before pagedflash is imported); launches of every thread are recorded while the block runs."""
     from types import SimpleNamespace
 
     from triton.runtime.jit import JITFunction
 
+    from pagedflash.ops.utils import interpreted
+
+    if interpreted():
+        raise RuntimeError("recorded_launches: the kernels run under the Triton interpreter here, which it "
+                           "cannot record; set TRITON_INTERPRET=0 before pagedflash is imported")
     calls = []
 
     def getitem(kernel, grid):
-        def record(*args, **kwargs):
-            options = {k: kwargs.pop(k) for k in list(kwargs) if k in _LAUNCH_OPTIONS}
-            calls.append((SimpleNamespace(kernel=kernel, grid=grid, consts=kwargs, options=options), args))
+        return lambda *args, **kwargs: calls.append((SimpleNamespace(kernel=kernel, grid=grid, kwargs=kwargs), args))
 
-        return record
-
-    saved = JITFunction.__getitem__
+    own = "__getitem__" in JITFunction.__dict__
+    saved = JITFunction.__dict__.get("__getitem__")
     JITFunction.__getitem__ = getitem
     try:
         yield calls
     finally:
-        JITFunction.__getitem__ = saved
+        if own:
+            JITFunction.__getitem__ = saved
+        else:
+            del JITFunction.__getitem__
 
 
-_TRITON_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                  torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+def _specialized(launch, args, capability: int):
+    """``(target, key, (signature, constexprs, attrs, options))``: what Triton's launcher would
+    compile for ``launch(*args)`` on an NVIDIA GPU of ``sm_<capability>``, worked out by Triton's own
+    binder (its specialization rules: alignment and divisibility hints, ints equal to 1 folded,
+    ``do_not_specialize`` honoured); ``key`` identifies that compilation."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+    key = (kernel.cache_key, str(specialization), str(sorted(options.__dict__.items())))
+    return target, key, (signature, constexprs, attrs, options)
 
 
 def compile_for(launch, args, capability: int = 90):
     """``launch``'s kernel compiled by Triton's whole pipeline for NVIDIA ``sm_<capability>`` (the
-    wheel's ptxas: no GPU needed; not under the interpreter), specialized as a launch with ``args``
-    would be: pointers 16-byte aligned and ints divisible by 16 marked so. Returns the compiled kernel
-    (``.metadata``: ``shared``, ``num_warps``; ``.asm``: ``ttgir``, ``ptx``, ...); raises what the
-    compiler raises."""
+    wheel's ptxas: no GPU needed; not under the interpreter), specialized as Triton's launcher would
+    for ``args``. Returns the compiled kernel (``.metadata``: ``shared``, ``num_warps``; ``.asm``:
+    ``ttgir``, ``ptx``, ``cubin``); raises what the compiler raises."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
-    kernel, sig, attrs = launch.kernel, {}, {}
-    runtime = [a for a in kernel.arg_names if a not in launch.consts]
-    for name, value in zip(runtime, args):
-        index = (kernel.arg_names.index(name),)
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + _TRITON_DTYPES[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
-        else:
-            sig[name] = "fp32" if isinstance(value, float) else "i32" if abs(value) < 2**31 else "i64"
-            aligned = not isinstance(value, float) and value % 16 == 0
-        if aligned:
-            attrs[index] = [["tt.divisibility", 16]]
-    sig.update({name: "constexpr" for name in launch.consts})
-    source = triton.compiler.ASTSource(kernel, sig, constexprs=dict(launch.consts), attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=launch.options)
+    target, _, (signature, constexprs, attrs, options) = _specialized(launch, args, capability)
+    source = triton.compiler.ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def compile_new(launches, seen: set, capability: int = 90):
     """Compile each ``(launch, args)`` of ``launches`` (:func:`recorded_launches`) whose
-    specialization is not in ``seen`` yet (its key is added): kernel, constexprs, options, and each
-    argument's dtype and 16-byte alignment (tensors) or type. Yields ``(launch, compiled, error,
-    seconds)``: the :func:`compile_for` result, or None and the exception it raised."""
+    specialization (:func:`compile_for`'s) is not in ``seen`` yet (its key is added). Yields
+    ``(launch, compiled, error, seconds)``: the compiled kernel, or None and the exception raised."""
     import time
 
     for launch, args in launches:
-        key = (launch.kernel.__name__, tuple(sorted(launch.consts.items())), tuple(sorted(launch.options.items())),
-               tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else type(a) for a in args))
-        if key in seen:
-            continue
-        seen.add(key)
         t0 = time.monotonic()
         try:
+            _, key, _ = _specialized(launch, args, capability)
+            if key in seen:
+                continue
+            seen.add(key)
             compiled, error = compile_for(launch, args, capability), None
         except Exception as e:  # noqa: BLE001 - the caller reports every kernel
             compiled, error = None, e

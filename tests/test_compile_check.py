@@ -1,8 +1,9 @@
 """``tools/compile_check.py``: the engine's kernels compiled for sm_90 without a GPU, as an sm90 GPU
 plans them (a process of its own: the kernels compiled, not interpreted), at two real shapes (head
 dims 128 and 256, Gemma's window and softcap): the per-layer kernels with the fused q/k norm RoPE,
-and the attention (paged decode and chunked prefill, bf16 and fp8 pools, contiguous decode, dense
-prefill, batch-invariant). A compile error in a path the interpreter runs fine fails here, not on
+and the attention (paged decode and chunked prefill, bf16 and fp8 pools, the decode graphs' launches,
+contiguous decode, dense prefill, merged states, batch-invariant), each specialized by Triton's own
+binder. A compile error in a path the interpreter runs fine fails here, not on
 the GPU. About a minute of compiling on one core."""
 
 import os
@@ -22,10 +23,11 @@ def test_engine_kernels_compile_for_sm90():
     assert lines[-1].endswith(" 0 failed")
     for label in ("rope + q/k norm", "rms_norm + residual", "silu_mul_gemv down", "matmul qkv", "argmax",
                   "paged decode 1x1024", "paged chunk fp8 512/4K", "paged decode window", "invariant decode 1x16K",
-                  "decode 64x1K", "prefill 2K"):
+                  "decode 64x1K", "prefill 2K", "graph decode 1x1024", "matmul down, K chunks", "merge states 512"):
         assert any(f" {label} " in x for x in lines), label
     assert all(" 0 B local" in x for x in lines[:-1] if " regs," in x), "a kernel spills"
-    for kernel in ("_attention_kernel", "_combine_kernel", "_write_kv_kernel", "_rope_kernel", "_gemv_kernel"):
+    for kernel in ("_attention_kernel", "_combine_kernel", "_write_kv_kernel", "_rope_kernel", "_gemv_kernel",
+                   "_fold_kernel", "_merge_kernel"):
         assert any(f" {kernel} " in x for x in lines), kernel
 
 

@@ -12,10 +12,16 @@ loads, the fp8 conversion instruction):
   prefill chunk;
 - ``attention``: the engine's attention as its layers call it (K/V written into 16-row pages, then
   one paged varlen launch with the shape's window, softcap and sinks): a 1-row and a 64-row decode
-  step at 1K and 16K keys (split-KV and its combine) and a 512-token chunk over 4K cached keys; the
-  same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``) and dense prefill
-  (``flash_attn_func``); batch-invariant decode and prefill. The Hopper Gluon prefill kernel is not
-  among them (its own check: ``tools/gluon_compile_check.py``, with Triton 3.6).
+  step at 1K and 16K keys (split-KV and its combine), the decode graphs' launches (every batch size
+  of the ladder, their fixed split count, the capacity as the key bound), and a 512-token chunk over
+  4K cached keys; the same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``), dense
+  prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill. The GEMM
+  with K chunks (its split form and fold) too.
+
+Not covered: the Hopper Gluon prefill kernel and its metadata pre-pass (their own check,
+``tools/gluon_compile_check.py``, needs Triton 3.6's Gluon). Where that kernel takes a call on an
+sm90 GPU with Triton 3.6 (dense prefill and chunks of 256 rows and more), the plans compiled here
+under those labels are the portable kernel's, what every other GPU and Triton runs.
 
 Each distinct kernel specialization goes through Triton's whole pipeline for sm_90
 (:func:`pagedflash.testing.compile_for`, the wheel's ptxas). Prints its registers, spills and
@@ -41,7 +47,8 @@ import torch
 
 import pagedflash
 from pagedflash.bench.shapes import SHAPES
-from pagedflash.ops import activation, attention_plan, gemv, matmul, norm, rope, sampling
+from pagedflash.engine.runner import graph_num_splits, graph_sizes
+from pagedflash.ops import activation, attention_plan, combine, gemv, matmul, norm, rope, sampling
 from pagedflash.ops import launch as launch_table
 from pagedflash.testing import compile_new, cubin_resources, recorded_launches
 
@@ -51,6 +58,7 @@ SM90_SMS = 132
 ROWS = (1, 64, 512)  # one decode row, a 64-row decode step, a prefill chunk
 PARTS = ("layers", "attention")
 PAGE = 16
+GRAPH_ROWS, GRAPH_LEN = 256, 8192  # decode graphs: the engine's default max_num_seqs, a model length
 
 
 def _dims(cfg: dict) -> tuple[int, int, int]:
@@ -81,9 +89,20 @@ def _layer_calls(cfg: dict, rows: int):
         yield "rms_norm_gemv qkv", lambda: gemv.rms_norm_gemv(x, w_qkv, norm_weight=w_h, eps=1e-6, residual=x)
         yield "silu_mul_gemv down", lambda: gemv.silu_mul_gemv(gate_up, w_down)
     yield "matmul qkv", lambda: matmul.matmul(x, w_qkv)
+    if rows == 1:
+        yield "matmul down, K chunks", lambda: _chunked(lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
+
+
+def _chunked(call):
+    """``call()`` with the GEMM's K chunks on (``PAGEDFLASH_MATMUL_CHUNK_K=1``: the split form and its fold)."""
+    saved, matmul.CHUNK_K = matmul.CHUNK_K, True
+    try:
+        call()
+    finally:
+        matmul.CHUNK_K = saved
 
 
 def _attention_calls(cfg: dict):
@@ -97,9 +116,12 @@ def _attention_calls(cfg: dict):
     sinks = torch.empty(hq, dtype=torch.float32) if cfg.get("model_type") == "gpt_oss" else None
     kw = dict(causal=True, softcap=softcap, sinks=sinks)
 
-    def paged(rows: int, new: int, cached: int, fp8: bool = False, invariant: bool = False, windowed: bool = False):
+    def paged(rows: int, new: int, cached: int, fp8: bool = False, invariant: bool = False, windowed: bool = False,
+              graph_len: int = 0):
+        """K/V written into pages, then one paged varlen launch; ``graph_len``: as a decode graph
+        launches it (the split count of ``graph_num_splits`` and ``max_seqlen_k`` the capacity)."""
         total = cached + new
-        pages = -(-total // PAGE)
+        pages = -(-max(total, graph_len) // PAGE)
         pool = (rows * pages + 1, PAGE, hkv, d)
         dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
         k_cache, v_cache = torch.empty(pool, dtype=dtype), torch.empty(pool, dtype=dtype)
@@ -111,12 +133,14 @@ def _attention_calls(cfg: dict):
         table = torch.arange(rows * pages, dtype=torch.int32).view(rows, pages)
         slots = torch.zeros(rows * new, dtype=torch.int64)
         win = (window - 1, -1) if windowed and window else (-1, -1)
+        splits = graph_num_splits(rows, hkv, SM90_SMS) if graph_len else 0
 
         def run():
             pagedflash.write_kv_cache(k, v, k_cache, v_cache, slots, **({"k_scale": torch.ones(()),
                                                                        "v_scale": torch.ones(())} if fp8 else {}))
-            pagedflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, new, total, block_table=table,
-                                              window_size=win, batch_invariant=invariant, **scales, **kw)
+            pagedflash.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, new, graph_len or total,
+                                              block_table=table, window_size=win, num_splits=splits,
+                                              batch_invariant=invariant, **scales, **kw)
         return run
 
     for fp8 in (False, True):
@@ -124,6 +148,8 @@ def _attention_calls(cfg: dict):
         for rows, keys in ((1, 1024), (1, 16384), (64, 1024)):
             yield f"paged decode{tag} {rows}x{keys}", paged(rows, 1, keys - 1, fp8)
         yield f"paged chunk{tag} 512/4K", paged(1, 512, 4096, fp8)
+    for rows in graph_sizes(GRAPH_ROWS):  # the engine's decode graphs, captured for the capacity
+        yield f"graph decode {rows}x1024", paged(rows, 1, 1023, graph_len=GRAPH_LEN)
     if window:
         yield "paged decode window", paged(1, 1, 16383, windowed=True)
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
@@ -138,6 +164,8 @@ def _attention_calls(cfg: dict):
     yield "decode 64x1K", contiguous(64, 1024)
     q, k = torch.empty(1, 2048, hq, d, **bf16), torch.empty(1, 2048, hkv, d, **bf16)
     yield "prefill 2K", lambda: pagedflash.flash_attn_func(q, k, k, **kw)
+    o, lse = torch.empty(512, hq, d, **bf16), torch.empty(512, hq)
+    yield "merge states 512", lambda: combine.merge_attn_states(o, lse, o, lse)
 
 
 # the host's device queries, module by module, as an sm90 GPU answers them (CPU tensors planned as CUDA ones)
@@ -177,8 +205,13 @@ def check(shapes: list[str], parts: list[str] = PARTS) -> int:
     seen, failed = set(), 0
     try:
         for name, label, call in _cases(shapes, parts):
-            with recorded_launches() as launches:
-                call()
+            try:
+                with recorded_launches() as launches:
+                    call()
+            except Exception as e:  # noqa: BLE001 - a case whose host path fails is a failure, not the end
+                failed += 1
+                print(f"{name} {label}: FAILED before any compile: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                continue
             for launch, ck, error, seconds in compile_new(launches, seen):
                 if error is not None:
                     failed += 1
