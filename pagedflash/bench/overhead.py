@@ -30,7 +30,9 @@ Columns: ``ours``, the public call; ``public launch``, the same with
 ``value checks``, the public call with the device-reading checks on (on a GPU a host sync per
 call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward`` and
 ``kept_forward`` replaced by no-ops (input checks, the launch plan's key, output allocation, dispatch);
-``launch``, ``attention_forward`` alone (launch plan, scratch, both kernel launches); ``launches``,
+``launch``, ``attention_forward`` alone (launch plan, scratch, both kernel launches: the first
+call's route; decode's later calls launch their kept plan through ``kept_forward``, a few frames
+shorter); ``launches``,
 the kernel launches of one public call, and ``replay``, those launches alone, repeated through
 :func:`pagedflash.ops.fastlaunch.run` with the call's arguments (on a GPU Triton's launcher and
 the driver; ``launch`` minus ``replay`` is pagedflash's Python around them); ``sdpa``; and the
@@ -172,8 +174,8 @@ def without_attention_forward():
     replaced = []
     for name, real, fake in (("attention_forward", attention.attention_forward, skip),
                              ("kept_forward", attention.kept_forward, skip_kept)):
-        for m in list(sys.modules.values()):
-            if m is not None and m.__name__.startswith("pagedflash") and getattr(m, name, None) is real:
+        for module_name, m in list(sys.modules.items()):
+            if m is not None and module_name.startswith("pagedflash") and getattr(m, name, None) is real:
                 setattr(m, name, fake)
                 replaced.append((m, name, real))
     try:
