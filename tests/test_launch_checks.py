@@ -157,6 +157,7 @@ def test_results_of_kept_checks_are_the_fresh_ones(no_kernels, monkeypatch):
     monkeypatch.setattr(decode, "attention_forward", spy)
     monkeypatch.setattr(decode, "kept_forward", spy_kept)
     monkeypatch.setattr(prefill, "attention_forward", spy)
+    monkeypatch.setattr(prefill, "kept_forward", spy_kept)
     for _ in range(3):
         _decode(softmax_scale=2, window_size=(3, 2**31), softcap=float("inf"))
         _prefill(window_size=(4, 9), softcap=5)

@@ -15,7 +15,7 @@ import torch
 
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, prefill_hopper
-from pagedflash.ops.attention import attention_forward
+from pagedflash.ops.attention import attention_forward, kept_forward
 from pagedflash.ops.attention_plan import checks_id, public_plan_key
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
@@ -42,13 +42,17 @@ def _output(out, q: torch.Tensor, **inputs) -> torch.Tensor:
 
 
 def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softcap, return_lse, sinks=None,
-                  batch_invariant=False, signature=None):
+                  batch_invariant=False, signature=None, gluon=None):
     """The operator's launcher; ``signature``: the plan key from the public checks (eager calls
-    with a fresh out: :func:`pagedflash.ops.attention_plan.public_plan_key`)."""
+    with a fresh out: :func:`pagedflash.ops.attention_plan.public_plan_key`); ``gluon``: whether
+    the Gluon kernel takes the call, where the public call has just asked (None: ask here)."""
     if q.numel() == 0:  # a batch of 0 or Sq = 0: nothing to compute
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     scale = validate.check_scale(softmax_scale, q.shape[-1])
-    if not batch_invariant and prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks) is None:
+    if gluon is None:
+        gluon = not batch_invariant and prefill_hopper.refusal(q, k, v, window_left, window_right, softcap,
+                                                               sinks) is None
+    if gluon:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse)
         except prefill_hopper.Fallback:
@@ -130,17 +134,29 @@ def flash_attn_func(
     """
     key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
     # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
-    checked = None if key is None else _CHECKED.get(key)
+    checked = None if key is None else _CHECKED.find(key)
     if checked is None:
         checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
-        checked = (*checked, None) if key is None else _CHECKED.add(key, (*checked, checks_id()))
-    softmax_scale, left, right, softcap, checks = checked
+        # kept: with the scale the kernel takes (softmax_scale or its default) and a checks_id
+        checked = (*checked, None, None) if key is None else _CHECKED.add(
+            key, (*checked, validate.check_scale(checked[0], q.shape[-1]), checks_id()))
+    softmax_scale, left, right, softcap, scale, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
     signature = None if key is None or out is not None else public_plan_key("func", checks, return_lse, invariant)
     out = _output(out, q, k=k, v=v, sinks=sinks)
+    gluon = None  # whether the Gluon kernel takes the call, where _dense_op's launcher would run here
+    if signature is not None and custom_ops.launches_here(q):
+        # asked on every call, not kept with the checks: it reads module switches (ENABLED among them) their key
+        # does not cover
+        gluon = not invariant and prefill_hopper.refusal(q, k, v, left, right, softcap, sinks) is None
+        if not gluon:  # the launcher's kept-plan path
+            done = kept_forward(signature, q, k, v, out, return_lse, None, None, scale, softcap, left, right, sinks,
+                                None, None, invariant)
+            if done is not None:
+                return done if return_lse else out
     lse = _dense_op(q, k, v, out, softmax_scale, left, right, softcap, return_lse, sinks, invariant,
-                    signature=signature)
+                    signature=signature, gluon=gluon)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,128 @@
+"""The kept-plan path of ``flash_attn_func``: from a signature's second eager call on, where the
+Gluon kernel does not take the call, the public function launches the plan kept for its checks
+itself (:func:`pagedflash.ops.attention.kept_forward`) instead of going through its operator's
+launcher. Its results are the first call's and the operator's, bit for bit; it is skipped where
+the operator path must run (calls routed through the dispatcher, a given ``out``, a call the
+Gluon kernel takes, asked on every call), and a new signature gets a new plan."""
+
+import pytest
+import torch
+from helpers import assert_close, randn
+
+from pagedflash import flash_attn_func
+from pagedflash import reference as ref
+from pagedflash.ops import attention, custom_ops, prefill, prefill_hopper
+
+
+@pytest.fixture
+def kept_calls(monkeypatch):
+    """The number of kept-plan launches made so far, as a one-element list (no plan kept before;
+    eager calls not routed through the dispatcher, whatever PAGEDFLASH_EAGER_OPS says)."""
+    attention.clear_plans()
+    previous = custom_ops.dispatch_eager(False)
+    count = [0]
+    real = attention.kept_forward
+
+    def spy(*args):
+        done = real(*args)
+        count[0] += done is not None
+        return done
+
+    monkeypatch.setattr(prefill, "kept_forward", spy)
+    yield count
+    custom_ops.dispatch_eager(previous)
+
+
+def _case(sinks: bool = False):
+    q, k, v = randn(2, 19, 4, 32), randn(2, 21, 2, 32), randn(2, 21, 2, 32)
+    return dict(q=q, k=k, v=v, **(dict(sinks=randn(4)) if sinks else {}))
+
+
+@pytest.mark.parametrize("args", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0, softmax_scale=0.3)],
+                         ids=["causal", "window-softcap"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["", "invariant"])
+def test_kept_path_gives_the_first_calls_result_and_the_operators(kept_calls, args, sinks, invariant):
+    case = dict(_case(sinks), **args, return_lse=True, batch_invariant=invariant)
+    first, first_lse = flash_attn_func(**case)
+    assert kept_calls[0] == 0
+    again, again_lse = flash_attn_func(**case)
+    assert kept_calls[0] == 1
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        via_op, via_op_lse = flash_attn_func(**case)
+    finally:
+        custom_ops.dispatch_eager(previous)
+    assert kept_calls[0] == 1  # routed through the dispatcher: never the kept path
+    assert torch.equal(again, first) and torch.equal(again_lse, first_lse)
+    assert torch.equal(via_op, first) and torch.equal(via_op_lse, first_lse)
+    want, want_lse = ref.attention_ref(case["q"], case["k"], case["v"], sinks=case.get("sinks"), **args)
+    assert_close(again, want, torch.float32)
+    assert_close(again_lse, want_lse, torch.float32, name="lse")
+
+
+def test_kept_path_only_for_the_same_signature(kept_calls):
+    case = _case()
+    flash_attn_func(**case, causal=True)
+    flash_attn_func(**case, causal=True, return_lse=True)  # another plan: the LSE is written
+    flash_attn_func(**case)  # another check outcome: not causal
+    assert kept_calls[0] == 0
+    out = flash_attn_func(**case, causal=True)
+    assert kept_calls[0] == 1 and out.is_contiguous() and out.shape == case["q"].shape
+    # a q of another alignment, another batch: their own first calls
+    q_off = randn(2 * 19 * 4 * 32 + 1)[1:].view(2, 19, 4, 32)
+    flash_attn_func(**dict(case, q=q_off), causal=True)
+    flash_attn_func(q=case["q"][:1], k=case["k"][:1], v=case["v"][:1], causal=True)
+    assert kept_calls[0] == 1
+
+
+def test_kept_path_not_for_a_given_out(kept_calls):
+    case = _case()
+    for _ in range(2):
+        out = torch.empty_like(case["q"])
+        assert flash_attn_func(**case, causal=True, out=out) is out
+    assert kept_calls[0] == 0
+
+
+def test_kept_path_after_the_plans_are_cleared(kept_calls):
+    """clear_plans forgets the kept plans; the next call makes its plan again (the operator's launcher)."""
+    case = _case()
+    first = flash_attn_func(**case, causal=True)
+    attention.clear_plans()
+    again = flash_attn_func(**case, causal=True)
+    assert kept_calls[0] == 0 and torch.equal(again, first)
+    assert torch.equal(flash_attn_func(**case, causal=True), first) and kept_calls[0] == 1
+
+
+@pytest.mark.parametrize("how", ["refusal", "enabled"])
+def test_the_gluon_kernel_still_takes_a_call_whose_plan_is_kept(kept_calls, monkeypatch, how):
+    """The routing is asked on every call, after the portable plan is kept too: a call that the
+    Gluon kernel takes (here: its refusal patched away) goes to it, not to the kept plan; with
+    PAGEDFLASH_GLUON's switch off again, the kept plan runs."""
+    calls = []
+
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+        calls.append((sm_scale, causal, return_lse))
+        out.zero_()
+
+    case = _case()
+    first = flash_attn_func(**case, causal=True, softmax_scale=0.5)
+    flash_attn_func(**case, causal=True, softmax_scale=0.5)
+    assert kept_calls[0] == 1 and not calls
+    monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
+    if how == "refusal":
+        monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None)
+    else:  # every other refusal away, the switch decides
+        monkeypatch.setattr(prefill_hopper, "_refusal", lambda *args: None)
+        monkeypatch.setattr(prefill_hopper, "UNAVAILABLE", None)
+        monkeypatch.setattr(prefill_hopper, "ENABLED", True)
+    out = flash_attn_func(**case, causal=True, softmax_scale=0.5)
+    assert calls == [(0.5, True, False)] and torch.equal(out, torch.zeros_like(out)) and kept_calls[0] == 1
+    # batch-invariant calls never take the Gluon kernel: the kept plan of theirs
+    flash_attn_func(**case, causal=True, softmax_scale=0.5, batch_invariant=True)
+    flash_attn_func(**case, causal=True, softmax_scale=0.5, batch_invariant=True)
+    assert len(calls) == 1 and kept_calls[0] == 2
+    if how == "enabled":
+        monkeypatch.setattr(prefill_hopper, "ENABLED", False)
+        assert torch.equal(flash_attn_func(**case, causal=True, softmax_scale=0.5), first)
+        assert len(calls) == 1 and kept_calls[0] == 3
