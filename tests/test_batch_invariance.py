@@ -200,7 +200,7 @@ def test_invariant_tile_setting(monkeypatch):
 
 def test_no_compile_fallback_in_the_mode(monkeypatch):
     """Another tile would round rows another way: a tile that does not compile is an error."""
-    from pagedflash.ops import attention
+    from pagedflash.ops import attention, attention_launch
 
     class Broken:
         def __getitem__(self, grid):
@@ -209,8 +209,8 @@ def test_no_compile_fallback_in_the_mode(monkeypatch):
             return run
 
     monkeypatch.setattr(attention, "_attention_kernel", Broken())
-    monkeypatch.setattr(attention, "_COMPILE_ERRORS", (_FakeCompileError,))
-    monkeypatch.setattr(attention, "_FALLBACK", {})
+    monkeypatch.setattr(attention_launch, "_COMPILE_ERRORS", (_FakeCompileError,))
+    monkeypatch.setattr(attention_launch, "_FALLBACK", {})
     attention.clear_plans()
     q = randn(1, 5, 2, 32)
     with pytest.raises(RuntimeError, match="batch-invariant tile .* does not compile here .*PAGEDFLASH_INVARIANT_TILE"):

@@ -26,6 +26,7 @@ from pagedflash import reference as ref
 from pagedflash.ops import (
     activation,
     attention,
+    attention_launch,
     combine,
     fastlaunch,
     gemv,
@@ -363,7 +364,7 @@ def test_environment_switch_forces_the_public_launch(monkeypatch):
     finally:
         monkeypatch.undo()  # the environment as the run had it, then the module as it loads there
         importlib.reload(fastlaunch)
-        fastlaunch.register_scratch_allocator(attention._tma_scratch)  # as attention's import did
+        fastlaunch.register_scratch_allocator(attention_launch._tma_scratch)  # as attention_launch's import did
 
 
 # ---------------------------------------------------------------- compiled (GPU)

@@ -20,7 +20,7 @@ from test_fastlaunch import CASES, _Device, _Jit, _kernel_stub, _Knobs, _known_t
 from triton.runtime import _allocation
 
 from pagedflash import flash_attn_func, flash_attn_with_kvcache
-from pagedflash.ops import attention, combine, fastlaunch, scratch
+from pagedflash.ops import attention, attention_launch, combine, fastlaunch, scratch
 from pagedflash.testing import capture_graph
 
 _BASE_ARGS_FORMAT = "iiiKKppOOOOOO"  # 3.6's driver module: the C function's leading arguments
@@ -81,11 +81,11 @@ def gpu_scratch(monkeypatch):
     monkeypatch.setattr(scratch, "_capturing", lambda: state.capturing)
     if not ON_GPU:
         monkeypatch.setattr(scratch, "_fresh", lambda specs, device: tuple(torch.empty(s, dtype=d) for s, d in specs))
-        monkeypatch.setattr(attention, "interpreted", lambda: False)
+        monkeypatch.setattr(attention_launch, "interpreted", lambda: False)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fastlaunch, "DIRECT", True)
     scratch.clear()
-    token = _allocation._allocator.set(attention._tma_scratch)
+    token = _allocation._allocator.set(attention_launch._tma_scratch)
     try:
         yield state
     finally:

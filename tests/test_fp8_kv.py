@@ -294,14 +294,15 @@ def test_fp8_through_descriptors(descriptors, page):
     """The opt-in fp8 descriptor path (``PAGEDFLASH_TMA_FP8=1``): varlen prefill over dense K/V and over
     64-row pages whose unused slots hold NaN, through descriptors (checked by a spy on the launch).
     Under the interpreter here; compiled on Hopper in the GPU run, which tells whether it builds."""
-    from pagedflash.ops import attention
+    from pagedflash.ops import attention_launch
 
     if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor descriptors need Hopper")
     descriptors.setattr(launch, "TMA_FP8", True)
     launched = []
-    real = attention._launch
-    descriptors.setattr(attention, "_launch", lambda plan, args: launched.append(plan.tma_on) or real(plan, args))
+    real = attention_launch.launch
+    descriptors.setattr(attention_launch, "launch",
+                        lambda plan, args, kernel: launched.append(plan.tma_on) or real(plan, args, kernel))
     dtype, hq, hkv, d = (torch.bfloat16 if ON_GPU else torch.float16), 8, 2, 64
     kd, vd = descales("head", hkv)
     new, total = [6, 64, 1], [70, 130, 64]

@@ -135,7 +135,7 @@ class _FakeCompileError(RuntimeError):
 
 def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
     # triton 3.6's ptxas crashes on some tiles: the launcher retries once with a conservative tile
-    from pagedflash.ops import attention
+    from pagedflash.ops import attention, attention_launch
 
     real, seen = attention._attention_kernel, []
 
@@ -149,8 +149,8 @@ def test_compile_failure_falls_back_to_a_safe_tile(monkeypatch):
             return run
 
     monkeypatch.setattr(attention, "_attention_kernel", Flaky())
-    monkeypatch.setattr(attention, "_COMPILE_ERRORS", (_FakeCompileError,))
-    monkeypatch.setattr(attention, "_FALLBACK", {})
+    monkeypatch.setattr(attention_launch, "_COMPILE_ERRORS", (_FakeCompileError,))
+    monkeypatch.setattr(attention_launch, "_FALLBACK", {})
     # 200 query rows: a prefill tile (up to PACK_MAX_ROWS = 128 rows pack into one unpipelined decode tile on a GPU)
     q, k, v = randn(1, 200, 2, 32), randn(1, 200, 2, 32), randn(1, 200, 2, 32)
     with pytest.warns(UserWarning, match="failed .*_FakeCompileError.*; using"):
