@@ -116,6 +116,12 @@ def test_plan_cache_find_is_get_and_forgets_on_clear():
     cache.add(b, "B")
     cache.add(("c", 3), "C")  # past maxsize: starts over, the last found forgotten with the rest
     assert cache.find(a) is None and cache.find(("c", 3)) == "C"
+    for remove in (lambda c, k: c.__delitem__(k), lambda c, k: c.pop(k), lambda c, k: c.popitem()):
+        cache.clear()
+        cache.add(a, "A")
+        assert cache.find(a) == "A"
+        remove(cache, a)  # every removal forgets the remembered entry
+        assert cache.find(a) is None
 
 
 def test_launches_here_follows_dispatch_eager():

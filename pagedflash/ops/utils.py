@@ -207,7 +207,9 @@ class PlanCache(dict):
     def find(self, key: tuple):
         """``self.get(key)`` for a key that is not None, compared first with the key found last,
         which is then not hashed (a loop repeats one signature: the hash of a key of tensor
-        properties costs about as much as the comparison)."""
+        properties costs about as much as the comparison). For values that follow from the key
+        alone (a check outcome): a clear() racing a find() in another thread may leave the cleared
+        value remembered, which is then still the right value for that key."""
         last = self._last
         if last is not None and last[0] == key:
             return last[1]
@@ -219,6 +221,19 @@ class PlanCache(dict):
     def clear(self) -> None:
         super().clear()
         self._last = None
+
+    # every other removal forgets the remembered entry too (find must never return a removed value)
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._last = None
+
+    def pop(self, *args):
+        self._last = None
+        return super().pop(*args)
+
+    def popitem(self):
+        self._last = None
+        return super().popitem()
 
     @staticmethod
     def key(*tensors, extra: tuple = ()) -> tuple | None:
