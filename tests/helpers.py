@@ -136,3 +136,24 @@ def prompts_of(lengths, seed=0, vocab=128, low=0):
     """Seeded random prompts of these lengths, ids in ``[low, vocab)``."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def count_kept_launches(monkeypatch, module):
+    """Count the kept-plan launches (:func:`pagedflash.ops.attention.kept_forward` calls that
+    launched) that the public functions of ``module`` make, in a one-element list; no plan is kept
+    before, and eager calls are not routed through the dispatcher whatever PAGEDFLASH_EAGER_OPS
+    says (restored with ``restore_dispatch``, the second value returned)."""
+    from pagedflash.ops import attention, custom_ops
+
+    attention.clear_plans()
+    previous = custom_ops.dispatch_eager(False)
+    count = [0]
+    real = attention.kept_forward
+
+    def spy(*args):
+        done = real(*args)
+        count[0] += done is not None
+        return done
+
+    monkeypatch.setattr(module, "kept_forward", spy)
+    return count, lambda: custom_ops.dispatch_eager(previous)

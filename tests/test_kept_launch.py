@@ -6,7 +6,7 @@ dispatcher, new keys appended, a given ``out``), and a new signature gets a new 
 
 import pytest
 import torch
-from helpers import DEVICE, assert_close, make_pool, randn
+from helpers import DEVICE, assert_close, count_kept_launches, make_pool, randn
 
 from pagedflash import flash_attn_with_kvcache
 from pagedflash import reference as ref
@@ -16,21 +16,10 @@ from pagedflash.ops.utils import PlanCache
 
 @pytest.fixture
 def kept_calls(monkeypatch):
-    """The number of kept-plan launches made so far, as a one-element list (no plan kept before;
-    eager calls not routed through the dispatcher, whatever PAGEDFLASH_EAGER_OPS says)."""
-    attention.clear_plans()
-    previous = custom_ops.dispatch_eager(False)
-    count = [0]
-    real = attention.kept_forward
-
-    def spy(*args):
-        done = real(*args)
-        count[0] += done is not None
-        return done
-
-    monkeypatch.setattr(decode, "kept_forward", spy)
+    """The number of kept-plan launches made so far (:func:`helpers.count_kept_launches`)."""
+    count, restore = count_kept_launches(monkeypatch, decode)
     yield count
-    custom_ops.dispatch_eager(previous)
+    restore()
 
 
 def _case(paged: bool, sinks: bool):

@@ -7,7 +7,7 @@ Gluon kernel takes, asked on every call), and a new signature gets a new plan.""
 
 import pytest
 import torch
-from helpers import assert_close, randn
+from helpers import assert_close, count_kept_launches, randn
 
 from pagedflash import flash_attn_func
 from pagedflash import reference as ref
@@ -16,21 +16,10 @@ from pagedflash.ops import attention, custom_ops, prefill, prefill_hopper
 
 @pytest.fixture
 def kept_calls(monkeypatch):
-    """The number of kept-plan launches made so far, as a one-element list (no plan kept before;
-    eager calls not routed through the dispatcher, whatever PAGEDFLASH_EAGER_OPS says)."""
-    attention.clear_plans()
-    previous = custom_ops.dispatch_eager(False)
-    count = [0]
-    real = attention.kept_forward
-
-    def spy(*args):
-        done = real(*args)
-        count[0] += done is not None
-        return done
-
-    monkeypatch.setattr(prefill, "kept_forward", spy)
+    """The number of kept-plan launches made so far (:func:`helpers.count_kept_launches`)."""
+    count, restore = count_kept_launches(monkeypatch, prefill)
     yield count
-    custom_ops.dispatch_eager(previous)
+    restore()
 
 
 def _case(sinks: bool = False):
