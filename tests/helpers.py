@@ -142,7 +142,7 @@ def count_kept_launches(monkeypatch, module):
     """Count the kept-plan launches (:func:`pagedflash.ops.attention.kept_forward` calls that
     launched) that the public functions of ``module`` make, in a one-element list; no plan is kept
     before, and eager calls are not routed through the dispatcher whatever PAGEDFLASH_EAGER_OPS
-    says (restored with ``restore_dispatch``, the second value returned)."""
+    says (the second value returned puts the dispatcher switch back)."""
     from pagedflash.ops import attention, custom_ops
 
     attention.clear_plans()

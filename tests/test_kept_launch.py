@@ -111,6 +111,12 @@ def test_plan_cache_find_is_get_and_forgets_on_clear():
         assert cache.find(a) == "A"
         remove(cache, a)  # every removal forgets the remembered entry
         assert cache.find(a) is None
+    for replace in (lambda c, k: c.add(k, "Z"), lambda c, k: c.update({k: "Z"}), lambda c, k: c.__ior__({k: "Z"})):
+        cache.clear()
+        cache.add(a, "A")
+        assert cache.find(a) == "A"
+        replace(cache, a)  # and every replacement
+        assert cache.find(a) == "Z"
 
 
 def test_launches_here_follows_dispatch_eager():

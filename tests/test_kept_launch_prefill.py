@@ -65,6 +65,19 @@ def test_kept_path_only_for_the_same_signature(kept_calls):
     assert kept_calls[0] == 1
 
 
+def test_kept_call_launches_once(kept_calls, monkeypatch):
+    """A kept-plan call launches through the kept plan only: the launcher's attention_forward is not
+    called as well (a second launch would give the same bits and go unnoticed otherwise)."""
+    case = _case()
+    flash_attn_func(**case, causal=True)
+    routed = []
+    real = prefill.attention_forward
+    monkeypatch.setattr(prefill, "attention_forward", lambda *a, **kw: routed.append(1) or real(*a, **kw))
+    for n in (1, 2):
+        flash_attn_func(**case, causal=True)
+        assert kept_calls[0] == n and not routed
+
+
 def test_kept_path_not_for_a_given_out(kept_calls):
     case = _case()
     for _ in range(2):

@@ -222,7 +222,24 @@ class PlanCache(dict):
         super().clear()
         self._last = None
 
-    # every other removal forgets the remembered entry too (find must never return a removed value)
+    # every other removal or replacement forgets the remembered entry too (find must never return a
+    # value get would not)
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._last = None
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._last = None
+
+    def setdefault(self, key, default=None):
+        self._last = None
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self._last = None
+        return super().__ior__(other)
+
     def __delitem__(self, key) -> None:
         super().__delitem__(key)
         self._last = None
