@@ -28,7 +28,6 @@ __all__ = [
     "assert_close",
     "check_close",
     "compare",
-    "compile_for",
     "compile_new",
     "cubin_resources",
     "random_block_table",
@@ -214,7 +213,7 @@ def recorded_launches():
     (constexprs and options such as ``num_warps``), ``args`` the positional arguments. That is every
     pagedflash launch whose fast-launch handle is not bound yet (:mod:`pagedflash.ops.fastlaunch`),
     so a fresh process's first calls of the public ops: their plans and arguments, for
-    :func:`compile_for`, on any machine. Kernels defined for the compiler only (``TRITON_INTERPRET=0``
+    :func:`compile_new`, on any machine. Kernels defined for the compiler only (``TRITON_INTERPRET=0``
     before pagedflash is imported); launches of every thread are recorded while the block runs."""
     from types import SimpleNamespace
 
@@ -243,10 +242,11 @@ def recorded_launches():
 
 
 def _specialized(launch, args, capability: int):
-    """``(target, key, (signature, constexprs, attrs, options))``: what Triton's launcher would
-    compile for ``launch(*args)`` on an NVIDIA GPU of ``sm_<capability>``, worked out by Triton's own
-    binder (its specialization rules: alignment and divisibility hints, ints equal to 1 folded,
-    ``do_not_specialize`` honoured); ``key`` identifies that compilation."""
+    """``(key, source, target, options)``: what Triton's launcher would compile for ``launch(*args)``
+    on an NVIDIA GPU of ``sm_<capability>``, worked out by Triton's own binder (its specialization
+    rules: alignment and divisibility hints, ints equal to 1 folded, ``do_not_specialize``
+    honoured), ready for ``triton.compile``; ``key`` identifies that compilation."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -258,35 +258,28 @@ def _specialized(launch, args, capability: int):
     bound, specialization, options = binder(*args, **launch.kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
     key = (kernel.cache_key, str(specialization), str(sorted(options.__dict__.items())))
-    return target, key, (signature, constexprs, attrs, options)
-
-
-def compile_for(launch, args, capability: int = 90):
-    """``launch``'s kernel compiled by Triton's whole pipeline for NVIDIA ``sm_<capability>`` (the
-    wheel's ptxas: no GPU needed; not under the interpreter), specialized as Triton's launcher would
-    for ``args``. Returns the compiled kernel (``.metadata``: ``shared``, ``num_warps``; ``.asm``:
-    ``ttgir``, ``ptx``, ``cubin``); raises what the compiler raises."""
-    import triton
-
-    target, _, (signature, constexprs, attrs, options) = _specialized(launch, args, capability)
-    source = triton.compiler.ASTSource(launch.kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=target, options=options.__dict__)
+    return key, triton.compiler.ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__
 
 
 def compile_new(launches, seen: set, capability: int = 90):
-    """Compile each ``(launch, args)`` of ``launches`` (:func:`recorded_launches`) whose
-    specialization (:func:`compile_for`'s) is not in ``seen`` yet (its key is added). Yields
-    ``(launch, compiled, error, seconds)``: the compiled kernel, or None and the exception raised."""
+    """Compile, by Triton's whole pipeline for NVIDIA ``sm_<capability>`` (the wheel's ptxas: no GPU
+    needed; not under the interpreter), each ``(launch, args)`` of ``launches``
+    (:func:`recorded_launches`) as Triton's launcher would specialize it, unless that specialization
+    is in ``seen`` already (its key is added). Yields ``(launch, compiled, error, seconds)``: the
+    compiled kernel (``.metadata``: ``shared``, ``num_warps``; ``.asm``: ``ttgir``, ``ptx``,
+    ``cubin``), or None and the exception raised."""
     import time
+
+    import triton
 
     for launch, args in launches:
         t0 = time.monotonic()
         try:
-            _, key, _ = _specialized(launch, args, capability)
+            key, source, target, options = _specialized(launch, args, capability)
             if key in seen:
                 continue
             seen.add(key)
-            compiled, error = compile_for(launch, args, capability), None
+            compiled, error = triton.compile(source, target=target, options=options), None
         except Exception as e:  # noqa: BLE001 - the caller reports every kernel
             compiled, error = None, e
         yield launch, compiled, error, time.monotonic() - t0

@@ -24,7 +24,7 @@ sm90 GPU with Triton 3.6 (dense prefill and chunks of 256 rows and more), the pl
 under those labels are the portable kernel's, what every other GPU and Triton runs.
 
 Each distinct kernel specialization goes through Triton's whole pipeline for sm_90
-(:func:`pagedflash.testing.compile_for`, the wheel's ptxas). Prints its registers, spills and
+(:func:`pagedflash.testing.compile_new`, the wheel's ptxas). Prints its registers, spills and
 shared memory; exits 1 if one fails to compile.
 
     python tools/compile_check.py                          # the engine's dense shapes, both parts

@@ -45,7 +45,6 @@ import triton.language as tl
 from pagedflash import validate
 from pagedflash.ops import _jit, attention_launch, combine, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
-from pagedflash.ops.attention_launch import ensure_tma_allocator  # noqa: F401  (imported from here too)
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
 from pagedflash.ops.attention_tiles import attend_range, find_seq, offsets_fault
 from pagedflash.ops.launch import LaunchConfig

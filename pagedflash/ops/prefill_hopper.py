@@ -31,7 +31,7 @@ import torch
 from pagedflash.ops import fastlaunch, metadata
 from pagedflash.ops import prefill_hopper_kernel as kernel
 from pagedflash.ops._jit import LOG2E
-from pagedflash.ops.attention import ensure_tma_allocator
+from pagedflash.ops.attention_launch import ensure_tma_allocator
 from pagedflash.ops.prefill_hopper_kernel import BLOCK_M, BLOCK_N, UNAVAILABLE
 from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, num_sms, nvidia_capability
 from pagedflash.validate import FP8_DTYPES
