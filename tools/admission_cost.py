@@ -17,6 +17,9 @@ def main() -> None:
     for name, default in (("prefix", 4096), ("suffix", 128), ("requests", 64), ("page", 16), ("rounds", 7)):
         ap.add_argument(f"--{name}", type=int, default=default)
     a = ap.parse_args()
+    for name, least in (("prefix", 1), ("suffix", 1), ("requests", 2), ("page", 1), ("rounds", 1)):
+        if getattr(a, name) < least:
+            ap.error(f"--{name}: expected an int >= {least}, got {getattr(a, name)}")
     rng = random.Random(0)
     prefix = [rng.randrange(32000) for _ in range(a.prefix)]
     prompts = [prefix + [rng.randrange(32000) for _ in range(a.suffix)] for _ in range(a.requests)]
