@@ -19,6 +19,9 @@ over the decode rows, M <= 64 (``--objective decode``, the prefill rows' ratios 
 ``--sweep`` also times :data:`SWEEP` (16-256 columns: a narrow layer, N = 2048, has 16 column tiles of
 128 for 132 SMs at M = 1); a candidate that matmul or Triton refuses is skipped with its reason.
 ``--chunk-k``: also each timed tile with K in fixed chunks (:func:`chunked`, ``matmul.CHUNK_K``'s rule).
+Each weight's log also says which timed unchunked tiles give, bit for bit, the current tile's whole output: every
+unchunked tile sums K in the same 16-deep MMA steps in the same order, so where the device's MMA rounds
+an element the same whatever the tile's width, a rule may pick the tile by M and stay invariant.
 
 Output: everything goes to ``--out`` (default ``$OUT/tune_matmul.log``, else ``tune_matmul.log``),
 each weight's full ranking as soon as it is timed; stdout gets the top 6 of each, and its last lines
@@ -159,6 +162,8 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
     calls = max(2, copies)
     base = [graph_us(lambda i, x=x_all[:m]: F.linear(x, weights[i % copies]), calls) for m in rows]
     times: dict[mm.Tile, list[float] | str] = {}
+    same: dict[mm.Tile, bool] = {}  # each timed tile's whole output bitwise the first tile's
+    first = with_tile(tiles[0], mm.matmul, x_all, weights[0])
     for j, t in enumerate(tiles):
         if j and time.monotonic() > deadline:
             times[t] = "not timed: budget spent"
@@ -174,8 +179,10 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
                 log(f"  {name(t)}: {us}", file_only=True)
                 break
         times[t] = us
+        if isinstance(us, list) and not t.chunk_k:  # chunks sum K in another order: other bits by design
+            same[t] = torch.equal(with_tile(t, mm.matmul, x_all, weights[0]), first)
     flags = {"cuBLAS": invariant(F.linear, x_all, weights[0])}
-    return base, times, flags, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
+    return base, times, flags, same, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
 
 
 def rank(rows, base, times, objective: str) -> list[tuple[float, mm.Tile, list[float]]]:
@@ -249,7 +256,7 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
     budget); returns its summary lines."""
     rows, objective = args.rows, args.objective
     dev = torch.device("cpu" if args.smoke else "cuda")
-    summary, scored, step = [], [], {m: [0.0, 0.0, 0.0] for m in rows if m <= DECODE_ROWS}
+    summary, scored, step, cross = [], [], {m: [0.0, 0.0, 0.0] for m in rows if m <= DECODE_ROWS}, []
     for label, (n, k, count) in projections(model, small=args.smoke).items():
         t0 = time.monotonic()
         current = mm.tile(n, k, torch.float16 if args.smoke else torch.bfloat16, dev)
@@ -257,13 +264,17 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
         log(f"{model} {label}: N={n} K={k}, {count} a step; current {name(current)}; {len(tiles)} tiles x "
             f"{len(rows)} rows")
         deadline = start + args.budget_s * (share[0] + len(scored) + 1) / share[1]
-        base, times, flags, check = measure(n, k, rows, tiles, args.smoke, deadline, log)
+        base, times, flags, same, check = measure(n, k, rows, tiles, args.smoke, deadline, log)
         ranked = rank(rows, base, times, objective)
         for t in dict.fromkeys([current] + [e[1] for e in ranked[:1]]):
             if isinstance(times[t], list):
                 flags[name(t)] = check(t)
         del check  # the weights go before the next weight's are made
         report(log, n, k, rows, objective, base, times, flags, ranked)
+        differ = [name(t) for t, v in same.items() if not v]
+        log(f"  tiles whose output is bitwise the current tile's (M={max(*rows, 32)}): {len(same) - len(differ)} "
+            f"of {len(same)}" + (f"; differ: {', '.join(differ)}" if differ else ""))
+        cross.append(not differ)
         log(f"  ({time.monotonic() - t0:.1f} s)")
         cur = next((e for e in ranked if e[1] == current), None)
         text = [f"{name(t)} {s:.3f} [{ratios_text(rows, r, objective)}] inv {flags.get(name(t))}"
@@ -281,7 +292,8 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
                       for m, (c, o, b) in step.items() if o)
     return [f"== summary {model} ({device}), objective {objective}: geomean cuBLAS/ours over {over} ==", *summary,
             f"decode step us (weights x per step): {steps or f'no rows <= {DECODE_ROWS}'}",
-            f"suggested rule ({model}): {suggest(scored)}"]
+            f"suggested rule ({model}): {suggest(scored)}",
+            f"every timed tile gives the current tile's bits: {sum(cross)} of {len(cross)} weights"]
 
 
 @torch.inference_mode()
