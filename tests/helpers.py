@@ -9,7 +9,9 @@ sequences when compiled on a GPU. The comparison rule and the pool builder are t
 
 import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
 import math
+import os
 from array import array
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +21,24 @@ from pagedflash.cache import cu_seqlens_tensor
 from pagedflash.cache.block_manager import BlockManager
 from pagedflash.testing import assert_close, random_paged_kv
 
-__all__ = ["DEVICE", "DTYPES", "ON_GPU", "TWO_GPUS", "assert_close", "check_invariants", "cu_seqlens", "fp8_pool", "ids",
-           "make_pool", "needs_two_gpus", "randn", "snapshot"]
+__all__ = ["DEVICE", "DTYPES", "ON_GPU", "ROOT", "TWO_GPUS", "assert_close", "check_invariants", "child_env", "cu_seqlens",
+           "fp8_pool", "ids", "make_pool", "needs_two_gpus", "randn", "snapshot"]
 
 ON_GPU = torch.cuda.is_available()
 TWO_GPUS = ON_GPU and torch.cuda.device_count() >= 2
 needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA devices")
 DEVICE = torch.device("cuda") if ON_GPU else torch.device("cpu")
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(*, interpret: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a child Python (a tool, ``python -m pagedflash``) that imports this tree's
+    pagedflash whether or not it is installed; ``interpret=False`` leaves out TRITON_INTERPRET (the
+    child compiles its kernels); ``extra`` sets more variables."""
+    env = {k: v for k, v in os.environ.items() if interpret or k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**env, **extra}
 
 
 def randn(*shape, dtype=torch.float32, generator=None) -> torch.Tensor:

@@ -3,18 +3,16 @@ checks of ``demo``, in-process and in seconds under the interpreter. They check 
 every pagedflash case passed its correctness check; the figures themselves mean nothing here."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, child_env
 
 from pagedflash import cli
 from pagedflash.demo import print_kernel_checks, run_kernel_checks
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(name: str, out: Path) -> dict:
@@ -116,8 +114,7 @@ def test_bench_rejects_unknown_arguments(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_bench_without_gpu_exits_2():
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "pagedflash", "bench", "prefill"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "pagedflash", "bench", "prefill"], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "need a CUDA GPU" in proc.stderr and "--quick" in proc.stderr

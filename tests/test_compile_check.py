@@ -6,18 +6,17 @@ contiguous decode, dense prefill, merged states, batch-invariant), each speciali
 binder. A compile error in a path the interpreter runs fine fails here, not on
 the GPU. About a minute of compiling on one core."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "compile_check.py"
+from helpers import ROOT, child_env
+
+TOOL = ROOT / "tools" / "compile_check.py"
 
 
 def test_engine_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(TOOL), "--shapes", "qwen3-1.7b,gemma-2-2b"], capture_output=True,
-                         text=True, env=env, timeout=600)
+                         text=True, env=child_env(interpret=False), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines[-1].endswith(" 0 failed")
@@ -33,5 +32,6 @@ def test_engine_kernels_compile_for_sm90():
 
 def test_bad_arguments_are_refused():
     for args, message in ((["--shapes", "nope"], "--shapes: unknown ['nope']"), (["--parts", "kernels"], "--parts:")):
-        run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120)
+        run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120,
+                             env=child_env())
         assert run.returncode == 2 and message in run.stderr, run.stderr

@@ -7,7 +7,6 @@ prompts are short and requests generate few tokens; every client call has a time
 """
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess
@@ -24,6 +23,7 @@ pytest.importorskip("jinja2")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from helpers import child_env  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pagedflash.engine.config import TINY_LLAMA  # noqa: E402
@@ -443,7 +443,7 @@ def serve_process(*args, timeout=120.0):
     (the process, its URL). Its output is read in a thread (the pipe never fills)."""
     proc = subprocess.Popen([sys.executable, "-m", "pagedflash", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=child_env(PYTHONUNBUFFERED="1"))
     try:
         deadline = time.monotonic() + timeout
         url = None

@@ -2,14 +2,14 @@
 (every candidate checked against the reference; its times mean nothing here)."""
 
 import importlib.util
-import os
 import subprocess
 import sys
-from pathlib import Path
+
+from helpers import ROOT, child_env
 
 from pagedflash.ops import moe
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "tune_moe.py"
+TOOL = ROOT / "tools" / "tune_moe.py"
 _spec = importlib.util.spec_from_file_location("tune_moe", TOOL)
 tune_moe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tune_moe)
@@ -53,9 +53,8 @@ def test_compile_check():
     """``--compile-check`` (a process of its own: the kernels compiled, not interpreted): the current
     tiles' kernels (the gemv form at one token) and the tensor-core candidates', for sm_90 with the
     wheel's ptxas, at the real shape; the weight-streaming loops pipelined."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(TOOL), "--compile-check", "--shapes", "qwen3_30b_a3b", "--tokens", "1",
-                          "--labels", "tensor cores", "fused"], capture_output=True, text=True, env=env, timeout=600)
+                          "--labels", "tensor cores", "fused"], capture_output=True, text=True, env=child_env(interpret=False), timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines[-1].endswith(" 0 failed")
