@@ -34,6 +34,8 @@ SMALL_TILE = mm.Tile(16, 16, 16, 4, 1, 2)  # 16 programs on the CPU: each walks 
 # K = 100 in chunks of 32 (the last one 4 keys): below 16 output tiles one program per (tile, chunk)
 # and the fold kernel, above one program per tile adding its chunks (the interpreter's 16 SMs)
 CHUNK_TILE = mm.Tile(16, 16, 16, 4, 1, 2, chunk_k=32)
+# DECODE_TILES with forced tiles: 16 rows or fewer run 16 columns, more rows 32 (same rows, K steps, warps)
+WIDE_TILE, NARROW_TILE = mm.Tile(16, 32, 16, 4, 1, 2), mm.Tile(16, 16, 16, 4, 2, 2)
 # Llama-3-8B's projections (N, K): qkv, o_proj, gate_up, down
 LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -88,7 +90,7 @@ def test_chunked_k_matches_reference(monkeypatch, m, dtype, bias, use_out):
     out = in_wider_rows(torch.full((m, 37), float("nan"), dtype=dtype, device=DEVICE)) if use_out else None
     got = mm.matmul(x, w, b, out=out)
     assert_close(got, ref.matmul_ref(x, w, b), dtype)
-    split = mm._PLANS[mm._PLANS.key(x, w, b, got, extra=(CHUNK_TILE, mm.CHUNK_K))].fold is not None
+    split = mm._PLANS[mm.plan_key(x, w, b, got)].fold is not None
     assert split == (m < 100), "the split form below 16 output tiles, the folded one above"
 
 
@@ -109,6 +111,31 @@ def test_chunk_rule(monkeypatch):
     assert mm.tile(2048, 1024, torch.bfloat16, DEVICE).chunk_k == 0  # one chunk: none
     monkeypatch.setattr(mm, "CHUNK_K", False)
     assert all(mm.tile(n, k, torch.bfloat16, DEVICE).chunk_k == 0 for n, k in LLAMA_8B.values())
+
+
+@pytest.mark.parametrize("chunk_k", [False, True], ids=["whole_k", "chunked"])
+def test_decode_tile_rule(monkeypatch, chunk_k):
+    """On an H200 (sm90, 132 SMs) the decode tile differs from the weight's tile in its columns and
+    stages only (what orders a row's sum stays), narrows the 2048-4096-wide layers until their column
+    tiles fill the SMs, fits sm90's shared memory, and leaves fp32 and other devices alone."""
+    monkeypatch.setattr(mm, "CHUNK_K", chunk_k)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
+    llama_1b = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192),
+                "lm_head": (128256, 2048)}
+    for n, k in [*LLAMA_8B.values(), *llama_1b.values()]:
+        main = mm.tile(n, k, torch.bfloat16, DEVICE)
+        t = mm.decode_tile(main, n, torch.bfloat16, DEVICE)
+        assert t._replace(block_n=main.block_n, stages=main.stages) == main
+        assert mm.DECODE_MIN_N <= t.block_n <= main.block_n and t.stages >= main.stages
+        assert t.stages * (t.block_m + t.block_n) * t.block_k * 2 <= mm.SMEM_SM90
+        assert t.block_n == mm.DECODE_MIN_N or 2 * -(-n // t.block_n) > 132
+    assert mm.decode_tile(mm.tile(2048, 2048, torch.bfloat16, DEVICE), 2048, torch.bfloat16, DEVICE).block_n == 32
+    main = mm.tile(2048, 2048, torch.float32, DEVICE)
+    assert mm.decode_tile(main, 2048, torch.float32, DEVICE) == main
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (8, 0))
+    main = mm.tile(2048, 2048, torch.bfloat16, DEVICE)
+    assert mm.decode_tile(main, 2048, torch.bfloat16, DEVICE) == main
 
 
 @pytest.mark.parametrize("m,n,k", [(0, 5, 8), (4, 0, 8), (4, 5, 0)], ids=["no_rows", "no_columns", "no_k"])
@@ -144,8 +171,13 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE], ids=["table", "small_tile", "chunked"])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode"], ids=["table", "small_tile", "chunked",
+                                                                           "decode_tiles"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
+    if tile == "decode":  # rows alone and in 7 run the narrow tile, 130 rows the wide one
+        monkeypatch.setattr(mm, "DECODE_TILES", True)
+        monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE)
+        tile = WIDE_TILE
     monkeypatch.setattr(mm, "TILE", tile)
     monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 130 rows folded, 1 and 7 split
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
@@ -271,9 +303,13 @@ def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
 @gpu_only
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
 @pytest.mark.parametrize("name", list(LLAMA_8B))
-def test_llama_8b_projections(name, dtype):
+@pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
+def test_llama_8b_projections(monkeypatch, name, dtype, decode_tiles):
     """Against the reference at M = 1 and 300, and batch invariance with the real dot at M = 1, 7, 256
-    and 1000 (the row in several row tiles and at several positions in its tile)."""
+    and 1000 (the row in several row tiles and at several positions in its tile); with DECODE_TILES,
+    M = 1 and 7 run the narrow decode tile and the others the weight's tile: the MMA's bits must not
+    depend on the tile's width."""
+    monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
     n, k = LLAMA_8B[name]
     w = randn(n, k, dtype=dtype) / k**0.5
     x = randn(1000, k, dtype=dtype)
@@ -285,12 +321,16 @@ def test_llama_8b_projections(name, dtype):
 
 @pytest.mark.gpu
 @gpu_only
-def test_one_compiled_kernel_for_every_m():
-    """A weight shape no other test uses (K = 520: not a multiple of 16): its first call compiles,
-    no other batch size does."""
-    w = randn(272, 520, dtype=torch.float16)
+@pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
+def test_one_compiled_kernel_for_every_m(monkeypatch, decode_tiles):
+    """A weight shape no other test uses (K = 520: not a multiple of 16; N = 272 + the case): its
+    first call compiles, no other batch size does (with DECODE_TILES: the first call past BLOCK_M
+    rows compiles the wide tile once)."""
+    monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
+    w = randn(272 + decode_tiles, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
     mm.matmul(randn(1, 520, dtype=torch.float16), w)
+    mm.matmul(randn(1000, 520, dtype=torch.float16), w)
     compiled = len(kernels)
     for m in (2, 3, 16, 17, 64, 65, 1000):
         mm.matmul(randn(m, 520, dtype=torch.float16), w)

@@ -90,19 +90,25 @@ def _layer_calls(cfg: dict, rows: int):
         yield "silu_mul_gemv down", lambda: gemv.silu_mul_gemv(gate_up, w_down)
     yield "matmul qkv", lambda: matmul.matmul(x, w_qkv)
     if rows == 1:
-        yield "matmul down, K chunks", lambda: _chunked(lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down))
+        yield "matmul down, K chunks", lambda: _switched("CHUNK_K", lambda: matmul.matmul(torch.empty(rows, i, **bf16),
+                                                                                          w_down))
+        yield "matmul qkv, decode tile", lambda: _switched("DECODE_TILES", lambda: matmul.matmul(x, w_qkv))
+        yield "matmul down, decode tile", lambda: _switched("DECODE_TILES", lambda: matmul.matmul(
+            torch.empty(rows, i, **bf16), w_down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
 
 
-def _chunked(call):
-    """``call()`` with the GEMM's K chunks on (``PAGEDFLASH_MATMUL_CHUNK_K=1``: the split form and its fold)."""
-    saved, matmul.CHUNK_K = matmul.CHUNK_K, True
+def _switched(switch: str, call):
+    """``call()`` with one of the GEMM's opt-in switches on: ``CHUNK_K`` (``PAGEDFLASH_MATMUL_CHUNK_K=1``:
+    the split form and its fold) or ``DECODE_TILES`` (``PAGEDFLASH_MATMUL_DECODE_TILES=1``)."""
+    saved = getattr(matmul, switch)
+    setattr(matmul, switch, True)
     try:
         call()
     finally:
-        matmul.CHUNK_K = saved
+        setattr(matmul, switch, saved)
 
 
 def _attention_calls(cfg: dict):

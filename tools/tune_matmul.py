@@ -223,11 +223,13 @@ def suggest(weights: list[tuple[int, dict]]) -> str:
     return "; ".join(parts) or "none (no tile timed on every weight)"
 
 
-def candidates(n: int, k: int, current: mm.Tile, args, sms: int) -> list[mm.Tile]:
-    """The current tile, the sweep's that fit, and with ``--chunk-k`` each one's K-chunk form (on the
-    interpreter chunks of one K step: its tiny K would have none)."""
+def candidates(n: int, k: int, current: mm.Tile, args, sms: int, dev: torch.device) -> list[mm.Tile]:
+    """The current tile, its decode tile (``matmul.decode_tile``: ``DECODE_TILES``' rule), the sweep's
+    that fit, and with ``--chunk-k`` each one's K-chunk form (on the interpreter chunks of one K
+    step: its tiny K would have none)."""
     grid = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
-    tiles = list(dict.fromkeys([current] + [t for t in grid if fits(t, n, k)]))
+    decode = mm.decode_tile(current, n, torch.float16 if args.smoke else torch.bfloat16, dev)
+    tiles = list(dict.fromkeys([current, decode] + [t for t in grid if fits(t, n, k)]))
     if args.chunk_k:
         chunks = (chunked(t, n, k, sms, t.block_k if args.smoke else mm.MIN_CHUNK) for t in tiles)
         tiles += [c for c in dict.fromkeys(chunks) if c is not None and c not in tiles]
@@ -260,7 +262,7 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
     for label, (n, k, count) in projections(model, small=args.smoke).items():
         t0 = time.monotonic()
         current = mm.tile(n, k, torch.float16 if args.smoke else torch.bfloat16, dev)
-        tiles = candidates(n, k, current, args, num_sms(dev))
+        tiles = candidates(n, k, current, args, num_sms(dev), dev)
         log(f"{model} {label}: N={n} K={k}, {count} a step; current {name(current)}; {len(tiles)} tiles x "
             f"{len(rows)} rows")
         deadline = start + args.budget_s * (share[0] + len(scored) + 1) / share[1]

@@ -24,6 +24,14 @@ summed in different orders, and greedy decoding then depends on what else is ser
   the tile's arithmetic, so the grid may follow ``M`` while the bits do not;
 - ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size, no
   recompilation as a serving loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
+- with :data:`DECODE_TILES` (opt-in until an sm90 GPU has measured it), calls of at most ``BLOCK_M``
+  rows (decode) run :func:`decode_tile`: the same tile with fewer columns, so that a narrow layer's
+  column tiles fill the SMs at M = 1. Everything that orders a row's sum stays: ``BLOCK_M``,
+  ``BLOCK_K``, the warps (so the MMA instruction's kind and its 16-deep K steps, chained in
+  increasing K through one accumulator) and the K chunks. An MMA computes each output element from
+  its row, its column and its accumulator alone, so the tile's width does not enter the element's
+  bits; ``tools/tune_matmul.py`` checks that on the device (every timed tile's output against the
+  current tile's, bit for bit) and ``tests/test_matmul.py`` checks rows across the two tiles.
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -170,6 +178,12 @@ TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's ke
 # K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default, as
 # measured (module doc; PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
 CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
+# calls of at most BLOCK_M rows run decode_tile()'s narrower columns (module doc); opt-in
+# (PAGEDFLASH_MATMUL_DECODE_TILES=1) until an sm90 GPU has measured it; part of every plan's key
+DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "0") == "1"
+DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
+DECODE_MIN_N = 32  # decode tiles' columns at least
+SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
 MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
 FOLD_BLOCK = 1024  # elements per program of the chunk fold
 
@@ -207,6 +221,25 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     block_k = max(16, min(block_k, next_pow2(k)))
     chunk_k = k_chunk(n, k, block_n, block_k, num_sms(device)) if CHUNK_K else 0
     return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
+
+
+def decode_tile(main: Tile, n: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """The tile of calls with at most ``BLOCK_M`` rows under :data:`DECODE_TILES`: ``main`` (the
+    :func:`tile` of the same weight) with its columns halved, down to :data:`DECODE_MIN_N`, while
+    twice the column tiles would still fit in the SM count, and as many stages (up to 6) as sm90's
+    shared memory holds. Only on sm90 in 16-bit (wgmma, one warpgroup; elsewhere ``main``).
+    ``block_m``, ``block_k``, ``warps`` and ``chunk_k`` are ``main``'s: a row's sum has the same
+    operations in the same order (module doc). :data:`DECODE_TILE` overrides it."""
+    if DECODE_TILE is not None:
+        return DECODE_TILE
+    capability = nvidia_capability(device)
+    if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
+        return main
+    sms, block_n = num_sms(device), main.block_n
+    while block_n > DECODE_MIN_N and 2 * cdiv(n, block_n) <= sms:
+        block_n //= 2
+    stages = max(main.stages, min(6, SMEM_SM90 // ((main.block_m + block_n) * main.block_k * 2)))
+    return main._replace(block_n=block_n, stages=stages)
 
 
 def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
@@ -257,6 +290,8 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
+    if DECODE_TILES and m <= t.block_m:
+        t = decode_tile(t, n, x.dtype, x.device)
     if t.chunk_k < 0 or t.chunk_k % t.block_k:
         raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
                          f"got {t.chunk_k}")
@@ -282,8 +317,13 @@ def _plan(x, weight, bias, out) -> _Plan:
 _PLANS = PlanCache()
 
 
+def plan_key(x, weight, bias, out) -> tuple | None:
+    """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
+    return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE))
+
+
 def _launch(x, weight, bias, out) -> None:
-    key = _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K))
+    key = plan_key(x, weight, bias, out)
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out))
     (m, k), n = x.shape, weight.shape[0]
     b = weight if bias is None else bias
