@@ -139,18 +139,27 @@ def empty_if_inf(lse):
 
 @triton.jit
 def dot_over_k(acc, p_a, p_b, K, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               NUM_STAGES: tl.constexpr):
+               NUM_STAGES: tl.constexpr, a_rows=None):
     """``acc + A @ B`` over ``K`` in steps of ``BK``, in one fixed order: ``p_a`` points at A's first
     step ``[M, BK]`` (k along axis 1), ``p_b`` at B's ``[BK, N]`` (k along axis 0), k contiguous in
-    both (each step moves them ``BK`` elements); past ``K`` the loads give zeros (unless ``EVEN_K``)."""
+    both (each step moves them ``BK`` elements); past ``K`` the loads give zeros (unless ``EVEN_K``).
+    ``a_rows`` (``[M]`` bool, or None: all): the rows of A to read; the others are zeros, read from
+    nowhere (a tile's padding rows would otherwise all read one row: at M = 1, 64 reads of the same
+    bytes a step from every SM)."""
     offs_k = tl.arange(0, BK)
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         if EVEN_K:
-            a = tl.load(p_a)
+            if a_rows is None:
+                a = tl.load(p_a)
+            else:
+                a = tl.load(p_a, mask=a_rows[:, None], other=0.0)
             b = tl.load(p_b)
         else:
             k_ok = offs_k < K - k0
-            a = tl.load(p_a, mask=k_ok[None, :], other=0.0)
+            if a_rows is None:
+                a = tl.load(p_a, mask=k_ok[None, :], other=0.0)
+            else:
+                a = tl.load(p_a, mask=a_rows[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(p_b, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         p_a += BK

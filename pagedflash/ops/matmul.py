@@ -18,7 +18,7 @@ summed in different orders, and greedy decoding then depends on what else is ser
   each chunk from zero, the chunks' sums added in order after a zero; a few output tiles run one
   program per (tile, chunk) and a fold kernel adds the fp32 partials, many tiles one program per
   tile adding its own chunks: the same operations, so the same bits, whichever form ``M`` picks. A row's position inside its 64-row tile does not change its arithmetic (rows past
-  ``M`` read row 0 and are never stored; they do not enter any other row's sums);
+  ``M`` are zeros, never read from memory nor stored; they do not enter any other row's sums);
 - persistent: ``min(tiles, SMs)`` programs walk the output tiles in one fixed order (8 row blocks
   at a time over the column blocks, for L2 reuse). Which program computes a tile does not change
   the tile's arithmetic, so the grid may follow ``M`` while the bits do not;
@@ -68,22 +68,23 @@ from pagedflash.ops.utils import (
 
 
 @triton.jit
-def _tile_sum(p_x, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
               CHUNKED: tl.constexpr):
-    """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0): unchunked, one accumulator over
-    every ``BLOCK_K`` step; chunked, ``0 + sum_c (chunk c's own sum from zero)`` over the chunks
-    ``first_chunk .. first_chunk + num_chunks - 1`` of ``CHUNK_K`` keys, in increasing order."""
+    """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0; x's rows ``m_rows`` read, the
+    others zeros): unchunked, one accumulator over every ``BLOCK_K`` step; chunked, ``0 + sum_c
+    (chunk c's own sum from zero)`` over the chunks ``first_chunk .. first_chunk + num_chunks - 1``
+    of ``CHUNK_K`` keys, in increasing order."""
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if CHUNKED:
         for c in range(first_chunk, first_chunk + num_chunks):
             k0 = c * CHUNK_K
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             part = _jit.dot_over_k(part, p_x + k0, p_w + k0, tl.minimum(CHUNK_K, K - k0), BLOCK_K, EVEN_K,
-                                   DOT_PRECISION, NUM_STAGES)
+                                   DOT_PRECISION, NUM_STAGES, m_rows)
             total += part
     else:
-        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES)
+        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES, m_rows)
     return total
 
 
@@ -122,18 +123,18 @@ def _matmul_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_rows = rows < M
         m_cols = cols < N
-        # rows past M read row 0 and columns past N weight row 0: in bounds, never stored
+        # rows past M are zeros, read from nowhere; columns past N read weight row 0: in bounds, never stored
         p_x = X + tl.where(m_rows, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
         p_w = W + tl.where(m_cols, cols, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         mask = m_rows[:, None] & m_cols[None, :]
         if SPLIT:
             chunk = item % num_chunks
-            acc = _tile_sum(p_x, p_w, K, CHUNK_K, chunk, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+            acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, chunk, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
                             NUM_STAGES, CHUNKED)
             p_part = Out + (chunk * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
             tl.store(p_part, acc, mask=mask)
         else:
-            acc = _tile_sum(p_x, p_w, K, CHUNK_K, 0, num_chunks, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
+            acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, 0, num_chunks, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
                             NUM_STAGES, CHUNKED)
             if HAS_BIAS:
                 acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
