@@ -206,6 +206,47 @@ def row_exact_interpreter_dot():
         builder.create_dot = original
 
 
+def skip_repeated_interpreter_patching() -> bool:
+    """Make Triton's interpreter stop re-patching ``triton.language`` on every call of a
+    ``@triton.jit`` helper from inside a kernel: it scans the language modules with
+    ``inspect.getmembers`` on each such call (~1.6 ms on the development CPU; a quarter of an
+    interpreted engine test's time), though the launch that runs the kernel patched them already. A
+    helper whose language modules (``tl``, ``tl.core`` among its globals) are all patched now runs
+    straight away; any other call, as before. Results do not change (the same functions run); the
+    test session installs it. Returns whether it installed (not where the interpreter's internals
+    differ from Triton 3.6-3.9's, or where it is installed already)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    cls = getattr(interpreter, "InterpretedFunction", None)
+    original = vars(cls).get("__call__") if cls is not None else None
+    lang = getattr(interpreter, "tl", None)
+    if original is None or lang is None or getattr(original, "_pagedflash", False) or \
+            not hasattr(interpreter, "InterpreterError") or not hasattr(cls, "rewrite"):
+        return False
+    langs_of: dict[int, list] = {}
+
+    def patched(module) -> bool:  # a launch's patching replaced its builtins (program_id one of them)
+        return not lang.core.is_builtin(getattr(module, "program_id", None))
+
+    def call(self, *args, **kwargs):
+        langs = langs_of.get(id(self.fn))
+        if langs is None:
+            langs = langs_of[id(self.fn)] = [v for v in self.fn.__globals__.values() if v is lang or v is lang.core]
+        if not langs or not all(map(patched, langs)):
+            return original(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    call._pagedflash = True
+    cls.__call__ = call
+    return True
+
+
 @contextlib.contextmanager
 def recorded_launches():
     """Inside the block every launch written ``kernel[grid](*args, **keywords)`` is recorded instead

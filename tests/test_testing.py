@@ -5,7 +5,9 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE
+import triton
+import triton.language as tl
+from helpers import DEVICE, ON_GPU
 
 from pagedflash.bench.common import time_ms
 from pagedflash.cache import PAD_BLOCK_ID
@@ -16,8 +18,23 @@ from pagedflash.testing import (
     compare,
     random_block_table,
     random_paged_kv,
+    skip_repeated_interpreter_patching,
     to_paged,
 )
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _helper_loop_kernel(X, Out, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    for _ in range(5):
+        x = _twice(x)
+    tl.store(Out + offs, x)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
@@ -113,3 +130,21 @@ def test_time_ms_on_the_cpu_is_one_wall_clock_call():
     assert calls == [1] and isinstance(ms, float) and ms >= 0
     with pytest.raises(ValueError, match=r"flush must be one of \('zero', 'read', None\), got 'l2'"):
         time_ms(lambda: None, flush="l2")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's patching")
+def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
+    """The session installed skip_repeated_interpreter_patching (conftest): a kernel that calls a jit
+    helper 5 times patches triton.language once, at its launch, and computes the same."""
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter.InterpretedFunction.__call__, "_pagedflash", False)
+    assert not skip_repeated_interpreter_patching()  # installed once
+    calls = []
+    real = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: calls.append(fn.__name__) or real(fn))
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty_like(x)
+    _helper_loop_kernel[(1,)](x, out, N=8)
+    assert torch.equal(out, x * 32)
+    assert calls == ["_helper_loop_kernel"]
