@@ -291,12 +291,15 @@ def test_environment_switch(monkeypatch, value, on):
 
 
 def _tma_decode():
-    """The overhead bench's contiguous decode: attention over [1, 4096, 8, 128] (device-side TMA
-    descriptors on Hopper) and the split combine."""
-    q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 4096, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
-    return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    """A decode that the launch table gives device-side TMA descriptors on Hopper: a wide grid (32
+    rows x 8 KV heads) of 1,024 keys over 64-row pages (``launch.choose_config``; a contiguous or
+    split-grid decode takes pointer tiles), split in two for the combine."""
+    b, pages = 32, 16
+    q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b * pages, 64, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(b * pages, device="cuda", dtype=torch.int32).view(b, pages)
+    lens = torch.full((b,), pages * 64, dtype=torch.int32, device="cuda")
+    return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, num_splits=2)
 
 
 def _tma_plans() -> list:
