@@ -213,8 +213,8 @@ def skip_repeated_interpreter_patching() -> bool:
     interpreted engine test's time), though the launch that runs the kernel patched them already. A
     helper whose language modules (``tl``, ``tl.core`` among its globals) are all patched now runs
     straight away; any other call, as before. Results do not change (the same functions run); the
-    test session installs it. Returns whether it installed (not where the interpreter's internals
-    differ from Triton 3.6-3.9's, or where it is installed already)."""
+    test session installs it. Returns whether it installed (not where the interpreter's call differs
+    from Triton 3.9's, or where it is installed already)."""
     try:
         from triton.runtime import interpreter
     except ImportError:
@@ -223,17 +223,18 @@ def skip_repeated_interpreter_patching() -> bool:
     original = vars(cls).get("__call__") if cls is not None else None
     lang = getattr(interpreter, "tl", None)
     if original is None or lang is None or getattr(original, "_pagedflash", False) or \
-            not hasattr(interpreter, "InterpreterError") or not hasattr(cls, "rewrite"):
+            not hasattr(interpreter, "InterpreterError") or not hasattr(cls, "rewrite") or \
+            "_patch_lang" not in getattr(getattr(original, "__code__", None), "co_names", ()):  # the call this replaces
         return False
-    langs_of: dict[int, list] = {}
+    langs_of: dict = {}  # by the helper's Python function (held: no id reuse)
 
     def patched(module) -> bool:  # a launch's patching replaced its builtins (program_id one of them)
         return not lang.core.is_builtin(getattr(module, "program_id", None))
 
     def call(self, *args, **kwargs):
-        langs = langs_of.get(id(self.fn))
+        langs = langs_of.get(self.fn)
         if langs is None:
-            langs = langs_of[id(self.fn)] = [v for v in self.fn.__globals__.values() if v is lang or v is lang.core]
+            langs = langs_of[self.fn] = [v for v in self.fn.__globals__.values() if v is lang or v is lang.core]
         if not langs or not all(map(patched, langs)):
             return original(self, *args, **kwargs)
         fn = self.rewrite()

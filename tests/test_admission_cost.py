@@ -17,5 +17,6 @@ def test_admission_cost_reports_a_figure():
 
 
 def test_bad_sizes_are_refused():
-    run = subprocess.run([sys.executable, str(TOOL), "--requests", "1"], capture_output=True, text=True, timeout=120, env=child_env())
+    run = subprocess.run([sys.executable, str(TOOL), "--requests", "1"], capture_output=True, text=True, timeout=120,
+                         env=child_env())
     assert run.returncode == 2 and "--requests: expected an int >= 2, got 1" in run.stderr

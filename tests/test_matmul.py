@@ -181,7 +181,20 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
     monkeypatch.setattr(mm, "TILE", tile)
     monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 130 rows folded, 1 and 7 split
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
-    check_rows_invariant(x, w, randn(37, dtype=dtype) if bias else None, rows=[0, 6, 11, 63, 64, 129])
+    b = randn(37, dtype=dtype) if bias else None
+    check_rows_invariant(x, w, b, rows=[0, 6, 11, 63, 64, 129])
+    if mm.DECODE_TILES:  # the rows alone did run the narrow tile, the whole x the wide one
+        for rows, width in ((1, 16), (130, 32)):
+            out = mm.matmul(x[:rows], w, b)
+            assert mm._PLANS[mm.plan_key(x[:rows], w, b, out)].main.consts["BLOCK_N"] == width
+
+
+def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
+    monkeypatch.setattr(mm, "TILE", WIDE_TILE)
+    monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE._replace(block_k=32))
+    with pytest.raises(ValueError, match=r"matmul.DECODE_TILE: expected .* \(only block_n and stages may differ"):
+        mm.matmul(randn(3, 64), randn(5, 64))
 
 
 def test_m_is_not_specialized():
@@ -329,9 +342,14 @@ def test_one_compiled_kernel_for_every_m(monkeypatch, decode_tiles):
     monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
     w = randn(272 + decode_tiles, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
-    mm.matmul(randn(1, 520, dtype=torch.float16), w)
-    mm.matmul(randn(1000, 520, dtype=torch.float16), w)
+    widths = []
+    for m in (1, 1000):
+        x = randn(m, 520, dtype=torch.float16)
+        out = mm.matmul(x, w)
+        widths.append(mm._PLANS[mm.plan_key(x, w, None, out)].main.consts["BLOCK_N"])
     compiled = len(kernels)
+    two = decode_tiles and torch.cuda.get_device_capability()[0] == 9  # decode tiles are sm90's
+    assert (widths[0] < widths[1]) == two, widths
     for m in (2, 3, 16, 17, 64, 65, 1000):
         mm.matmul(randn(m, 520, dtype=torch.float16), w)
     assert len(kernels) == compiled

@@ -8,14 +8,12 @@ checked there; the pointer variant is what the rest of the suite covers, so it i
 Without a CUDA device the kernels run under the interpreter however the process began: with triton
 (or transformers, which imports it) imported before pagedflash too (checked in fresh processes)."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import ON_GPU, assert_close, cu_seqlens, make_pool, randn
+from helpers import ON_GPU, ROOT, assert_close, child_env, cu_seqlens, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash import reference as ref
@@ -113,12 +111,8 @@ print("kernels ran")
 
 def _fresh_python(code: str) -> subprocess.CompletedProcess:
     """``code`` in a new interpreter that sees no CUDA device and no TRITON_INTERPRET."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-c", code], env=child_env(interpret=False, CUDA_VISIBLE_DEVICES=""),
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("first", [

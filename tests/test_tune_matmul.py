@@ -83,13 +83,14 @@ def test_smoke_decode_objective_end_to_end(tmp_path, capsys):
     assert summary[6].startswith("decode step us (weights x per step): M=1: cuBLAS ") and "M=8:" in summary[6]
     assert "M=70" not in summary[6]
     assert summary[7].startswith("suggested rule (llama-3.2-1b): ") and "Tile(64, " in summary[7]
-    assert summary[8].startswith("every timed tile gives the current tile's bits: ") and summary[8].endswith(" of 5 weights")
+    assert summary[8].startswith("every timed tile gives the first timed tile's bits: ")
+    assert summary[8].endswith(" of 5 weights")
     assert lines[-1].startswith(f"full log: {out}")
     log = out.read_text()
     assert log.strip().splitlines()[-len(summary) - 1:] == lines[-len(summary) - 1:]  # the file ends as stdout
     assert "bn16 bk64 w4 s2" in log and "bn32 bk64 w4 s2 chunks 64" in log  # the narrow tiles and K chunks
     assert "bitwise row invariance (M=1, 32, 70): cuBLAS: True" in log
-    assert "tiles whose output is bitwise the current tile's (M=70): " in log
+    assert "other tiles whose output is bitwise the first timed tile's (M=70): " in log
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -54,7 +54,8 @@ def test_compile_check():
     tiles' kernels (the gemv form at one token) and the tensor-core candidates', for sm_90 with the
     wheel's ptxas, at the real shape; the weight-streaming loops pipelined."""
     run = subprocess.run([sys.executable, str(TOOL), "--compile-check", "--shapes", "qwen3_30b_a3b", "--tokens", "1",
-                          "--labels", "tensor cores", "fused"], capture_output=True, text=True, env=child_env(interpret=False), timeout=600)
+                          "--labels", "tensor cores", "fused"], capture_output=True, text=True,
+                         env=child_env(interpret=False), timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     assert lines[-1].endswith(" 0 failed")

@@ -13,15 +13,17 @@ once; a mixture of experts (qwen3-30b-a3b, gpt-oss-20b) has qkv, o_proj, its rou
 (``ops/moe.py``), not through ``matmul``. ``--rows`` (default 1, 32, 256, 8192): the M values timed.
 
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
-of a model do, so weights come from HBM. One tile serves every M (the invariance), so a weight's best
-tile is the one with the best geometric mean of cuBLAS / ours: over every M (``--objective all``) or
-over the decode rows, M <= 64 (``--objective decode``, the prefill rows' ratios shown beside).
+of a model do, so weights come from HBM. Each candidate is timed as the one tile of every M (decode
+tiles off), and a weight's best tile is the one with the best geometric mean of cuBLAS / ours: over
+every M (``--objective all``) or over the decode rows, M <= 64 (``--objective decode``, the prefill
+rows' ratios shown beside).
 ``--sweep`` also times :data:`SWEEP` (16-256 columns: a narrow layer, N = 2048, has 16 column tiles of
 128 for 132 SMs at M = 1); a candidate that matmul or Triton refuses is skipped with its reason.
 ``--chunk-k``: also each timed tile with K in fixed chunks (:func:`chunked`, ``matmul.CHUNK_K``'s rule).
-Each weight's log also says which timed unchunked tiles give, bit for bit, the current tile's whole output: every
-unchunked tile sums K in the same 16-deep MMA steps in the same order, so where the device's MMA rounds
-an element the same whatever the tile's width, a rule may pick the tile by M and stay invariant.
+Each weight's log also says which timed unchunked tiles give, bit for bit, the first one's whole
+output: every unchunked tile sums K in the same 16-deep MMA steps in the same order, so where the
+device's MMA rounds an element the same whatever the tile, a rule may pick the tile by M and stay
+invariant (``matmul.DECODE_TILES``; on an H100 all 32 swept tiles did, docs/performance.md v41).
 
 Output: everything goes to ``--out`` (default ``$OUT/tune_matmul.log``, else ``tune_matmul.log``),
 each weight's full ranking as soon as it is timed; stdout gets the top 6 of each, and its last lines
@@ -131,11 +133,12 @@ def invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def with_tile(t: mm.Tile | None, fn, *args):
-    mm.TILE = t
+    """``fn(*args)`` with every M on tile ``t`` (decode tiles off: a candidate is timed as itself)."""
+    saved, mm.TILE, mm.DECODE_TILES = mm.DECODE_TILES, t, False
     try:
         return fn(*args)
     finally:
-        mm.TILE = None
+        mm.TILE, mm.DECODE_TILES = None, saved
 
 
 class Log:
@@ -162,8 +165,8 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
     calls = max(2, copies)
     base = [graph_us(lambda i, x=x_all[:m]: F.linear(x, weights[i % copies]), calls) for m in rows]
     times: dict[mm.Tile, list[float] | str] = {}
-    same: dict[mm.Tile, bool] = {}  # each timed tile's whole output bitwise the first tile's
-    first = with_tile(tiles[0], mm.matmul, x_all, weights[0])
+    same: dict[mm.Tile, bool] = {}  # each later timed unchunked tile's whole output bitwise the first one's
+    first = None
     for j, t in enumerate(tiles):
         if j and time.monotonic() > deadline:
             times[t] = "not timed: budget spent"
@@ -180,7 +183,11 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
                 break
         times[t] = us
         if isinstance(us, list) and not t.chunk_k:  # chunks sum K in another order: other bits by design
-            same[t] = torch.equal(with_tile(t, mm.matmul, x_all, weights[0]), first)
+            got = with_tile(t, mm.matmul, x_all, weights[0])
+            if first is None:
+                first = got
+            else:
+                same[t] = torch.equal(got, first)
     flags = {"cuBLAS": invariant(F.linear, x_all, weights[0])}
     return base, times, flags, same, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
 
@@ -274,8 +281,8 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
         del check  # the weights go before the next weight's are made
         report(log, n, k, rows, objective, base, times, flags, ranked)
         differ = [name(t) for t, v in same.items() if not v]
-        log(f"  tiles whose output is bitwise the current tile's (M={max(*rows, 32)}): {len(same) - len(differ)} "
-            f"of {len(same)}" + (f"; differ: {', '.join(differ)}" if differ else ""))
+        log(f"  other tiles whose output is bitwise the first timed tile's (M={max(*rows, 32)}): "
+            f"{len(same) - len(differ)} of {len(same)}" + (f"; differ: {', '.join(differ)}" if differ else ""))
         cross.append(not differ)
         log(f"  ({time.monotonic() - t0:.1f} s)")
         cur = next((e for e in ranked if e[1] == current), None)
@@ -295,7 +302,7 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
     return [f"== summary {model} ({device}), objective {objective}: geomean cuBLAS/ours over {over} ==", *summary,
             f"decode step us (weights x per step): {steps or f'no rows <= {DECODE_ROWS}'}",
             f"suggested rule ({model}): {suggest(scored)}",
-            f"every timed tile gives the current tile's bits: {sum(cross)} of {len(cross)} weights"]
+            f"every timed tile gives the first timed tile's bits: {sum(cross)} of {len(cross)} weights"]
 
 
 @torch.inference_mode()

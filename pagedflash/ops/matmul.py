@@ -22,16 +22,19 @@ summed in different orders, and greedy decoding then depends on what else is ser
 - persistent: ``min(tiles, SMs)`` programs walk the output tiles in one fixed order (8 row blocks
   at a time over the column blocks, for L2 reuse). Which program computes a tile does not change
   the tile's arithmetic, so the grid may follow ``M`` while the bits do not;
-- ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size, no
-  recompilation as a serving loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
-- with :data:`DECODE_TILES` (opt-in until an sm90 GPU has measured it), calls of at most ``BLOCK_M``
+- ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size (two
+  with decode tiles: one for at most ``BLOCK_M`` rows, one above), no recompilation as a serving
+  loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
+- with :data:`DECODE_TILES` (opt-in until measured in the engine), calls of at most ``BLOCK_M``
   rows (decode) run :func:`decode_tile`: the same tile with fewer columns, so that a narrow layer's
   column tiles fill the SMs at M = 1. Everything that orders a row's sum stays: ``BLOCK_M``,
   ``BLOCK_K``, the warps (so the MMA instruction's kind and its 16-deep K steps, chained in
   increasing K through one accumulator) and the K chunks. An MMA computes each output element from
   its row, its column and its accumulator alone, so the tile's width does not enter the element's
   bits; ``tools/tune_matmul.py`` checks that on the device (every timed tile's output against the
-  current tile's, bit for bit) and ``tests/test_matmul.py`` checks rows across the two tiles.
+  first's, bit for bit: on an H100 all 32 swept tiles, 16-256 columns, 64-256-deep K steps, 4 and 8
+  warps, agreed on every weight, docs/performance.md v41) and ``tests/test_matmul.py`` checks rows
+  across the two tiles.
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -39,9 +42,10 @@ default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/tes
 Cost on the H200 (``tools/tune_matmul.py``: Llama-3-8B's projections at ``M = 1, 32, 256, 8192``
 against ``torch.mm``, docs/performance.md v36): with the first tiles (64x64 or 64x128, 64-deep, 4
 stages) 0.27-0.65x cuBLAS's speed at every M (M = 1: 0.7-1.9 TB/s); the sweep's best tiles, now the
-default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). A 64-row
-tile at M = 1 computes 63 empty rows, and the tile may not change with M, so M <= 64 stays well
-below cuBLAS's GEMV-like kernels.
+default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). At
+M <= 64 the narrow layers ran at ~0.5x whatever the tile until the rows past M stopped reading row 0
+(v41: 64 reads of the same bytes a K step from every SM); at M = 64 the narrow decode tiles reach
+0.96-1.08x on an H100.
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ def _fold_kernel(Part, Bias, Out, M, N, num_chunks, stride_om, HAS_BIAS: tl.cons
 
 
 class Tile(NamedTuple):
-    """The one launch configuration of an ``[N, K]`` weight: every ``M`` runs it."""
+    """The launch configuration of an ``[N, K]`` weight: every ``M`` runs it (with
+    :data:`DECODE_TILES`, every ``M`` above ``block_m``)."""
 
     block_m: int
     block_n: int
@@ -180,7 +185,7 @@ TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's ke
 # measured (module doc; PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
 CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
 # calls of at most BLOCK_M rows run decode_tile()'s narrower columns (module doc); opt-in
-# (PAGEDFLASH_MATMUL_DECODE_TILES=1) until an sm90 GPU has measured it; part of every plan's key
+# (PAGEDFLASH_MATMUL_DECODE_TILES=1) until measured in the engine; part of every plan's key
 DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "0") == "1"
 DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
 DECODE_MIN_N = 32  # decode tiles' columns at least
@@ -232,6 +237,9 @@ def decode_tile(main: Tile, n: int, dtype: torch.dtype, device: torch.device) ->
     ``block_m``, ``block_k``, ``warps`` and ``chunk_k`` are ``main``'s: a row's sum has the same
     operations in the same order (module doc). :data:`DECODE_TILE` overrides it."""
     if DECODE_TILE is not None:
+        if DECODE_TILE._replace(block_n=main.block_n, stages=main.stages) != main:
+            raise ValueError(f"matmul.DECODE_TILE: expected {main}'s block_m, block_k, warps, group_m and chunk_k "
+                             f"(only block_n and stages may differ: a row's sum must keep its order), got {DECODE_TILE}")
         return DECODE_TILE
     capability = nvidia_capability(device)
     if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
