@@ -66,6 +66,26 @@ MATRIX = [(case, dtype) for case in CASES for dtype in (DTYPES if case == "plain
 
 @pytest.mark.parametrize(("case", "dtype"), MATRIX, ids=lambda v: ids(v))
 def test_rows_equal_however_the_call_is_made_up(case, dtype):
+    check_rows_equal(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[-1:], ids=ids)
+def test_rows_equal_with_a_prefill_tile(monkeypatch, dtype):
+    """PAGEDFLASH_INVARIANT_PREFILL_TILE: prefill and chunks of more than one row run twice the rows a
+    tile (under the interpreter 32, on the GPU 128 with 8 warps), decode rows the mode's tile: a
+    row's bits must not change."""
+    from pagedflash.ops import attention, launch
+
+    monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "128:8:3" if ON_GPU else "32:4:1")
+    attention.clear_plans()  # only this test's plans below
+    check_rows_equal("plain", dtype)
+    rows = {plan.cfg.block_m for plan in attention._PLANS.values() if plan.consts.get("INVARIANT")}
+    assert rows == ({128, 64} if ON_GPU else {32, 16}), rows
+
+
+def check_rows_equal(case, dtype):
+    """A row's output and LSE as a whole prefill's, a chunk's of 1, 7 and 40 rows beside other
+    sequences, a decode step's alone, split 1 and 5 ways, and batched (the module doc)."""
     caches, table, q, q_others, opts = _setup(case, dtype)
     # the whole prefill alone: every row's canonical value, and the reference's
     full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
@@ -196,6 +216,19 @@ def test_invariant_tile_setting(monkeypatch):
         monkeypatch.setattr(launch, "INVARIANT_TILE", bad)
         with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_TILE: expected rows:keys:warps:stages"):
             launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False)
+    monkeypatch.setattr(launch, "INVARIANT_TILE", "")
+    monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "128:8:2")  # prefill only; keys stay the tile's
+    cfg = launch.invariant_config(group=4, head_dim=128, capability=(9, 0), interpreted=False, prefill=True)
+    assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (128, 64, 4, 8, 2)
+    cfg = launch.invariant_config(group=4, head_dim=128, capability=(9, 0), interpreted=False)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages) == (64, 4, 3)
+    monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "128:8:3")  # D = 256: the tile's 2 stages at most
+    cfg = launch.invariant_config(group=1, head_dim=256, capability=(9, 0), interpreted=False, prefill=True)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages) == (128, 8, 2)
+    for bad in ("128:8", "96:8:2", "128:6:2", "128:8:0", "x"):
+        monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", bad)
+        with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_PREFILL_TILE: expected rows:warps:stages"):
+            launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False, prefill=True)
 
 
 def test_no_compile_fallback_in_the_mode(monkeypatch):

@@ -15,8 +15,9 @@ loads, the fp8 conversion instruction):
   step at 1K and 16K keys (split-KV and its combine), the decode graphs' launches (every batch size
   of the ladder, their fixed split count, the capacity as the key bound), and a 512-token chunk over
   4K cached keys; the same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``), dense
-  prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill. The GEMM
-  with K chunks (its split form and fold) too.
+  prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill (with the
+  opt-in prefill tile too). The GEMM's opt-in forms too: K chunks (its split form and fold) and the
+  decode tiles.
 
 Not covered: the Hopper Gluon prefill kernel and its metadata pre-pass (their own check,
 ``tools/gluon_compile_check.py``, needs Triton 3.6's Gluon). Where that kernel takes a call on an
@@ -111,6 +112,18 @@ def _switched(switch: str, call):
         setattr(matmul, switch, saved)
 
 
+def _prefill_tile(call):
+    """``call`` with the batch-invariant mode's opt-in prefill tile (``PAGEDFLASH_INVARIANT_PREFILL_TILE``,
+    128 rows, 8 warps, 3 stages)."""
+    def run():
+        saved, launch_table.INVARIANT_PREFILL_TILE = launch_table.INVARIANT_PREFILL_TILE, "128:8:3"
+        try:
+            call()
+        finally:
+            launch_table.INVARIANT_PREFILL_TILE = saved
+    return run
+
+
 def _attention_calls(cfg: dict):
     """(label, thunk) for the engine's attention at ``cfg``'s shape: K/V written into pages, then the
     paged varlen launch with the layer's window, softcap and sinks (decode steps and a prefill chunk,
@@ -160,6 +173,7 @@ def _attention_calls(cfg: dict):
         yield "paged decode window", paged(1, 1, 16383, windowed=True)
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
+    yield "invariant chunk, prefill tile", _prefill_tile(paged(1, 512, 4096, invariant=True))
 
     def contiguous(rows: int, keys: int):
         q = torch.empty(rows, 1, hq, d, **bf16)

@@ -87,7 +87,7 @@ def _switches(invariant: bool) -> tuple:
     """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
     return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
             invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS,
-                           launch_table.INVARIANT_TILE))
+                           launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -135,7 +135,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     split_keys = invariant_split_keys(interpreted(), d) if invariant else 0
     if invariant:
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
-                                         interpreted=interpreted())
+                                         interpreted=interpreted(), prefill=max_seqlen_q > 1)
         if split_keys % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
                              f"({split_keys} keys), got {cfg.block_n}")

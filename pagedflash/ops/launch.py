@@ -155,6 +155,13 @@ INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
 # invariant; they differ between values).
 INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
+# The mode's rows:warps:stages for calls with more than one query row a sequence (prefill, chunked prefill);
+# empty: the tile above for every call. Its keys stay the tile's (the softmax folds the same key tiles in
+# the same order), only the number of rows sharing a tile changes: on sm90 a wgmma computes each element
+# from its row alone (64 rows a warpgroup) and a row's reductions stay inside its warp, so a row's bits
+# should not change (docs/performance.md v41 measured it for the GEMM's tiles). Opt-in until the GPU's
+# invariance tests have run with it (PAGEDFLASH_INVARIANT_PREFILL_TILE=128:8:3).
+INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 
 
 BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
@@ -179,6 +186,18 @@ def _invariant_tile(head_dim: int, capability: tuple[int, int] | None) -> tuple[
     return rows, keys, warps, stages
 
 
+def _invariant_prefill_tile() -> tuple[int, int, int]:
+    """:data:`INVARIANT_PREFILL_TILE` as (rows, warps, stages), or a clear error."""
+    try:
+        rows, warps, stages = (int(x) for x in INVARIANT_PREFILL_TILE.split(":"))
+    except ValueError:
+        rows = warps = stages = 0
+    if not (rows >= 16 and warps >= 1 and stages >= 1 and all(n & (n - 1) == 0 for n in (rows, warps))):
+        raise ValueError(f"PAGEDFLASH_INVARIANT_PREFILL_TILE: expected rows:warps:stages (rows a power of two >= 16, "
+                         f"warps a power of two, stages >= 1), got {INVARIANT_PREFILL_TILE!r}")
+    return rows, warps, stages
+
+
 def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
     """Keys per split of the batch-invariant mode (a multiple of the invariant tile's keys)."""
     keys = INTERPRET_INVARIANT_SPLIT_KEYS if interpreted else INVARIANT_SPLIT_KEYS
@@ -197,7 +216,7 @@ def invariant_num_splits(max_seqlen_k: int, split_keys: int) -> int:
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
-                     interpreted: bool) -> LaunchConfig:
+                     interpreted: bool, prefill: bool = False) -> LaunchConfig:
     """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
     softmax sums are reduced by the same instructions in the same order only under one tile shape and
     warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
@@ -206,8 +225,14 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     up to D = 128 (:func:`_invariant_tile`); in the mode a tile that does not compile is an error,
     never a fallback to another. Nothing here depends on the lengths, the batch or the GPU's size,
     only on the model's head size and the GPU's ``capability``; ``PAGEDFLASH_INVARIANT_TILE`` sets
-    another GPU tile (:data:`INVARIANT_TILE`)."""
+    another GPU tile (:data:`INVARIANT_TILE`). ``prefill`` (more than one query row a sequence): the
+    rows, warps and stages of :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the
+    tile's), the same keys (under the interpreter its rows only)."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
+    if prefill and INVARIANT_PREFILL_TILE:
+        rows, prefill_warps, prefill_stages = _invariant_prefill_tile()
+        if not interpreted:  # no more stages than the mode's tile holds (its rule follows shared memory)
+            warps, stages = prefill_warps, min(prefill_stages, stages)
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
