@@ -5,7 +5,8 @@
 # the invalid-metadata tests by default), bench:<name>[:<option>...] (any `pagedflash bench` benchmark but
 # serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
 # bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
-# (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>]; TUNE_ARGS
+# (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>],
+# profile:<context>[:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels); TUNE_ARGS
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
 # never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
@@ -49,11 +50,14 @@ for step in ${STEPS:-tests}; do
              --error-exitcode 9 --print-limit 20 python3 -m pytest -p no:xdist -q -p no:cacheprovider \
              ${SANITIZE_TESTS:-tests/test_metadata_faults.py tests/test_write_faults.py tests/test_varlen_bounds.py} \
              > $log 2>&1 ;;
+    profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z]/}
+           log=$R/profile_$ctx${tag:+_$tag}.log
+           timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
-  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests" $log | tail -${TAIL:-12}
+  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests|graph replay" $log | tail -${TAIL:-12}
   echo "== $step rc=$rc $((SECONDS - t0)) s"
 done
 [ "$R" = bench_results ] && a=results || a=$R
