@@ -4,7 +4,8 @@ the call.
 With the mode on, every attention entry point computes a query row the same way whatever the batch
 size, the other rows' lengths, the SM count, the split count, and however the row's keys reached the
 cache (one prefill, chunked-prefill chunks, decode steps): one tile configuration for every call
-(:func:`pagedflash.ops.launch.invariant_config`), keys in splits of a fixed size
+(:func:`pagedflash.ops.launch.invariant_config`; the opt-in prefill tile changes only how many rows
+share a tile), keys in splits of a fixed size
 (:data:`pagedflash.ops.launch.INVARIANT_SPLIT_KEYS`, at absolute key positions), each split's state
 computed by the same masked loop, and the splits merged left to right in one order, by the kernel
 itself (one program per row) or by the combine (one program per split). The Hopper Gluon prefill is

@@ -69,8 +69,9 @@ def test_rows_equal_however_the_call_is_made_up(case, dtype):
     check_rows_equal(case, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES[-1:], ids=ids)
-def test_rows_equal_with_a_prefill_tile(monkeypatch, dtype):
+@pytest.mark.parametrize(("case", "dtype"), [("plain", DTYPES[-1]), ("mqa_window_softcap", DTYPES[-1])],
+                         ids=lambda v: ids(v))
+def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
     """PAGEDFLASH_INVARIANT_PREFILL_TILE: prefill and chunks of more than one row run twice the rows a
     tile (under the interpreter 32, on the GPU 128 with 8 warps), decode rows the mode's tile: a
     row's bits must not change."""
@@ -78,7 +79,7 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, dtype):
 
     monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "128:8:3" if ON_GPU else "32:4:1")
     attention.clear_plans()  # only this test's plans below
-    check_rows_equal("plain", dtype)
+    check_rows_equal(case, dtype)
     rows = {plan.cfg.block_m for plan in attention._PLANS.values() if plan.consts.get("INVARIANT")}
     assert rows == ({128, 64} if ON_GPU else {32, 16}), rows
 
@@ -228,6 +229,10 @@ def test_invariant_tile_setting(monkeypatch):
     for bad in ("128:8", "96:8:2", "128:6:2", "128:8:0", "x"):
         monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", bad)
         with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_PREFILL_TILE: expected rows:warps:stages"):
+            launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False, prefill=True)
+    for other in ("128:4:3", "32:2:1", "256:8:2"):  # 32 rows a warp; no warpgroup (mma.sync); 32 rows a warp
+        monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", other)
+        with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_PREFILL_TILE: expected the mode's tile's 16 rows "):
             launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False, prefill=True)
 
 

@@ -135,7 +135,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     split_keys = invariant_split_keys(interpreted(), d) if invariant else 0
     if invariant:
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
-                                         interpreted=interpreted(), prefill=max_seqlen_q > 1)
+                                         interpreted=interpreted(),
+                                         prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2))
         if split_keys % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
                              f"({split_keys} keys), got {cfg.block_n}")

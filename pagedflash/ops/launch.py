@@ -159,8 +159,9 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 # empty: the tile above for every call. Its keys stay the tile's (the softmax folds the same key tiles in
 # the same order), only the number of rows sharing a tile changes: on sm90 a wgmma computes each element
 # from its row alone (64 rows a warpgroup) and a row's reductions stay inside its warp, so a row's bits
-# should not change (docs/performance.md v41 measured it for the GEMM's tiles). Opt-in until the GPU's
-# invariance tests have run with it (PAGEDFLASH_INVARIANT_PREFILL_TILE=128:8:3).
+# should not change (inferred: v41 measured it for the GEMM's column and K tiles, not for rows or for
+# attention). On a GPU it must keep the tile's rows a warp and its MMA (warps a multiple of 4 with it).
+# Opt-in until the GPU's invariance tests have run with it (PAGEDFLASH_INVARIANT_PREFILL_TILE=128:8:3).
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 
 
@@ -217,9 +218,10 @@ def invariant_num_splits(max_seqlen_k: int, split_keys: int) -> int:
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
                      interpreted: bool, prefill: bool = False) -> LaunchConfig:
-    """The one tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
-    softmax sums are reduced by the same instructions in the same order only under one tile shape and
-    warp count (the dot's instruction, its accumulator layout and the row reductions follow them).
+    """The tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
+    softmax sums are reduced by the same instructions in the same order only under one key tile, one
+    MMA instruction and one layout of a row's elements in its warp (by default one tile shape and warp
+    count for every call; the opt-in prefill tile keeps the keys, the rows a warp and the MMA).
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
     each K/V byte once per group). By default 64 rows, 64-key tiles, 4 warps, 3 stages on an H200
     up to D = 128 (:func:`_invariant_tile`); in the mode a tile that does not compile is an error,
@@ -230,9 +232,14 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     tile's), the same keys (under the interpreter its rows only)."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     if prefill and INVARIANT_PREFILL_TILE:
-        rows, prefill_warps, prefill_stages = _invariant_prefill_tile()
-        if not interpreted:  # no more stages than the mode's tile holds (its rule follows shared memory)
-            warps, stages = prefill_warps, min(prefill_stages, stages)
+        prefill_rows, prefill_warps, prefill_stages = _invariant_prefill_tile()
+        if not interpreted:
+            if prefill_rows * warps != rows * prefill_warps or (prefill_warps % 4 == 0) != (warps % 4 == 0):
+                raise ValueError(f"PAGEDFLASH_INVARIANT_PREFILL_TILE: expected the mode's tile's {rows // warps} rows a "
+                                 f"warp and its MMA (warps a multiple of 4 as its {warps}, or not), got "
+                                 f"{INVARIANT_PREFILL_TILE!r}")
+            warps, stages = prefill_warps, min(prefill_stages, stages)  # no more stages than the tile holds
+        rows = prefill_rows
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
