@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: its kernels must be defined for the compiler
@@ -91,36 +92,22 @@ def _layer_calls(cfg: dict, rows: int):
         yield "silu_mul_gemv down", lambda: gemv.silu_mul_gemv(gate_up, w_down)
     yield "matmul qkv", lambda: matmul.matmul(x, w_qkv)
     if rows == 1:
-        yield "matmul down, K chunks", lambda: _switched("CHUNK_K", lambda: matmul.matmul(torch.empty(rows, i, **bf16),
-                                                                                          w_down))
-        yield "matmul qkv, decode tile", lambda: _switched("DECODE_TILES", lambda: matmul.matmul(x, w_qkv))
-        yield "matmul down, decode tile", lambda: _switched("DECODE_TILES", lambda: matmul.matmul(
-            torch.empty(rows, i, **bf16), w_down))
+        def down():
+            matmul.matmul(torch.empty(rows, i, **bf16), w_down)
+        yield "matmul down, K chunks", _opted(matmul, "CHUNK_K", True, down)
+        yield "matmul qkv, decode tile", _opted(matmul, "DECODE_TILES", True, lambda: matmul.matmul(x, w_qkv))
+        yield "matmul down, decode tile", _opted(matmul, "DECODE_TILES", True, down)
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
 
 
-def _switched(switch: str, call):
-    """``call()`` with one of the GEMM's opt-in switches on: ``CHUNK_K`` (``PAGEDFLASH_MATMUL_CHUNK_K=1``:
-    the split form and its fold) or ``DECODE_TILES`` (``PAGEDFLASH_MATMUL_DECODE_TILES=1``)."""
-    saved = getattr(matmul, switch)
-    setattr(matmul, switch, True)
-    try:
-        call()
-    finally:
-        setattr(matmul, switch, saved)
-
-
-def _prefill_tile(call):
-    """``call`` with the batch-invariant mode's opt-in prefill tile (``PAGEDFLASH_INVARIANT_PREFILL_TILE``,
-    128 rows, 8 warps, 3 stages)."""
+def _opted(module, switch: str, value, call):
+    """``call`` (a thunk) run with an opt-in switch set: the GEMM's ``CHUNK_K`` (the split form and its
+    fold) or ``DECODE_TILES``, the batch-invariant mode's ``INVARIANT_PREFILL_TILE``."""
     def run():
-        saved, launch_table.INVARIANT_PREFILL_TILE = launch_table.INVARIANT_PREFILL_TILE, "128:8:3"
-        try:
+        with mock.patch.object(module, switch, value):
             call()
-        finally:
-            launch_table.INVARIANT_PREFILL_TILE = saved
     return run
 
 
@@ -173,7 +160,8 @@ def _attention_calls(cfg: dict):
         yield "paged decode window", paged(1, 1, 16383, windowed=True)
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
-    yield "invariant chunk, prefill tile", _prefill_tile(paged(1, 512, 4096, invariant=True))
+    yield "invariant chunk, prefill tile", _opted(launch_table, "INVARIANT_PREFILL_TILE", "128:8:3",
+                                                  paged(1, 512, 4096, invariant=True))
 
     def contiguous(rows: int, keys: int):
         q = torch.empty(rows, 1, hq, d, **bf16)

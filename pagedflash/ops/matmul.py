@@ -42,10 +42,10 @@ default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/tes
 Cost on the H200 (``tools/tune_matmul.py``: Llama-3-8B's projections at ``M = 1, 32, 256, 8192``
 against ``torch.mm``, docs/performance.md v36): with the first tiles (64x64 or 64x128, 64-deep, 4
 stages) 0.27-0.65x cuBLAS's speed at every M (M = 1: 0.7-1.9 TB/s); the sweep's best tiles, now the
-default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). At
-M <= 64 the narrow layers ran at ~0.5x whatever the tile until the rows past M stopped reading row 0
-(v41: 64 reads of the same bytes a K step from every SM); at M = 64 the narrow decode tiles reach
-0.96-1.08x on an H100.
+default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). Rows
+past M are masked, never read: reading row 0 in their place costs 64 reads of the same bytes a K
+step from every SM, which held M <= 32 near 0.5x whatever the tile (v41); at M = 64 the narrow
+decode tiles reach 0.96-1.08x on an H100.
 """
 
 from __future__ import annotations
