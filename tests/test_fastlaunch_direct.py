@@ -273,9 +273,9 @@ def test_direct_launches_match_the_public_path(gpu_scratch, monkeypatch, case):
     assert_close(fast[0], want()[0], fast[0].dtype)
 
 
-@pytest.mark.parametrize("value, on", [(None, False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value, on", [(None, True), ("0", False), ("1", True)])
 def test_environment_switch(monkeypatch, value, on):
-    """Off by default, PAGEDFLASH_DIRECT_LAUNCH=1 turns it on, read when the module loads (a fresh
+    """On by default, PAGEDFLASH_DIRECT_LAUNCH=0 turns it off, read when the module loads (a fresh
     copy of it, so that the module every other test uses keeps its state)."""
     if value is None:
         monkeypatch.delenv("PAGEDFLASH_DIRECT_LAUNCH", raising=False)

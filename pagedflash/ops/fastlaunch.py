@@ -38,8 +38,8 @@ buffer, taken with a spec key kept per handle; under any other allocator (a user
 ``triton.set_allocator``) the launcher is called as before. The exception argument above holds for
 the direct call: the scratch is taken before anything is queued, the C function converts every
 argument before queueing, and with no hooks passed it runs nothing after. :data:`DIRECT`
-(``PAGEDFLASH_DIRECT_LAUNCH=1`` turns it on) switches it, off until a GPU has run it compiled (its
-tests and ``bench overhead`` with it on and off); :func:`direct_status` says whether handles use it.
+switches it: on by default, ``PAGEDFLASH_DIRECT_LAUNCH=0`` turns it off; :func:`direct_status`
+says whether handles use it.
 
 Not checked on the fast path, as ``JITFunction.run`` does: that globals the kernel read were not
 reassigned (pagedflash's kernels read only constants) and compile knobs other than ``debug``
@@ -67,7 +67,7 @@ KNOWN_VERSIONS = ("3.6.",)
 DIRECT_FORMAT = "iiiKKppOOOOOO"
 DIRECT_CALL = ("self", "gridX", "gridY", "gridZ", "stream", "function", "args")
 DIRECT_ALIGNMENT = 256  # every CUDA allocation starts at a multiple of this (torch's at 512)
-DIRECT = os.environ.get("PAGEDFLASH_DIRECT_LAUNCH", "0") == "1"  # direct launches (module doc): opt-in
+DIRECT = os.environ.get("PAGEDFLASH_DIRECT_LAUNCH", "1") != "0"  # direct launches (module doc)
 
 _enabled = os.environ.get("PAGEDFLASH_FAST_LAUNCH", "1") != "0"
 _off_reason = "" if _enabled else "PAGEDFLASH_FAST_LAUNCH=0"
@@ -123,7 +123,7 @@ def direct_status() -> str:
     """"on" (every handle calls the C launch function), "on, but not for every kernel (...)" (some
     kept their launcher), or why no handle calls it (module doc)."""
     if not DIRECT:
-        return "off: DIRECT = False (PAGEDFLASH_DIRECT_LAUNCH=1 turns it on)"
+        return "off: DIRECT = False (PAGEDFLASH_DIRECT_LAUNCH=0)"
     if _direct_refused:
         if _direct_handles:
             return f"on, but not for every kernel (the last refused: {_direct_refused})"
