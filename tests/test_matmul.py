@@ -174,8 +174,9 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 @pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode"], ids=["table", "small_tile", "chunked",
                                                                            "decode_tiles"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
-    if tile == "decode":  # rows alone and in 7 run the narrow tile, 130 rows the wide one
-        monkeypatch.setattr(mm, "DECODE_TILES", True)
+    decode = tile == "decode"
+    monkeypatch.setattr(mm, "DECODE_TILES", decode)
+    if decode:  # rows alone and in 7 run the narrow tile, 130 rows the wide one
         monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE)
         tile = WIDE_TILE
     monkeypatch.setattr(mm, "TILE", tile)
@@ -183,7 +184,7 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
     b = randn(37, dtype=dtype) if bias else None
     check_rows_invariant(x, w, b, rows=[0, 6, 11, 63, 64, 129])
-    if mm.DECODE_TILES:  # the rows alone did run the narrow tile, the whole x the wide one
+    if decode:  # the rows alone did run the narrow tile, the whole x the wide one
         for rows, width in ((1, 16), (130, 32)):
             out = mm.matmul(x[:rows], w, b)
             assert mm._PLANS[mm.plan_key(x[:rows], w, b, out)].main.consts["BLOCK_N"] == width

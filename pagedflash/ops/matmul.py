@@ -25,7 +25,7 @@ summed in different orders, and greedy decoding then depends on what else is ser
 - ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size (two
   with decode tiles: one for at most ``BLOCK_M`` rows, one above), no recompilation as a serving
   loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
-- with :data:`DECODE_TILES` (opt-in until measured in the engine), calls of at most ``BLOCK_M``
+- with :data:`DECODE_TILES` (on by default), calls of at most ``BLOCK_M``
   rows (decode) run :func:`decode_tile`: the same tile with fewer columns, so that a narrow layer's
   column tiles fill the SMs at M = 1. Everything that orders a row's sum stays: ``BLOCK_M``,
   ``BLOCK_K``, the warps (so the MMA instruction's kind and its 16-deep K steps, chained in
@@ -184,9 +184,9 @@ TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's ke
 # K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default, as
 # measured (module doc; PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
 CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
-# calls of at most BLOCK_M rows run decode_tile()'s narrower columns (module doc); opt-in
-# (PAGEDFLASH_MATMUL_DECODE_TILES=1) until measured in the engine; part of every plan's key
-DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "0") == "1"
+# calls of at most BLOCK_M rows run decode_tile()'s narrower columns (module doc); on by default
+# (PAGEDFLASH_MATMUL_DECODE_TILES=0 turns it off); part of every plan's key
+DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "1") != "0"
 DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
 DECODE_MIN_N = 32  # decode tiles' columns at least
 SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
