@@ -44,7 +44,10 @@ def _combine_kernel(
 
     ``INVARIANT`` (batch-invariant mode): the partials merged one by one, left to right, by
     :func:`pagedflash.ops._jit.merge_weights`, as the attention kernel merges a row's splits when
-    one program computes them all: the same row, the same bits, whatever the split count."""
+    one program computes them all: the same row, the same bits, whatever the split count. The merge
+    stops at the row's last non-empty split: an empty state (lse ``±inf``) merges as the identity
+    (weights 1 and 0), so the splits past a row's keys (a graph sized for the longest row) change
+    nothing but the time; a NaN split is not empty."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -52,10 +55,13 @@ def _combine_kernel(
     lse_base = LsePart + tok * stride_lpt + head
     b = tok // tokens_per_batch
     t = tok % tokens_per_batch
+    offs_all = tl.arange(0, ALL_S)
+    lse_all = tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
     if INVARIANT:
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
-        for s in range(0, num_splits):
+        used = tl.max(tl.where(tl.abs(lse_all) != float("inf"), offs_all + 1, 0), 0)
+        for s in range(0, used):
             lse_s = tl.load(lse_base + s * stride_lps)
             o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s * stride_ps + offs_d, mask=d_ok, other=0.0)
             w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
@@ -65,9 +71,7 @@ def _combine_kernel(
         if WRITE_LSE:
             tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
         return
-    offs_all = tl.arange(0, ALL_S)
-    lse_all = _jit.empty_if_inf(tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits,
-                                        other=float("-inf")))
+    lse_all = _jit.empty_if_inf(lse_all)
     m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lse_all - m_safe) * _jit.LOG2E), 0)
