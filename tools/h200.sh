@@ -20,12 +20,7 @@
 # (--tensor-parallel-size 2), PYTEST_EXTRA to the tests step (--timeout=300 --timeout-method=thread).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-# the serve extra's wheels (carry [".whl"]: the image lacks FastAPI/uvicorn/pydantic); the image's
-# python is a venv, which ignores `pip install --user`, so they go to a target on PYTHONPATH
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /dev/null 2>&1 && export PYTHONPATH=.:/tmp/site || echo "h200.sh: the .whl install failed"
-fi
+source tools/wheels.sh  # the serve extra (carry [".whl"])
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 R=${R:-bench_results}; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt

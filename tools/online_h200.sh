@@ -10,6 +10,7 @@
 # its summary, $R/timeline_<name>.md): where each request's time to its first token goes.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}.
+source tools/wheels.sh  # the serve extra (carry [".whl"])
 R=${R:-bench_results}; mkdir -p $R
 M=${MODEL:-/tmp/pagedflash_model_1b}
 [ -f $M/config.json ] || python3 tools/random_model.py $M > $R/model.log 2>&1 || { tail $R/model.log; exit 1; }
