@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ON_GPU
 
 from pagedflash.ops import matmul as mm
-from helpers import ON_GPU
 
 _PATH = Path(__file__).resolve().parents[1] / "tools" / "tune_matmul.py"
 _spec = importlib.util.spec_from_file_location("tune_matmul", _PATH)
