@@ -28,11 +28,13 @@ def exact_dot():
         yield
 
 
-def _varlen(q, caches, table, lens_q, lens_k, opts, num_splits=0):
-    """The paged varlen call the engine makes: each sequence's new rows attend its first lens_k keys."""
+def _varlen(q, caches, table, lens_q, lens_k, opts, num_splits=0, max_seqlen_k=None):
+    """The paged varlen call the engine makes: each sequence's new rows attend its first lens_k keys
+    (``max_seqlen_k``: a bound past the longest, as a decode graph's)."""
     k_cache, v_cache = caches
     out, lse = flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k), causal=True,
+        q, k_cache, v_cache, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max_seqlen_k or max(lens_k),
+        causal=True,
         block_table=table, num_splits=num_splits, return_lse=True, batch_invariant=True, **opts)
     return out, lse
 
@@ -258,3 +260,145 @@ def test_no_compile_fallback_in_the_mode(monkeypatch):
 
 class _FakeCompileError(RuntimeError):
     pass
+
+
+# ---------------------------------------------------------------- split programs (INVARIANT_MAX_SPLITS, _SPLIT_STATES)
+
+
+def _split_switches(monkeypatch, most=None, states=None):
+    """The mode's split cap (``most``; None: the default) and partial-state budget (None: none)."""
+    from pagedflash.ops import launch
+
+    monkeypatch.setattr(launch, "INVARIANT_MAX_SPLITS", most or launch.MAX_SPLITS)
+    monkeypatch.setattr(launch, "INVARIANT_SPLIT_STATES", states)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_rows_equal_with_many_split_programs(monkeypatch, paged):
+    """A decode row of 11 splits: one program for all of them (the budget forces it), one program a
+    split, 200 programs (a bound past MAX_SPLITS splits, as a decode graph's; the combine's LSE scan
+    in one load and four at a time), none past the default cap, and beside a row of 22 splits (trailing
+    empty splits in the combine) at and past the budget: the same bits."""
+    from pagedflash.ops import attention, combine, launch
+    from pagedflash.ops.utils import interpreted
+
+    hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
+    keys = launch.invariant_split_keys(interpreted(), d)
+    n, long, bound = 10 * keys + 20, 22 * keys, 200 * keys  # 11, 22 and 200 splits
+    q = randn(2, hq, d, dtype=dtype)
+    if paged:
+        k_cache, v_cache, table = make_pool([n, long], PAGE, hkv, d, dtype)
+        caches = (k_cache, v_cache)
+    else:
+        cache_k, cache_v = randn(2, bound, hkv, d, dtype=dtype), randn(2, bound, hkv, d, dtype=dtype)
+
+    def decode(rows, lens, max_seqlen_k, splits):
+        attention.clear_plans()
+        if paged:
+            out, lse = _varlen(q[rows], caches, table[rows], [1] * len(rows), lens, {}, num_splits=2,
+                               max_seqlen_k=max_seqlen_k)
+        else:
+            out, lse = flash_attn_with_kvcache(
+                q[rows, None], cache_k[rows, :max_seqlen_k], cache_v[rows, :max_seqlen_k],
+                cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEVICE), num_splits=2, return_lse=True,
+                batch_invariant=True)
+            out, lse = out[:, 0], lse[:, :, 0].T
+        got = {plan.num_splits for plan in attention._PLANS.values() if plan.consts["INVARIANT"]}
+        assert got == {splits}, (rows, lens, max_seqlen_k, got)
+        return out[0], lse[:, 0]
+
+    try:
+        _split_switches(monkeypatch, most=256, states=1)
+        one = decode([0], [n], n, 1)
+        _split_switches(monkeypatch, most=256)
+        for max_seqlen_k, splits in ((n, 11), (bound, 200)):
+            assert all(map(torch.equal, decode([0], [n], max_seqlen_k, splits), one)), f"{splits} splits"
+        monkeypatch.setattr(combine, "LSES_PER_LOAD", 4)
+        assert all(map(torch.equal, decode([0], [n], bound, 200), one)), "200 splits, LSEs 4 a load"
+        monkeypatch.setattr(combine, "LSES_PER_LOAD", 1024)
+        for states, splits in ((22 * 2 * hq, 22), (22 * 2 * hq - 1, 1)):
+            _split_switches(monkeypatch, most=256, states=states)
+            assert all(map(torch.equal, decode([0, 1], [n, long], long, splits), one)), f"batched, {splits} splits"
+        _split_switches(monkeypatch)
+        assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the default cap"
+    finally:
+        attention.clear_plans()  # LSES_PER_LOAD is no plan switch
+
+
+def test_split_cap_and_budget(monkeypatch):
+    from pagedflash.ops import launch
+
+    _split_switches(monkeypatch)  # the defaults: MAX_SPLITS splits, no budget
+    assert launch.invariant_num_splits(340, 32, 8) == 11
+    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS, 32, 10**6) == launch.MAX_SPLITS
+    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS + 1, 32, 1) == 1
+    for most, states, splits in ((10, None, 1), (11, None, 11), (512, 88, 11), (512, 87, 1)):
+        _split_switches(monkeypatch, most=most, states=states)
+        assert launch.invariant_num_splits(340, 32, 8) == splits, (most, states)
+    _split_switches(monkeypatch, most=512)
+    assert launch.invariant_num_splits(32 * 512, 32, 8) == 512 and launch.invariant_num_splits(32 * 512 + 1, 32, 8) == 1
+
+
+def test_split_switches_from_the_environment(monkeypatch):
+    """Read when the module loads (a fresh copy of it, so that the module every other test uses keeps
+    its values); a bad value is an error naming its variable."""
+    import importlib.util
+    import sys
+
+    from pagedflash.ops import launch
+
+    def fresh():
+        spec = importlib.util.spec_from_file_location("launch_copy", launch.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, "launch_copy", copy)  # its dataclasses resolve annotations there
+        spec.loader.exec_module(copy)
+        return copy
+
+    monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", raising=False)
+    monkeypatch.delenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", raising=False)
+    copy = fresh()
+    assert copy.INVARIANT_MAX_SPLITS == launch.MAX_SPLITS and copy.INVARIANT_SPLIT_STATES is None
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", "512")
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "65536")
+    copy = fresh()
+    assert copy.INVARIANT_MAX_SPLITS == 512 and copy.INVARIANT_SPLIT_STATES == 65536
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", "0")
+    with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_MAX_SPLITS: expected an integer from 1 to 65535, got '0'"):
+        fresh()
+    for bad in ("-3", "x", "1.5", "65536"):
+        monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", bad)
+        with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_MAX_SPLITS: expected an integer from 1 to 65535"):
+            launch.env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", launch.MAX_SPLITS, launch.MAX_GRID_SPLITS)
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "0")
+    with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_SPLIT_STATES: expected an integer of 1 or more"):
+        launch.env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
+
+
+def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
+    """The engine's bound on its decode graphs' partials takes each graph's split count from the same
+    rule as the launch (its rows x the rank's query heads against the budget)."""
+    from types import SimpleNamespace
+
+    from pagedflash.engine.executor import graph_split_bytes
+    from pagedflash.engine.runner import graph_num_splits, graph_sizes
+    from pagedflash.ops import launch
+    from pagedflash.ops.utils import interpreted
+
+    heads, kv_heads, d, sms = 8, 2, 32, 16
+    keys = launch.invariant_split_keys(interpreted(), d)
+    model = SimpleNamespace(shard=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads))
+    spec = SimpleNamespace(batch_invariant=True, cuda_graphs=True, config=SimpleNamespace(head_dim=d),
+                           max_num_seqs=64, max_model_len=300 * keys)  # 300 splits
+    split = [bs for bs in graph_sizes(64) if graph_num_splits(bs, kv_heads, sms) > 1]
+    assert split == [1, 2, 4, 8]
+
+    def bound(graphs):
+        sets = [300 * bs * heads * (d + 1) * 4 for bs in graphs]
+        return sum(sets) + max(sets, default=0)
+
+    _split_switches(monkeypatch)
+    assert graph_split_bytes(model, spec, sms) == 0  # 300 splits: past the default cap
+    _split_switches(monkeypatch, most=512)
+    assert graph_split_bytes(model, spec, sms) == bound(split)
+    _split_switches(monkeypatch, most=512, states=300 * 2 * heads)  # graphs of 1 and 2 rows split
+    assert graph_split_bytes(model, spec, sms) == bound([1, 2])

@@ -87,7 +87,8 @@ def _switches(invariant: bool) -> tuple:
     """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
     return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
             invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS,
-                           launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE))
+                           launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
+                           launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -149,12 +150,13 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
             max_seqlen_k=max_seqlen_k, block_n=cfg.block_n, kv_bytes_per_key=2 * d * k.element_size(),
             decode=packed, page_size=page_size, device=q.device,
         )
-    num_splits = min(num_splits, MAX_SPLITS)
-    if invariant and num_splits > 1:
-        num_splits = invariant_num_splits(max_seqlen_k, split_keys)
-    elif config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
-        cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
+    if invariant and num_splits > 1:  # the mode's own cap and budget (invariant_num_splits), not MAX_SPLITS
+        num_splits = invariant_num_splits(max_seqlen_k, split_keys, tokens * hq)
+    else:
+        num_splits = min(num_splits, MAX_SPLITS)
+        if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
+            cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     if varlen_q:
         num_q_tiles = 0
         grid_q = tokens // block_q + batch

@@ -19,6 +19,7 @@ from pagedflash.ops import _jit, custom_ops, fastlaunch
 from pagedflash.ops.utils import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
+LSES_PER_LOAD = 1024  # split LSEs the batch-invariant merge scans at once for a row's last non-empty split
 
 
 @triton.jit(do_not_specialize=["tokens_per_batch", "num_splits"])  # vary per call: no recompiles
@@ -35,10 +36,10 @@ def _combine_kernel(
     ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, INVARIANT: tl.constexpr,
 ):
-    """One (token, head) per program. All split LSEs are read at once and the partial outputs with
-    them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait on each other
-    (a split-by-split merge would pay the memory latency once per split). The split count is a
-    runtime argument: no recompile per count. A NaN partial (a split that found invalid metadata)
+    """One (token, head) per program. All split LSEs (ALL_S of them) are read at once and the partial
+    outputs with them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait
+    on each other (a split-by-split merge would pay the memory latency once per split). The split
+    count is a runtime argument: no recompile per count. A NaN partial (a split that found invalid metadata)
     gives a NaN output and LSE: its weight ``exp(NaN - m)`` is NaN whatever the max ``m`` is, and
     reaches ``total``.
 
@@ -47,7 +48,8 @@ def _combine_kernel(
     one program computes them all: the same row, the same bits, whatever the split count. The merge
     stops at the row's last non-empty split: an empty state (lse ``±inf``) merges as the identity
     (weights 1 and 0), so the splits past a row's keys (a graph sized for the longest row) change
-    nothing but the time; a NaN split is not empty."""
+    nothing but the time; a NaN split is not empty. Its LSEs are scanned ALL_S at a time
+    (:data:`LSES_PER_LOAD` at most: one load up to that many splits)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -56,11 +58,14 @@ def _combine_kernel(
     b = tok // tokens_per_batch
     t = tok % tokens_per_batch
     offs_all = tl.arange(0, ALL_S)
-    lse_all = tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
     if INVARIANT:
+        used = tl.full([], 0, dtype=tl.int32)  # splits up to the row's last non-empty one, ALL_S LSEs a load
+        for c in range(0, num_splits, ALL_S):
+            offs_c = c + offs_all
+            lse_c = tl.load(lse_base + offs_c * stride_lps, mask=offs_c < num_splits, other=float("-inf"))
+            used = tl.maximum(used, tl.max(tl.where(tl.abs(lse_c) != float("inf"), offs_c + 1, 0), 0))
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
-        used = tl.max(tl.where(tl.abs(lse_all) != float("inf"), offs_all + 1, 0), 0)
         for s in range(0, used):
             lse_s = tl.load(lse_base + s * stride_lps)
             o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s * stride_ps + offs_d, mask=d_ok, other=0.0)
@@ -71,6 +76,7 @@ def _combine_kernel(
         if WRITE_LSE:
             tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
         return
+    lse_all = tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
     lse_all = _jit.empty_if_inf(lse_all)
     m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
@@ -123,7 +129,8 @@ def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invaria
     plan = CombineLaunch()
     plan.grid = (tokens, heads, 1)
     plan.ints = (*out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l, tokens_per_batch, num_splits)
-    plan.consts = dict(ALL_S=next_pow2(num_splits), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+    all_s = min(next_pow2(num_splits), LSES_PER_LOAD) if invariant else next_pow2(num_splits)
+    plan.consts = dict(ALL_S=all_s, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
                        BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None,
                        INVARIANT=invariant)
     plan.slot = fastlaunch.Slot()

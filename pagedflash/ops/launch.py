@@ -150,6 +150,33 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 # multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
 INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
 INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
+MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (one program per split)
+
+
+def env_count(name: str, default: int | None, most: int | None = None) -> int | None:
+    """The positive integer (at most ``most``) that environment variable ``name`` holds, ``default``
+    when it is unset or empty, or a clear error naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or (most is not None and value > most):
+        bound = f"from 1 to {most}" if most is not None else "of 1 or more"
+        raise ValueError(f"{name}: expected an integer {bound}, got {text!r}")
+    return value
+
+
+# Which programs compute the mode's splits (never where they start: any choice gives the same bits).
+# A launch takes one program per split of its longest row while that count is at most
+# INVARIANT_MAX_SPLITS and its fp32 partials, (split x query row x query head) states of D + 1 values,
+# number at most INVARIANT_SPLIT_STATES (None: no limit); else one program folds a row's splits.
+# More programs fill the GPU at small batch (shorter splits, a graph sized for a long model length);
+# the budget bounds their partials' memory. The defaults keep MAX_SPLITS and no budget.
+INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", MAX_SPLITS, MAX_GRID_SPLITS)
+INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
 # The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
 # (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
@@ -208,12 +235,14 @@ def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
     return keys
 
 
-def invariant_num_splits(max_seqlen_k: int, split_keys: int) -> int:
+def invariant_num_splits(max_seqlen_k: int, split_keys: int, states_per_split: int) -> int:
     """The batch-invariant mode's split count when a launch splits at all: one program per split of
-    the longest row's keys, or none (1) past :data:`MAX_SPLITS` (any other count would merge the
-    partials in another order)."""
+    the longest row's keys, or none (1) past :data:`INVARIANT_MAX_SPLITS` splits or past
+    :data:`INVARIANT_SPLIT_STATES` partial states (``states_per_split``: the launch's query rows x
+    query heads). Any other count would merge the partials in another order."""
     splits = cdiv(max(max_seqlen_k, 1), split_keys)
-    return splits if splits <= MAX_SPLITS else 1
+    within = INVARIANT_SPLIT_STATES is None or splits * states_per_split <= INVARIANT_SPLIT_STATES
+    return splits if splits <= INVARIANT_MAX_SPLITS and within else 1
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
