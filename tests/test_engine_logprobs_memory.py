@@ -24,7 +24,7 @@ from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.engine.executor import EngineSpec, build_rank, graph_split_bytes, largest_step
 from pagedflash.engine.sampling import MAX_LOGPROBS
 from pagedflash.ops import scratch
-from pagedflash.ops.launch import INTERPRET_INVARIANT_SPLIT_KEYS, MAX_SPLITS
+from pagedflash.ops.launch import INTERPRET_INVARIANT_SPLIT_KEYS, INVARIANT_MAX_SPLITS
 from pagedflash.ops.utils import num_sms
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -141,7 +141,7 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     rows split; 256 keys, 32-key splits under the interpreter: 8 splits): each capture body's split
     partials, one shape per graph, are what :func:`graph_split_bytes` counts (each graph's warm-up
     set kept, plus the largest in the graphs' pool); nothing without the mode, without graphs, or
-    when the launch takes no split (one split's worth of keys, or more than ``MAX_SPLITS`` splits)."""
+    when the launch takes no split (one split's worth of keys, or more than ``INVARIANT_MAX_SPLITS`` splits)."""
     llm = LLM(CONFIG, dtype=torch.float32, seed=0, page_size=8, num_blocks=16)
     spec = spec_of(llm, tokens=64, seqs=8, batch_invariant=True, cuda_graphs=True)
     rank = build_rank(spec)
@@ -174,5 +174,5 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     for off in (dict(batch_invariant=False, cuda_graphs=True), dict(batch_invariant=True, cuda_graphs=False),
                 dict(batch_invariant=True, cuda_graphs=True, max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS),  # one split
                 dict(batch_invariant=True, cuda_graphs=True,
-                     max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS * (MAX_SPLITS + 1))):
+                     max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS * (INVARIANT_MAX_SPLITS + 1))):
         assert graph_split_bytes(rank.model, spec_of(llm, tokens=64, seqs=8, **off), 16) == 0, off
