@@ -16,8 +16,8 @@ loads, the fp8 conversion instruction):
   of the ladder, their fixed split count, the capacity as the key bound), and a 512-token chunk over
   4K cached keys; the same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``), dense
   prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill (with the
-  opt-in prefill tile too). The GEMM's opt-in forms too: K chunks (its split form and fold) and the
-  decode tiles.
+  opt-in prefill tile too). The GEMM's other forms too: K chunks (its split form and fold, opt-in)
+  and, beside the decode tiles small calls run by default, the wide tile they run with those off.
 
 Not covered: the Hopper Gluon prefill kernel and its metadata pre-pass (their own check,
 ``tools/gluon_compile_check.py``, needs Triton 3.6's Gluon). Where that kernel takes a call on an
@@ -95,16 +95,18 @@ def _layer_calls(cfg: dict, rows: int):
         def down():
             matmul.matmul(torch.empty(rows, i, **bf16), w_down)
         yield "matmul down, K chunks", _opted(matmul, "CHUNK_K", True, down)
-        yield "matmul qkv, decode tile", _opted(matmul, "DECODE_TILES", True, lambda: matmul.matmul(x, w_qkv))
-        yield "matmul down, decode tile", _opted(matmul, "DECODE_TILES", True, down)
+        yield "matmul qkv, wide tile", _opted(matmul, "DECODE_TILES", False, lambda: matmul.matmul(x, w_qkv))
+        yield "matmul down, K chunks, wide tile", _opted(matmul, "DECODE_TILES", False,
+                                                         _opted(matmul, "CHUNK_K", True, down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
 
 
 def _opted(module, switch: str, value, call):
-    """``call`` (a thunk) run with an opt-in switch set: the GEMM's ``CHUNK_K`` (the split form and its
-    fold) or ``DECODE_TILES``, the batch-invariant mode's ``INVARIANT_PREFILL_TILE``."""
+    """``call`` (a thunk) run with a switch set: the GEMM's ``CHUNK_K`` (the split form and its fold) or
+    ``DECODE_TILES`` (off: the wide tile at decode sizes), the batch-invariant mode's
+    ``INVARIANT_PREFILL_TILE``."""
     def run():
         with mock.patch.object(module, switch, value):
             call()
