@@ -121,14 +121,16 @@ def status() -> str:
 
 def direct_status() -> str:
     """"on" (every handle calls the C launch function), "on, but not for every kernel (...)" (some
-    kept their launcher), or why no handle calls it (module doc)."""
+    kept their launcher), "no handle yet", or why no handle calls it (module doc)."""
     if not DIRECT:
-        return "off: DIRECT = False (PAGEDFLASH_DIRECT_LAUNCH=0)"
+        return "off: DIRECT = False (PAGEDFLASH_DIRECT_LAUNCH=0, or set by the caller)"
+    if not _enabled or isinstance(_api, str):
+        return f"off: the fast launch is {status()}"
     if _direct_refused:
         if _direct_handles:
             return f"on, but not for every kernel (the last refused: {_direct_refused})"
         return f"refused: {_direct_refused}"
-    return "on"
+    return "on" if _direct_handles else "no handle yet"
 
 
 def register_scratch_allocator(allocator) -> None:
