@@ -3,5 +3,5 @@
 # go to a target added to PYTHONPATH.
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site || echo "wheels.sh: the .whl install failed"
+    > /dev/null 2>&1 && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site || echo "wheels.sh: the .whl install failed"
 fi
