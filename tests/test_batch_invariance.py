@@ -14,6 +14,7 @@ import torch
 
 from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, make_pool, randn
 from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from pagedflash.ops.combine import launch_combine, plan_combine
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -402,3 +403,32 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     assert graph_split_bytes(model, spec, sms) == bound(split)
     _split_switches(monkeypatch, most=512, states=300 * 2 * heads)  # graphs of 1 and 2 rows split
     assert graph_split_bytes(model, spec, sms) == bound([1, 2])
+
+
+def test_combine_stops_at_a_rows_last_split():
+    """The mode's combine merges a row's splits up to its last non-empty one: empty splits after it
+    (lse -inf or +inf, whatever their partial outputs hold) give the bits of the row's own splits
+    alone; a leading empty split (a window) is merged; a NaN split (invalid metadata) is not empty;
+    a row of empty splits gives 0 and -inf."""
+    def combine(out_part, lse_part):
+        out = torch.empty(out_part.shape[1:], device=DEVICE)
+        lse = torch.empty(out_part.shape[2], out_part.shape[1], device=DEVICE)
+        launch_combine(plan_combine(out_part, lse_part, out, lse, tokens_per_batch=out_part.shape[1], invariant=True),
+                       out_part, lse_part, out, lse)
+        return out, lse
+
+    g = torch.Generator().manual_seed(0)
+    splits, tokens, heads, d = 9, 4, 2, 16
+    out_part = torch.randn(splits, tokens, heads, d, generator=g).to(DEVICE)
+    lse_part = torch.randn(splits, tokens, heads, generator=g).to(DEVICE)
+    lse_part[0, 1] = float("-inf")  # token 1: a leading empty split
+    lse_part[3:, :3] = float("-inf")  # tokens 0-2: 3 splits, the rest empty with finite garbage outputs
+    lse_part[5, 2] = float("inf")
+    lse_part[6, 3] = float("nan")  # token 3: every split, one of them NaN
+    lse_part[:, 0, 1] = float("-inf")  # token 0, head 1: nothing
+    out, lse = combine(out_part, lse_part)
+    own_out, own_lse = combine(out_part[:3, :3].contiguous(), lse_part[:3, :3].contiguous())
+    assert torch.equal(out[:3], own_out) and torch.equal(lse[:, :3], own_lse)
+    assert torch.isnan(out[3]).all() and torch.isnan(lse[:, 3]).all()
+    assert torch.equal(out[0, 1], torch.zeros(d, device=DEVICE)) and lse[1, 0] == float("-inf")
+    assert torch.isfinite(out[:3]).all()
