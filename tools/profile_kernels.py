@@ -1,7 +1,9 @@
 """What each decode call launches, as CUPTI sees it: kernel names, grid and block shapes, registers,
 shared memory, occupancy and mean GPU time, for pagedflash and SDPA (cuDNN, flash) on serving cells.
 The L2 is flushed (zeroed) before every call, as in `bench decode`, so both read K/V from HBM.
-    python tools/profile_kernels.py [BxN ...]        (default: the short serving cells)"""
+    python tools/profile_kernels.py [BxN ...]        (default: the short serving cells)
+    python tools/profile_kernels.py --moe [T ...]    (default 1 4: the fused MoE layer of `bench moe`'s
+                                                     shapes, each kernel's time beside the bandwidth bound)"""
 import collections
 import json
 import os
@@ -40,7 +42,33 @@ def kernels(fn, flush: torch.Tensor) -> list[tuple[str, float, dict]]:
     return [(name, sum(e["dur"] for e in es) / len(es), es[0]["args"]) for name, es in by_name.items()]
 
 
+def print_kernels(label: str, ks) -> None:
+    total = sum(us for _, us, _ in ks)
+    print(f"  {label}: {total:.1f} us of kernels")
+    for name, us, args in ks:
+        info = " ".join(f"{k.split()[0]}={args.get(k)}" for k in FIELDS if k in args)
+        print(f"    {us:7.1f} us  {name[:90]}  {info}")
+
+
+def main_moe(argv: list[str]) -> None:
+    """The fused MoE layer (``bench moe``'s inputs and call) at T tokens: where its time goes against the
+    picked experts' bandwidth bound."""
+    from pagedflash.bench import moe as bench_moe
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for name in bench_moe.SHAPES:
+        for T in [int(t) for t in argv] or [1, 4]:
+            case = bench_moe.inputs(name, T, bench_moe.FULL)
+            bound_us = 1e3 * bench_moe.bound_ms(case["weights"], case["topk_ids"], case["hidden"])
+            print(f"== {name} T={T}: bound {bound_us:.1f} us "
+                  f"({bench_moe.active_bytes(case['weights'], case['topk_ids'], case['hidden']) / 1e6:.1f} MB)")
+            print_kernels("pagedflash fused_moe", kernels(bench_moe.ours_fn(case), flush))
+            sys.stdout.flush()
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--moe"]:
+        return main_moe(argv[1:])
     cells = [tuple(int(x) for x in c.split("x")) for c in argv] or [(1, 1024), (4, 1024), (16, 1024), (16, 4096),
                                                                      (64, 1024), (1, 16384)]
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
@@ -61,11 +89,7 @@ def main(argv: list[str]) -> None:
             else:
                 with sdpa_kernel(backend):
                     ks = kernels(fn, flush)
-            total = sum(us for _, us, _ in ks)
-            print(f"  {label}: {total:.1f} us of kernels")
-            for name, us, args in ks:
-                info = " ".join(f"{k.split()[0]}={args.get(k)}" for k in FIELDS if k in args)
-                print(f"    {us:7.1f} us  {name[:90]}  {info}")
+            print_kernels(label, ks)
         sys.stdout.flush()
 
 
