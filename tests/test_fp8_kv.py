@@ -230,10 +230,15 @@ def test_bf16_queries_of_any_finite_magnitude(log2_q):
     and near its smallest normals (2^-124: a shift of -126, where a floor at -100 lost the mantissa)
     give the reference's answer with the softmax scale that keeps their scores of order one, decode
     and varlen prefill alike (the portable kernel; on sm90 the varlen call is small enough to stay
-    on it, ``tests/test_prefill_hopper*.py`` cover the Gluon one)."""
+    on it, ``tests/test_prefill_hopper*.py`` cover the Gluon one). Under the interpreter q stays out
+    of bf16's subnormals: Triton 3.9's interpreter converts those to fp32 wrongly (-2.66e-39 became
+    -9.55e-39), which failed 3 seeds of 40 at 2^-124; compiled, they are converted exactly."""
     hq, hkv, d, n = 4, 2, 64, 40
     scale = 2.0 ** -log2_q / d**0.5
-    q = (randn(2, 1, hq, d) * 2.0**log2_q).to(torch.bfloat16)
+    q = randn(2, 1, hq, d)
+    if not ON_GPU:
+        q = q.sign() * q.abs().clamp(min=2.0**(-126 - log2_q))
+    q = (q * 2.0**log2_q).to(torch.bfloat16)
     kd, vd = descales("head", hkv)
     k8, v8 = (randn(2, n, hkv, d).to(E4M3) for _ in range(2))
     k, v = ref.dequantize_ref(k8, kd), ref.dequantize_ref(v8, vd)
