@@ -176,13 +176,20 @@ def capture_graph(fn):
     return graph, result
 
 
+MMA_K_STEP = 16  # K depth of one 16-bit MMA instruction (sm80 mma.sync, sm90 wgmma)
+
+
 @contextlib.contextmanager
 def row_exact_interpreter_dot():
-    """Inside the block the Triton interpreter's ``tl.dot`` sums each output element's products in
-    one fixed order (K ascending, in the accumulator's dtype), as a GPU's dot instruction does for a
-    fixed tile shape. The interpreter's own ``numpy.matmul`` goes through the host BLAS, whose
-    micro-kernels round an element differently by its row's place in a block: the batch-invariance
-    tests would then measure the host BLAS, not the kernels' order of work. No effect on a GPU."""
+    """Inside the block the Triton interpreter's ``tl.dot`` computes each output element as a GPU's
+    MMA instructions chain it: K in steps of :data:`MMA_K_STEP`, each step's products summed in K
+    order and added to the accumulator, the steps in increasing K (in the accumulator's dtype). An
+    element's bits then depend on its row, its column, the accumulator and K's order only, not on the
+    tile's rows, columns or ``BLOCK_K`` (a multiple of the step): on an H100 every GEMM tile of
+    16-256 columns and 64-256-deep steps gave the same bits (docs/performance.md v41). The
+    interpreter's own ``numpy.matmul`` goes through the host BLAS, whose micro-kernels round an
+    element differently by its row's place in a block: the batch-invariance tests would then measure
+    the host BLAS, not the kernels' order of work. No effect on a GPU."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -196,8 +203,11 @@ def row_exact_interpreter_dot():
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         acc = d.data.dtype
-        products = operand(a).astype(acc)[..., :, :, None] * operand(b).astype(acc)[..., None, :, :]  # [.., M, K, N]
-        return interpreter.TensorHandle(np.add.reduce(products, axis=-2) + d.data, d.dtype.scalar)
+        a_k, b_k, out = operand(a).astype(acc), operand(b).astype(acc), d.data
+        for k in range(0, a_k.shape[-1], MMA_K_STEP):
+            step = a_k[..., :, k:k + MMA_K_STEP, None] * b_k[..., None, k:k + MMA_K_STEP, :]  # [.., M, step, N]
+            out = np.add.reduce(step, axis=-2) + out
+        return interpreter.TensorHandle(out, d.dtype.scalar)
 
     builder.create_dot = create_dot
     try:

@@ -34,8 +34,9 @@ SMALL_TILE = mm.Tile(16, 16, 16, 4, 1, 2)  # 16 programs on the CPU: each walks 
 # K = 100 in chunks of 32 (the last one 4 keys): below 16 output tiles one program per (tile, chunk)
 # and the fold kernel, above one program per tile adding its chunks (the interpreter's 16 SMs)
 CHUNK_TILE = mm.Tile(16, 16, 16, 4, 1, 2, chunk_k=32)
-# DECODE_TILES with forced tiles: 16 rows or fewer run 16 columns, more rows 32 (same rows, K steps, warps)
-WIDE_TILE, NARROW_TILE = mm.Tile(16, 32, 16, 4, 1, 2), mm.Tile(16, 16, 16, 4, 2, 2)
+# DECODE_TILES with forced tiles: 16 rows or fewer run 16 columns by 32-deep K steps, more rows 32 by 16
+# (same rows, warps; the interpreter's dot chains 16-deep steps as an MMA does)
+WIDE_TILE, NARROW_TILE = mm.Tile(16, 32, 16, 4, 1, 2), mm.Tile(16, 16, 32, 4, 2, 2)
 # Llama-3-8B's projections (N, K): qkv, o_proj, gate_up, down
 LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -115,9 +116,11 @@ def test_chunk_rule(monkeypatch):
 
 @pytest.mark.parametrize("chunk_k", [False, True], ids=["whole_k", "chunked"])
 def test_decode_tile_rule(monkeypatch, chunk_k):
-    """On an H200 (sm90, 132 SMs) the decode tile differs from the weight's tile in its columns and
-    stages only (what orders a row's sum stays), narrows the 2048-4096-wide layers until their column
-    tiles fill the SMs, fits sm90's shared memory, and leaves fp32 and other devices alone."""
+    """On an H200 (sm90, 132 SMs) the decode tile differs from the weight's tile in its columns, K
+    steps and stages only (what orders a row's sum stays: the rows, the warps, the K chunks), narrows
+    the 2048-4096-wide layers until their column tiles fill the SMs, takes 256-deep steps at 16
+    columns (not where a K chunk is no multiple of them), fits sm90's shared memory, and leaves fp32
+    and other devices alone."""
     monkeypatch.setattr(mm, "CHUNK_K", chunk_k)
     monkeypatch.setattr(mm, "num_sms", lambda device: 132)
     monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
@@ -125,17 +128,24 @@ def test_decode_tile_rule(monkeypatch, chunk_k):
                 "lm_head": (128256, 2048)}
     for n, k in [*LLAMA_8B.values(), *llama_1b.values()]:
         main = mm.tile(n, k, torch.bfloat16, DEVICE)
-        t = mm.decode_tile(main, n, torch.bfloat16, DEVICE)
-        assert t._replace(block_n=main.block_n, stages=main.stages) == main
+        t = mm.decode_tile(main, n, k, torch.bfloat16, DEVICE)
+        assert t._replace(block_n=main.block_n, block_k=main.block_k, stages=main.stages) == main
         assert mm.DECODE_MIN_N <= t.block_n <= main.block_n and t.stages >= main.stages
         assert t.stages * (t.block_m + t.block_n) * t.block_k * 2 <= mm.SMEM_SM90
         assert t.block_n == mm.DECODE_MIN_N or 2 * -(-n // t.block_n) > 132
-    assert mm.decode_tile(mm.tile(2048, 2048, torch.bfloat16, DEVICE), 2048, torch.bfloat16, DEVICE).block_n == 32
+        deep = t.block_n == mm.DECODE_MIN_N and main.chunk_k % mm.DECODE_DEEP_K == 0
+        assert t.block_k == (mm.DECODE_DEEP_K if deep else main.block_k) and t.chunk_k % t.block_k == 0
+    # Llama-3.2-1B: qkv 32 columns by 128, o_proj and down 16 by 256 (v41's best at M = 64), gate/up 128 by 64
+    tiles = {name: mm.decode_tile(mm.tile(n, k, torch.bfloat16, DEVICE), n, k, torch.bfloat16, DEVICE)
+             for name, (n, k) in llama_1b.items()}
+    if not chunk_k:
+        assert [(t.block_n, t.block_k) for t in tiles.values()] == [(32, 128), (16, 256), (128, 64), (16, 256),
+                                                                   (256, 64)]
     main = mm.tile(2048, 2048, torch.float32, DEVICE)
-    assert mm.decode_tile(main, 2048, torch.float32, DEVICE) == main
+    assert mm.decode_tile(main, 2048, 2048, torch.float32, DEVICE) == main
     monkeypatch.setattr(mm, "nvidia_capability", lambda device: (8, 0))
     main = mm.tile(2048, 2048, torch.bfloat16, DEVICE)
-    assert mm.decode_tile(main, 2048, torch.bfloat16, DEVICE) == main
+    assert mm.decode_tile(main, 2048, 2048, torch.bfloat16, DEVICE) == main
 
 
 @pytest.mark.parametrize("m,n,k", [(0, 5, 8), (4, 0, 8), (4, 5, 0)], ids=["no_rows", "no_columns", "no_k"])
@@ -193,9 +203,10 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "TILE", WIDE_TILE)
-    monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE._replace(block_k=32))
-    with pytest.raises(ValueError, match=r"matmul.DECODE_TILE: expected .* \(only block_n and stages may differ"):
-        mm.matmul(randn(3, 64), randn(5, 64))
+    for other in (NARROW_TILE._replace(chunk_k=32), NARROW_TILE._replace(warps=8), NARROW_TILE._replace(block_m=32)):
+        monkeypatch.setattr(mm, "DECODE_TILE", other)
+        with pytest.raises(ValueError, match=r"matmul.DECODE_TILE: expected .* \(only block_n, block_k and stages"):
+            mm.matmul(randn(3, 64), randn(5, 64))
 
 
 def test_m_is_not_specialized():
@@ -316,15 +327,16 @@ def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
-@pytest.mark.parametrize("name", list(LLAMA_8B))
+@pytest.mark.parametrize("name", [*LLAMA_8B, "1b_o_proj", "1b_down"])
 @pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
-def test_llama_8b_projections(monkeypatch, name, dtype, decode_tiles):
+def test_llama_projections(monkeypatch, name, dtype, decode_tiles):
     """Against the reference at M = 1 and 300, and batch invariance with the real dot at M = 1, 7, 256
     and 1000 (the row in several row tiles and at several positions in its tile); with DECODE_TILES,
     M = 1 and 7 run the narrow decode tile and the others the weight's tile: the MMA's bits must not
-    depend on the tile's width."""
+    depend on the tile's width or K steps (Llama-3-8B's projections; Llama-3.2-1B's o_proj and down,
+    whose decode tiles take 256-deep steps)."""
     monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
-    n, k = LLAMA_8B[name]
+    n, k = {**LLAMA_8B, "1b_o_proj": (2048, 2048), "1b_down": (2048, 8192)}[name]  # 1B: 16 by 256 decode tiles
     w = randn(n, k, dtype=dtype) / k**0.5
     x = randn(1000, k, dtype=dtype)
     for m in (1, 300):

@@ -235,7 +235,7 @@ def candidates(n: int, k: int, current: mm.Tile, args, sms: int, dev: torch.devi
     that fit, and with ``--chunk-k`` each one's K-chunk form (on the interpreter chunks of one K
     step: its tiny K would have none)."""
     grid = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
-    decode = mm.decode_tile(current, n, torch.float16 if args.smoke else torch.bfloat16, dev)
+    decode = mm.decode_tile(current, n, k, torch.float16 if args.smoke else torch.bfloat16, dev)
     tiles = list(dict.fromkeys([current, decode] + [t for t in grid if fits(t, n, k)]))
     if args.chunk_k:
         chunks = (chunked(t, n, k, sms, t.block_k if args.smoke else mm.MIN_CHUNK) for t in tiles)

@@ -26,15 +26,16 @@ summed in different orders, and greedy decoding then depends on what else is ser
   with decode tiles: one for at most ``BLOCK_M`` rows, one above), no recompilation as a serving
   loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
 - with :data:`DECODE_TILES` (on by default), calls of at most ``BLOCK_M``
-  rows (decode) run :func:`decode_tile`: the same tile with fewer columns, so that a narrow layer's
-  column tiles fill the SMs at M = 1. Everything that orders a row's sum stays: ``BLOCK_M``,
-  ``BLOCK_K``, the warps (so the MMA instruction's kind and its 16-deep K steps, chained in
-  increasing K through one accumulator) and the K chunks. An MMA computes each output element from
-  its row, its column and its accumulator alone, so the tile's width does not enter the element's
-  bits; ``tools/tune_matmul.py`` checks that on the device (every timed tile's output against the
-  first's, bit for bit: on an H100 all 32 swept tiles, 16-256 columns, 64-256-deep K steps, 4 and 8
-  warps, agreed on every weight, docs/performance.md v41) and ``tests/test_matmul.py`` checks rows
-  across the two tiles.
+  rows (decode) run :func:`decode_tile`: the same tile with fewer columns (and, at 16 columns, deeper
+  K steps), so that a narrow layer's column tiles fill the SMs at M = 1. What orders a row's sum
+  stays: ``BLOCK_M`` and the warps (so the MMA instruction's kind), and the K chunks. An MMA
+  computes each output element from its row, its column and its accumulator alone, in 16-deep K
+  steps chained in increasing K through one accumulator, so neither the tile's width nor its
+  ``BLOCK_K`` (a multiple of 16) enters the element's bits; ``tools/tune_matmul.py`` checks that on
+  the device (every timed tile's output against the first's, bit for bit: on an H100 all 32 swept
+  tiles, 16-256 columns, 64-256-deep K steps, 4 and 8 warps, agreed on every weight,
+  docs/performance.md v41) and ``tests/test_matmul.py`` checks rows across the two tiles (under the
+  interpreter with a dot that chains 16-deep steps, :func:`pagedflash.testing.row_exact_interpreter_dot`).
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -188,7 +189,8 @@ CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
 # (PAGEDFLASH_MATMUL_DECODE_TILES=0 turns it off); part of every plan's key
 DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "1") != "0"
 DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
-DECODE_MIN_N = 32  # decode tiles' columns at least
+DECODE_MIN_N = 16  # decode tiles' columns at least
+DECODE_DEEP_K = 256  # K steps of 16-column decode tiles (v41's sweep: o_proj and down's best at M = 64)
 SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
 MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
 FOLD_BLOCK = 1024  # elements per program of the chunk fold
@@ -229,26 +231,31 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
 
 
-def decode_tile(main: Tile, n: int, dtype: torch.dtype, device: torch.device) -> Tile:
+def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     """The tile of calls with at most ``BLOCK_M`` rows under :data:`DECODE_TILES`: ``main`` (the
     :func:`tile` of the same weight) with its columns halved, down to :data:`DECODE_MIN_N`, while
-    twice the column tiles would still fit in the SM count, and as many stages (up to 6) as sm90's
-    shared memory holds. Only on sm90 in 16-bit (wgmma, one warpgroup; elsewhere ``main``).
-    ``block_m``, ``block_k``, ``warps`` and ``chunk_k`` are ``main``'s: a row's sum has the same
-    operations in the same order (module doc). :data:`DECODE_TILE` overrides it."""
+    twice the column tiles would still fit in the SM count; at 16 columns :data:`DECODE_DEEP_K`-deep
+    K steps (where K and the chunks allow), so that a program still streams enough bytes a step; as
+    many stages (up to 6) as sm90's shared memory holds. Only on sm90 in 16-bit (wgmma, one
+    warpgroup; elsewhere ``main``). ``block_m``, ``warps``, ``group_m`` and ``chunk_k`` are
+    ``main``'s: a row's sum has the same operations in the same order (module doc).
+    :data:`DECODE_TILE` overrides it."""
     if DECODE_TILE is not None:
-        if DECODE_TILE._replace(block_n=main.block_n, stages=main.stages) != main:
-            raise ValueError(f"matmul.DECODE_TILE: expected {main}'s block_m, block_k, warps, group_m and chunk_k "
-                             f"(only block_n and stages may differ: a row's sum must keep its order), got {DECODE_TILE}")
+        if DECODE_TILE._replace(block_n=main.block_n, block_k=main.block_k, stages=main.stages) != main:
+            raise ValueError(f"matmul.DECODE_TILE: expected {main}'s block_m, warps, group_m and chunk_k (only "
+                             f"block_n, block_k and stages may differ: a row's sum must keep its order), "
+                             f"got {DECODE_TILE}")
         return DECODE_TILE
     capability = nvidia_capability(device)
     if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
         return main
-    sms, block_n = num_sms(device), main.block_n
+    sms, block_n, block_k = num_sms(device), main.block_n, main.block_k
     while block_n > DECODE_MIN_N and 2 * cdiv(n, block_n) <= sms:
         block_n //= 2
-    stages = max(main.stages, min(6, SMEM_SM90 // ((main.block_m + block_n) * main.block_k * 2)))
-    return main._replace(block_n=block_n, stages=stages)
+    if block_n == DECODE_MIN_N and k >= DECODE_DEEP_K and main.chunk_k % DECODE_DEEP_K == 0:
+        block_k = max(block_k, DECODE_DEEP_K)
+    stages = max(main.stages, min(6, SMEM_SM90 // ((main.block_m + block_n) * block_k * 2)))
+    return main._replace(block_n=block_n, block_k=block_k, stages=stages)
 
 
 def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
@@ -300,7 +307,7 @@ def _plan(x, weight, bias, out) -> _Plan:
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
     if DECODE_TILES and m <= t.block_m:
-        t = decode_tile(t, n, x.dtype, x.device)
+        t = decode_tile(t, n, k, x.dtype, x.device)
     if t.chunk_k < 0 or t.chunk_k % t.block_k:
         raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
                          f"got {t.chunk_k}")
