@@ -332,3 +332,17 @@ def test_fused_moe_gpu_real_shapes(T, shape):
     h, i, E, k, activation = {"qwen3_30b_a3b": (2048, 768, 128, 8, "silu"),
                               "gpt_oss_20b": (2880, 2880, 32, 4, "swigluoai")}[shape]
     check_moe(T, E, k, torch.bfloat16, activation, "routed", h=h, i=i)
+
+
+def test_stages_fit_the_shared_memory():
+    """Stages are cut to a block's shared memory (a stage: one K step of the rows and of the wider
+    GEMM's columns), never below 1, and left alone off the GPU; sm90's 227 KB keeps every tile's."""
+    for T, k, E in [(1, 8, 128), (4, 8, 128), (64, 4, 32), (1024, 2, 8), (8192, 8, 128), (8192, 4, 32)]:
+        t = moe.tiles(T, k, E)
+        assert moe.fit_stages(t, 2, None) == t and moe.fit_stages(t, 2, 227 * 1024) == t
+        small = moe.fit_stages(t, 2, 99 * 1024)
+        stage = 2 * t.bk * (t.bm + max(2 * t.bn13, t.bn2))
+        assert small._replace(stages=t.stages) == t and 1 <= small.stages <= t.stages
+        assert small.stages == 1 or small.stages * stage <= 0.9 * 99 * 1024
+    assert moe.fit_stages(moe.tiles(8192, 8, 128), 2, 99 * 1024).stages == 1  # the 128-row prefill tile
+    assert moe.fit_stages(moe.tiles(8192, 8, 128), 2, 16 * 1024).stages == 1  # never 0

@@ -40,13 +40,13 @@ def test_candidates_are_distinct_tiles():
 
 
 def test_labels_pick_their_candidate_even_when_an_earlier_label_gives_the_same_tile():
-    """--labels keeps the tiles of the labels named: "stages=4" at prefill is the tile "part=dtype
-    stages=4" also gives (the current tiles keep partials in the input dtype), and is still tried."""
+    """--labels keeps the tiles of the labels named: "stages=3" at prefill is the tile "part=dtype
+    stages=3" also gives (the current tiles keep partials in the input dtype), and is still tried."""
     current = moe.tiles(8192, 4, 32)
     assert not current.part_fp32
-    want = [("stages=4", current._replace(stages=4))]
-    assert tune_moe.candidates(current, 8192, False, quick=False, labels=["stages=4"]) == want
-    assert ("stages=4", current._replace(stages=4)) not in tune_moe.candidates(current, 8192, False, quick=False)
+    want = [("stages=3", current._replace(stages=3))]
+    assert tune_moe.candidates(current, 8192, False, quick=False, labels=["stages=3"]) == want
+    assert ("stages=3", current._replace(stages=3)) not in tune_moe.candidates(current, 8192, False, quick=False)
 
 
 def test_compile_check():

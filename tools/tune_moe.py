@@ -75,8 +75,8 @@ GEMV = [
 ]
 PREFILL = [
     ("part=dtype", dict(part_fp32=False)),
-    ("part=dtype stages=4", dict(part_fp32=False, stages=4)),
-    ("stages=4", dict(stages=4)),
+    ("part=dtype stages=3", dict(part_fp32=False, stages=3)),
+    ("stages=3", dict(stages=3)),
     ("part=dtype bn13=128", dict(part_fp32=False, bn13=128)),
     ("part=dtype bn2=256", dict(part_fp32=False, bn2=256)),
     ("part=dtype bn13=128 bn2=256", dict(part_fp32=False, bn13=128, bn2=256)),

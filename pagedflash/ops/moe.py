@@ -53,7 +53,7 @@ from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, moe_routing
 from pagedflash.ops.moe_kernels import _down_kernel, _down_sum_kernel, _gate_up_kernel, _sum_k_kernel
 from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
-from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2, shared_memory
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the kernels' ACT constexpr
 SILU, SWIGLUOAI = 0, 1
@@ -95,14 +95,16 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     - decode (``T <= DECODE_MAX_TOKENS`` or ``rows <= 16``: weight-bandwidth bound): 16-row blocks
       (the smallest ``tl.dot``), 32-wide column blocks so that even one token spreads each expert's
       weight over many programs, 128-deep reduction steps, 4 stages to keep weight bytes in flight;
-    - prefill: 64-row blocks (128 from 256 rows per expert), 64-deep steps, 3 stages, per-pair
-      partials in the input dtype (half the traffic of fp32); on the 128-row tiles 8 warps, 128 gate
-      + 128 up columns and 256 down columns, else 64 + 64 and 128; programs grouped 8 row blocks at
-      a time over the column blocks (L2 reuse of the rows).
+    - prefill: 64-row blocks (128 from 256 rows per expert), 64-deep steps, per-pair partials in the
+      input dtype (half the traffic of fp32); on the 128-row tiles 8 warps, 4 stages, 128 gate + 128
+      up columns and 256 down columns, else 3 stages, 64 + 64 and 128; programs grouped 8 row blocks
+      at a time over the column blocks (L2 reuse of the rows).
+    Stages are then cut to what the GPU's shared memory holds (:func:`fit_stages`).
     ``tools/tune_moe.py`` times candidate tiles against these (docs/performance.md v38: on an H100,
     the one-token and 128-row choices measured 1.02-1.07x and 1.22-1.41x the earlier tiles on the
     Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile took the input-dtype partials
-    unmeasured at its sizes, and 2-64 tokens kept their tiles);
+    unmeasured at its sizes, and 2-64 tokens kept their tiles; v42: 4 stages on the 128-row tiles,
+    1.03-1.04x at 8192 tokens);
     :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
@@ -119,8 +121,24 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     if T <= DECODE_MAX_TOKENS or rows <= 16:
         return decode_tiles(direct)
     if rows >= 256:
-        return Tiles(False, 128, 128, 256, 64, 8, 3, 8, part_fp32=False)
+        return Tiles(False, 128, 128, 256, 64, 8, 4, 8, part_fp32=False)
     return Tiles(False, 64, 64, 128, 64, 4, 3, 8, part_fp32=False)
+
+
+SHARED_MEMORY_USE = 0.9  # of a block's shared memory, the operand pipeline's share (the rest: epilogues)
+
+
+def fit_stages(t: Tiles, itemsize: int, shared_memory: int | None) -> Tiles:
+    """``t`` with as many stages as ``shared_memory`` bytes a block hold (:data:`SHARED_MEMORY_USE`
+    of them; a stage: one K step of a block's rows and of the wider GEMM's weight columns, gate and up
+    together), at least 1; ``t`` as it is where ``shared_memory`` is None (off the GPU). Stages change
+    no arithmetic: the same bits on every GPU. The tiles of :func:`tiles` keep their stages in sm90's
+    227 KB; in ~99 KB a block (sm86/89/120) the 128-row prefill tiles get 1 stage, the others keep
+    theirs (estimated: no such GPU has run them)."""
+    if shared_memory is None:
+        return t
+    stage = itemsize * t.bk * (t.bm + max(2 * t.bn13, t.bn2))
+    return t._replace(stages=max(1, min(t.stages, int(shared_memory * SHARED_MEMORY_USE) // stage)))
 
 
 def decode_tiles(direct: bool) -> Tiles:
@@ -189,7 +207,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     T, H = hidden.shape
     E, I, k = w13.shape[0], w2.shape[2], topk_ids.shape[1]
     P = T * k
-    t = tiles(T, k, E, invariant)
+    t = fit_stages(tiles(T, k, E, invariant), hidden.element_size(), shared_memory(hidden.device))
     if t.gemv and not (t.direct and t.fused_sum and t.bm == 1):
         raise ValueError(f"moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1, got {t}")
     if t.fused_sum and not t.part_fp32:

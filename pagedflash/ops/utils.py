@@ -55,6 +55,20 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def shared_memory(device: torch.device) -> int | None:
+    """Bytes of shared memory one block may use on ``device`` (its opt-in maximum: 227 KB on sm90,
+    ~99 KB on sm86/89/120); None off the GPU (the interpreter has no such limit)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
+
+
 def on_device(device: torch.device | int):
     """A context in which ``device`` (a torch device, or a GPU index) is the current GPU: Triton
     launches on the current device, as do CUDA graphs, events and pinned copies. A no-op where it
