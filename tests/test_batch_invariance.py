@@ -9,12 +9,20 @@ host BLAS rounds an element by its row's place in a block; a GPU's dot instructi
 """
 
 import pagedflash  # noqa: F401, I001  (first: sets TRITON_INTERPRET on CPU-only machines)
+import importlib.util
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, make_pool, randn
 from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from pagedflash.engine.executor import graph_split_bytes
+from pagedflash.engine.runner import graph_num_splits, graph_sizes
+from pagedflash.ops import attention, attention_launch, combine, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
+from pagedflash.ops.utils import interpreted
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -78,8 +86,6 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
     """PAGEDFLASH_INVARIANT_PREFILL_TILE: prefill and chunks of more than one row run twice the rows a
     tile (under the interpreter 32, on the GPU 128 with 8 warps), decode rows the mode's tile: a
     row's bits must not change."""
-    from pagedflash.ops import attention, launch
-
     monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "128:8:3" if ON_GPU else "32:4:1")
     attention.clear_plans()  # only this test's plans below
     check_rows_equal(case, dtype)
@@ -190,8 +196,6 @@ def test_global_switch_reaches_the_kernels():
 
 def test_fused_moe_rows_equal():
     """The experts' rows: a token alone (one pair per block, decode tiles by default) and among 69 others (grouped by expert, prefill tiles by default)."""
-    from pagedflash.ops import moe
-
     T, H, I, E, k = 70, 160, 136, 4, 2  # H and I past both tiles' reduction steps (128, 64)
     hidden = randn(T, H)
     w13, w2 = randn(E, 2 * I, H) * 0.2, randn(E, H, I) * 0.2
@@ -204,8 +208,6 @@ def test_fused_moe_rows_equal():
 
 
 def test_invariant_tile_setting(monkeypatch):
-    from pagedflash.ops import launch
-
     monkeypatch.setattr(launch, "INVARIANT_TILE", "")
     # the default: 64:64:4:3 up to D = 128 with 164+ KB of shared memory, a stage fewer above or with less
     for d, cap, stages in ((64, (9, 0), 3), (128, (9, 0), 3), (256, (9, 0), 2), (128, (8, 0), 3), (128, (8, 9), 2),
@@ -241,7 +243,6 @@ def test_invariant_tile_setting(monkeypatch):
 
 def test_no_compile_fallback_in_the_mode(monkeypatch):
     """Another tile would round rows another way: a tile that does not compile is an error."""
-    from pagedflash.ops import attention, attention_launch
 
     class Broken:
         def __getitem__(self, grid):
@@ -268,8 +269,6 @@ class _FakeCompileError(RuntimeError):
 
 def _split_switches(monkeypatch, most=None, states=None):
     """The mode's split cap (``most``; None: the default) and partial-state budget (None: none)."""
-    from pagedflash.ops import launch
-
     monkeypatch.setattr(launch, "INVARIANT_MAX_SPLITS", most or launch.MAX_SPLITS)
     monkeypatch.setattr(launch, "INVARIANT_SPLIT_STATES", states)
 
@@ -280,9 +279,6 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
     split, 200 programs (a bound past MAX_SPLITS splits, as a decode graph's; the combine's LSE scan
     in one load and four at a time), none past the default cap, and beside a row of 22 splits (trailing
     empty splits in the combine) at and past the budget: the same bits."""
-    from pagedflash.ops import attention, combine, launch
-    from pagedflash.ops.utils import interpreted
-
     hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
     keys = launch.invariant_split_keys(interpreted(), d)
     n, long, bound = 10 * keys + 20, 22 * keys, 200 * keys  # 11, 22 and 200 splits
@@ -327,8 +323,6 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
 
 
 def test_split_cap_and_budget(monkeypatch):
-    from pagedflash.ops import launch
-
     _split_switches(monkeypatch)  # the defaults: MAX_SPLITS splits, no budget
     assert launch.invariant_num_splits(340, 32, 8) == 11
     assert launch.invariant_num_splits(32 * launch.MAX_SPLITS, 32, 10**6) == launch.MAX_SPLITS
@@ -343,11 +337,6 @@ def test_split_cap_and_budget(monkeypatch):
 def test_split_switches_from_the_environment(monkeypatch):
     """Read when the module loads (a fresh copy of it, so that the module every other test uses keeps
     its values); a bad value is an error naming its variable."""
-    import importlib.util
-    import sys
-
-    from pagedflash.ops import launch
-
     def fresh():
         spec = importlib.util.spec_from_file_location("launch_copy", launch.__file__)
         copy = importlib.util.module_from_spec(spec)
@@ -378,13 +367,6 @@ def test_split_switches_from_the_environment(monkeypatch):
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     """The engine's bound on its decode graphs' partials takes each graph's split count from the same
     rule as the launch (its rows x the rank's query heads against the budget)."""
-    from types import SimpleNamespace
-
-    from pagedflash.engine.executor import graph_split_bytes
-    from pagedflash.engine.runner import graph_num_splits, graph_sizes
-    from pagedflash.ops import launch
-    from pagedflash.ops.utils import interpreted
-
     heads, kv_heads, d, sms = 8, 2, 32, 16
     keys = launch.invariant_split_keys(interpreted(), d)
     model = SimpleNamespace(shard=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads))
