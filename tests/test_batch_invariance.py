@@ -22,7 +22,7 @@ from pagedflash.engine.executor import graph_split_bytes
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
 from pagedflash.ops import attention, attention_launch, combine, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
-from pagedflash.ops.utils import interpreted
+from pagedflash.ops.utils import interpreted, num_sms
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -275,13 +275,17 @@ def _split_switches(monkeypatch, most=None, states=None):
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_rows_equal_with_many_split_programs(monkeypatch, paged):
-    """A decode row of 11 splits: one program for all of them (the budget forces it), one program a
-    split, 200 programs (a bound past MAX_SPLITS splits, as a decode graph's; the combine's LSE scan
-    in one load and four at a time), none past the default cap, and beside a row of 22 splits (trailing
-    empty splits in the combine) at and past the budget: the same bits."""
+    """A decode row of the rule's head splits and 11 more: one program for all of them (the budget
+    forces it), one program a split, head + 200 splits (a bound past MAX_SPLITS splits, as a decode
+    graph's; the combine's LSE scan in one load and four at a time) shared by the default programs,
+    by 1 wave of programs, 3, or one a split, none past the default cap, and beside a row of head + 22
+    splits (trailing empty splits in the combine) at and past the budget: the same bits."""
     hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
-    keys = launch.invariant_split_keys(interpreted(), d)
-    n, long, bound = 10 * keys + 20, 22 * keys, 200 * keys  # 11, 22 and 200 splits
+    rule = launch.invariant_split_rule(interpreted(), d)
+    head = rule.count(rule.head_keys) if rule.head_keys else 0  # splits of the head
+    keys = rule.keys
+    n, long, bound = (rule.head_keys + k for k in (10 * keys + 20, 22 * keys, 200 * keys))
+    assert [rule.count(x) for x in (n, long, bound)] == [head + 11, head + 22, head + 200]
     q = randn(2, hq, d, dtype=dtype)
     if paged:
         k_cache, v_cache, table = make_pool([n, long], PAGE, hkv, d, dtype)
@@ -305,33 +309,55 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
         return out[0], lse[:, 0]
 
     try:
-        _split_switches(monkeypatch, most=256, states=1)
+        _split_switches(monkeypatch, most=1024, states=1)
         one = decode([0], [n], n, 1)
-        _split_switches(monkeypatch, most=256)
-        for max_seqlen_k, splits in ((n, 11), (bound, 200)):
+        _split_switches(monkeypatch, most=1024)
+        for max_seqlen_k, splits in ((n, head + 11), (bound, head + 200)):
             assert all(map(torch.equal, decode([0], [n], max_seqlen_k, splits), one)), f"{splits} splits"
         monkeypatch.setattr(combine, "LSES_PER_LOAD", 4)
-        assert all(map(torch.equal, decode([0], [n], bound, 200), one)), "200 splits, LSEs 4 a load"
+        assert all(map(torch.equal, decode([0], [n], bound, head + 200), one)), "LSEs 4 a load"
         monkeypatch.setattr(combine, "LSES_PER_LOAD", 1024)
-        for states, splits in ((22 * 2 * hq, 22), (22 * 2 * hq - 1, 1)):
-            _split_switches(monkeypatch, most=256, states=states)
+        for states, splits in (((head + 22) * 2 * hq, head + 22), ((head + 22) * 2 * hq - 1, 1)):
+            _split_switches(monkeypatch, most=1024, states=states)
             assert all(map(torch.equal, decode([0, 1], [n, long], long, splits), one)), f"batched, {splits} splits"
+        _split_switches(monkeypatch, most=1024)
+        sms = num_sms(torch.device(DEVICE))
+        for waves in (1, 3, 10**6):  # 2 programs (KV heads) a wave's sms programs
+            monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", waves)
+            assert all(map(torch.equal, decode([0], [n], bound, head + 200), one)), f"{waves} waves"
+            assert {plan.grid[2] for plan in attention._PLANS.values()} == {min(head + 200, -(-waves * sms // 2))}
+        monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", 2)
         _split_switches(monkeypatch)
         assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the default cap"
     finally:
         attention.clear_plans()  # LSES_PER_LOAD is no plan switch
 
 
+def test_split_rule():
+    """Head splits, then long ones; a row of no keys has one split."""
+    rule = launch.SplitRule(keys=32, head_keys=64, head_split=16)
+    assert [rule.count(n) for n in (0, 1, 16, 17, 64, 65, 96, 97, 340)] == [1, 1, 1, 2, 4, 5, 5, 6, 13]
+    assert [launch.SplitRule(32).count(n) for n in (1, 32, 33, 340)] == [1, 1, 2, 11]
+    for name, env, match in (("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "INVARIANT_SPLIT_KEYS", "positive multiple of 64"),
+                             ("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "INVARIANT_HEAD_SPLIT_KEYS", "multiple of 64"),
+                             ("PAGEDFLASH_INVARIANT_HEAD_KEYS", "INVARIANT_HEAD_KEYS", "multiple of")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(launch, env, 100)
+            with pytest.raises(ValueError, match=f"{name}: expected .*{match}.*got 100"):
+                launch.invariant_split_rule(False, 64)
+
+
 def test_split_cap_and_budget(monkeypatch):
-    _split_switches(monkeypatch)  # the defaults: MAX_SPLITS splits, no budget
-    assert launch.invariant_num_splits(340, 32, 8) == 11
-    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS, 32, 10**6) == launch.MAX_SPLITS
-    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS + 1, 32, 1) == 1
+    rule = launch.SplitRule(32)
+    _split_switches(monkeypatch)  # MAX_SPLITS splits, no budget
+    assert launch.invariant_num_splits(340, rule, 8) == 11
+    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS, rule, 10**6) == launch.MAX_SPLITS
+    assert launch.invariant_num_splits(32 * launch.MAX_SPLITS + 1, rule, 1) == 1
     for most, states, splits in ((10, None, 1), (11, None, 11), (512, 88, 11), (512, 87, 1)):
         _split_switches(monkeypatch, most=most, states=states)
-        assert launch.invariant_num_splits(340, 32, 8) == splits, (most, states)
+        assert launch.invariant_num_splits(340, rule, 8) == splits, (most, states)
     _split_switches(monkeypatch, most=512)
-    assert launch.invariant_num_splits(32 * 512, 32, 8) == 512 and launch.invariant_num_splits(32 * 512 + 1, 32, 8) == 1
+    assert launch.invariant_num_splits(32 * 512, rule, 8) == 512 and launch.invariant_num_splits(32 * 512 + 1, rule, 8) == 1
 
 
 def test_split_switches_from_the_environment(monkeypatch):
@@ -368,10 +394,11 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     """The engine's bound on its decode graphs' partials takes each graph's split count from the same
     rule as the launch (its rows x the rank's query heads against the budget)."""
     heads, kv_heads, d, sms = 8, 2, 32, 16
-    keys = launch.invariant_split_keys(interpreted(), d)
+    rule = launch.invariant_split_rule(interpreted(), d)
     model = SimpleNamespace(shard=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads))
     spec = SimpleNamespace(batch_invariant=True, cuda_graphs=True, config=SimpleNamespace(head_dim=d),
-                           max_num_seqs=64, max_model_len=300 * keys)  # 300 splits
+                           max_num_seqs=64, max_model_len=rule.head_keys + (300 - rule.count(rule.head_keys)) * rule.keys)
+    assert rule.count(spec.max_model_len) == 300
     split = [bs for bs in graph_sizes(64) if graph_num_splits(bs, kv_heads, sms) > 1]
     assert split == [1, 2, 4, 8]
 

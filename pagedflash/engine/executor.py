@@ -24,7 +24,7 @@ from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
-from pagedflash.ops.launch import invariant_num_splits, invariant_split_keys
+from pagedflash.ops.launch import invariant_num_splits, invariant_split_rule
 from pagedflash.ops.utils import interpreted, num_sms
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
@@ -151,7 +151,7 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
 
     A graph of ``bs`` rows captured with a split (:func:`~pagedflash.engine.runner.graph_num_splits`
     above 1) splits, in the mode, ``max_model_len`` keys into one split per
-    :func:`~pagedflash.ops.launch.invariant_split_keys` (no split when that is one, or past the
+    split of :func:`~pagedflash.ops.launch.invariant_split_rule` (no split when that is one, or past the
     mode's split cap or partial-state budget for ``bs x Hq`` states a split:
     :func:`~pagedflash.ops.launch.invariant_num_splits`): fp32 partials ``[splits, bs, Hq, D]`` and
     ``[splits, bs, Hq]`` per layer (``Hq``: this rank's query heads). Each graph's eager warm-up run
@@ -161,11 +161,11 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     over the graphs plus the largest one."""
     if not (spec.batch_invariant and spec.cuda_graphs):
         return 0
-    keys, heads = invariant_split_keys(interpreted(), spec.config.head_dim), model.shard.num_heads
+    rule, heads = invariant_split_rule(interpreted(), spec.config.head_dim), model.shard.num_heads
     sizes = graph_sizes(min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1]))  # ModelRunner.max_decode_rows
     sets = []  # bytes of each graph's set of partials
     for bs in sizes:
-        splits = invariant_num_splits(spec.max_model_len, keys, bs * heads)
+        splits = invariant_num_splits(spec.max_model_len, rule, bs * heads)
         if graph_num_splits(bs, model.shard.num_kv_heads, sms) > 1 and splits > 1:
             sets.append(splits * bs * heads * (spec.config.head_dim + 1) * 4)
     return sum(sets) + max(sets, default=0)

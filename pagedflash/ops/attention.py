@@ -19,9 +19,10 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   q's dtype for the dots (a no-op for 16-bit caches);
 - ``HAS_SINKS``: one extra logit per query head in the softmax denominator (attention sinks), folded
   in once per row at the end (under split-KV by split 0 only, so the combine counts it once);
-- ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits of
-  ``SPLIT_N`` at absolute positions, each split from a fresh state through the masked loop, merged
-  left to right (a split program computes one split; the combine merges them in the same order);
+- ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits at
+  absolute positions (the first ``HEAD_KEYS`` in splits of ``HEAD_N``, then of ``SPLIT_N``), each split
+  from a fresh state through the masked loop, merged left to right (split programs share a row's
+  splits, a partial each; the combine merges them in the same order);
 - ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
   dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
 
@@ -46,7 +47,7 @@ from pagedflash import validate
 from pagedflash.ops import _jit, attention_launch, combine, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
-from pagedflash.ops.attention_tiles import attend_range, find_seq, offsets_fault
+from pagedflash.ops.attention_tiles import attend_range, find_seq, offsets_fault, split_of, split_start
 from pagedflash.ops.launch import LaunchConfig
 from pagedflash.ops.utils import PlanCache, new_output
 
@@ -102,7 +103,7 @@ def _attention_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr, FP8_CVT: tl.constexpr,
-    INVARIANT: tl.constexpr, SPLIT_N: tl.constexpr,
+    INVARIANT: tl.constexpr, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -189,10 +190,7 @@ def _attention_kernel(
     lo = (lo // BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
     full_hi = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo), hi)
-    if SPLIT_KV and INVARIANT:  # one fixed-size split of absolute key positions, from lo's
-        s_lo = (lo // SPLIT_N + split) * SPLIT_N
-        s_hi = tl.minimum(s_lo + SPLIT_N, hi)
-    elif SPLIT_KV:  # this program's share of the tiles of [lo, hi)
+    if SPLIT_KV and not INVARIANT:  # this program's share of the tiles of [lo, hi)
         per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_N), num_splits) * BLOCK_N
         s_lo = lo + split * per_split
         s_hi = tl.minimum(s_lo + per_split, hi)
@@ -253,33 +251,65 @@ def _attention_kernel(
     else:
         page_bad = pid_q < 0
     if INVARIANT:
-        # Batch-invariant mode: each split of SPLIT_N keys in [s_lo, s_hi) (all of [lo, hi) unsplit)
-        # from a fresh state through the masked loop only (the same instructions for a key tile
-        # whatever the row's place in its tile), finalized and merged into the row's state left to
-        # right, from the sink's (0, sink); the combine merges split programs' partials in the same order.
+        # Batch-invariant mode: the keys in splits at fixed absolute positions (split_start), each from a
+        # fresh state through the masked loop only (the same instructions for a key tile whatever the
+        # row's place in its tile), finalized and merged into the row's state left to right from the
+        # sink's (0, sink). Split launches: program `split` of the grid's P on its third axis computes
+        # the row's splits split, split + P, ... (any P gives the same bits), each into its own slot of
+        # the partials, which the combine merges in the same order; a slot past the row's last split
+        # gets an empty LSE only (the combine stops before it).
+        s0 = split_of(lo, SPLIT_N, HEAD_N, HEAD_KEYS)
+        s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS) + 1, s0 + 1)
         out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
-        if HAS_SINKS:
-            lse = tl.load(Sinks + row_head * stride_sink)
+        if SPLIT_KV:
+            n_slots = num_splits
+            slot_step = tl.num_programs(2)
+        else:
+            n_slots = 1
+            slot_step = 1
+        for slot in range(split, n_slots, slot_step):
+            if SPLIT_KV:  # one split a slot
+                w_first = s0 + slot
+                w_end = tl.minimum(w_first + 1, s_end)
+            else:  # every split of the row, merged here
+                w_first = s0
+                w_end = s_end
+            out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            if HAS_SINKS:
+                lse = tl.where(slot == 0, tl.load(Sinks + row_head * stride_sink), NEG_INF)
+            for c in range(w_first, w_end):
+                m_c = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+                l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                acc_c, l_c, m_c, page_bad = attend_range(
+                    acc_c, l_c, m_c, page_bad, q, k_src, v_src,
+                    tl.maximum(lo, split_start(c, SPLIT_N, HEAD_N, HEAD_KEYS)),
+                    tl.minimum(hi, split_start(c + 1, SPLIT_N, HEAD_N, HEAD_KEYS)),
+                    b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+                    BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
+                    d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
+                    USE_TMA, FP8_CVT,
+                )
+                o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
+                if HAS_V_DESCALE:
+                    o_c = o_c * v_descale
+                out, lse = _jit.merge_state(out, lse, o_c, lse_c)
             if SPLIT_KV:
-                lse = tl.where(split == 0, lse, NEG_INF)
-        c_lo = tl.maximum(lo, s_lo)
-        c_hi = tl.minimum(hi, s_hi)
-        for c in range((c_lo // SPLIT_N) * SPLIT_N, c_hi, SPLIT_N):
-            m_c = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
-            l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            acc_c, l_c, m_c, page_bad = attend_range(
-                acc_c, l_c, m_c, page_bad, q, k_src, v_src, tl.maximum(c, c_lo), tl.minimum(c + SPLIT_N, c_hi),
-                b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-                BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-                d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
-                USE_TMA, FP8_CVT,
-            )
-            o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
-            if HAS_V_DESCALE:
-                o_c = o_c * v_descale
-            out, lse = _jit.merge_state(out, lse, o_c, lse_c)
+                s_ok = k_ok & scales_ok
+                if PAGED:
+                    s_bad = page_bad
+                    if PAGE_SIZE % BLOCK_N != 0:
+                        s_bad = tl.max(s_bad.to(tl.int32), 0) > 0
+                    s_ok = s_ok & (s_bad == 0)
+                tok = (tok_base + q_pos).to(tl.int64)
+                if w_first < w_end:
+                    p_rows = slot * stride_ps + tok * stride_pt + row_head * stride_ph
+                    tl.store(OutPart + p_rows[:, None] + offs_d[None, :], tl.where(s_ok, out, float("nan")),
+                             mask=row_ok[:, None] & d_ok[None, :])
+                tl.store(LsePart + slot * stride_lps + tok * stride_lpt + row_head, tl.where(s_ok, lse, float("nan")),
+                         mask=row_ok)
     else:
         acc, l_i, m_i, page_bad = attend_range(
             acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),
@@ -324,7 +354,7 @@ def _attention_kernel(
         if WRITE_LSE:
             l_rows = b.to(tl.int64) * stride_lb + row_head * stride_lh + (q_start + q_pos).to(tl.int64) * stride_lt
             tl.store(Lse + l_rows, lse, mask=row_ok)
-    else:
+    elif not INVARIANT:  # (the mode's split programs wrote their slots above)
         tok = (tok_base + q_pos).to(tl.int64)
         p_rows = split * stride_ps + tok * stride_pt + row_head * stride_ph
         tl.store(OutPart + p_rows[:, None] + offs_d[None, :], out, mask=out_mask)

@@ -26,7 +26,8 @@ from pagedflash.ops.launch import (
     choose_num_splits,
     invariant_config,
     invariant_num_splits,
-    invariant_split_keys,
+    invariant_split_programs,
+    invariant_split_rule,
     use_tma,
 )
 from pagedflash.ops.utils import (
@@ -86,9 +87,11 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
 def _switches(invariant: bool) -> tuple:
     """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
     return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
-            invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INTERPRET_INVARIANT_SPLIT_KEYS,
+            invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INVARIANT_HEAD_KEYS,
+                           launch_table.INVARIANT_HEAD_SPLIT_KEYS, launch_table.INTERPRET_SPLIT_RULE,
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
-                           launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES))
+                           launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
+                           launch_table.INVARIANT_SPLIT_WAVES))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -133,14 +136,14 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                              causal=window[1] >= 0, interpreted=interpreted(), tma=tma_ok, page_size=page_size,
                              wide=wide, kv_itemsize=k.element_size(), fp8_cvt=fp8_cvt)
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
-    split_keys = invariant_split_keys(interpreted(), d) if invariant else 0
+    rule = invariant_split_rule(interpreted(), d) if invariant else None
     if invariant:
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
                                          interpreted=interpreted(),
                                          prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2))
-        if split_keys % cfg.block_n:
-            raise ValueError(f"config.block_n: expected a divisor of the batch-invariant split "
-                             f"({split_keys} keys), got {cfg.block_n}")
+        if rule.keys % cfg.block_n or rule.head_split % cfg.block_n:
+            raise ValueError(f"config.block_n: expected a divisor of the batch-invariant splits "
+                             f"({rule.head_split} and {rule.keys} keys), got {cfg.block_n}")
     else:
         cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
@@ -152,9 +155,11 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         )
     tokens = q.shape[0] if varlen_q else q.shape[0] * q.shape[1]
     if invariant and num_splits > 1:  # the mode's own cap and budget (invariant_num_splits), not MAX_SPLITS
-        num_splits = invariant_num_splits(max_seqlen_k, split_keys, tokens * hq)
+        num_splits = invariant_num_splits(max_seqlen_k, rule, tokens * hq)
+        split_programs = invariant_split_programs(
+            num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), q.device)
     else:
-        num_splits = min(num_splits, MAX_SPLITS)
+        num_splits = split_programs = min(num_splits, MAX_SPLITS)
         if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
             cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     if varlen_q:
@@ -174,7 +179,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     plan = Plan()
     plan.cfg, plan.num_splits = cfg, num_splits
     plan.tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
-    plan.grid = (grid_q, hkv * (group // cfg.g_pack), num_splits) if tokens > 0 and grid_q > 0 else None
+    plan.grid = (grid_q, hkv * (group // cfg.g_pack), split_programs if split else 1) \
+        if tokens > 0 and grid_q > 0 else None
     plan.part_shapes = (((num_splits, tokens, hq, d), torch.float32), ((num_splits, tokens, hq), torch.float32)) \
         if split else None
     plan.tokens_per_batch = tokens if varlen_q else q.shape[1]
@@ -196,7 +202,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
-        FP8_CVT=fp8_cvt, INVARIANT=invariant, SPLIT_N=split_keys or 1,
+        FP8_CVT=fp8_cvt, INVARIANT=invariant, SPLIT_N=rule.keys if rule else 1,
+        HEAD_N=rule.head_split if rule else 1, HEAD_KEYS=rule.head_keys if rule else 0,
     )
     plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()

@@ -1,6 +1,7 @@
 """The pieces of the attention kernel (:mod:`pagedflash.ops.attention`): the varlen grid's map from
 a program to its sequence and the check of the offsets it is laid out from, the page lookup of a
-key tile, K/V addresses, and the loop that folds a range of key tiles into a running softmax state.
+key tile, K/V addresses, the loop that folds a range of key tiles into a running softmax state, and
+the batch-invariant mode's split positions.
 """
 
 from __future__ import annotations
@@ -125,6 +126,21 @@ def attend_range(
             v = _jit.fp8_to_f16(v)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_i, page_bad
+
+
+@triton.jit
+def split_start(s, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr):
+    """First key of split ``s`` under the batch-invariant rule (:class:`pagedflash.ops.launch.SplitRule`):
+    the first ``HEAD_KEYS`` keys in splits of ``HEAD_N``, the rest in splits of ``SPLIT_N``."""
+    NH: tl.constexpr = HEAD_KEYS // HEAD_N
+    return tl.where(s < NH, s * HEAD_N, HEAD_KEYS + (s - NH) * SPLIT_N)
+
+
+@triton.jit
+def split_of(pos, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr):
+    """The split (:func:`split_start`) holding key ``pos`` (``pos >= 0``)."""
+    NH: tl.constexpr = HEAD_KEYS // HEAD_N
+    return tl.where(pos < HEAD_KEYS, pos // HEAD_N, NH + (pos - HEAD_KEYS) // SPLIT_N)
 
 
 @triton.jit

@@ -144,12 +144,18 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
-# Batch-invariant mode (pagedflash.batch_invariance): keys in splits of this many at absolute positions,
-# each split's state merged left to right. A decode row gets one program per split (its parallelism at
-# batch 1); a split's partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any
-# multiple of the invariant tile's key count gives invariant results; outputs for different values differ.
+# Batch-invariant mode (pagedflash.batch_invariance): keys in splits at fixed absolute positions, the
+# first INVARIANT_HEAD_KEYS keys of a row in splits of INVARIANT_HEAD_SPLIT_KEYS, the rest in splits of
+# INVARIANT_SPLIT_KEYS, each split's state merged left to right (SplitRule). Short splits at the head
+# give a short row's decode several programs (at batch 1 a 1K row is otherwise one program streaming
+# 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). A split's
+# partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any rule of multiples of
+# the invariant tile's key count gives invariant results; outputs under different rules differ.
 INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
-INTERPRET_INVARIANT_SPLIT_KEYS = 32  # the interpreter: two 16-key tiles a split, so tests cross splits
+INVARIANT_HEAD_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_KEYS", "4096"))
+INVARIANT_HEAD_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "256"))
+# the interpreter: 16-key tiles; four one-tile splits, then two tiles a split, so tests cross both
+INTERPRET_SPLIT_RULE = (32, 64, 16)
 MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (one program per split)
 
 
@@ -170,13 +176,15 @@ def env_count(name: str, default: int | None, most: int | None = None) -> int | 
 
 
 # Which programs compute the mode's splits (never where they start: any choice gives the same bits).
-# A launch takes one program per split of its longest row while that count is at most
+# A launch keeps one partial state a split of its longest row while that count is at most
 # INVARIANT_MAX_SPLITS and its fp32 partials, (split x query row x query head) states of D + 1 values,
-# number at most INVARIANT_SPLIT_STATES (None: no limit); else one program folds a row's splits.
-# More programs fill the GPU at small batch (shorter splits, a graph sized for a long model length);
-# the budget bounds their partials' memory. The defaults keep MAX_SPLITS and no budget.
+# number at most INVARIANT_SPLIT_STATES (None: no limit), its programs sharing a row's splits
+# (invariant_split_programs); else one program folds a row's splits. The budget bounds the partials'
+# memory (a decode graph is sized for the model's longest row). The defaults keep MAX_SPLITS, no budget.
 INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", MAX_SPLITS, MAX_GRID_SPLITS)
 INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
+# Programs an SM a split launch aims at (invariant_split_programs): its programs share a row's splits.
+INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 2)
 # The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
 # (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
@@ -225,23 +233,55 @@ def _invariant_prefill_tile() -> tuple[int, int, int]:
     return rows, warps, stages
 
 
-def invariant_split_keys(interpreted: bool, head_dim: int) -> int:
-    """Keys per split of the batch-invariant mode (a multiple of the invariant tile's keys)."""
-    keys = INTERPRET_INVARIANT_SPLIT_KEYS if interpreted else INVARIANT_SPLIT_KEYS
+@dataclass(frozen=True)
+class SplitRule:
+    """The batch-invariant mode's splits of a row's keys, at absolute positions: ``head_keys`` keys
+    in splits of ``head_split``, then splits of ``keys`` (``head_keys`` 0: splits of ``keys`` only)."""
+
+    keys: int
+    head_keys: int = 0
+    head_split: int = 1
+
+    def count(self, n: int) -> int:
+        """Splits holding keys ``[0, n)`` (at least one)."""
+        head = min(n, self.head_keys)
+        return max(1, cdiv(head, self.head_split) + cdiv(max(n - self.head_keys, 0), self.keys))
+
+
+def invariant_split_rule(interpreted: bool, head_dim: int) -> SplitRule:
+    """The batch-invariant mode's :class:`SplitRule` (every size a multiple of the invariant tile's
+    keys, the head a whole number of its splits), or a clear error naming the variable."""
+    keys, head_keys, head_split = INTERPRET_SPLIT_RULE if interpreted else (
+        INVARIANT_SPLIT_KEYS, INVARIANT_HEAD_KEYS, INVARIANT_HEAD_SPLIT_KEYS)
     block_n = invariant_config(group=1, head_dim=head_dim, capability=None, interpreted=interpreted).block_n
     if keys <= 0 or keys % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
-    return keys
+    if head_split <= 0 or head_split % block_n:
+        raise ValueError(f"PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS: expected a positive multiple of {block_n}, "
+                         f"got {head_split}")
+    if head_keys < 0 or head_keys % head_split:
+        raise ValueError(f"PAGEDFLASH_INVARIANT_HEAD_KEYS: expected 0 or a positive multiple of "
+                         f"PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS ({head_split}), got {head_keys}")
+    return SplitRule(keys, head_keys, head_split)
 
 
-def invariant_num_splits(max_seqlen_k: int, split_keys: int, states_per_split: int) -> int:
-    """The batch-invariant mode's split count when a launch splits at all: one program per split of
-    the longest row's keys, or none (1) past :data:`INVARIANT_MAX_SPLITS` splits or past
+def invariant_num_splits(max_seqlen_k: int, rule: SplitRule, states_per_split: int) -> int:
+    """The batch-invariant mode's split count when a launch splits at all: the splits of the longest
+    row's keys under ``rule``, or none (1) past :data:`INVARIANT_MAX_SPLITS` splits or past
     :data:`INVARIANT_SPLIT_STATES` partial states (``states_per_split``: the launch's query rows x
     query heads). Any other count would merge the partials in another order."""
-    splits = cdiv(max(max_seqlen_k, 1), split_keys)
+    splits = rule.count(max(max_seqlen_k, 1))
     within = INVARIANT_SPLIT_STATES is None or splits * states_per_split <= INVARIANT_SPLIT_STATES
     return splits if splits <= INVARIANT_MAX_SPLITS and within else 1
+
+
+def invariant_split_programs(num_splits: int, programs: int, device: torch.device) -> int:
+    """Programs a row's ``num_splits`` splits share in a batch-invariant split launch (each computes
+    every P-th split; no bit depends on P): about :data:`INVARIANT_SPLIT_WAVES` programs an SM over
+    the launch's ``programs`` (rows x KV heads), at most one a split. Fewer programs than splits keep
+    a graph sized for a long model length from launching one program per split of it at small batch
+    (those past a short row's splits would only write empty LSEs)."""
+    return max(1, min(num_splits, cdiv(INVARIANT_SPLIT_WAVES * num_sms(device), max(programs, 1))))
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
