@@ -1,0 +1,56 @@
+"""Issue 32: what the batch-invariant mode's split rule costs each kernel, on a few prefill and decode
+cells (bf16; decode 32 query / 8 KV heads), mode off and on in one process, printed as on/off time.
+
+The rule is read when pagedflash loads, so compare rules by running this once per environment:
+    PYTHONPATH=. python3 tools/invariant_splits.py                                   # the default rule
+    PAGEDFLASH_INVARIANT_HEAD_KEYS=0 PYTHONPATH=. python3 tools/invariant_splits.py  # 2048-key splits only
+(a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
+"""
+import functools
+import os
+
+import torch
+
+import pagedflash as pf
+from pagedflash.bench.common import time_ms
+from pagedflash.ops import launch
+
+PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 128, True),
+           (8, 32, 1024, 64, True), (2, 32, 8192, 64, True))  # B, H, N, D, causal
+DECODE = ((1, 1024, 128), (1, 4096, 128), (1, 65536, 128), (1, 131072, 64), (16, 16384, 128),
+          (64, 4096, 128), (64, 16384, 128), (4, 32768, 64))  # B, N, D
+
+
+def on_off(call) -> str:
+    """``call(batch_invariant)`` timed with the mode off and on: the line's figures."""
+    off, on = (time_ms(functools.partial(call, mode)) for mode in (False, True))
+    return f"off {off * 1e3:.1f} us on {on * 1e3:.1f} us  on/off {on / off:.3f}"
+
+
+def prefill(b, h, n, d, causal) -> str:
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return on_off(lambda mode: pf.flash_attn_func(q, k, v, causal=causal, batch_invariant=mode))
+
+
+def decode(b, n, d) -> str:
+    q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, n, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, batch_invariant=mode))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("invariant_splits.py times GPU kernels: no CUDA device here")
+    torch.manual_seed(0)
+    rule = launch.invariant_split_rule(False, 128)
+    print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}, then {rule.keys} "
+          f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')})")
+    for b, h, n, d, causal in PREFILL:
+        print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")
+    for b, n, d in DECODE:
+        print(f"decode B={b} N={n} D={d}: {decode(b, n, d)}")
+
+
+if __name__ == "__main__":
+    main()
