@@ -269,17 +269,17 @@ class _FakeCompileError(RuntimeError):
 
 def _split_switches(monkeypatch, most=None, states=None):
     """The mode's split cap (``most``; None: the default) and partial-state budget (None: none)."""
-    monkeypatch.setattr(launch, "INVARIANT_MAX_SPLITS", most or launch.MAX_SPLITS)
+    monkeypatch.setattr(launch, "INVARIANT_MAX_SPLITS", most or launch.INVARIANT_MAX_SPLITS_DEFAULT)
     monkeypatch.setattr(launch, "INVARIANT_SPLIT_STATES", states)
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 def test_rows_equal_with_many_split_programs(monkeypatch, paged):
     """A decode row of the rule's head splits and 11 more: one program for all of them (the budget
-    forces it), one program a split, head + 200 splits (a bound past MAX_SPLITS splits, as a decode
-    graph's; the combine's LSE scan in one load and four at a time) shared by the default programs,
-    by 1 wave of programs, 3, or one a split, none past the default cap, and beside a row of head + 22
-    splits (trailing empty splits in the combine) at and past the budget: the same bits."""
+    forces it), one program a split, head + 200 splits (a bound as a decode graph's; the combine's LSE
+    scan in one load and four at a time) shared by the default programs, by 1 wave of programs, 3, or
+    one a split, past a cap of head + 199, and beside a row of head + 22 splits (trailing empty splits
+    in the combine) at and past the budget: the same bits."""
     hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
     rule = launch.invariant_split_rule(interpreted(), d)
     head = rule.count(rule.head_keys) if rule.head_keys else 0  # splits of the head
@@ -327,8 +327,8 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
             assert all(map(torch.equal, decode([0], [n], bound, head + 200), one)), f"{waves} waves"
             assert {plan.grid[2] for plan in attention._PLANS.values()} == {min(head + 200, -(-waves * sms // 2))}
         monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", 2)
-        _split_switches(monkeypatch)
-        assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the default cap"
+        _split_switches(monkeypatch, most=head + 199)
+        assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the cap"
     finally:
         attention.clear_plans()  # LSES_PER_LOAD is no plan switch
 
@@ -338,6 +338,9 @@ def test_split_rule():
     rule = launch.SplitRule(keys=32, head_keys=64, head_split=16)
     assert [rule.count(n) for n in (0, 1, 16, 17, 64, 65, 96, 97, 340)] == [1, 1, 1, 2, 4, 5, 5, 6, 13]
     assert [launch.SplitRule(32).count(n) for n in (1, 32, 33, 340)] == [1, 1, 2, 11]
+    default = launch.SplitRule(2048, 4096, 256)  # the GPU's: 128K keys in 78 splits, the default cap ~1M keys
+    assert [default.count(n) for n in (1024, 4096, 4097, 131072, 1019904, 1019905)] == [4, 16, 17, 78, 512, 513]
+    assert launch.INVARIANT_MAX_SPLITS_DEFAULT == 512
     for name, env, match in (("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "INVARIANT_SPLIT_KEYS", "positive multiple of 64"),
                              ("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "INVARIANT_HEAD_SPLIT_KEYS", "multiple of 64"),
                              ("PAGEDFLASH_INVARIANT_HEAD_KEYS", "INVARIANT_HEAD_KEYS", "multiple of")):
@@ -349,7 +352,7 @@ def test_split_rule():
 
 def test_split_cap_and_budget(monkeypatch):
     rule = launch.SplitRule(32)
-    _split_switches(monkeypatch)  # MAX_SPLITS splits, no budget
+    _split_switches(monkeypatch, most=launch.MAX_SPLITS)  # 128 splits, no budget
     assert launch.invariant_num_splits(340, rule, 8) == 11
     assert launch.invariant_num_splits(32 * launch.MAX_SPLITS, rule, 10**6) == launch.MAX_SPLITS
     assert launch.invariant_num_splits(32 * launch.MAX_SPLITS + 1, rule, 1) == 1
@@ -373,7 +376,7 @@ def test_split_switches_from_the_environment(monkeypatch):
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", raising=False)
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", raising=False)
     copy = fresh()
-    assert copy.INVARIANT_MAX_SPLITS == launch.MAX_SPLITS and copy.INVARIANT_SPLIT_STATES is None
+    assert copy.INVARIANT_MAX_SPLITS == 512 and copy.INVARIANT_SPLIT_STATES is None
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", "512")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "65536")
     copy = fresh()
@@ -406,8 +409,8 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
         sets = [300 * bs * heads * (d + 1) * 4 for bs in graphs]
         return sum(sets) + max(sets, default=0)
 
-    _split_switches(monkeypatch)
-    assert graph_split_bytes(model, spec, sms) == 0  # 300 splits: past the default cap
+    _split_switches(monkeypatch, most=299)
+    assert graph_split_bytes(model, spec, sms) == 0  # 300 splits: past a cap of 299
     _split_switches(monkeypatch, most=512)
     assert graph_split_bytes(model, spec, sms) == bound(split)
     _split_switches(monkeypatch, most=512, states=300 * 2 * heads)  # graphs of 1 and 2 rows split

@@ -180,8 +180,10 @@ def env_count(name: str, default: int | None, most: int | None = None) -> int | 
 # INVARIANT_MAX_SPLITS and its fp32 partials, (split x query row x query head) states of D + 1 values,
 # number at most INVARIANT_SPLIT_STATES (None: no limit), its programs sharing a row's splits
 # (invariant_split_programs); else one program folds a row's splits. The budget bounds the partials'
-# memory (a decode graph is sized for the model's longest row). The defaults keep MAX_SPLITS, no budget.
-INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", MAX_SPLITS, MAX_GRID_SPLITS)
+# memory (a decode graph is sized for the model's longest row). Defaults: 512 splits (the default rule's
+# 1,019,904 keys; the programs do not grow with them), no budget.
+INVARIANT_MAX_SPLITS_DEFAULT = 512
+INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", INVARIANT_MAX_SPLITS_DEFAULT, MAX_GRID_SPLITS)
 INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
 # Programs an SM a split launch aims at (invariant_split_programs): its programs share a row's splits.
 INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 2)
