@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, ids, make_pool, randn
-from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validate
 from pagedflash.engine.executor import graph_split_bytes
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
-from pagedflash.ops import attention, attention_launch, combine, launch, moe
+from pagedflash.ops import attention, attention_launch, attention_plan, combine, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
 from pagedflash.ops.utils import interpreted, num_sms
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
 PAGE = 16
-LEN = 100 if not ON_GPU else 5000  # several invariant splits (32 keys interpreted, 2048 compiled)
+LEN = 100 if not ON_GPU else 5000  # several invariant splits of each size (launch.SplitRule: head and long)
 OTHERS = [37, 8, 70] if not ON_GPU else [3000, 17, 9000]
 
 
@@ -123,6 +123,16 @@ def check_rows_equal(case, dtype):
         for splits in (1, 5):
             out, lse = _varlen(q[t:t + 1], caches, table[:1], [1], [t + 1], opts, num_splits=splits)
             assert torch.equal(out[0], full[t]) and torch.equal(lse[:, 0], full_lse[:, t]), f"{splits} splits"
+        with pytest.MonkeyPatch.context() as mp:  # the splits shared by 2-3 programs (a GPU of 1 SM, 3 waves)
+            mp.setattr(attention_plan, "num_sms", lambda device: 1)
+            mp.setattr(launch, "INVARIANT_SPLIT_WAVES", 3)  # a plan key of its own (no other call's plan)
+            before = {id(plan) for plan in attention._PLANS.values()}
+            out, lse = _varlen(q[t:t + 1], caches, table[:1], [1], [t + 1], opts, num_splits=5)
+            slots = launch.invariant_split_rule(interpreted(), q.shape[-1]).count(t + 1)
+            programs = min(slots, -(-3 // CASES[case]["hkv"]))  # 3 programs over the KV heads' programs
+            new = {plan.grid[2] for plan in attention._PLANS.values() if id(plan) not in before}
+            assert new <= {programs}, new  # (none new: kept from an earlier call of this signature)
+        assert torch.equal(out[0], full[t]) and torch.equal(lse[:, 0], full_lse[:, t]), f"decode {t}, shared splits"
         batch_q = torch.cat([q_others[2][-1:], q[t:t + 1], q_others[0][-1:]])
         out, lse = _varlen(batch_q, caches, table[[3, 0, 1]], [1, 1, 1], [OTHERS[2], t + 1, OTHERS[0]], opts)
         assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"batched decode {t}"
@@ -277,8 +287,8 @@ def _split_switches(monkeypatch, most=None, states=None):
 def test_rows_equal_with_many_split_programs(monkeypatch, paged):
     """A decode row of the rule's head splits and 11 more: one program for all of them (the budget
     forces it), one program a split, head + 200 splits (a bound as a decode graph's; the combine's LSE
-    scan in one load and four at a time) shared by the default programs, by 1 wave of programs, 3, or
-    one a split, past a cap of head + 199, and beside a row of head + 22 splits (trailing empty splits
+    scan in one load and four at a time) shared by the default programs, by 1 wave of programs, 3, one
+    a split, 2 (a GPU of one SM) or folded by one, past a cap of head + 199, and beside a row of head + 22 splits (trailing empty splits
     in the combine) at and past the budget: the same bits."""
     hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
     rule = launch.invariant_split_rule(interpreted(), d)
@@ -326,6 +336,12 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
             monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", waves)
             assert all(map(torch.equal, decode([0], [n], bound, head + 200), one)), f"{waves} waves"
             assert {plan.grid[2] for plan in attention._PLANS.values()} == {min(head + 200, -(-waves * sms // 2))}
+        monkeypatch.setattr(attention_plan, "num_sms", lambda device: 1)  # a GPU of one SM
+        for waves, programs in ((1, 1), (4, 2)):  # one program a row folds the splits: no split launch
+            monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", waves)
+            assert all(map(torch.equal, decode([0], [n], bound, head + 200 if programs > 1 else 1), one))
+            assert {plan.grid[2] for plan in attention._PLANS.values()} == {programs}
+        monkeypatch.setattr(attention_plan, "num_sms", num_sms)
         monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", 2)
         _split_switches(monkeypatch, most=head + 199)
         assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the cap"
@@ -444,3 +460,24 @@ def test_combine_stops_at_a_rows_last_split():
     assert torch.isnan(out[3]).all() and torch.isnan(lse[:, 3]).all()
     assert torch.equal(out[0, 1], torch.zeros(d, device=DEVICE)) and lse[1, 0] == float("-inf")
     assert torch.isfinite(out[:3]).all()
+
+
+def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():
+    """A split launch's partial slots are sized by max_seqlen_k: a row whose keys reach past it (an
+    understated bound) gives NaN and a fault naming cu_seqlens_k, never a row with its last splits
+    dropped; the rows within the bound keep their bits."""
+    hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
+    rule = launch.invariant_split_rule(interpreted(), d)
+    short, long = rule.head_keys + 2 * rule.keys, rule.head_keys + 6 * rule.keys
+    k_cache, v_cache, table = make_pool([short, long], PAGE, hkv, d, dtype)
+    caches = (k_cache, v_cache)
+    q = randn(2, hq, d, dtype=dtype)
+    validate.raise_if_invalid()  # no earlier record
+    alone, alone_lse = _varlen(q[:1], caches, table[:1], [1], [short], {}, num_splits=2)
+    attention.clear_plans()
+    out, lse = _varlen(q, caches, table, [1, 1], [short, long], {}, num_splits=2, max_seqlen_k=short)
+    assert {plan.num_splits for plan in attention._PLANS.values()} == {rule.count(short)}  # a split launch
+    assert torch.equal(out[0], alone[0]) and torch.equal(lse[:, 0], alone_lse[:, 0])
+    assert bool(out[1].isnan().all()) and bool(lse[:, 1].isnan().all())
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: .*at most max_seqlen_k.* found sequence 1 invalid"):
+        validate.raise_if_invalid()

@@ -24,7 +24,7 @@ from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.engine.executor import EngineSpec, build_rank, graph_split_bytes, largest_step
 from pagedflash.engine.sampling import MAX_LOGPROBS
 from pagedflash.ops import scratch
-from pagedflash.ops.launch import INTERPRET_INVARIANT_SPLIT_KEYS, INVARIANT_MAX_SPLITS
+from pagedflash.ops.launch import INTERPRET_SPLIT_RULE, INVARIANT_MAX_SPLITS, SplitRule
 from pagedflash.ops.utils import num_sms
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -138,7 +138,7 @@ def test_slices_give_the_entries_of_one_slice(monkeypatch, engine_kw):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's split size and nominal SM count")
 def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     """A batch-invariant engine on the CPU (16 nominal SMs, 2 KV heads: graphs of 1, 2, 4 and 8
-    rows split; 256 keys, 32-key splits under the interpreter: 8 splits): each capture body's split
+    rows split; 256 keys under the interpreter's rule: 4 head splits of 16 keys, then 6 of 32): each capture body's split
     partials, one shape per graph, are what :func:`graph_split_bytes` counts (each graph's warm-up
     set kept, plus the largest in the graphs' pool); nothing without the mode, without graphs, or
     when the launch takes no split (one split's worth of keys, or more than ``INVARIANT_MAX_SPLITS`` splits)."""
@@ -168,11 +168,13 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     assert all(len(b) == 1 for b in per_graph.values()), per_graph  # one shape for every layer
     sizes = {bs: b.pop() for bs, b in per_graph.items()}
     heads, dim = CONFIG["num_attention_heads"], CONFIG["head_dim"]
-    splits = CONFIG["max_position_embeddings"] // INTERPRET_INVARIANT_SPLIT_KEYS  # 8
+    rule = SplitRule(*INTERPRET_SPLIT_RULE)
+    splits = rule.count(CONFIG["max_position_embeddings"])
+    assert splits == 10
     assert sizes == {bs: splits * bs * heads * (dim + 1) * 4 for bs in sizes}
     assert graph_split_bytes(rank.model, spec, num_sms(spec.device)) == sum(sizes.values()) + max(sizes.values())
     for off in (dict(batch_invariant=False, cuda_graphs=True), dict(batch_invariant=True, cuda_graphs=False),
-                dict(batch_invariant=True, cuda_graphs=True, max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS),  # one split
-                dict(batch_invariant=True, cuda_graphs=True,
-                     max_model_len=INTERPRET_INVARIANT_SPLIT_KEYS * (INVARIANT_MAX_SPLITS + 1))):
+                dict(batch_invariant=True, cuda_graphs=True, max_model_len=rule.head_split),  # one split
+                dict(batch_invariant=True, cuda_graphs=True,  # one split past the cap
+                     max_model_len=rule.head_keys + (INVARIANT_MAX_SPLITS + 1 - rule.count(rule.head_keys)) * rule.keys)):
         assert graph_split_bytes(rank.model, spec_of(llm, tokens=64, seqs=8, **off), 16) == 0, off

@@ -24,7 +24,7 @@ from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
-from pagedflash.ops.launch import invariant_num_splits, invariant_split_rule
+from pagedflash.ops.launch import invariant_num_splits, invariant_split_programs, invariant_split_rule
 from pagedflash.ops.utils import interpreted, num_sms
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
@@ -150,10 +150,11 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     (0 without the mode or without graphs), which the profiled prefill step does not allocate.
 
     A graph of ``bs`` rows captured with a split (:func:`~pagedflash.engine.runner.graph_num_splits`
-    above 1) splits, in the mode, ``max_model_len`` keys into one split per
-    split of :func:`~pagedflash.ops.launch.invariant_split_rule` (no split when that is one, or past the
-    mode's split cap or partial-state budget for ``bs x Hq`` states a split:
-    :func:`~pagedflash.ops.launch.invariant_num_splits`): fp32 partials ``[splits, bs, Hq, D]`` and
+    above 1) keeps, in the mode, one partial state per split of ``max_model_len`` keys under
+    :func:`~pagedflash.ops.launch.invariant_split_rule` (none when that is one split, past the mode's
+    split cap or partial-state budget for ``bs x Hq`` states a split,
+    :func:`~pagedflash.ops.launch.invariant_num_splits`, or when its ``bs x Hkv`` programs leave one
+    program a row, :func:`~pagedflash.ops.launch.invariant_split_programs`): fp32 partials ``[splits, bs, Hq, D]`` and
     ``[splits, bs, Hq]`` per layer (``Hq``: this rank's query heads). Each graph's eager warm-up run
     leaves one such set in the scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all
     layers; it keeps at most ``MAX_BUFFERS`` sets, so their sum is a bound), and its capture takes
@@ -166,7 +167,8 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     sets = []  # bytes of each graph's set of partials
     for bs in sizes:
         splits = invariant_num_splits(spec.max_model_len, rule, bs * heads)
-        if graph_num_splits(bs, model.shard.num_kv_heads, sms) > 1 and splits > 1:
+        kv_heads = model.shard.num_kv_heads
+        if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * kv_heads, sms) > 1:
             sets.append(splits * bs * heads * (spec.config.head_dim + 1) * 4)
     return sum(sets) + max(sets, default=0)
 

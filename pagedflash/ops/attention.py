@@ -18,7 +18,8 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   KV head and the value descale into its output, so the loop only converts the loaded K/V tiles to
   q's dtype for the dots (a no-op for 16-bit caches);
 - ``HAS_SINKS``: one extra logit per query head in the softmax denominator (attention sinks), folded
-  in once per row at the end (under split-KV by split 0 only, so the combine counts it once);
+  in once per row at the end (under split-KV by split 0 only, so the combine counts it once; in
+  batch-invariant mode by slot 0's split);
 - ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits at
   absolute positions (the first ``HEAD_KEYS`` in splits of ``HEAD_N``, then of ``SPLIT_N``), each split
   from a fresh state through the masked loop, merged left to right (split programs share a row's
@@ -265,6 +266,13 @@ def _attention_kernel(
         if SPLIT_KV:
             n_slots = num_splits
             slot_step = tl.num_programs(2)
+            # a row past max_seqlen_k (which sized the slots) has splits no slot holds: NaN, a fault
+            fits = s_end - s0 <= num_splits
+            over = q_ok & (pid_h == 0) & (split == 0) & (fits == 0)  # any tile of the sequence
+            if HAS_SEQUSED:
+                _jit.report_fault(Faults, _FAULT_SEQUSED, b, over)
+            else:
+                _jit.report_fault(Faults, _FAULT_CU_K, b, over)
         else:
             n_slots = 1
             slot_step = 1
@@ -297,19 +305,21 @@ def _attention_kernel(
                     o_c = o_c * v_descale
                 out, lse = _jit.merge_state(out, lse, o_c, lse_c)
             if SPLIT_KV:
-                s_ok = k_ok & scales_ok
+                s_ok = k_ok & scales_ok & fits
                 if PAGED:
                     s_bad = page_bad
                     if PAGE_SIZE % BLOCK_N != 0:
                         s_bad = tl.max(s_bad.to(tl.int32), 0) > 0
                     s_ok = s_ok & (s_bad == 0)
                 tok = (tok_base + q_pos).to(tl.int64)
+                slot64 = tl.cast(slot, tl.int64)
                 if w_first < w_end:
-                    p_rows = slot * stride_ps + tok * stride_pt + row_head * stride_ph
+                    p_rows = slot64 * stride_ps + tok * stride_pt + row_head * stride_ph
                     tl.store(OutPart + p_rows[:, None] + offs_d[None, :], tl.where(s_ok, out, float("nan")),
                              mask=row_ok[:, None] & d_ok[None, :])
-                tl.store(LsePart + slot * stride_lps + tok * stride_lpt + row_head, tl.where(s_ok, lse, float("nan")),
-                         mask=row_ok)
+                # a slot past the row's splits stays empty (its partial unwritten): slot 0 carries a NaN
+                tl.store(LsePart + slot64 * stride_lps + tok * stride_lpt + row_head,
+                         tl.where(s_ok | (w_first >= w_end), lse, float("nan")), mask=row_ok)
     else:
         acc, l_i, m_i, page_bad = attend_range(
             acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),

@@ -117,8 +117,10 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     """The plan of a call with these arguments (``out`` and ``lse`` as the call will write them).
 
     ``invariant`` (batch-invariant mode): the one tile of :func:`~pagedflash.ops.launch.invariant_config`
-    unless ``config`` is given, and either no split (one program folds a row's splits) or one program
-    per fixed-size split of the longest row (any other count would merge partials in another order)."""
+    unless ``config`` is given, and either no split (one program folds a row's splits) or a partial
+    state per split of the longest row under the mode's :class:`~pagedflash.ops.launch.SplitRule`
+    (any other count would merge partials in another order), programs sharing a row's splits
+    (:func:`~pagedflash.ops.launch.invariant_split_programs`)."""
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
     hq, d = q.shape[-2], q.shape[-1]
@@ -157,7 +159,9 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     if invariant and num_splits > 1:  # the mode's own cap and budget (invariant_num_splits), not MAX_SPLITS
         num_splits = invariant_num_splits(max_seqlen_k, rule, tokens * hq)
         split_programs = invariant_split_programs(
-            num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), q.device)
+            num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), num_sms(q.device))
+        if split_programs == 1:  # one program a row: it folds the splits itself, the same bits
+            num_splits = 1
     else:
         num_splits = split_programs = min(num_splits, MAX_SPLITS)
         if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile

@@ -46,10 +46,10 @@ def _combine_kernel(
     ``INVARIANT`` (batch-invariant mode): the partials merged one by one, left to right, by
     :func:`pagedflash.ops._jit.merge_weights`, as the attention kernel merges a row's splits when
     one program computes them all: the same row, the same bits, whatever the split count. The merge
-    stops at the row's last non-empty split: an empty state (lse ``±inf``, a finite partial: the
-    attention kernel's for a split with no keys is 0) merges as the identity (weights 1 and 0), so
-    the splits past a row's keys (a graph sized for the longest row) change nothing but the time; a
-    NaN split is not empty. Its LSEs are scanned ALL_S at a time
+    stops at the row's last non-empty split (a NaN split is not empty): slots past a row's splits (a
+    graph sized for the longest row) hold only an empty LSE (``-inf``; their partial outputs are not
+    written, so they must never be read), and an empty split inside a row (lse ``±inf``, partial 0)
+    merges as the identity (weights 1 and 0). Its LSEs are scanned ALL_S at a time
     (:data:`LSES_PER_LOAD` at most: one load up to that many splits)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)

@@ -156,7 +156,7 @@ INVARIANT_HEAD_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_KEYS", "4096
 INVARIANT_HEAD_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "256"))
 # the interpreter: 16-key tiles; four one-tile splits, then two tiles a split, so tests cross both
 INTERPRET_SPLIT_RULE = (32, 64, 16)
-MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (one program per split)
+MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (programs sharing a row's splits)
 
 
 def env_count(name: str, default: int | None, most: int | None = None) -> int | None:
@@ -258,6 +258,8 @@ def invariant_split_rule(interpreted: bool, head_dim: int) -> SplitRule:
     block_n = invariant_config(group=1, head_dim=head_dim, capability=None, interpreted=interpreted).block_n
     if keys <= 0 or keys % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
+    if head_keys == 0:  # no head: its split size is unused
+        return SplitRule(keys, 0, keys)
     if head_split <= 0 or head_split % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS: expected a positive multiple of {block_n}, "
                          f"got {head_split}")
@@ -277,13 +279,14 @@ def invariant_num_splits(max_seqlen_k: int, rule: SplitRule, states_per_split: i
     return splits if splits <= INVARIANT_MAX_SPLITS and within else 1
 
 
-def invariant_split_programs(num_splits: int, programs: int, device: torch.device) -> int:
+def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
     """Programs a row's ``num_splits`` splits share in a batch-invariant split launch (each computes
-    every P-th split; no bit depends on P): about :data:`INVARIANT_SPLIT_WAVES` programs an SM over
-    the launch's ``programs`` (rows x KV heads), at most one a split. Fewer programs than splits keep
-    a graph sized for a long model length from launching one program per split of it at small batch
-    (those past a short row's splits would only write empty LSEs)."""
-    return max(1, min(num_splits, cdiv(INVARIANT_SPLIT_WAVES * num_sms(device), max(programs, 1))))
+    every P-th split; no bit depends on P): about :data:`INVARIANT_SPLIT_WAVES` programs on each of
+    ``sms`` SMs over the launch's ``programs`` (rows x KV heads), at most one a split. Fewer programs
+    than splits keep a graph sized for a long model length from launching one program per split of
+    it at small batch (those past a short row's splits would only write empty LSEs). 1: the launch
+    does not split (one program folds a row's splits: no partials, no combine)."""
+    return max(1, min(num_splits, cdiv(INVARIANT_SPLIT_WAVES * sms, max(programs, 1))))
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
