@@ -395,8 +395,7 @@ _FAULTS = {
                          "most max_seqlen_k)"),
     FAULT_SEQLENS_K: ("cache_seqlens", "sequence",
                       "expected lengths (seqused_k; with new k/v, cache_seqlens + S_new) in [0, the cache "
-                      "capacity: S_max, or block_table columns x page_size] (batch-invariant split "
-                      "launches: at most max_seqlen_k)"),
+                      "capacity: S_max, or block_table columns x page_size]"),
     FAULT_BLOCK_TABLE: ("block_table", "sequence", "page ids must be in [0, num_blocks)"),
     FAULT_SLOT_MAPPING: ("slot_mapping", "token", "slots must be < num_blocks * page_size (negative: not written)"),
     FAULT_POSITIONS: ("positions", "token", "expected values in [0, rows of cos/sin)"),

@@ -420,6 +420,12 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     assert rule.count(spec.max_model_len) == 300
     split = [bs for bs in graph_sizes(64) if graph_num_splits(bs, kv_heads, sms) > 1]
     assert split == [1, 2, 4, 8]
+    # 6 heads over 2 KV heads: a group of 3 divides no tile, so a program per query head, and 8 rows'
+    # 48 programs leave one a row on 16 SMs: no split there
+    odd = SimpleNamespace(shard=SimpleNamespace(num_heads=6, num_kv_heads=2))
+    _split_switches(monkeypatch, most=512)
+    sets = [300 * bs * 6 * (d + 1) * 4 for bs in (1, 2, 4)]
+    assert graph_split_bytes(odd, spec, sms) == sum(sets) + max(sets)
 
     def bound(graphs):
         sets = [300 * bs * heads * (d + 1) * 4 for bs in graphs]
@@ -472,10 +478,11 @@ def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():
     k_cache, v_cache, table = make_pool([short, long], PAGE, hkv, d, dtype)
     caches = (k_cache, v_cache)
     q = randn(2, hq, d, dtype=dtype)
-    validate.raise_if_invalid()  # no earlier record
+    validate.invalid_metadata()  # (clears earlier records)
     alone, alone_lse = _varlen(q[:1], caches, table[:1], [1], [short], {}, num_splits=2)
     attention.clear_plans()
-    out, lse = _varlen(q, caches, table, [1, 1], [short, long], {}, num_splits=2, max_seqlen_k=short)
+    with validate.value_checks(False):  # (the debug mode refuses the bound on the host)
+        out, lse = _varlen(q, caches, table, [1, 1], [short, long], {}, num_splits=2, max_seqlen_k=short)
     assert {plan.num_splits for plan in attention._PLANS.values()} == {rule.count(short)}  # a split launch
     assert torch.equal(out[0], alone[0]) and torch.equal(lse[:, 0], alone_lse[:, 0])
     assert bool(out[1].isnan().all()) and bool(lse[:, 1].isnan().all())

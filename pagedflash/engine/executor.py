@@ -24,7 +24,12 @@ from pagedflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow
 from pagedflash.engine.sequence import Sequence
 from pagedflash.engine.weights import build_model, init_random_weights, load_weights
-from pagedflash.ops.launch import invariant_num_splits, invariant_split_programs, invariant_split_rule
+from pagedflash.ops.launch import (
+    invariant_config,
+    invariant_num_splits,
+    invariant_split_programs,
+    invariant_split_rule,
+)
 from pagedflash.ops.utils import interpreted, num_sms
 
 CPU_NUM_BLOCKS = 512  # default pool off the GPU: 8K tokens at page 16
@@ -153,8 +158,9 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     above 1) keeps, in the mode, one partial state per split of ``max_model_len`` keys under
     :func:`~pagedflash.ops.launch.invariant_split_rule` (none when that is one split, past the mode's
     split cap or partial-state budget for ``bs x Hq`` states a split,
-    :func:`~pagedflash.ops.launch.invariant_num_splits`, or when its ``bs x Hkv`` programs leave one
-    program a row, :func:`~pagedflash.ops.launch.invariant_split_programs`): fp32 partials ``[splits, bs, Hq, D]`` and
+    :func:`~pagedflash.ops.launch.invariant_num_splits`, or when its programs, ``bs x Hkv`` or ``bs x
+    Hq`` where a KV group does not divide the mode's tile rows, leave one program a row,
+    :func:`~pagedflash.ops.launch.invariant_split_programs`): fp32 partials ``[splits, bs, Hq, D]`` and
     ``[splits, bs, Hq]`` per layer (``Hq``: this rank's query heads). Each graph's eager warm-up run
     leaves one such set in the scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all
     layers; it keeps at most ``MAX_BUFFERS`` sets, so their sum is a bound), and its capture takes
@@ -164,11 +170,15 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
         return 0
     rule, heads = invariant_split_rule(interpreted(), spec.config.head_dim), model.shard.num_heads
     sizes = graph_sizes(min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1]))  # ModelRunner.max_decode_rows
+    kv_heads = model.shard.num_kv_heads
+    group = heads // kv_heads  # a decode row's programs: a KV head's query heads packed when they divide the tile
+    g_pack = invariant_config(group=group, head_dim=spec.config.head_dim, capability=None,
+                              interpreted=interpreted()).g_pack
+    programs_a_row = kv_heads * (group // g_pack)
     sets = []  # bytes of each graph's set of partials
     for bs in sizes:
         splits = invariant_num_splits(spec.max_model_len, rule, bs * heads)
-        kv_heads = model.shard.num_kv_heads
-        if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * kv_heads, sms) > 1:
+        if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * programs_a_row, sms) > 1:
             sets.append(splits * bs * heads * (spec.config.head_dim + 1) * 4)
     return sum(sets) + max(sets, default=0)
 

@@ -63,13 +63,14 @@ def _combine_kernel(
         used = tl.full([], 0, dtype=tl.int32)  # splits up to the row's last non-empty one, ALL_S LSEs a load
         for c in range(0, num_splits, ALL_S):
             offs_c = c + offs_all
-            lse_c = tl.load(lse_base + offs_c * stride_lps, mask=offs_c < num_splits, other=float("-inf"))
+            lse_c = tl.load(lse_base + offs_c.to(tl.int64) * stride_lps, mask=offs_c < num_splits, other=float("-inf"))
             used = tl.maximum(used, tl.max(tl.where(tl.abs(lse_c) != float("inf"), offs_c + 1, 0), 0))
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
         for s in range(0, used):
-            lse_s = tl.load(lse_base + s * stride_lps)
-            o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s * stride_ps + offs_d, mask=d_ok, other=0.0)
+            s64 = tl.cast(s, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+            lse_s = tl.load(lse_base + s64 * stride_lps)
+            o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s64 * stride_ps + offs_d, mask=d_ok, other=0.0)
             w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
             out = tl.fma(out, w_a, o_s * w_b)
         tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
@@ -77,20 +78,20 @@ def _combine_kernel(
         if WRITE_LSE:
             tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
         return
-    lse_all = tl.load(lse_base + offs_all * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
+    lse_all = tl.load(lse_base + offs_all.to(tl.int64) * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
     lse_all = _jit.empty_if_inf(lse_all)
     m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2((lse_all - m_safe) * _jit.LOG2E), 0)
     o_base = OutPart + tok * stride_pt + head * stride_ph
     if ALL_S <= BLOCK_S:  # every partial in one load, issued with the LSEs' (one memory round trip)
-        o_all = tl.load(o_base + offs_all[:, None] * stride_ps + offs_d[None, :],
+        o_all = tl.load(o_base + offs_all.to(tl.int64)[:, None] * stride_ps + offs_d[None, :],
                         mask=(offs_all < num_splits)[:, None] & d_ok[None, :], other=0.0)
         acc = tl.sum(o_all * tl.exp2((lse_all - m_safe) * _jit.LOG2E)[:, None], 0)
     else:
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for c in range(0, num_splits, BLOCK_S):
-            offs_s = c + tl.arange(0, BLOCK_S)
+            offs_s = (c + tl.arange(0, BLOCK_S)).to(tl.int64)
             s_ok = offs_s < num_splits
             lse_s = _jit.empty_if_inf(tl.load(lse_base + offs_s * stride_lps, mask=s_ok, other=float("-inf")))
             w = tl.exp2((lse_s - m_safe) * _jit.LOG2E)

@@ -179,9 +179,9 @@ def env_count(name: str, default: int | None, most: int | None = None) -> int | 
 # A launch keeps one partial state a split of its longest row while that count is at most
 # INVARIANT_MAX_SPLITS and its fp32 partials, (split x query row x query head) states of D + 1 values,
 # number at most INVARIANT_SPLIT_STATES (None: no limit), its programs sharing a row's splits
-# (invariant_split_programs); else one program folds a row's splits. The budget bounds the partials'
-# memory (a decode graph is sized for the model's longest row). Defaults: 512 splits (the default rule's
-# 1,019,904 keys; the programs do not grow with them), no budget.
+# (invariant_split_programs); else, or where that leaves one program a row, one program folds a row's
+# splits. The budget bounds the partials' memory (a decode graph is sized for the model's longest row).
+# Defaults: 512 splits (the default rule's 1,019,904 keys; the programs do not grow with them), no budget.
 INVARIANT_MAX_SPLITS_DEFAULT = 512
 INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", INVARIANT_MAX_SPLITS_DEFAULT, MAX_GRID_SPLITS)
 INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)

@@ -206,7 +206,8 @@ def flash_attn_varlen_func(
             sequence's total KV length (cached prefix + its new tokens, already written).
         cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]``, contiguous, non-decreasing, starting at 0.
         max_seqlen_q, max_seqlen_k: upper bounds of the lengths (host ints; they pick tile shapes
-            and the KV split, never the result).
+            and the KV split, never the result; in batch-invariant mode a sequence longer than
+            ``max_seqlen_k`` may get NaN rows, below).
         block_table: int32 ``[B, max_blocks_per_seq]`` page ids (paged mode).
         num_splits: KV splits; 0 chooses from the sizes and the GPU, >= 1 forces (graph capture).
         out: optional preallocated ``[total_q, Hq, D]`` output, checked as in :func:`flash_attn_func`.
@@ -222,7 +223,8 @@ def flash_attn_varlen_func(
     Shapes, dtypes and host ints are checked here; the values of ``cu_seqlens_q/k`` and
     ``block_table`` only in the debug mode (:func:`pagedflash.validate.value_checks`). Otherwise the
     kernels check them: a sequence whose offsets are out of order, or past ``q``'s or ``k``'s rows or
-    its block table's pages, or longer than ``max_seqlen_q``, or whose keys use a page id outside
+    its block table's pages, or longer than ``max_seqlen_q`` (batch-invariant split launches: keys past
+    ``max_seqlen_k``), or whose keys use a page id outside
     ``[0, num_blocks)``, gets NaN rows and LSE (invalid ``cu_seqlens_q``: every row, in the portable
     kernel, whose grid is laid out from it); each fault is recorded for
     :func:`pagedflash.validate.raise_if_invalid`.
