@@ -6,7 +6,9 @@
 # serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
 # bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
 # (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>],
-# profile:<context>[:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels); TUNE_ARGS
+# profile:<context>[:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels),
+# splits[:VAR=VALUE...] (tools/invariant_splits.py under those environment variables: the batch-invariant
+# mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048); TUNE_ARGS
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
 # never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
@@ -48,11 +50,13 @@ for step in ${STEPS:-tests}; do
     profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z]/}
            log=$R/profile_$ctx${tag:+_$tag}.log
            timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
+    splits) vars=; [ "$arg" != splits ] && vars=${arg//:/ }; log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}.log
+           env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
-  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests|graph replay" $log | tail -${TAIL:-12}
+  grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests|graph replay|on/off" $log | tail -${TAIL:-14}
   echo "== $step rc=$rc $((SECONDS - t0)) s"
 done
 [ "$R" = bench_results ] && a=results || a=$R
