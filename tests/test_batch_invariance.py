@@ -93,6 +93,15 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
     assert rows == ({128, 64} if ON_GPU else {32, 16}), rows
 
 
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's rule; the GPU runs its default rule above")
+@pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16)], ids=["no_head", "head_48_of_16"])
+def test_rows_equal_under_another_split_rule(monkeypatch, rule):
+    """Any split rule keeps the promise (PAGEDFLASH_INVARIANT_HEAD_KEYS=0 is the rule before v43; a
+    head that ends inside a long split's span): (keys, head keys, head split) as the interpreter's."""
+    monkeypatch.setattr(launch, "INTERPRET_SPLIT_RULE", rule)  # a plan switch: no other rule's plan is reused
+    check_rows_equal("sinks", DTYPES[-1])
+
+
 def check_rows_equal(case, dtype):
     """A row's output and LSE as a whole prefill's, a chunk's of 1, 7 and 40 rows beside other
     sequences, a decode step's alone, split 1 and 5 ways, and batched (the module doc)."""
