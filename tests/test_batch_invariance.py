@@ -398,10 +398,22 @@ def test_split_switches_from_the_environment(monkeypatch):
         spec.loader.exec_module(copy)
         return copy
 
-    monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", raising=False)
-    monkeypatch.delenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", raising=False)
+    rule_vars = ("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "PAGEDFLASH_INVARIANT_HEAD_KEYS", "PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS")
+    for name in ("PAGEDFLASH_INVARIANT_MAX_SPLITS", "PAGEDFLASH_INVARIANT_SPLIT_STATES", *rule_vars):
+        monkeypatch.delenv(name, raising=False)
     copy = fresh()
     assert copy.INVARIANT_MAX_SPLITS == 512 and copy.INVARIANT_SPLIT_STATES is None
+    assert copy.invariant_split_rule(False, 64) == copy.SplitRule(2048, 4096, 256)
+    for name, value, rule in zip(rule_vars, ("1024", "0", "128"), ((1024, 4096, 256), (1024, 0, 1024), (1024, 0, 1024))):
+        monkeypatch.setenv(name, value)  # each on top of the ones before (no head: its split size unused)
+        copy = fresh()
+        assert copy.invariant_split_rule(False, 64) == copy.SplitRule(*rule), name
+    for name, bad, bound in ((rule_vars[0], "0", "of 1 or more"), (rule_vars[1], "-64", "of 0 or more"),
+                             (rule_vars[2], "x", "of 1 or more")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}: expected an integer {bound}, got '{bad}'"):
+            fresh()
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", "512")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "65536")
     copy = fresh()

@@ -144,6 +144,22 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
+def env_count(name: str, default: int | None, most: int | None = None, least: int = 1) -> int | None:
+    """The integer from ``least`` (default 1) to ``most`` that environment variable ``name`` holds,
+    ``default`` when it is unset or empty, or a clear error naming it."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least or (most is not None and value > most):
+        bound = f"from {least} to {most}" if most is not None else f"of {least} or more"
+        raise ValueError(f"{name}: expected an integer {bound}, got {text!r}")
+    return value
+
+
 # Batch-invariant mode (pagedflash.batch_invariance): keys in splits at fixed absolute positions, the
 # first INVARIANT_HEAD_KEYS keys of a row in splits of INVARIANT_HEAD_SPLIT_KEYS, the rest in splits of
 # INVARIANT_SPLIT_KEYS, each split's state merged left to right (SplitRule). Short splits at the head
@@ -151,28 +167,12 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
 # 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). A split's
 # partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any rule of multiples of
 # the invariant tile's key count gives invariant results; outputs under different rules differ.
-INVARIANT_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "2048"))
-INVARIANT_HEAD_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_KEYS", "4096"))
-INVARIANT_HEAD_SPLIT_KEYS = int(os.environ.get("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "256"))
+INVARIANT_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_SPLIT_KEYS", 2048)
+INVARIANT_HEAD_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_KEYS", 4096, least=0)
+INVARIANT_HEAD_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", 256)
 # the interpreter: 16-key tiles; four one-tile splits, then two tiles a split, so tests cross both
 INTERPRET_SPLIT_RULE = (32, 64, 16)
 MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (programs sharing a row's splits)
-
-
-def env_count(name: str, default: int | None, most: int | None = None) -> int | None:
-    """The positive integer (at most ``most``) that environment variable ``name`` holds, ``default``
-    when it is unset or empty, or a clear error naming it."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1 or (most is not None and value > most):
-        bound = f"from 1 to {most}" if most is not None else "of 1 or more"
-        raise ValueError(f"{name}: expected an integer {bound}, got {text!r}")
-    return value
 
 
 # Which programs compute the mode's splits (never where they start: any choice gives the same bits).
