@@ -48,7 +48,14 @@ from pagedflash import validate
 from pagedflash.ops import _jit, attention_launch, combine, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
-from pagedflash.ops.attention_tiles import attend_range, find_seq, offsets_fault, split_of, split_start
+from pagedflash.ops.attention_tiles import (
+    any_bad_page,
+    attend_range,
+    find_seq,
+    offsets_fault,
+    split_of,
+    split_start,
+)
 from pagedflash.ops.launch import LaunchConfig
 from pagedflash.ops.utils import PlanCache, new_output
 
@@ -263,6 +270,10 @@ def _attention_kernel(
         s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS) + 1, s0 + 1)
         out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        sink_lse = lse
+        if HAS_SINKS:
+            sink_lse = tl.load(Sinks + row_head * stride_sink)
+        tok = (tok_base + q_pos).to(tl.int64)
         if SPLIT_KV:
             n_slots = num_splits
             slot_step = tl.num_programs(2)
@@ -284,9 +295,7 @@ def _attention_kernel(
                 w_first = s0
                 w_end = s_end
             out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
-            if HAS_SINKS:
-                lse = tl.where(slot == 0, tl.load(Sinks + row_head * stride_sink), NEG_INF)
+            lse = tl.where(slot == 0, sink_lse, NEG_INF)
             for c in range(w_first, w_end):
                 m_c = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
                 l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -307,11 +316,7 @@ def _attention_kernel(
             if SPLIT_KV:
                 s_ok = k_ok & scales_ok & fits
                 if PAGED:
-                    s_bad = page_bad
-                    if PAGE_SIZE % BLOCK_N != 0:
-                        s_bad = tl.max(s_bad.to(tl.int32), 0) > 0
-                    s_ok = s_ok & (s_bad == 0)
-                tok = (tok_base + q_pos).to(tl.int64)
+                    s_ok = s_ok & (any_bad_page(page_bad, PAGE_SIZE, BLOCK_N) == 0)
                 slot64 = tl.cast(slot, tl.int64)
                 if w_first < w_end:
                     p_rows = slot64 * stride_ps + tok * stride_pt + row_head * stride_ph
@@ -349,8 +354,7 @@ def _attention_kernel(
             out = out * v_descale
     valid = k_ok & scales_ok
     if PAGED:
-        if PAGE_SIZE % BLOCK_N != 0:
-            page_bad = tl.max(page_bad.to(tl.int32), 0) > 0
+        page_bad = any_bad_page(page_bad, PAGE_SIZE, BLOCK_N)
         _jit.report_fault(Faults, _FAULT_PAGES, b, page_bad)
         valid = valid & (page_bad == 0)
     out = tl.where(valid, out, float("nan"))  # a split's NaN partial makes the combined row NaN

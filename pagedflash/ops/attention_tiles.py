@@ -49,6 +49,16 @@ def pages(BlockTable, b, stride_tb, start_n, seqlen_k, offs_n, num_blocks, PAGE_
 
 
 @triton.jit
+def any_bad_page(page_bad, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether :func:`attend_range`'s accumulated ``page_bad`` flags hold a bad page id: one flag, from
+    the per-key flags when tiles span pages."""
+    bad = page_bad
+    if PAGE_SIZE % BLOCK_N != 0:
+        bad = tl.max(page_bad.to(tl.int32), 0) > 0
+    return bad
+
+
+@triton.jit
 def kv_offsets(pos, blk, b, k_row0, stride_b, stride_t, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Element offsets ``[BLOCK_N]`` (int64) of key positions ``pos`` of sequence ``b``: dense, row
     ``k_row0 + pos`` of batch ``b``; paged, slot ``pos % PAGE_SIZE`` of page ``blk``."""
