@@ -96,7 +96,7 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's rule; the GPU runs its default rule above")
 @pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16)], ids=["no_head", "head_48_of_16"])
 def test_rows_equal_under_another_split_rule(monkeypatch, rule):
-    """Any split rule keeps the promise (PAGEDFLASH_INVARIANT_HEAD_KEYS=0 is the rule before v43; a
+    """Any split rule keeps the promise (no head: PAGEDFLASH_INVARIANT_HEAD_KEYS=0, long splits only; a
     head that ends inside a long split's span): (keys, head keys, head split) as the interpreter's."""
     monkeypatch.setattr(launch, "INTERPRET_SPLIT_RULE", rule)  # a plan switch: no other rule's plan is reused
     check_rows_equal("sinks", DTYPES[-1])
