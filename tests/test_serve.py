@@ -7,6 +7,7 @@ prompts are short and requests generate few tokens; every client call has a time
 """
 
 import asyncio
+import contextlib
 import signal
 import socket
 import subprocess
@@ -117,6 +118,26 @@ def server():
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
+@contextlib.contextmanager
+def slow_steps(server: LiveServer, seconds: float = 0.05):
+    """Each engine step of ``server`` (its loop thread's ``llm.step``) takes at least ``seconds``, so
+    that a request of a few tokens still runs when a test acts on it: on a GPU the tiny model's step
+    takes ~1 ms, under the interpreter ~0.3 s."""
+    llm = server.llm
+    real = llm.step
+
+    def step():
+        outputs = real()
+        time.sleep(seconds)
+        return outputs
+
+    llm.step = step
+    try:
+        yield
+    finally:
+        del llm.step
+
+
 # ------------------------------------------------------------------ the openai client
 def test_openai_client_completions_streamed_and_not(server):
     client = server.client()
@@ -128,10 +149,11 @@ def test_openai_client_completions_streamed_and_not(server):
     assert whole.choices[0].finish_reason == "length"
 
     times, texts, chunks = [], [], []
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY):
-        times.append(time.monotonic())
-        chunks.append(chunk)
+    with slow_steps(server):
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
+                                               stream_options={"include_usage": True}, **GREEDY):
+            times.append(time.monotonic())
+            chunks.append(chunk)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-1].usage.prompt_tokens == n_prompt
     assert len(chunks) == 4 + 1  # a chunk per token (one a step), text or not, then usage
@@ -289,7 +311,7 @@ def test_disconnect_aborts_and_frees_the_pool(server, stream):
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
     else:  # the client gives up waiting and closes the connection
-        with pytest.raises(httpx.ReadTimeout):
+        with slow_steps(server), pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.5))
     after = server.wait_idle()  # the abort reached the engine well before 500 tokens
     assert finished(after, "abort") == finished(before, "abort") + 1
@@ -390,7 +412,7 @@ def test_queue_full_is_a_503():
         r = s.post("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 1})  # can never fit: no retry
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
         body = {"prompt": [9, 10], "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as running:
+        with slow_steps(s), httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as running:
             next(line for line in running.iter_lines() if line.startswith("data:"))  # admitted and running
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as waiting:
                 assert waiting.status_code == 200  # admitted to the queue (headers come after admission)
