@@ -97,6 +97,10 @@ TILE_FORMS = {
                            (40, 8, 2, "swigluoai", "routed")),
     "gemv_bn8": (moe.Tiles(True, 1, 8, 8, 64, 4, 3, 1, fused_sum=True, gemv=True), (1, 16, 4, "swigluoai", "routed")),
     "gemv_bn4_bk256": (moe.Tiles(True, 1, 16, 4, 256, 4, 3, 1, fused_sum=True, gemv=True), (3, 8, 2, "silu", "all")),
+    "gemv_wide": (moe.Tiles(True, 1, 8, 8, 64, 4, 3, 1, fused_sum=True, gemv=True, wide=True),
+                  (1, 16, 4, "swigluoai", "routed")),
+    "gemv_wide_bk256": (moe.Tiles(True, 1, 16, 4, 256, 4, 1, 1, fused_sum=True, gemv=True, wide=True),
+                        (3, 8, 2, "silu", "all")),
     "default_prefill_bm128": (moe.tiles(4096, 2, 8), (40, 8, 2, "swigluoai", "routed")),  # 1024 rows an expert
 }
 
@@ -153,6 +157,7 @@ def test_grouping_layout(monkeypatch):
 
 FUSED_SUM = moe.Tiles(True, 16, 16, 32, 64, 4, 2, 1, fused_sum=True)
 GEMV = moe.Tiles(True, 1, 64, 128, 128, 4, 2, 1, fused_sum=True, gemv=True)
+GEMV_WIDE = GEMV._replace(wide=True)
 
 
 def test_gemv_needs_its_form(monkeypatch):
@@ -163,10 +168,13 @@ def test_gemv_needs_its_form(monkeypatch):
     monkeypatch.setattr(moe, "TILES", FUSED_SUM._replace(part_fp32=False))
     with pytest.raises(ValueError, match="moe.TILES: part_fp32=False has no partials to keep with fused_sum=True"):
         moe.fused_moe(x, w13, w2, weights, ids_)
+    monkeypatch.setattr(moe, "TILES", FUSED_SUM._replace(wide=True))
+    with pytest.raises(ValueError, match="moe.TILES: wide=True goes with gemv=True"):
+        moe.fused_moe(x, w13, w2, weights, ids_)
 
 
-@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV)],
-                         ids=["direct", "sorted", "fused_sum", "gemv"])
+@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV), (17, GEMV_WIDE)],
+                         ids=["direct", "sorted", "fused_sum", "gemv", "gemv_wide"])
 def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
     """Value checks off: an id outside [0, E) reads no weight (the next expert in memory is NaN, and
     so would be a read past it), its token's row is NaN and every other row is right; the debug mode
@@ -187,7 +195,7 @@ def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
-@pytest.mark.parametrize("tiles", [None, FUSED_SUM, GEMV], ids=["default", "fused_sum", "gemv"])
+@pytest.mark.parametrize("tiles", [None, FUSED_SUM, GEMV, GEMV_WIDE], ids=["default", "fused_sum", "gemv", "gemv_wide"])
 def test_invalid_ids_are_recorded(monkeypatch, tiles):
     """The last token with an expert id outside [0, E) is recorded; raise_if_invalid names topk_ids
     and clears the record."""

@@ -72,6 +72,15 @@ GEMV = [
     ("gemv bn13=16 bn2=8 bk=256", dict(_GEMV, bn13=16, bn2=8, bk=256, stages=3)),
     ("gemv bn=4 bk=512", dict(_GEMV, bn13=4, bn2=4, bk=512, stages=3)),
     ("gemv bn=8 bk=512 warps=8", dict(_GEMV, bn13=8, bn2=8, bk=512, stages=3, warps=8)),
+    # [bk, bn] accumulators reduced along K once after the loop, in both GEMMs (moe.Tiles.wide)
+    ("gemv wide bn=8 bk=512", dict(_GEMV, bn13=8, bn2=8, bk=512, stages=3, wide=True)),
+    ("gemv wide bn13=4 bn2=8 bk=1024", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, wide=True)),
+    ("gemv wide bn13=4 bn2=4 bk=1024", dict(_GEMV, bn13=4, bn2=4, bk=1024, stages=3, wide=True)),
+    ("gemv wide bn13=4 bn2=2 bk=1024", dict(_GEMV, bn13=4, bn2=2, bk=1024, stages=3, wide=True)),
+    ("gemv wide bn13=4 bn2=4 bk=512 stages=4", dict(_GEMV, bn13=4, bn2=4, bk=512, stages=4, wide=True)),
+    ("gemv wide bn13=4 bn2=4 bk=1024 warps=8", dict(_GEMV, bn13=4, bn2=4, bk=1024, stages=3, warps=8, wide=True)),
+    ("gemv wide bn13=16 bn2=8 bk=256", dict(_GEMV, bn13=16, bn2=8, bk=256, stages=3, wide=True)),
+    ("gemv wide bn13=16 bn2=4 bk=256 stages=4", dict(_GEMV, bn13=16, bn2=4, bk=256, stages=4, wide=True)),
 ]
 PREFILL = [
     ("part=dtype", dict(part_fp32=False)),

@@ -204,14 +204,37 @@ def report_fault(Faults, code: tl.constexpr, index, bad):
 
 
 @triton.jit
-def mac(a, b, acc, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
+def mac(a, b, acc, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr, WIDE: tl.constexpr = False):
     """``acc + a @ b`` for ``a`` ``[M, K]``, ``b`` ``[K, N]``, ``acc`` ``[M, N]`` fp32: by ``tl.dot``
     (every dim at least 16), or (``USE_DOT`` False, one row: ``M`` 1) as a matrix-vector product on
     the CUDA cores in fp32, ``b``'s tile reduced along K in the layout it was loaded in (as
-    :mod:`pagedflash.ops.gemv` does)."""
+    :mod:`pagedflash.ops.gemv` does). ``WIDE`` (CUDA cores only): ``acc`` is ``[K, N]``, the
+    products added elementwise and reduced along K once, by :func:`mac_total` after the loop (no
+    reduction across threads in the loop)."""
     if USE_DOT:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     else:
         tl.static_assert(a.shape[0] == 1, "mac: the CUDA-core product takes one row (M = 1)")
         x = tl.sum(a.to(tl.float32), axis=0)  # [K]: the one row
-        return acc + tl.sum(b.to(tl.float32) * x[:, None], axis=0)[None, :]
+        if WIDE:
+            return acc + b.to(tl.float32) * x[:, None]
+        else:
+            return acc + tl.sum(b.to(tl.float32) * x[:, None], axis=0)[None, :]
+
+
+@triton.jit
+def mac_zeros(BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
+    """The fp32 accumulator :func:`mac` adds into: ``[BK, BN]`` with ``WIDE``, else ``[BM, BN]``."""
+    if WIDE:
+        return tl.zeros([BK, BN], dtype=tl.float32)
+    else:
+        return tl.zeros([BM, BN], dtype=tl.float32)
+
+
+@triton.jit
+def mac_total(acc, WIDE: tl.constexpr):
+    """:func:`mac`'s accumulator as the ``[M, N]`` product: a ``WIDE`` one summed along K (one row)."""
+    if WIDE:
+        return tl.sum(acc, axis=0)[None, :]
+    else:
+        return acc

@@ -78,9 +78,11 @@ class Tiles(NamedTuple):
     fused_sum: bool = False  # down GEMM and sum over k in one kernel (per token: for few tokens)
     part_fp32: bool = True  # per-pair partials fp32, else the input dtype (half the traffic); unfused only
     gemv: bool = False  # products on the CUDA cores, not tl.dot (with direct, fused_sum and bm 1: one row)
+    wide: bool = False  # gemv: [bk, bn] accumulators, reduced along K once after the loop (both GEMMs)
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
+GEMV_MAX_TOKENS = 4  # up to here the gemv tiles (measured at 1 and 4 tokens)
 DECODE_MAX_TOKENS = 64  # up to here, or while experts average <= 16 rows, the decode tiles
 
 
@@ -88,12 +90,14 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     """Launch choices from the host's shapes (no device value); ``rows = T * top_k / E`` is the
     average number of rows an expert gets:
 
-    - direct grouping for one token (its experts are distinct) or while pairs are at most a quarter
-      of the experts (few experts picked twice), else sorted;
-    - one token: products on the CUDA cores (the gemv form: one row, 8 columns a program, 512-deep
-      steps, 3 stages) and the down GEMM summing its top-k outputs itself (fused sum);
-    - decode (``T <= DECODE_MAX_TOKENS`` or ``rows <= 16``: weight-bandwidth bound): 16-row blocks
-      (the smallest ``tl.dot``), 32-wide column blocks so that even one token spreads each expert's
+    - direct grouping up to :data:`GEMV_MAX_TOKENS` tokens (one token's experts are distinct; an
+      expert a few tokens share is read again, from L2) or while pairs are at most a quarter of the
+      experts (few experts picked twice), else sorted;
+    - up to :data:`GEMV_MAX_TOKENS` tokens: products on the CUDA cores (the gemv form: one pair a
+      program, 4 gate and 4 up columns, 1024-deep steps, 3 stages, wide accumulators) and the down GEMM
+      summing each token's top-k outputs itself (fused sum, 8 columns a program), direct grouping;
+    - more decode tokens (``T <= DECODE_MAX_TOKENS`` or ``rows <= 16``: weight-bandwidth bound):
+      16-row blocks (the smallest ``tl.dot``), 32-wide column blocks so that even one token spreads each expert's
       weight over many programs, 128-deep reduction steps, 4 stages to keep weight bytes in flight;
     - prefill: 64-row blocks (128 from 256 rows per expert), 64-deep steps, per-pair partials in the
       input dtype (half the traffic of fp32); on the 128-row tiles 8 warps, 4 stages, 128 gate + 128
@@ -104,7 +108,7 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     the one-token and 128-row choices measured 1.02-1.07x and 1.22-1.41x the earlier tiles on the
     Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile took the input-dtype partials
     unmeasured at its sizes, and 2-64 tokens kept their tiles; v42: 4 stages on the 128-row tiles,
-    1.03-1.04x at 8192 tokens);
+    1.03-1.04x at 8192 tokens; v44: the wide gemv at 1 and 4 tokens, 1.04-1.18x);
     :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
@@ -115,8 +119,8 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     direct = T == 1 or T * top_k * 4 <= E
     if invariant:
         return Tiles(direct, 64, 64, 128, 64, 4, 3, 8)
-    if T == 1:
-        return Tiles(True, 1, 8, 8, 512, 4, 3, 1, fused_sum=True, gemv=True)
+    if T <= GEMV_MAX_TOKENS:
+        return Tiles(True, 1, 4, 8, 1024, 4, 3, 1, fused_sum=True, gemv=True, wide=True)
     rows = T * top_k / E
     if T <= DECODE_MAX_TOKENS or rows <= 16:
         return decode_tiles(direct)
@@ -210,6 +214,8 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     t = fit_stages(tiles(T, k, E, invariant), hidden.element_size(), shared_memory(hidden.device))
     if t.gemv and not (t.direct and t.fused_sum and t.bm == 1):
         raise ValueError(f"moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1, got {t}")
+    if t.wide and not t.gemv:
+        raise ValueError(f"moe.TILES: wide=True goes with gemv=True, got {t}")
     if t.fused_sum and not t.part_fp32:
         raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
@@ -220,12 +226,12 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
                      dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13, USE_DOT=not t.gemv,
-                          NUM_STAGES=t.stages),
+                          NUM_STAGES=t.stages, WIDE=t.wide),
                      **opts)
     down_consts = dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages)
     if t.fused_sum:
         down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),),
-                      dict(down_consts, USE_DOT=not t.gemv, BLOCK_TOPK=next_pow2(k)), **opts)
+                      dict(down_consts, USE_DOT=not t.gemv, BLOCK_TOPK=next_pow2(k), WIDE=t.wide), **opts)
     else:
         down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
                       dict(down_consts, **grouped), **opts)

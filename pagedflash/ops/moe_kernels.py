@@ -16,7 +16,7 @@ Every sum runs in a fixed order: no atomics, results reproducible.
 import triton
 import triton.language as tl
 
-from pagedflash.ops._jit import dot_over_k, mac, report_fault
+from pagedflash.ops._jit import dot_over_k, mac, mac_total, mac_zeros, report_fault
 
 
 @triton.jit
@@ -55,6 +55,7 @@ def _gate_up_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WIDE: tl.constexpr,  # CUDA-core products into [BK, BN] accumulators, reduced along K after the loop
 ):
     num_n = tl.cdiv(I, BN)
     pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
@@ -70,8 +71,8 @@ def _gate_up_kernel(
     p_x = X + tok[:, None] * stride_x + offs_k[None, :]
     p_g = W13 + e * stride_we + w_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     p_u = p_g + I * stride_wn
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_g = mac_zeros(BM, BN, BK, WIDE)
+    acc_u = mac_zeros(BM, BN, BK, WIDE)
     for k0 in tl.range(0, H, BK, num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(p_x)
@@ -82,11 +83,13 @@ def _gate_up_kernel(
             x = tl.load(p_x, mask=k_ok[None, :], other=0.0)
             wg = tl.load(p_g, mask=k_ok[:, None], other=0.0)
             wu = tl.load(p_u, mask=k_ok[:, None], other=0.0)
-        acc_g = mac(x, wg, acc_g, DOT_PRECISION, USE_DOT)
-        acc_u = mac(x, wu, acc_u, DOT_PRECISION, USE_DOT)
+        acc_g = mac(x, wg, acc_g, DOT_PRECISION, USE_DOT, WIDE)
+        acc_u = mac(x, wu, acc_u, DOT_PRECISION, USE_DOT, WIDE)
         p_x += BK
         p_g += BK
         p_u += BK
+    acc_g = mac_total(acc_g, WIDE)
+    acc_u = mac_total(acc_u, WIDE)
     if HAS_BIAS:
         p_b = B13 + e * stride_be + w_n
         acc_g += tl.load(p_b).to(tl.float32)[None, :]
@@ -176,6 +179,8 @@ def _down_sum_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,  # next_pow2(top_k)
+    WIDE: tl.constexpr,  # one row on the CUDA cores: every expert's products, the row already times its
+    # routing weight, into one [BK, BN] accumulator, reduced along K once after the loop
 ):
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
@@ -184,7 +189,9 @@ def _down_sum_kernel(
     on from one expert into the next; at expert ``j``'s last step its product goes through
     :func:`_weighted` into the sum, in order ``j = 0..k-1``: the operations of ``_down_kernel`` then
     ``_sum_k_kernel`` in the same order (bitwise equal under the interpreter; compiled, the weight's
-    multiply and the sum's add may become one fma)."""
+    multiply and the sum's add may become one fma). ``WIDE`` sums in another order: each expert's
+    row times its routing weight first, all ``k`` products in one accumulator, biases (times their
+    weights) added after the loop."""
     pid = tl.program_id(0)
     t = pid % T
     offs_n = (pid // T) * BN + tl.arange(0, BN)
@@ -198,7 +205,7 @@ def _down_sum_kernel(
     bad = (expert_ids < 0) | (expert_ids >= E)
     report_fault(Faults, FAULT, t + slots * 0, bad & (slots < tl.where(pid < T, top_k, 0)))  # column block 0
     steps = tl.cdiv(I, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = mac_zeros(BM, BN, BK, WIDE)
     total = tl.zeros([BM, BN], dtype=tl.float32)
     for s in tl.range(0, top_k * steps, num_stages=NUM_STAGES):
         j = s // steps
@@ -215,12 +222,24 @@ def _down_sum_kernel(
             k_ok = offs_k < tl.where(ok, I - k0, 0)
         a = tl.load(p_a, mask=first[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(p_w, mask=k_ok[:, None], other=0.0)
-        acc = mac(a, w, acc, DOT_PRECISION, USE_DOT)
-        last = k0 + BK >= I
-        done = _weighted(acc, B2, TopkW, e, pair + tl.zeros([BM], dtype=tl.int64), w_n, top_k, stride_be,
-                         stride_tw0, stride_tw1, HAS_BIAS)
-        total = tl.where(last, total + tl.where(ok, done, float("nan")), total)
-        acc = tl.where(last, 0.0, acc)
+        if WIDE:  # BM is 1: the row is the pair's; an invalid id's weight is NaN
+            weight = tl.load(TopkW + t * stride_tw0 + j * stride_tw1)
+            acc = mac(a.to(tl.float32) * tl.where(ok, weight, float("nan")), w, acc, DOT_PRECISION, USE_DOT, WIDE)
+        else:
+            acc = mac(a, w, acc, DOT_PRECISION, USE_DOT)
+            last = k0 + BK >= I
+            done = _weighted(acc, B2, TopkW, e, pair + tl.zeros([BM], dtype=tl.int64), w_n, top_k, stride_be,
+                             stride_tw0, stride_tw1, HAS_BIAS)
+            total = tl.where(last, total + tl.where(ok, done, float("nan")), total)
+            acc = tl.where(last, 0.0, acc)
+    if WIDE:
+        total = mac_total(acc, WIDE)
+        if HAS_BIAS:
+            for j in range(0, top_k):
+                e = tl.sum(tl.where(slots == j, expert_ids, 0)).to(tl.int64)
+                weight = tl.load(TopkW + t * stride_tw0 + j * stride_tw1)
+                e = tl.where((e >= 0) & (e < E), e, 0)  # an invalid id's NaN is in the products already
+                total += (tl.load(B2 + e * stride_be + w_n).to(tl.float32) * weight)[None, :]
     p_out = Out + t.to(tl.int64) * stride_o + offs_n[None, :] + tl.zeros([BM, 1], dtype=tl.int64)
     tl.store(p_out, total.to(Out.dtype.element_ty), mask=first[:, None] & (offs_n < H)[None, :])
 
