@@ -60,8 +60,8 @@ def check_moe(T, E, k, dtype, activation, how, *, h=H, i=I):
     return x, w13, w2, weights, ids_, biases, got
 
 
-# (T, E, k, activation, ids): decode sizes on both groupings (T = 1 and 3 with E = 16, k = 4 direct;
-# the rest sorted), prefill T = 300 on both expert counts
+# (T, E, k, activation, ids): decode sizes (T = 1 and 3: the gemv tiles, direct grouping; 17 and 64:
+# the tensor-core tiles, sorted), prefill T = 300 on both expert counts
 CASES = [
     (1, 16, 4, "silu", "routed"),
     (1, 8, 2, "swigluoai", "routed"),

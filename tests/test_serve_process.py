@@ -113,17 +113,17 @@ def test_concurrent_streams_equal_offline_generate_and_metrics_count(server):
 def test_refusals_then_a_dead_engine_process_fails_requests_and_the_health_check():
     """The engine's refusal (a 400) and --max-queue (a 503) across the pipe; then the child is killed:
     the running request gets a 500, the queued stream an error event, /health and new requests 503."""
-    s = ProcessServer("--num-gpu-blocks-override", "32", "--block-size", "16",  # a pool of 512 tokens
+    s = ProcessServer("--num-gpu-blocks-override", "63", "--block-size", "16",  # a pool of 1,008 tokens
                       "--max-num-seqs", "1", "--max-queue", "1")
     try:
-        r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1000})
+        r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1020})  # 64 pages
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the engine's RequestRejected
         assert "KV pages" in r.json()["error"]["message"]
         result = {}
 
         def request():
             # long enough to be still running at the kill on a GPU too (a step of the tiny model: ~1 ms)
-            result["r"] = s.post("/v1/completions", {"prompt": [4, 5], "max_tokens": 500, "ignore_eos": True})
+            result["r"] = s.post("/v1/completions", {"prompt": [4, 5], "max_tokens": 1000, "ignore_eos": True})
 
         t = threading.Thread(target=request)
         t.start()

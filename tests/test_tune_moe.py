@@ -31,7 +31,7 @@ def test_candidates_are_distinct_tiles():
     only where T <= 16."""
     for T, k, E in [(1, 8, 128), (4, 4, 32), (64, 8, 128), (8192, 4, 32)]:
         current = moe.tiles(T, k, E)
-        found = tune_moe.candidates(current, T, T <= 64, quick=False)
+        found = tune_moe.candidates(current, T, k, E, T <= 64, quick=False)
         tiles = [t for _, t in found]
         assert current not in tiles and len(set(tiles)) == len(tiles)
         assert any(t.direct != current.direct for t in tiles) == (1 < T <= 16)
@@ -45,8 +45,8 @@ def test_labels_pick_their_candidate_even_when_an_earlier_label_gives_the_same_t
     current = moe.tiles(8192, 4, 32)
     assert not current.part_fp32
     want = [("stages=3", current._replace(stages=3))]
-    assert tune_moe.candidates(current, 8192, False, quick=False, labels=["stages=3"]) == want
-    assert ("stages=3", current._replace(stages=3)) not in tune_moe.candidates(current, 8192, False, quick=False)
+    assert tune_moe.candidates(current, 8192, 4, 32, False, quick=False, labels=["stages=3"]) == want
+    assert ("stages=3", current._replace(stages=3)) not in tune_moe.candidates(current, 8192, 4, 32, False, quick=False)
 
 
 def test_compile_check():

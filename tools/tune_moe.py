@@ -102,12 +102,13 @@ PREFILL = [
 ]
 
 
-def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool,
+def candidates(current: moe.Tiles, T: int, k: int, E: int, decode: bool, quick: bool,
                labels: list[str] | None = None) -> list[tuple[str, moe.Tiles]]:
     """The labelled candidate tiles of one case (each distinct from the current tiles; only those
     named in ``labels`` if given)."""
     # decode changes apply to the tensor-core tiles, also where the current ones are the gemv form
-    base = moe.decode_tiles(current.direct) if current.gemv else current
+    # (with the grouping tiles() gives the tensor-core sizes: direct for one token or few pairs)
+    base = moe.decode_tiles(T == 1 or T * k * 4 <= E) if current.gemv else current
     found = [("tensor cores", base)] if current.gemv else []
     for label, changes in (DECODE + (GEMV if T <= 16 else [])) if decode else PREFILL:
         found.append((label, base._replace(**changes)))
@@ -124,7 +125,14 @@ def candidates(current: moe.Tiles, T: int, decode: bool, quick: bool,
 
 
 def regime(T: int, decode_max: int) -> str:
-    return "T=1" if T == 1 else f"T=2..{decode_max}" if T <= decode_max else f"T>{decode_max}"
+    """The case's group in the per-regime geomeans: one token, the rest of the gemv tiles' sizes,
+    the tensor-core decode sizes, prefill."""
+    g = moe.GEMV_MAX_TOKENS
+    if T == 1:
+        return "T=1"
+    if T <= g:
+        return f"T=2..{g}"
+    return f"T={g + 1}..{decode_max}" if T <= decode_max else f"T>{decode_max}"
 
 
 def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedups: dict,
@@ -168,7 +176,7 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
         dense = measure(bench_moe.dense_fn(c), label=f"dense GEMM {name} T={T}")
         row["dense_ms"], extra = dense.ms, f", dense GEMM {dense.ms:.4f} ms, ours÷dense {ratio(base, dense):.3f}" if dense.ok else ""
     print(f"{name} T={T}: current {current} {base.ms:.4f} ms, {figure(base.ms)}{extra}", flush=True)
-    for label, tiles in candidates(current, T, decode, quick, labels):
+    for label, tiles in candidates(current, T, c["k"], c["E"], decode, quick, labels):
         if time.monotonic() > deadline:
             print(f"  budget spent: the remaining candidates of {name} T={T} are not timed", flush=True)
             break
@@ -231,7 +239,7 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
         weights = {n: w.expand((E,) + tuple(w.shape[1:])) for n, w in one.items()}
         for T in tokens:
             current = moe.tiles(T, k, E)
-            found = [("current", current)] + candidates(current, T, T <= spec["decode_max"], False, labels)
+            found = [("current", current)] + candidates(current, T, k, E, T <= spec["decode_max"], False, labels)
             for label, tiles in found:
                 x = torch.empty(T, h, dtype=spec["dtype"])
                 topk_weights, topk_ids = torch.full((T, k), 1 / k), torch.arange(T * k, dtype=torch.int32).view(T, k) % E

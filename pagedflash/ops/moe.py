@@ -21,14 +21,18 @@ This module holds the launch choices (:func:`tiles`) and the public API; the ker
   or, with ``Tiles.fused_sum`` (few tokens), in two: ``_down_sum_kernel`` replaces 2 and 3, one
   program per (token, column block) summing the token's ``k`` expert outputs in fixed order in
   fp32 and storing the row in ``out``'s dtype. ``Tiles.gemv`` (with the fused sum and direct
-  grouping): one-row blocks, each product a matrix-vector product on the CUDA cores, not ``tl.dot``.
+  grouping): one-row blocks, each product a matrix-vector product on the CUDA cores, not ``tl.dot``;
+  ``Tiles.wide`` keeps each program's partial sums per element along K, reduced once after its loop
+  (the down-and-sum kernel then scales each expert's row by its routing weight first: one
+  accumulator for the token's ``k`` experts, their biases added after the loop).
 
 Grouping (which pairs a block of rows holds) has two forms, chosen on the host from the shapes
 (:func:`tiles`), never from device values:
 
 - *direct* (few pairs, decode): block ``m`` is pair ``m`` alone; its expert id is read by the kernel.
   No grouping launch at all; an expert picked by two pairs is read twice (from L2 when the programs
-  run together). ``T = 1`` always has distinct experts.
+  run together). One token always has distinct experts; a few tokens (the gemv tiles, up to
+  :data:`GEMV_MAX_TOKENS`) read an expert they share once a pair.
 - *sorted*: pairs grouped by expert (:func:`.moe_routing.group`: three small kernels), each
   expert's run padded to a multiple of ``BM``; block ``m`` holds ``BM`` slots of one expert (pad
   slots hold the sentinel ``P``). The padded length is bounded on the host by ``P + min(E + 1, P) *
@@ -146,7 +150,8 @@ def fit_stages(t: Tiles, itemsize: int, shared_memory: int | None) -> Tiles:
 
 
 def decode_tiles(direct: bool) -> Tiles:
-    """The tensor-core decode tiles of :func:`tiles` (2 to ``DECODE_MAX_TOKENS`` tokens)."""
+    """The tensor-core decode tiles of :func:`tiles` (``GEMV_MAX_TOKENS + 1`` to ``DECODE_MAX_TOKENS``
+    tokens, and past them while experts average at most 16 rows)."""
     return Tiles(direct, 16, 32, 32, 128, 4, 4, 1)
 
 

@@ -7,7 +7,8 @@ the launch choices, the host side and the layout this module's kernels read; dim
   weight, into per-pair partials ``[P, H]`` (fp32, or the input dtype), summed by ``_sum_k_kernel``;
 - ``_down_sum_kernel`` (the *fused sum*, for few tokens): one program per (token, column block)
   runs the token's ``k`` experts' products in order ``j = 0..k-1`` (the per-expert epilogue
-  :func:`_weighted` shared with ``_down_kernel``) and stores their sum in the output dtype: no
+  :func:`_weighted` shared with ``_down_kernel``; with ``WIDE``, each expert's row scaled by its
+  routing weight first, one accumulator for all ``k``) and stores their sum in the output dtype: no
   partials, no third launch.
 
 Every sum runs in a fixed order: no atomics, results reproducible.
