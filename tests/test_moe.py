@@ -101,6 +101,10 @@ TILE_FORMS = {
                   (1, 16, 4, "swigluoai", "routed")),
     "gemv_wide_bk256": (moe.Tiles(True, 1, 16, 4, 256, 4, 1, 1, fused_sum=True, gemv=True, wide=True),
                         (3, 8, 2, "silu", "all")),
+    # programmatic dependent launch (compiled on sm90+; elsewhere the plain launches)
+    "gemv_wide_pdl_l2": (moe.Tiles(True, 1, 8, 8, 64, 4, 3, 1, fused_sum=True, gemv=True, wide=True, pdl=2),
+                         (3, 16, 4, "swigluoai", "routed")),
+    "fused_pdl": (moe.Tiles(True, 16, 16, 32, 64, 4, 2, 1, fused_sum=True, pdl=1), (5, 16, 4, "silu", "some_empty")),
     "default_prefill_bm128": (moe.tiles(4096, 2, 8), (40, 8, 2, "swigluoai", "routed")),  # 1024 rows an expert
 }
 
@@ -167,6 +171,9 @@ def test_gemv_needs_its_form(monkeypatch):
         moe.fused_moe(x, w13, w2, weights, ids_)
     monkeypatch.setattr(moe, "TILES", FUSED_SUM._replace(part_fp32=False))
     with pytest.raises(ValueError, match="moe.TILES: part_fp32=False has no partials to keep with fused_sum=True"):
+        moe.fused_moe(x, w13, w2, weights, ids_)
+    monkeypatch.setattr(moe, "TILES", GEMV._replace(fused_sum=False, gemv=False, pdl=1))
+    with pytest.raises(ValueError, match="moe.TILES: pdl goes with fused_sum=True"):
         moe.fused_moe(x, w13, w2, weights, ids_)
     monkeypatch.setattr(moe, "TILES", FUSED_SUM._replace(wide=True))
     with pytest.raises(ValueError, match="moe.TILES: wide=True goes with gemv=True"):

@@ -81,6 +81,9 @@ GEMV = [
     ("gemv wide bn13=4 bn2=4 bk=1024 warps=8", dict(_GEMV, bn13=4, bn2=4, bk=1024, stages=3, warps=8, wide=True)),
     ("gemv wide bn13=16 bn2=8 bk=256", dict(_GEMV, bn13=16, bn2=8, bk=256, stages=3, wide=True)),
     ("gemv wide bn13=16 bn2=4 bk=256 stages=4", dict(_GEMV, bn13=16, bn2=4, bk=256, stages=4, wide=True)),
+    # the down-and-sum kernel as gate/up's programmatic dependent (sm90+), then also its weights asked in L2
+    ("gemv wide bn13=4 bn2=8 bk=1024 pdl", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, wide=True, pdl=1)),
+    ("gemv wide bn13=4 bn2=8 bk=1024 pdl+L2", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, wide=True, pdl=2)),
 ]
 PREFILL = [
     ("part=dtype", dict(part_fp32=False)),

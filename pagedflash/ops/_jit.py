@@ -223,6 +223,29 @@ def mac(a, b, acc, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr, WIDE: tl.
 
 
 @triton.jit
+def launch_dependents():
+    """Programmatic dependent launch (sm90+): the kernel launched after this one with ``launch_pdl``
+    may start once every program of this one has passed here (or ended)."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def wait_for_primary():
+    """Programmatic dependent launch (sm90+): wait until the kernel before this one (launched with
+    ``launch_pdl``) has ended and its writes are visible."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the lines at ``ptrs`` (a tensor of global pointers, one per 128-byte line wanted) in L2,
+    kept there before others (``evict_last``); nothing is loaded into registers. NVIDIA only."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def mac_zeros(BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
     """The fp32 accumulator :func:`mac` adds into: ``[BK, BN]`` with ``WIDE``, else ``[BM, BN]``."""
     if WIDE:

@@ -57,7 +57,16 @@ from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, moe_routing
 from pagedflash.ops.moe_kernels import _down_kernel, _down_sum_kernel, _gate_up_kernel, _sum_k_kernel
 from pagedflash.ops.moe_routing import SCORINGS, route  # noqa: F401  (the layer's API: routing, then fused_moe)
-from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2, shared_memory
+from pagedflash.ops.utils import (
+    Launch,
+    PlanCache,
+    cdiv,
+    check_operand,
+    interpreted,
+    next_pow2,
+    nvidia_capability,
+    shared_memory,
+)
 
 ACTIVATIONS = {"silu": 0, "swigluoai": 1}  # name -> the kernels' ACT constexpr
 SILU, SWIGLUOAI = 0, 1
@@ -83,6 +92,10 @@ class Tiles(NamedTuple):
     part_fp32: bool = True  # per-pair partials fp32, else the input dtype (half the traffic); unfused only
     gemv: bool = False  # products on the CUDA cores, not tl.dot (with direct, fused_sum and bm 1: one row)
     wide: bool = False  # gemv: [bk, bn] accumulators, reduced along K once after the loop (both GEMMs)
+    # fused sum on sm90+: the down-and-sum kernel launched as gate/up's programmatic dependent (its
+    # launch and start overlap gate/up's tail); 2: it also asks for its first experts' weights in L2
+    # before it waits (PDL_L2_BYTES of them)
+    pdl: int = 0
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
@@ -131,6 +144,18 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     if rows >= 256:
         return Tiles(False, 128, 128, 256, 64, 8, 4, 8, part_fp32=False)
     return Tiles(False, 64, 64, 128, 64, 4, 3, 8, part_fp32=False)
+
+
+PDL_L2_BYTES = 16 << 20  # Tiles.pdl 2: the down weights a call asks for in L2 ahead, at most
+
+
+def pdl_allowed(device: torch.device) -> bool:
+    """Whether launches on ``device`` may use programmatic dependent launch: an NVIDIA GPU from sm90,
+    or a CPU compiling for one (the compile check); never the interpreter."""
+    if interpreted():
+        return False
+    capability = nvidia_capability(device)
+    return device.type != "cuda" if capability is None else capability >= (9, 0)
 
 
 SHARED_MEMORY_USE = 0.9  # of a block's shared memory, the operand pipeline's share (the rest: epilogues)
@@ -221,6 +246,10 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
         raise ValueError(f"moe.TILES: gemv=True goes with direct=True, fused_sum=True and bm=1, got {t}")
     if t.wide and not t.gemv:
         raise ValueError(f"moe.TILES: wide=True goes with gemv=True, got {t}")
+    if t.pdl and not t.fused_sum:
+        raise ValueError(f"moe.TILES: pdl goes with fused_sum=True, got {t}")
+    pdl = t.pdl if pdl_allowed(hidden.device) else 0
+    pf_k = min(k, PDL_L2_BYTES // max(1, H * I * w2.element_size())) if pdl == 2 else 0
     if t.fused_sum and not t.part_fp32:
         raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
@@ -231,12 +260,14 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
                      dict(consts, **grouped, ACT=activation, EVEN_K=H % t.bk == 0, BN=t.bn13, USE_DOT=not t.gemv,
-                          NUM_STAGES=t.stages, WIDE=t.wide),
+                          NUM_STAGES=t.stages, WIDE=t.wide, PDL=pdl > 0),
                      **opts)
     down_consts = dict(consts, EVEN_K=I % t.bk == 0, BN=t.bn2, FAULT=_fault_code(), NUM_STAGES=t.stages)
     if t.fused_sum:
         down = Launch(_down_sum_kernel, None if nothing else (T * cdiv(H, t.bn2),),
-                      dict(down_consts, USE_DOT=not t.gemv, BLOCK_TOPK=next_pow2(k), WIDE=t.wide), **opts)
+                      dict(down_consts, USE_DOT=not t.gemv, BLOCK_TOPK=next_pow2(k), WIDE=t.wide, PDL=pdl, PF_K=pf_k,
+                           PF_LINES=next_pow2(cdiv(I * w2.element_size(), 128))),
+                      **opts, **({"launch_pdl": True} if pdl else {}))
     else:
         down = Launch(_down_kernel, None if nothing else (num_blocks * cdiv(H, t.bn2),),
                       dict(down_consts, **grouped), **opts)

@@ -17,7 +17,16 @@ Every sum runs in a fixed order: no atomics, results reproducible.
 import triton
 import triton.language as tl
 
-from pagedflash.ops._jit import dot_over_k, mac, mac_total, mac_zeros, report_fault
+from pagedflash.ops._jit import (
+    dot_over_k,
+    launch_dependents,
+    mac,
+    mac_total,
+    mac_zeros,
+    prefetch_l2,
+    report_fault,
+    wait_for_primary,
+)
 
 
 @triton.jit
@@ -57,7 +66,10 @@ def _gate_up_kernel(
     DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
     WIDE: tl.constexpr,  # CUDA-core products into [BK, BN] accumulators, reduced along K after the loop
+    PDL: tl.constexpr,  # the down kernel is this one's programmatic dependent: let it launch at once
 ):
+    if PDL:
+        launch_dependents()
     num_n = tl.cdiv(I, BN)
     pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
                             P, top_k, SORTED, BM, GROUP_M)
@@ -182,6 +194,9 @@ def _down_sum_kernel(
     BLOCK_TOPK: tl.constexpr,  # next_pow2(top_k)
     WIDE: tl.constexpr,  # one row on the CUDA cores: every expert's products, the row already times its
     # routing weight, into one [BK, BN] accumulator, reduced along K once after the loop
+    PDL: tl.constexpr,  # launched as gate/up's programmatic dependent: 1 waits for it before reading the
+    # intermediate; 2 first asks for its weight rows of the first PF_K experts in L2 (PF_LINES lines a row)
+    PF_K: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     """Program ``pid``: token ``pid % T`` (the tokens of one column block run together: experts they
     share are read once from HBM), column block ``pid // T``. Row 0 of the ``BM``-row tile is the
@@ -205,6 +220,16 @@ def _down_sum_kernel(
     expert_ids = tl.load(Ids + t * stride_id0 + slots * stride_id1, mask=slots < top_k, other=0)
     bad = (expert_ids < 0) | (expert_ids >= E)
     report_fault(Faults, FAULT, t + slots * 0, bad & (slots < tl.where(pid < T, top_k, 0)))  # column block 0
+    if PDL == 2:  # while gate/up still runs: this program's rows of W2, a pointer per 128-byte line
+        step = 128 // (W2.dtype.element_ty.primitive_bitwidth // 8)
+        cols = tl.minimum(tl.arange(0, PF_LINES) * step, I - 1)
+        for slot in tl.static_range(PF_K):
+            if slot < top_k:
+                pf_e = tl.sum(tl.where(slots == slot, expert_ids, 0)).to(tl.int64)
+                pf_e = tl.where((pf_e >= 0) & (pf_e < E), pf_e, 0)
+                prefetch_l2(W2 + pf_e * stride_we + w_n.to(tl.int64)[:, None] * stride_wn + cols[None, :])
+    if PDL:
+        wait_for_primary()  # gate/up's intermediate complete and visible
     steps = tl.cdiv(I, BK)
     acc = mac_zeros(BM, BN, BK, WIDE)
     total = tl.zeros([BM, BN], dtype=tl.float32)
