@@ -295,6 +295,65 @@ def test_failed_graph_replay_is_retried(fresh, monkeypatch):
     assert_pool_whole(llm)
 
 
+def test_graphs_are_captured_after_a_collection_with_the_collector_paused(monkeypatch):
+    """An unreachable engine's graphs destroyed during another engine's capture would invalidate it
+    (a destroy is not allowed while a stream captures): capture_graphs collects first and keeps the
+    collector off until its last capture, then restores it. On the CPU capture is an eager stand-in."""
+    import gc
+
+    from pagedflash.engine import runner as runner_mod
+
+    states, collections = [], []
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(gc.isenabled()) or 0)
+    if not torch.cuda.is_available():
+        class EagerReplay:
+            def __init__(self, body):
+                self.replay = body
+
+        def capture(body, pool):
+            states.append(gc.isenabled())
+            return EagerReplay(body), pool
+    else:
+        real = runner_mod.capture
+
+        def capture(body, pool):
+            states.append(gc.isenabled())
+            return real(body, pool)
+    monkeypatch.setattr(runner_mod, "capture", capture)
+    llm = engine(**{**ENGINE, "cuda_graphs": True})
+    llm.runner.capture_graphs()
+    assert collections and states and not any(states) and gc.isenabled()
+    gc.disable()  # a caller's choice is kept
+    try:
+        llm.runner.capture_graphs()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_a_dropped_engine_does_not_break_the_next_capture():
+    """A dropped engine in a reference cycle, the collector made to run every few allocations: the next
+    engine's captures succeed and the CUDA generator still works (a failed capture leaves it in its
+    capture state: every later random draw in the process raises)."""
+    import gc
+
+    old = engine(**{**ENGINE, "cuda_graphs": True})
+    assert old.runner.graphs
+    old.cycle = old
+    del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        llm = engine(**{**ENGINE, "cuda_graphs": True})
+    finally:
+        gc.set_threshold(*thresholds)
+    assert llm.runner.graphs
+    torch.randn(4, device="cuda")
+    outs = llm.generate(PROMPTS[:2], PARAMS[:2])
+    assert all(o.finish_reason == "length" for o in outs)
+
+
 def test_a_closed_engine_refuses_every_call():
     """After ``close()`` every call raises one clear RuntimeError (no AttributeError from the released
     runner, no request accepted); ``close()`` again does nothing; ``prompt_logits([])`` is ``[]``."""

@@ -29,6 +29,9 @@ that run-ahead feeds back on the device are the same everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from pagedflash import validate
@@ -415,15 +418,31 @@ class ModelRunner:
         )
 
     def capture_graphs(self) -> None:
-        """Capture one graph per batch size of the ladder up to ``max_decode_rows``."""
+        """Capture one graph per batch size of the ladder up to ``max_decode_rows``. Python's garbage
+        collector runs first and is paused until the last capture: an unreachable engine's graphs
+        destroyed while a capture runs (their ``cudaGraphExecDestroy`` is not allowed then) would
+        invalidate it."""
         sizes = graph_sizes(self.max_decode_rows)
         sms = num_sms(self.device)
         pool = None
-        with torch.inference_mode(), validate.value_checks(False):  # no syncs in the warm-up runs either
+        gc.collect()
+        with torch.inference_mode(), validate.value_checks(False), gc_paused():  # no syncs in the warm-up runs either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
                                          num_splits=graph_num_splits(bs, self.model.shard.num_kv_heads, sms))
                 self.graphs[bs], pool = capture(lambda bs=bs, meta=meta: self._decode_step(bs, meta), pool)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Inside: no automatic garbage collection (the state before is restored after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def capture(body, pool):
