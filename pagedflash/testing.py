@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedflash.cache.kv_cache import PAD_BLOCK_ID
+from pagedflash.ops.utils import collector_paused
 
 __all__ = [
     "TOLERANCES",
@@ -171,7 +172,7 @@ def capture_graph(fn):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         result = fn()
     return graph, result
 

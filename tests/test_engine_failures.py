@@ -7,6 +7,8 @@ engine's tokens. Random weights with a wide init so that stale K/V changes the a
 CUDA graph does not call the Python layers, so these engines decode eagerly; a failing graph replay
 has its own case (runnable on the CPU through an eager stand-in for capture)."""
 
+import types
+
 import pytest
 import torch
 
@@ -296,33 +298,29 @@ def test_failed_graph_replay_is_retried(fresh, monkeypatch):
 
 
 def test_graphs_are_captured_after_a_collection_with_the_collector_paused(monkeypatch):
-    """An unreachable engine's graphs destroyed during another engine's capture would invalidate it
-    (a destroy is not allowed while a stream captures): capture_graphs collects first and keeps the
-    collector off until its last capture, then restores it. On the CPU capture is an eager stand-in."""
+    """A dropped engine's graphs destroyed during another engine's capture would invalidate it (a
+    destroy is refused while a stream captures): capture_graphs collects first, keeps the collector
+    off until its last capture, then restores it. On the CPU capture is an eager stand-in."""
     import gc
 
     from pagedflash.engine import runner as runner_mod
 
-    states, collections = [], []
-    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(gc.isenabled()) or 0)
-    if not torch.cuda.is_available():
-        class EagerReplay:
-            def __init__(self, body):
-                self.replay = body
+    events, real_collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append(("collect", gc.isenabled())) or real_collect())
+    real = runner_mod.capture
 
-        def capture(body, pool):
-            states.append(gc.isenabled())
-            return EagerReplay(body), pool
-    else:
-        real = runner_mod.capture
-
-        def capture(body, pool):
-            states.append(gc.isenabled())
+    def capture(body, pool):
+        events.append(("capture", gc.isenabled()))
+        if torch.cuda.is_available():
             return real(body, pool)
+        return types.SimpleNamespace(replay=body), pool
+
     monkeypatch.setattr(runner_mod, "capture", capture)
     llm = engine(**{**ENGINE, "cuda_graphs": True})
+    events.clear()
     llm.runner.capture_graphs()
-    assert collections and states and not any(states) and gc.isenabled()
+    assert events[0] == ("collect", True) and len(events) > 1
+    assert all(e == ("capture", False) for e in events[1:]) and gc.isenabled()
     gc.disable()  # a caller's choice is kept
     try:
         llm.runner.capture_graphs()
@@ -332,22 +330,32 @@ def test_graphs_are_captured_after_a_collection_with_the_collector_paused(monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_a_dropped_engine_does_not_break_the_next_capture():
-    """A dropped engine in a reference cycle, the collector made to run every few allocations: the next
-    engine's captures succeed and the CUDA generator still works (a failed capture leaves it in its
-    capture state: every later random draw in the process raises)."""
+def test_a_graph_collected_during_a_capture_cannot_break_it(monkeypatch):
+    """Before each of the engine's captures a captured graph is left in a reference cycle and the
+    collector set to run at the next allocation: were it on, that graph would be destroyed mid-capture
+    and the capture fail (and every later random draw in the process raise)."""
     import gc
 
-    old = engine(**{**ENGINE, "cuda_graphs": True})
-    assert old.runner.graphs
-    old.cycle = old
-    del old
-    thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
-    try:
-        llm = engine(**{**ENGINE, "cuda_graphs": True})
-    finally:
-        gc.set_threshold(*thresholds)
+    from pagedflash.engine import runner as runner_mod
+
+    real, scratch = runner_mod.capture, torch.zeros(1, device="cuda")
+
+    def capture(body, pool):
+        dead = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dead):
+            scratch.add_(1)
+        cycle = [dead]
+        cycle.append(cycle)
+        del cycle, dead
+        thresholds = gc.get_threshold()
+        gc.set_threshold(1)
+        try:
+            return real(body, pool)
+        finally:
+            gc.set_threshold(*thresholds)
+
+    monkeypatch.setattr(runner_mod, "capture", capture)
+    llm = engine(**{**ENGINE, "cuda_graphs": True})
     assert llm.runner.graphs
     torch.randn(4, device="cuda")
     outs = llm.generate(PROMPTS[:2], PARAMS[:2])

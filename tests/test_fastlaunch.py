@@ -34,6 +34,7 @@ from pagedflash.ops import (
     rope,
     sampling,
 )
+from pagedflash.ops.utils import collector_paused
 
 # ---------------------------------------------------------------- stand-ins for triton 3.6's objects
 
@@ -500,7 +501,7 @@ def test_gpu_reused_partials_under_graph_capture_and_streams():
             flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=8)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with collector_paused(), torch.cuda.graph(graph):
             captured = flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=8)
     for _ in range(3):
         graph.replay()

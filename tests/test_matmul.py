@@ -26,7 +26,7 @@ from pagedflash import reference as ref
 from pagedflash.ops import custom_ops
 from pagedflash.ops import matmul as mm
 from pagedflash.ops.utils import interpreted
-from pagedflash.testing import row_exact_interpreter_dot
+from pagedflash.testing import capture_graph, row_exact_interpreter_dot
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="real sizes and the real dot are for the compiled GPU run")
 GPU_DTYPES = [torch.bfloat16, torch.float16]
@@ -378,14 +378,7 @@ def test_cuda_graph_replay_is_bit_identical(monkeypatch, tile):
     dtype = torch.bfloat16
     x, w, b = randn(37, 520, dtype=dtype), randn(300, 520, dtype=dtype), randn(300, dtype=dtype)
     out = torch.empty(37, 300, dtype=dtype, device=DEVICE)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        mm.matmul(x, w, b, out=out)  # the signature's checks and compilation, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        mm.matmul(x, w, b, out=out)
+    graph, _ = capture_graph(lambda: mm.matmul(x, w, b, out=out))  # checks and compilation outside the capture
     x.copy_(randn(37, 520, dtype=dtype))
     graph.replay()
     assert torch.equal(bits(out), bits(mm.matmul(x, w, b)))

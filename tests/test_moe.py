@@ -14,6 +14,7 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
 from pagedflash import reference as ref
 from pagedflash import validate
 from pagedflash.ops import custom_ops, moe
+from pagedflash.testing import capture_graph
 
 GPU_DTYPES = [torch.bfloat16, torch.float16]
 H, I = 88, 40  # not multiples of any block (BK 64/128, BN 32/64/128)
@@ -216,6 +217,26 @@ def test_invalid_ids_are_recorded(monkeypatch, tiles):
     with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[0, E\).*token 1"):
         validate.raise_if_invalid(DEVICE)
     validate.raise_if_invalid(DEVICE)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+@pytest.mark.parametrize("pdl", [1, 2])
+def test_pdl_in_a_cuda_graph(monkeypatch, pdl):
+    """The down kernel as gate/up's programmatic dependent (where the GPU has it), captured in a CUDA
+    graph and replayed on new inputs: the eager call's bits."""
+    monkeypatch.setattr(moe, "TILES", moe.tiles(2, 4, 16)._replace(pdl=pdl))
+    dtype = torch.bfloat16
+    x = randn(2, H, dtype=dtype)
+    w13, w2, biases = make_layer(16, H, I, dtype, "swigluoai")
+    weights, ids_ = make_ids(2, 16, 4, "routed")
+    out = torch.empty_like(x)
+    graph, _ = capture_graph(lambda: moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", out=out,
+                                                   **biases))
+    for seed in range(3):
+        x.copy_(randn(2, H, dtype=dtype))
+        graph.replay()
+        want = moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
+        assert torch.equal(out, want), seed
 
 
 def test_out_and_operator():

@@ -29,9 +29,6 @@ that run-ahead feeds back on the device are the same everywhere.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-
 import torch
 
 from pagedflash import validate
@@ -41,7 +38,7 @@ from pagedflash.engine.logprobs import StepLogprobs
 from pagedflash.engine.model import AttentionMetadata, CausalLM
 from pagedflash.engine.sampling import sample
 from pagedflash.engine.scheduler import Batch
-from pagedflash.ops.utils import num_sms
+from pagedflash.ops.utils import collector_paused, num_sms
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
 MAX_GRAPH_SPLITS = 32
@@ -418,31 +415,17 @@ class ModelRunner:
         )
 
     def capture_graphs(self) -> None:
-        """Capture one graph per batch size of the ladder up to ``max_decode_rows``. Python's garbage
-        collector runs first and is paused until the last capture: an unreachable engine's graphs
-        destroyed while a capture runs (their ``cudaGraphExecDestroy`` is not allowed then) would
-        invalidate it."""
+        """Capture one graph per batch size of the ladder up to ``max_decode_rows``, garbage collected
+        first and the collector paused until the last (:func:`~pagedflash.ops.utils.collector_paused`:
+        a dropped engine's graphs destroyed mid-capture would invalidate it)."""
         sizes = graph_sizes(self.max_decode_rows)
         sms = num_sms(self.device)
         pool = None
-        gc.collect()
-        with torch.inference_mode(), validate.value_checks(False), gc_paused():  # no syncs in the warm-up runs either
+        with torch.inference_mode(), validate.value_checks(False), collector_paused():  # no syncs in the warm-ups either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
                                          num_splits=graph_num_splits(bs, self.model.shard.num_kv_heads, sms))
                 self.graphs[bs], pool = capture(lambda bs=bs, meta=meta: self._decode_step(bs, meta), pool)
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Inside: no automatic garbage collection (the state before is restored after)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def capture(body, pool):

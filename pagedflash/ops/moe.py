@@ -249,7 +249,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     if t.pdl and not t.fused_sum:
         raise ValueError(f"moe.TILES: pdl goes with fused_sum=True, got {t}")
     pdl = t.pdl if pdl_allowed(hidden.device) else 0
-    pf_k = min(k, PDL_L2_BYTES // max(1, H * I * w2.element_size())) if pdl == 2 else 0
+    pf_k = min(k, PDL_L2_BYTES // max(1, T * H * I * w2.element_size())) if pdl == 2 else 0  # a call's total
     if t.fused_sum and not t.part_fp32:
         raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
@@ -300,12 +300,12 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     else:
         sorted_ids, block_expert = _group(plan, topk_ids, P, E, k, id0, id1)
     inter = torch.empty((P, I), dtype=hidden.dtype, device=hidden.device)
+    faults = validate.fault_buffer(hidden.device)  # made before gate/up: its first call launches a fill
     b13 = w13 if w13_bias is None else w13_bias
     b2 = w2 if w2_bias is None else w2_bias
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
-    faults = validate.fault_buffer(hidden.device)
     w2_strides = (w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
     if t.fused_sum:
         plan.down(inter, w2, b2, topk_weights, topk_ids, out, faults, T, H, I, E, k, out.stride(0), *w2_strides)

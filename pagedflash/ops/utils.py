@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import torch
 import triton
@@ -67,6 +68,22 @@ def shared_memory(device: torch.device) -> int | None:
 def _cuda_shared_memory(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
     return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Collect Python's garbage, then keep its collector off inside (its state before is restored
+    after), around CUDA graph captures: a dead object's graph destroyed while a stream captures
+    (``cudaGraphExecDestroy`` is refused then) invalidates the capture, and the CUDA generator stays
+    in its capture state (every later random draw in the process raises)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def on_device(device: torch.device | int):
