@@ -421,7 +421,7 @@ class ModelRunner:
         sizes = graph_sizes(self.max_decode_rows)
         sms = num_sms(self.device)
         pool = None
-        with torch.inference_mode(), validate.value_checks(False), collector_paused():  # no syncs in the warm-ups either
+        with torch.inference_mode(), validate.value_checks(False), collector_paused():  # no syncs in warm-ups either
             for bs in reversed(sizes):  # largest first: the smaller graphs reuse its memory pool
                 meta = self._decode_meta(bs, max_seqlen_k=self.max_model_len,
                                          num_splits=graph_num_splits(bs, self.model.shard.num_kv_heads, sms))

@@ -223,6 +223,24 @@ def mac(a, b, acc, DOT_PRECISION: tl.constexpr, USE_DOT: tl.constexpr, WIDE: tl.
 
 
 @triton.jit
+def mac_zeros(BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
+    """The fp32 accumulator :func:`mac` adds into: ``[BK, BN]`` with ``WIDE``, else ``[BM, BN]``."""
+    if WIDE:
+        return tl.zeros([BK, BN], dtype=tl.float32)
+    else:
+        return tl.zeros([BM, BN], dtype=tl.float32)
+
+
+@triton.jit
+def mac_total(acc, WIDE: tl.constexpr):
+    """:func:`mac`'s accumulator as the ``[M, N]`` product: a ``WIDE`` one summed along K (one row)."""
+    if WIDE:
+        return tl.sum(acc, axis=0)[None, :]
+    else:
+        return acc
+
+
+@triton.jit
 def launch_dependents():
     """Programmatic dependent launch (sm90+): the kernel launched after this one with ``launch_pdl``
     may start once every program of this one has passed here (or ended)."""
@@ -243,21 +261,3 @@ def prefetch_l2(ptrs):
     kept there before others (``evict_last``); nothing is loaded into registers. NVIDIA only."""
     tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def mac_zeros(BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, WIDE: tl.constexpr):
-    """The fp32 accumulator :func:`mac` adds into: ``[BK, BN]`` with ``WIDE``, else ``[BM, BN]``."""
-    if WIDE:
-        return tl.zeros([BK, BN], dtype=tl.float32)
-    else:
-        return tl.zeros([BM, BN], dtype=tl.float32)
-
-
-@triton.jit
-def mac_total(acc, WIDE: tl.constexpr):
-    """:func:`mac`'s accumulator as the ``[M, N]`` product: a ``WIDE`` one summed along K (one row)."""
-    if WIDE:
-        return tl.sum(acc, axis=0)[None, :]
-    else:
-        return acc

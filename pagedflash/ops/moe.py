@@ -121,12 +121,8 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
       up columns and 256 down columns, else 3 stages, 64 + 64 and 128; programs grouped 8 row blocks
       at a time over the column blocks (L2 reuse of the rows).
     Stages are then cut to what the GPU's shared memory holds (:func:`fit_stages`).
-    ``tools/tune_moe.py`` times candidate tiles against these (docs/performance.md v38: on an H100,
-    the one-token and 128-row choices measured 1.02-1.07x and 1.22-1.41x the earlier tiles on the
-    Qwen3-30B-A3B and GPT-OSS-20B layers; the 64-row prefill tile took the input-dtype partials
-    unmeasured at its sizes, and 2-64 tokens kept their tiles; v42: 4 stages on the 128-row tiles,
-    1.03-1.04x at 8192 tokens; v44: the wide gemv at 1 and 4 tokens, 1.04-1.18x);
-    :data:`TILES` is the override.
+    ``tools/tune_moe.py`` times candidate tiles against these (the measurements behind each choice:
+    docs/performance.md v38, v42, v44); :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
     same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
@@ -248,10 +244,10 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
         raise ValueError(f"moe.TILES: wide=True goes with gemv=True, got {t}")
     if t.pdl and not t.fused_sum:
         raise ValueError(f"moe.TILES: pdl goes with fused_sum=True, got {t}")
-    pdl = t.pdl if pdl_allowed(hidden.device) else 0
-    pf_k = min(k, PDL_L2_BYTES // max(1, T * H * I * w2.element_size())) if pdl == 2 else 0  # a call's total
     if t.fused_sum and not t.part_fp32:
         raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
+    pdl = t.pdl if pdl_allowed(hidden.device) else 0
+    pf_k = min(k, PDL_L2_BYTES // max(1, T * H * I * w2.element_size())) if pdl == 2 else 0  # a call's total
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                   BM=t.bm, BK=t.bk)
@@ -300,7 +296,7 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     else:
         sorted_ids, block_expert = _group(plan, topk_ids, P, E, k, id0, id1)
     inter = torch.empty((P, I), dtype=hidden.dtype, device=hidden.device)
-    faults = validate.fault_buffer(hidden.device)  # made before gate/up: its first call launches a fill
+    faults = validate.fault_buffer(hidden.device)  # before gate/up: a first call's fill launches here
     b13 = w13 if w13_bias is None else w13_bias
     b2 = w2 if w2_bias is None else w2_bias
     plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
