@@ -43,6 +43,9 @@ CASES.update({
     "gemma3-pattern": ("Gemma3ForCausalLM", dict(sliding_window_pattern=3)),
     "qwen3-window": ("Qwen3ForCausalLM", dict(use_sliding_window=True, max_window_layers=3)),
     "qwen3_moe-window": ("Qwen3MoeForCausalLM", dict(use_sliding_window=True)),
+    # Qwen2-MoE: every other layer below max_window_layers slides
+    "qwen2_moe-window": ("Qwen2MoeForCausalLM", dict(use_sliding_window=True, max_window_layers=3)),
+    "qwen2_moe-no-qkv-bias": ("Qwen2MoeForCausalLM", dict(qkv_bias=False)),
     "mixtral-num-experts": ("MixtralForCausalLM", dict(num_experts=4)),  # num_local_experts' other name
 })
 
@@ -83,7 +86,8 @@ def expected(c, family):
         final_softcap=getattr(c, "final_logit_softcapping", None) or 0.0,
         embedding_multiplier=c.hidden_size ** 0.5 if gemma else getattr(c, "embedding_multiplier", 1.0),
         residual_multiplier=getattr(c, "residual_multiplier", 1.0), logits_scaling=getattr(c, "logits_scaling", 1.0),
-        qkv_bias=family == "qwen2" or getattr(c, "attention_bias", False), mlp_bias=getattr(c, "mlp_bias", False),
+        qkv_bias=family == "qwen2" or getattr(c, "qkv_bias", False) or getattr(c, "attention_bias", False),
+        mlp_bias=getattr(c, "mlp_bias", False),
         num_experts=experts, num_experts_per_tok=getattr(c, "num_experts_per_tok", 0) if experts else 0,
         moe_intermediate_size=getattr(c, "moe_intermediate_size", c.intermediate_size) if experts else 0,
         moe_renormalize=getattr(c, "norm_topk_prob", family == "mixtral") if experts else None,
@@ -91,6 +95,7 @@ def expected(c, family):
                       or (i + 1) % getattr(c, "decoder_sparse_step", 1)],
         # older transformers (5.17) has no such keys: its GPT-OSS experts hard-code 1.702 and 7.0
         swiglu=(getattr(c, "swiglu_alpha", 1.702), getattr(c, "swiglu_limit", 7.0)) if family == "gpt_oss" else None,
+        shared_expert=getattr(c, "shared_expert_intermediate_size", 0) if experts else 0,
     )
 
 
@@ -109,6 +114,7 @@ def engine(config):
         moe_intermediate_size=config.moe_intermediate_size if moe else 0,
         moe_renormalize=config.moe_renormalize if moe else None, dense_layers=list(config.dense_layers),
         swiglu=(config.swiglu_alpha, config.swiglu_limit) if config.moe_activation == "swigluoai" else None,
+        shared_expert=config.shared_expert_intermediate_size,
     )
 
 

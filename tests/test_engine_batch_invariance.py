@@ -2,7 +2,7 @@
 are bit for bit the same served alone or among other requests, whatever the chunking of its prefill
 (other chunk sizes), preemption (recomputed), prefix-cache hits (keys another request computed), and
 the same token's logprob computed by a prefill equals the one computed by a decode step; for a dense
-model and a mixture-of-experts one (GPT-OSS).
+model and mixture-of-experts ones (GPT-OSS, Qwen2-MoE).
 
 Under the interpreter the attention dot runs through
 :func:`pagedflash.testing.row_exact_interpreter_dot` (the host BLAS rounds by a row's place in a
@@ -101,12 +101,19 @@ GPT_OSS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidde
                sliding_window=8)
 
 
-def test_moe_model_alone_equals_batched():
-    """GPT-OSS (experts with biases, a router, sinks, sliding layers): the experts' rows too."""
+QWEN2_MOE = dict(GPT_OSS, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=4,
+                 moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=None)
+del QWEN2_MOE["num_local_experts"]
+
+
+@pytest.mark.parametrize("model", [GPT_OSS, QWEN2_MOE], ids=["gpt_oss", "qwen2_moe"])
+def test_moe_model_alone_equals_batched(model):
+    """GPT-OSS (experts with biases, a router, sinks, sliding layers), Qwen2-MoE (a shared expert and
+    its one-column gate): the experts' rows too."""
     mine, ps = [prompt(19, 5), prompt(6, 6)], [params(), params(max_tokens=3)]
-    solo = LLM(GPT_OSS, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=1)
+    solo = LLM(model, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=1)
     alone = [run(solo, [p], [sp])[0] for p, sp in zip(mine, ps)]
-    llm = LLM(GPT_OSS, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=8,
+    llm = LLM(model, dtype=DTYPE, seed=0, page_size=8, num_blocks=64, batch_invariant=True, max_num_seqs=8,
               max_num_batched_tokens=11)
     got = run(llm, [prompt(9, 7), mine[0], prompt(14, 8), mine[1]], [params(max_tokens=5), ps[0], params(), ps[1]])
     assert [got[1], got[3]] == alone

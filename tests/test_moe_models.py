@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) against transformers' own classes: a
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) against transformers' own classes: a
 tiny random model (2 layers, 4 experts of which 2 per token, fp32, eager attention) saved with
 ``save_pretrained``, its norms, biases and sinks perturbed so that they matter. Prompt logits and
 greedy tokens (chunked prefill, paged decode) must equal transformers'; GPT-OSS's prompts are longer
@@ -24,6 +24,12 @@ MOE_CASES = {
     # layer 0 dense (mlp_only_layers), top-k weights not renormalized (Mixtral's are)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0])),
+    # a shared expert (wider than the routed ones) beside them; layer 1 dense (decoder_sparse_step 1 and
+    # mlp_only_layers), top-k renormalized; q/k/v biases; a 6-token window on layer 0
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       norm_topk_prob=True, mlp_only_layers=[1], use_sliding_window=True, sliding_window=6,
+                       max_window_layers=2)),
     # a 5-token window on layer 0; YaRN (transformers' default for GPT-OSS) over a short original context
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_local_experts=4, sliding_window=5, swiglu_limit=1.5,
@@ -64,7 +70,7 @@ def test_moe_family_matches_transformers(tmp_path, family):
     hf = save_moe(tmp_path, family)
     config = ModelConfig.from_pretrained(tmp_path)
     assert config.family == family and config.num_experts == 4
-    assert config.dense_layers == ((0,) if family == "qwen3_moe" else ())
+    assert config.dense_layers == {"qwen3_moe": (0,), "qwen2_moe": (1,)}.get(family, ())
     assert config.num_parameters() == sum(p.numel() for p in hf.parameters())  # built on the meta device
     experts = [m for m in hf.modules() if type(m).__name__.endswith("Experts")]  # the 2 of 4 a token reads
     assert config.num_active_parameters() == config.num_parameters() - sum(
@@ -101,16 +107,19 @@ def test_qwen3_moe_dense_layers():
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen2_moe"])
 def test_two_ranks_match_transformers(tmp_path, family):
     """Two ranks (gloo on the CPU): each expert's intermediate rows split; GPT-OSS: its interleaved
     gate/up de-interleaved per rank, sinks per rank's heads, the experts' down bias added once;
-    Qwen3-MoE: per-expert tensors, q/k norms, a dense layer beside the experts."""
+    Qwen3-MoE: per-expert tensors, q/k norms, a dense layer beside the experts; Qwen2-MoE: the shared
+    expert's rows split, its gate whole."""
     hf = save_moe(tmp_path, family)
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
              page_size=4, num_blocks=24) as llm:
         assert llm.model.shard.moe_intermediate_size == hf.config.to_dict().get(
             "moe_intermediate_size", TINY["intermediate_size"]) // 2
+        assert llm.model.shard.shared_expert_intermediate_size == hf.config.to_dict().get(
+            "shared_expert_intermediate_size", 0) // 2
         check_against_transformers(llm, hf, prompts_of([11, 5], seed=4, low=3), n=3)
 
 
@@ -169,12 +178,24 @@ def _edit_config(path, **changes):
     ("gpt_oss", dict(quantization_config={"quant_method": "bitsandbytes"}), "quant_method='bitsandbytes'"),
     ("gpt_oss", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
     ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size must be a positive int"),
 ])
 def test_unsupported_configs_refused_by_name(tmp_path, family, changes, match):
     save_moe(tmp_path, family)
     _edit_config(tmp_path, **changes)
     with pytest.raises(ValueError, match=match):
         LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=8)
+
+
+def test_shared_expert_split_checked():
+    """Two ranks need the shared expert's rows to split evenly too."""
+    from pagedflash.engine.parallel import check_tensor_parallel_size
+
+    config = ModelConfig.from_dict({**TINY, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                                    "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 50})
+    assert check_tensor_parallel_size(config, 2, torch.device("cpu")) == 2
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        check_tensor_parallel_size(config, 4, torch.device("cpu"))
 
 
 def test_relabelled_checkpoint_refused_by_tensor(tmp_path):
@@ -186,14 +207,15 @@ def test_relabelled_checkpoint_refused_by_tensor(tmp_path):
         LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=8)
 
 
-def test_kernel_path_matches_transformers(tmp_path, monkeypatch):
-    """The GPU path under the interpreter, on GPT-OSS: pagedflash.ops.moe's route and fused_moe (the
-    clamped SwiGLU with biases), sinks in the attention kernels, and at batch 1 the fused single-row
-    projections (the router's bias among them)."""
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])
+def test_kernel_path_matches_transformers(tmp_path, monkeypatch, family):
+    """The GPU path under the interpreter: pagedflash.ops.moe's route and fused_moe, and at batch 1 the
+    fused single-row projections; GPT-OSS: the clamped SwiGLU with biases, sinks in the attention
+    kernels, the router's bias; Qwen2-MoE: the shared expert and its one-column gate."""
     from pagedflash.engine import layers
 
     monkeypatch.setattr(layers, "FORCE_KERNELS", True)
-    hf = save_moe(tmp_path, "gpt_oss", seed=1)
+    hf = save_moe(tmp_path, family, seed=1)
     llm = LLM(tmp_path, dtype=torch.float32, page_size=4, num_blocks=16, max_num_seqs=2, max_num_batched_tokens=16)
     prompt = prompts_of([7], seed=5, low=3)[0]  # longer than the window
     check_against_transformers(llm, hf, [prompt], n=3)
@@ -221,3 +243,26 @@ def test_random_experts_shard_as_one_rank():
             assert torch.equal(layer.mlp.experts.w2, one.mlp.experts.w2[:, :, rows])
             assert torch.equal(layer.mlp.router.weight, one.mlp.router.weight)
             assert torch.equal(layer.self_attn.sinks, one.self_attn.sinks[rank * 2 : rank * 2 + 2])
+
+
+def test_random_shared_expert_shards_as_one_rank():
+    """Qwen2-MoE's shared expert drawn at random on two ranks is the one-rank model's: each rank's
+    gate/up rows and down columns, the gate whole."""
+    from pagedflash.engine.parallel import Collectives, ShardSizes
+    from pagedflash.engine.weights import build_model, init_random_weights
+
+    config = ModelConfig.from_dict({**TINY, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                                    "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
+    kw = dict(max_len=32, dtype=torch.float32, device=torch.device("cpu"))
+    whole = build_model(config, **kw)
+    init_random_weights(whole, seed=3)
+    i = config.shared_expert_intermediate_size // 2
+    for rank in range(2):
+        part = build_model(config, shard=ShardSizes.of(config, rank, 2), comm=Collectives(2), **kw)
+        init_random_weights(part, seed=3)
+        for layer, one in zip(part.model.layers, whole.model.layers):
+            rows = slice(rank * i, (rank + 1) * i)
+            gate, up = one.mlp.shared_expert.gate_up_proj.weight.chunk(2)
+            assert torch.equal(layer.mlp.shared_expert.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
+            assert torch.equal(layer.mlp.shared_expert.down_proj.weight, one.mlp.shared_expert.down_proj.weight[:, rows])
+            assert torch.equal(layer.mlp.shared_expert_gate.weight, one.mlp.shared_expert_gate.weight)

@@ -9,7 +9,8 @@ cuBLAS picks its kernel by M).
 (:func:`projections`, from ``pagedflash/bench/shapes.py`` through ``ModelConfig``; comma-separated
 for several; default ``llama-3-8b``): qkv, o_proj, gate_up, down in every layer and the LM head
 once; a mixture of experts (qwen3-30b-a3b, gpt-oss-20b) has qkv, o_proj, its router and the LM head
-(gate_up and down only in dense layers): its experts run in ``fused_moe``'s own invariant tiles
+(gate_up and down only in dense layers; qwen1.5-moe-a2.7b's shared expert, its gate_up, down and
+one-column gate, in every MoE layer): its routed experts run in ``fused_moe``'s own invariant tiles
 (``ops/moe.py``), not through ``matmul``. ``--rows`` (default 1, 32, 256, 8192): the M values timed.
 
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
@@ -73,6 +74,10 @@ def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, 
     found = [("qkv", q + 2 * kv, h, layers), ("o_proj", h, q, layers)]
     if cfg.num_experts:
         found.append(("router", cfg.num_experts, h, layers - dense))
+    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: beside every MoE layer's experts
+        s = cfg.shared_expert_intermediate_size
+        found += [("shared_gate_up", 2 * s, h, layers - dense), ("shared_down", h, s, layers - dense),
+                  ("shared_gate", 1, h, layers - dense)]
     if dense:
         found += [("gate_up", 2 * cfg.intermediate_size, h, dense), ("down", h, cfg.intermediate_size, dense)]
     found.append(("lm_head", cfg.vocab_size, h, 1))

@@ -5,6 +5,9 @@
   (from :mod:`pagedflash.engine.config`);
 - ``qwen3-30b-a3b``: Qwen/Qwen3-30B-A3B's config.json (48 layers, hidden 2048, 32/4 heads of 128,
   128 experts of 768, top 8 renormalized, vocab 151936, untied): 30.5 B parameters, 3.3 B active;
+- ``qwen1.5-moe-a2.7b``: Qwen/Qwen1.5-MoE-A2.7B's config.json (24 layers, hidden 2048, 16/16 heads of
+  128 with q/k/v biases, 60 experts of 1408, top 4 not renormalized, a shared expert of 5632 gated
+  per token, vocab 151936, untied): 14.3 B parameters, 2.7 B active;
 - ``gpt-oss-20b``: openai/gpt-oss-20b's config.json (24 layers, hidden 2880, 64/8 heads of 64, 32
   experts of 2880, top 4, attention biases and sinks, a 128-token window on alternate layers, YaRN
   x32 over 4096, vocab 201088, untied) without its ``quantization_config``: random experts are bf16,
@@ -31,6 +34,15 @@ QWEN3_30B_A3B = {
     "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645,
 }
+QWEN1_5_MOE_A2_7B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "max_position_embeddings": 8192,
+    "max_window_layers": 21, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "use_sliding_window": False,
+    "sliding_window": 32768, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
 GPT_OSS_20B = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
     "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -43,10 +55,11 @@ GPT_OSS_20B = {
     "pad_token_id": 199999,
 }
 SHAPES = {"tiny": TINY_LLAMA, "llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B, "gemma-2-2b": GEMMA_2_2B,
-          "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gpt-oss-20b": GPT_OSS_20B}
+          "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B,
+          "gpt-oss-20b": GPT_OSS_20B}
 TINY_WINDOW = 16
 TINY_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
-                "moe_intermediate_size": 32}
+                "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
 
 
 def tiny(cfg: dict) -> dict:

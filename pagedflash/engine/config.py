@@ -17,9 +17,10 @@ Keys a config leaves out mean what the family's transformers config class makes 
 Gemma's softcaps and ``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's
 ``attention_multiplier`` 1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers.
 
-Mixture-of-experts families (Mixtral, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields: the router
-(:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation and
-biases, and which layers are dense (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields:
+the router (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation
+and biases, a shared expert (Qwen2-MoE), and which layers are dense (Qwen2/3-MoE's ``mlp_only_layers``
+/ ``decoder_sparse_step``).
 """
 
 from __future__ import annotations
@@ -59,10 +60,12 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
     "Gemma3ForCausalLM": Family("gemma3", ("gemma3_text",), _GEMMA_KEYS | {"rope_local_base_freq"}),
     "Phi3ForCausalLM": Family("phi3", ("phi3",), frozenset({"partial_rotary_factor"})),
     "MixtralForCausalLM": Family("mixtral", ("mixtral",), frozenset({"num_local_experts", "num_experts"})),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", ("qwen2_moe",), frozenset(
+        {"num_local_experts", "num_experts", "shared_expert_intermediate_size"})),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
     "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 SUPPORTED_ARCHITECTURES = {arch: fam.name for arch, fam in FAMILIES.items()}
 MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.model_types}
 # architectures refused with a reason of their own
@@ -93,7 +96,7 @@ MATH_KEYS = {
     "num_experts": (None, 0),
     "num_local_experts": (None, 0),
     "n_routed_experts": (None, 0),
-    "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE's shared expert (Qwen3-MoE has none)
+    "shared_expert_intermediate_size": (None, 0),  # Qwen2-MoE's gated shared expert
     "n_shared_experts": (None, 0),
     "routed_scaling_factor": (None, 1, 1.0),
 }
@@ -185,7 +188,8 @@ class ModelConfig:
     moe_bias: bool = False  # router and expert biases (GPT-OSS)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen3-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model (Qwen2/3-MoE)
+    shared_expert_intermediate_size: int = 0  # a shared expert beside the routed ones, gated per token (Qwen2-MoE)
     moe_quant: str = ""  # the checkpoint's expert weights: "" as the model's, "mxfp4" (GPT-OSS; dequantized at load)
 
     @property
@@ -250,7 +254,7 @@ class ModelConfig:
                                                       default_theta=d["rope_theta"])
         attn_bias = kind in READS_ATTENTION_BIAS and bool(d["attention_bias"])
         sliding = d["sliding_window"]
-        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen3_moe")
+        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
                                                      and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
@@ -272,7 +276,8 @@ class ModelConfig:
             rms_norm_eps=_positive_float(d, "rms_norm_eps"),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=True if kind == "qwen2" else attn_bias,  # Qwen2: q/k/v biases always, o_proj none
+            # Qwen2: q/k/v biases always, Qwen2-MoE by qkv_bias; o_proj none
+            qkv_bias=True if kind == "qwen2" else bool(d["qkv_bias"]) if kind == "qwen2_moe" else attn_bias,
             o_bias=attn_bias,
             mlp_bias=kind in READS_MLP_BIAS and bool(d["mlp_bias"]),
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
@@ -418,11 +423,12 @@ def _positive_float(d: dict, key: str) -> float:
 
 
 def _moe_fields(kind: str, d: dict) -> dict:
-    """The mixture-of-experts fields of Mixtral, Qwen3-MoE and GPT-OSS, as transformers reads them:
-    Mixtral softmax then renormalized top-k, SiLU experts of ``intermediate_size``; Qwen3-MoE the same
+    """The mixture-of-experts fields of Mixtral, Qwen2/3-MoE and GPT-OSS, as transformers reads them:
+    Mixtral softmax then renormalized top-k, SiLU experts of ``intermediate_size``; Qwen2/3-MoE the same
     with ``norm_topk_prob`` (renormalize or not) and experts of ``moe_intermediate_size``, dense MLPs in
-    ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``, q/k norm per head;
-    GPT-OSS top-k of the logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
+    ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``; Qwen3-MoE q/k norm
+    per head, Qwen2-MoE a gated shared expert of ``shared_expert_intermediate_size``; GPT-OSS top-k of the
+    logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
     experts_key = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
     n = d["num_hidden_layers"]
     fields = dict(num_experts=_positive_int(d, experts_key, d.get(experts_key)),
@@ -431,9 +437,14 @@ def _moe_fields(kind: str, d: dict) -> dict:
     if fields["num_experts_per_tok"] > fields["num_experts"]:
         raise ValueError(f"config.json: num_experts_per_tok={fields['num_experts_per_tok']} is more than "
                          f"{experts_key}={fields['num_experts']}")
-    if kind == "qwen3_moe":
-        fields.update(qk_norm="head", moe_renormalize=bool(d["norm_topk_prob"]),
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        fields.update(moe_renormalize=bool(d["norm_topk_prob"]),
                       moe_intermediate_size=_positive_int(d, "moe_intermediate_size", d["moe_intermediate_size"]))
+        if kind == "qwen3_moe":
+            fields["qk_norm"] = "head"
+        else:  # a size of 0 (transformers would build an empty one and its gate) is refused
+            fields["shared_expert_intermediate_size"] = _positive_int(
+                d, "shared_expert_intermediate_size", d["shared_expert_intermediate_size"])
         step = _positive_int(d, "decoder_sparse_step", d["decoder_sparse_step"])
         only = d.get("mlp_only_layers") or []
         if not isinstance(only, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < n for i in only):
@@ -459,7 +470,8 @@ def _moe_fields(kind: str, d: dict) -> dict:
 def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
     """Which layers slide, as transformers decides: ``layer_types`` when given to a family whose
     transformers model reads it (:data:`READS_LAYER_TYPES`; elsewhere it is checked, then ignored as
-    transformers ignores it); else for Qwen2/3 the layers from ``max_window_layers`` on, for Gemma 2
+    transformers ignores it); else for Qwen2/3 the layers from ``max_window_layers`` on, for Qwen2-MoE
+    every other layer (the first slides) below ``max_window_layers``, for Gemma 2
     and GPT-OSS every other layer (the first slides), for Gemma 3 all but every
     ``sliding_window_pattern``-th; otherwise every layer (returned as ``()``)."""
     n = d["num_hidden_layers"]
@@ -473,6 +485,9 @@ def _layer_types(d: dict, kind: str) -> tuple[str, ...]:
     if kind in ("qwen2", "qwen3"):
         first = d["max_window_layers"]
         return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    if kind == "qwen2_moe":
+        first = d["max_window_layers"]
+        return tuple("sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(n))
     if kind in ("gemma2", "gemma3", "gpt_oss"):
         every = _positive_int(d, "sliding_window_pattern", d["sliding_window_pattern"]) if kind == "gemma3" else 2
         return tuple("sliding_attention" if (i + 1) % every else "full_attention" for i in range(n))

@@ -38,6 +38,10 @@ DEFAULTS = {
     "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "mixtral": {"num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_key_value_heads": 16, "max_position_embeddings": 32768, "max_window_layers": 28,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
+                  "qkv_bias": True, **_QWEN_WINDOW},
     "qwen3_moe": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "num_experts": 128,
                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, **_QWEN_WINDOW},
@@ -52,7 +56,7 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 # ignores it: a bias tensor it would leave unused then fails strict loading by name)
 READS_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "gpt_oss")
 READS_MLP_BIAS = ("llama", "granite")
-READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss")  # elsewhere a window is on every layer
+READS_LAYER_TYPES = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3", "gpt_oss")  # elsewhere a window is on every layer
 # one key under two names (transformers' attribute_map)
 _EXPERTS_ALIAS = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
 

@@ -9,7 +9,8 @@ Megatron-style, as vLLM and nano-vllm split a Llama. Rank ``r`` of ``N`` holds:
 - MLP: rows ``[r I/N, (r+1) I/N)`` of gate and up (column-parallel), the same columns of down
   (row-parallel); a mixture of experts likewise within every expert (``moe_intermediate_size``: rows
   of each expert's gate and up, columns of its down; the router whole, the experts' down biases on
-  rank 0), so that one all-reduce sums the layer as for a dense MLP;
+  rank 0; a shared expert split as a dense MLP, its gate whole), so that one all-reduce sums the
+  layer as for a dense MLP;
 - vocabulary: rows ``[r Vr, min((r+1) Vr, V))`` of the embedding and the LM head, ``Vr = ceil(V/N)``;
   the last rank pads its shard with zero rows to ``Vr``, so every rank's logits have one shape;
 - norms and RoPE tables whole; the biases of ``o_proj``/``down_proj`` on rank 0 only (zero
@@ -61,6 +62,10 @@ def check_tensor_parallel_size(config, size, device: torch.device) -> int:
     moe_inter = getattr(config, "moe_intermediate_size", 0)
     if moe_inter % size:
         raise ValueError(f"tensor_parallel_size={size} must divide each expert's intermediate size {moe_inter}")
+    shared_inter = getattr(config, "shared_expert_intermediate_size", 0)
+    if shared_inter % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide the shared expert's intermediate size "
+                         f"{shared_inter} (shared_expert_intermediate_size)")
     if config.vocab_size <= (size - 1) * -(-config.vocab_size // size):
         raise ValueError(f"tensor_parallel_size={size} leaves a rank without vocabulary rows "
                          f"(vocab_size={config.vocab_size})")
@@ -98,6 +103,7 @@ class ShardSizes:
     vocab_per_rank: int  # rows of this rank's embedding / LM head shard (zero-padded on the last rank)
     vocab_size: int  # the model's
     moe_intermediate_size: int = 0  # each expert's MLP rows on this rank (0: no experts)
+    shared_expert_intermediate_size: int = 0  # the shared expert's MLP rows on this rank (0: none)
 
     @classmethod
     def of(cls, config, rank: int = 0, size: int = 1) -> ShardSizes:
@@ -106,7 +112,8 @@ class ShardSizes:
         return cls(rank=rank, size=size, num_heads=heads, num_kv_heads=kv_heads,
                    kv_head_start=rank * heads // group, intermediate_size=config.intermediate_size // size,
                    vocab_per_rank=-(-config.vocab_size // size), vocab_size=config.vocab_size,
-                   moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) // size)
+                   moe_intermediate_size=getattr(config, "moe_intermediate_size", 0) // size,
+                   shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) // size)
 
     def own_kv_heads(self, per_layer):
         """This rank's part of per-layer K/V-head values (an fp8 pool's scales): of each layer's entry,

@@ -13,7 +13,8 @@ already fused; each rank reads its rows of each part.
 
 Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``experts.w13 [E, 2 I, H]``,
 ``experts.w2 [E, H, I]`` and GPT-OSS's biases): Mixtral's per-expert ``experts.{e}.w1/w3/w2.weight``
-and Qwen3-MoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows;
+and Qwen2/3-MoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows
+(Qwen2-MoE's ``shared_expert`` is an MLP as a dense layer's, its ``shared_expert_gate`` whole);
 GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
 ``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
 de-interleaved and transposed. A rank reads its rows of each expert. GPT-OSS's MXFP4 experts
@@ -49,6 +50,7 @@ _VOCAB = ("embed_tokens", "lm_head")
 _FUSED_IN_CHECKPOINT = ("Phi3ForCausalLM",)  # architectures whose checkpoints hold qkv_proj/gate_up_proj
 # per-expert checkpoint tensors of (gate, up, down), by architecture
 _EXPERT_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2"),
+                 "Qwen2MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
                  "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
 
 
@@ -126,8 +128,8 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
             spans = [(shard.rank * q, q, config.q_size), (shard.kv_head_start * d, kv, config.kv_size),
                      (shard.kv_head_start * d, kv, config.kv_size)]
         else:
-            i = shard.intermediate_size
-            spans = [(shard.rank * i, i, config.intermediate_size)] * 2
+            i, full = _mlp_rows(prefix, config, shard)
+            spans = [(shard.rank * i, i, full)] * 2
         out, offset, fused = [], 0, 0
         for hf, (start, length, full) in zip(_FUSED[module], spans):
             out.append(Piece(f"{prefix}.{hf}.{kind}", 0, start, length, offset, full, fused))
@@ -137,13 +139,21 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
         return out
     if module in _ROW_PARALLEL and kind == "weight":
         local = param.shape[1]
-        full = config.q_size if module == "o_proj" else config.intermediate_size
+        full = config.q_size if module == "o_proj" else _mlp_rows(prefix, config, shard)[1]
         return [Piece(name, 1, shard.rank * local, local, 0, full)]
     if module in _ROW_PARALLEL and shard.rank > 0:
         return []  # the bias: added once, by rank 0
     if module in _VOCAB:
         return [Piece(name, 0, shard.vocab_start, shard.vocab_rows, 0, config.vocab_size)]
     return [Piece(name, 0, 0, param.shape[0], 0, param.shape[0])]
+
+
+def _mlp_rows(prefix: str, config: ModelConfig, shard: ShardSizes) -> tuple[int, int]:
+    """``(this rank's, the model's)`` intermediate rows of the MLP at ``prefix`` (a layer's, or
+    Qwen2-MoE's shared expert)."""
+    if prefix.endswith(".shared_expert"):
+        return shard.shared_expert_intermediate_size, config.shared_expert_intermediate_size
+    return shard.intermediate_size, config.intermediate_size
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

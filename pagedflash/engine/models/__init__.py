@@ -9,7 +9,12 @@ from pagedflash.engine.config import ModelConfig
 from pagedflash.engine.models.common import AttentionMetadata, CausalLM
 from pagedflash.engine.models.gemma import GemmaForCausalLM
 from pagedflash.engine.models.llama import LlamaForCausalLM
-from pagedflash.engine.models.moe import GptOssForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
+from pagedflash.engine.models.moe import (
+    GptOssForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from pagedflash.engine.models.olmo2 import Olmo2ForCausalLM
 
 MODELS: dict[str, type[CausalLM]] = {
@@ -23,6 +28,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }

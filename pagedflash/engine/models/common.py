@@ -178,9 +178,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's rows of gate and up, the matching columns of down; SwiGLU or (Gemma) GeGLU."""
 
-    def __init__(self, config: ModelConfig, shard: ShardSizes):
+    def __init__(self, config: ModelConfig, shard: ShardSizes, intermediate_size: int | None = None):
         super().__init__()
-        inter = shard.intermediate_size
+        inter = shard.intermediate_size if intermediate_size is None else intermediate_size  # this rank's rows
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
         self.act = config.hidden_act

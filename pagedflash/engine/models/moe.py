@@ -1,9 +1,13 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen3-MoE and GPT-OSS. The pre-norm block of Llama,
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS. The pre-norm block of Llama,
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and ``E`` expert MLPs of
 which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fused_moe``).
 
 - Mixtral: Mistral's attention (a sliding window when configured); softmax over the experts, top-k,
   renormalized; SiLU-gated experts without biases.
+- Qwen2-MoE: Qwen2's attention (q/k/v biases by ``qkv_bias``; a window on every other layer below
+  ``max_window_layers`` with ``use_sliding_window``); the router as Qwen3-MoE's; beside the routed
+  experts a shared expert every token runs, a SiLU-gated MLP of ``shared_expert_intermediate_size``
+  scaled by ``sigmoid(shared_expert_gate(x))``.
 - Qwen3-MoE: Qwen3's attention (RMSNorm over each q and k head); top-k renormalized only with
   ``norm_topk_prob``; dense MLP layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
 - GPT-OSS: q/k/v/o biases, a learned sink logit per head, a 128-token window on alternate layers,
@@ -53,8 +57,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Router and experts; ``forward(x [T, H]) -> [T, H]``, this rank's part of the sum. The router
-    carries its checkpoint's name (``gate``; GPT-OSS: ``router``)."""
+    """Router and experts, and Qwen2-MoE's shared expert; ``forward(x [T, H]) -> [T, H]``, this rank's
+    part of the sum. The router carries its checkpoint's name (``gate``; GPT-OSS: ``router``)."""
 
     def __init__(self, config: ModelConfig, shard: ShardSizes, router_name: str = "gate"):
         super().__init__()
@@ -62,11 +66,21 @@ class SparseMoE(nn.Module):
         setattr(self, router_name, nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias))
         self.experts = Experts(config, shard)
         self.top_k, self.scoring, self.renormalize = config.num_experts_per_tok, config.moe_scoring, config.moe_renormalize
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            # every token's: x + sigmoid(x . g) * mlp(x), the MLP split over the ranks as a dense one,
+            # its scalar gate whole on every rank (the all-reduce then sums gate * the ranks' parts)
+            self.shared_expert = MLP(config, shard, shard.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = layers.linear(x, getattr(self, self.router_name))
         weights, ids = layers.moe_route(logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(layers.linear(x, self.shared_expert.gate_up_proj))
+        return out.addcmul_(torch.sigmoid(layers.linear(x, self.shared_expert_gate)), shared)
 
 
 class MoeDecoderLayer(nn.Module):
@@ -109,6 +123,10 @@ class GptOssDecoderLayer(MoeDecoderLayer):
 
 class MixtralForCausalLM(CausalLM):
     layer_class = MixtralDecoderLayer
+
+
+class Qwen2MoeForCausalLM(CausalLM):
+    layer_class = MoeDecoderLayer
 
 
 class Qwen3MoeForCausalLM(CausalLM):
