@@ -1,5 +1,5 @@
 """``bench serve --shape``: the named configs (:mod:`pagedflash.bench.shapes`) are the published ones
-(parameter counts of Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B and GPT-OSS-20B); ``--quick --shape gpt-oss-20b`` builds the
+(parameter counts of Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B, OLMoE-1B-7B and GPT-OSS-20B); ``--quick --shape gpt-oss-20b`` builds the
 family at tiny sizes in memory and runs ``itl`` and ``throughput``, its ``% of bound`` counting the
 routed experts only; bad combinations are refused by name."""
 
@@ -16,6 +16,7 @@ from pagedflash.engine import ModelConfig
 
 @pytest.mark.parametrize("name, total, active, layers", [("qwen3-30b-a3b", 30.53e9, 3.35e9, 48),
                                                           ("qwen1.5-moe-a2.7b", 14.32e9, 2.69e9, 24),
+                                                          ("olmoe-1b-7b", 6.919e9, 1.282e9, 16),
                                                           ("gpt-oss-20b", 20.91e9, 4.19e9, 24)])
 def test_moe_shapes_are_the_published_models(name, total, active, layers):
     config = ModelConfig.from_dict(SHAPES[name])

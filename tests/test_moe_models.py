@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) against transformers' own classes: a
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) against transformers' own classes: a
 tiny random model (2 layers, 4 experts of which 2 per token, fp32, eager attention) saved with
 ``save_pretrained``, its norms, biases and sinks perturbed so that they matter. Prompt logits and
 greedy tokens (chunked prefill, paged decode) must equal transformers'; GPT-OSS's prompts are longer
@@ -30,6 +30,8 @@ MOE_CASES = {
                   dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                        norm_topk_prob=True, mlp_only_layers=[1], use_sliding_window=True, sliding_window=6,
                        max_window_layers=2)),
+    # RMSNorm over the whole q and k projections, top-k not renormalized
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, norm_topk_prob=False)),
     # a 5-token window on layer 0; YaRN (transformers' default for GPT-OSS) over a short original context
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_local_experts=4, sliding_window=5, swiglu_limit=1.5,
@@ -107,12 +109,12 @@ def test_qwen3_moe_dense_layers():
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen2_moe", "olmoe"])
 def test_two_ranks_match_transformers(tmp_path, family):
     """Two ranks (gloo on the CPU): each expert's intermediate rows split; GPT-OSS: its interleaved
     gate/up de-interleaved per rank, sinks per rank's heads, the experts' down bias added once;
     Qwen3-MoE: per-expert tensors, q/k norms, a dense layer beside the experts; Qwen2-MoE: the shared
-    expert's rows split, its gate whole."""
+    expert's rows split, its gate whole; OLMoE: the q/k projection norms summed over the ranks."""
     hf = save_moe(tmp_path, family)
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
              page_size=4, num_blocks=24) as llm:

@@ -8,6 +8,9 @@
 - ``qwen1.5-moe-a2.7b``: Qwen/Qwen1.5-MoE-A2.7B's config.json (24 layers, hidden 2048, 16/16 heads of
   128 with q/k/v biases, 60 experts of 1408, top 4 not renormalized, a shared expert of 5632 gated
   per token, vocab 151936, untied): 14.3 B parameters, 2.7 B active;
+- ``olmoe-1b-7b``: allenai/OLMoE-1B-7B-0924's config.json (16 layers, hidden 2048, 16/16 heads of 128
+  with RMSNorm over the whole q and k projections, 64 experts of 1024, top 8 not renormalized, vocab
+  50304, untied): 6.9 B parameters, 1.3 B active;
 - ``gpt-oss-20b``: openai/gpt-oss-20b's config.json (24 layers, hidden 2880, 64/8 heads of 64, 32
   experts of 2880, top 4, attention biases and sinks, a 128-token window on alternate layers, YaRN
   x32 over 4096, vocab 201088, untied) without its ``quantization_config``: random experts are bf16,
@@ -43,6 +46,13 @@ QWEN1_5_MOE_A2_7B = {
     "sliding_window": 32768, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 151643,
     "eos_token_id": 151643,
 }
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+    "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "attention_bias": False, "clip_qkv": None,
+    "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 50279, "pad_token_id": 1,
+}
 GPT_OSS_20B = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
     "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -56,7 +66,7 @@ GPT_OSS_20B = {
 }
 SHAPES = {"tiny": TINY_LLAMA, "llama-3.2-1b": LLAMA_3_2_1B, "llama-3-8b": LLAMA_3_8B, "gemma-2-2b": GEMMA_2_2B,
           "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen1.5-moe-a2.7b": QWEN1_5_MOE_A2_7B,
-          "gpt-oss-20b": GPT_OSS_20B}
+          "olmoe-1b-7b": OLMOE_1B_7B, "gpt-oss-20b": GPT_OSS_20B}
 TINY_WINDOW = 16
 TINY_EXPERTS = {"num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}

@@ -17,7 +17,7 @@ Keys a config leaves out mean what the family's transformers config class makes 
 Gemma's softcaps and ``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's
 ``attention_multiplier`` 1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers.
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) set the ``num_experts`` fields:
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) set the ``num_experts`` fields:
 the router (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation
 and biases, a shared expert (Qwen2-MoE), and which layers are dense (Qwen2/3-MoE's ``mlp_only_layers``
 / ``decoder_sparse_step``).
@@ -63,9 +63,10 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
     "Qwen2MoeForCausalLM": Family("qwen2_moe", ("qwen2_moe",), frozenset(
         {"num_local_experts", "num_experts", "shared_expert_intermediate_size"})),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
+    "OlmoeForCausalLM": Family("olmoe", ("olmoe",), frozenset({"num_local_experts", "num_experts"})),
     "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 SUPPORTED_ARCHITECTURES = {arch: fam.name for arch, fam in FAMILIES.items()}
 MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.model_types}
 # architectures refused with a reason of their own
@@ -254,7 +255,7 @@ class ModelConfig:
                                                       default_theta=d["rope_theta"])
         attn_bias = kind in READS_ATTENTION_BIAS and bool(d["attention_bias"])
         sliding = d["sliding_window"]
-        if kind in ("llama", "granite", "olmo2") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+        if kind in ("llama", "granite", "olmo2", "olmoe") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
                                                      and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
@@ -427,7 +428,8 @@ def _moe_fields(kind: str, d: dict) -> dict:
     Mixtral softmax then renormalized top-k, SiLU experts of ``intermediate_size``; Qwen2/3-MoE the same
     with ``norm_topk_prob`` (renormalize or not) and experts of ``moe_intermediate_size``, dense MLPs in
     ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``; Qwen3-MoE q/k norm
-    per head, Qwen2-MoE a gated shared expert of ``shared_expert_intermediate_size``; GPT-OSS top-k of the
+    per head, Qwen2-MoE a gated shared expert of ``shared_expert_intermediate_size``; OLMoE Mixtral's experts
+    with ``norm_topk_prob`` and RMSNorm over the whole q and k projections (OLMo 2's); GPT-OSS top-k of the
     logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
     experts_key = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
     n = d["num_hidden_layers"]
@@ -450,6 +452,8 @@ def _moe_fields(kind: str, d: dict) -> dict:
         if not isinstance(only, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < n for i in only):
             raise ValueError(f"config.json: mlp_only_layers must list layer indices in [0, {n}), got {only!r}")
         fields["dense_layers"] = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    elif kind == "olmoe":
+        fields.update(qk_norm="projection", moe_renormalize=bool(d["norm_topk_prob"]))
     elif kind == "gpt_oss":
         quant = d.get("quantization_config")
         if quant is not None:

@@ -13,7 +13,7 @@ already fused; each rank reads its rows of each part.
 
 Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``experts.w13 [E, 2 I, H]``,
 ``experts.w2 [E, H, I]`` and GPT-OSS's biases): Mixtral's per-expert ``experts.{e}.w1/w3/w2.weight``
-and Qwen2/3-MoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows
+and Qwen2/3-MoE's and OLMoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows
 (Qwen2-MoE's ``shared_expert`` is an MLP as a dense layer's, its ``shared_expert_gate`` whole);
 GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
 ``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
@@ -51,7 +51,8 @@ _FUSED_IN_CHECKPOINT = ("Phi3ForCausalLM",)  # architectures whose checkpoints h
 # per-expert checkpoint tensors of (gate, up, down), by architecture
 _EXPERT_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2"),
                  "Qwen2MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
-                 "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
+                 "Qwen3MoeForCausalLM": ("gate_proj", "up_proj", "down_proj"),
+                 "OlmoeForCausalLM": ("gate_proj", "up_proj", "down_proj")}
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:

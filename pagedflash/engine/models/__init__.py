@@ -12,6 +12,7 @@ from pagedflash.engine.models.llama import LlamaForCausalLM
 from pagedflash.engine.models.moe import (
     GptOssForCausalLM,
     MixtralForCausalLM,
+    OlmoeForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
 )
@@ -30,6 +31,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and GPT-OSS. The pre-norm block of Llama,
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-OSS. The pre-norm block of Llama,
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and ``E`` expert MLPs of
 which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fused_moe``).
 
@@ -10,6 +10,9 @@ which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fus
   scaled by ``sigmoid(shared_expert_gate(x))``.
 - Qwen3-MoE: Qwen3's attention (RMSNorm over each q and k head); top-k renormalized only with
   ``norm_topk_prob``; dense MLP layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
+- OLMoE: Llama's attention with OLMo 2's RMSNorm over the whole q and k projections (summed over
+  tensor-parallel ranks); Mixtral's router with ``norm_topk_prob``; SiLU-gated experts of
+  ``intermediate_size``.
 - GPT-OSS: q/k/v/o biases, a learned sink logit per head, a 128-token window on alternate layers,
   YaRN RoPE; a router with a bias, top-k of its logits then softmax over those k; experts with biases
   and the clamped SwiGLU (``(up + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``,
@@ -130,6 +133,10 @@ class Qwen2MoeForCausalLM(CausalLM):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
+    layer_class = MoeDecoderLayer
+
+
+class OlmoeForCausalLM(CausalLM):
     layer_class = MoeDecoderLayer
 
 
