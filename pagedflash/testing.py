@@ -15,6 +15,7 @@ and a projection's outputs near zero carry the rounding of terms of order one.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -215,6 +216,18 @@ def row_exact_interpreter_dot():
         yield
     finally:
         builder.create_dot = original
+
+
+ROW_EXACT_DOT_ENV = "PAGEDFLASH_ROW_EXACT_DOT"
+
+
+def row_exact_dot_from_env():
+    """:func:`row_exact_interpreter_dot` where the environment sets :data:`ROW_EXACT_DOT_ENV` to 1,
+    else nothing: a test sets it before an engine spawns its tensor-parallel workers, processes its
+    own patch does not reach (each worker runs its life inside this)."""
+    if os.environ.get(ROW_EXACT_DOT_ENV) == "1":
+        return row_exact_interpreter_dot()
+    return contextlib.nullcontext()
 
 
 def skip_repeated_interpreter_patching() -> bool:

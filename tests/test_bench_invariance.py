@@ -50,7 +50,7 @@ def test_option_refused_where_it_means_nothing(capsys):
     assert cli.main(["bench", "paged", "--quick", "--batch-invariant"]) == 2
     assert "--batch-invariant is for decode, prefill, serve" in capsys.readouterr().err
     assert serve.main(["--quick", "--batch-invariant", "--tensor-parallel-size", "2", "--sections", "throughput"]) == 2
-    assert "--batch-invariant needs one GPU per engine" in capsys.readouterr().err
+    assert "--batch-invariant times one-GPU engines" in capsys.readouterr().err
 
 
 def test_serve_runs_the_engine_in_both_modes(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 are bit for bit the same served alone or among other requests, whatever the chunking of its prefill
 (other chunk sizes), preemption (recomputed), prefix-cache hits (keys another request computed), and
 the same token's logprob computed by a prefill equals the one computed by a decode step; for a dense
-model and mixture-of-experts ones (GPT-OSS, Qwen2-MoE).
+model and mixture-of-experts ones (GPT-OSS, Qwen2-MoE); on two ranks (gloo without a GPU), and the
+ranks' sums from three ranks.
 
 Under the interpreter the attention dot runs through
 :func:`pagedflash.testing.row_exact_interpreter_dot` (the host BLAS rounds by a row's place in a
@@ -11,11 +12,11 @@ block; a GPU's dot does not); the projections go one row at a time off the GPU.
 
 import pytest
 import torch
-from helpers import ON_GPU
+from helpers import ON_GPU, TWO_GPUS
 
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import TINY_LLAMA
-from pagedflash.testing import row_exact_interpreter_dot
+from pagedflash.testing import ROW_EXACT_DOT_ENV, row_exact_interpreter_dot
 
 VOCAB = 128
 MODEL = {**TINY_LLAMA, "vocab_size": VOCAB, "max_position_embeddings": 256, "initializer_range": 0.3}
@@ -122,8 +123,53 @@ def test_moe_model_alone_equals_batched(model):
 def test_refusals():
     with pytest.raises(TypeError, match="batch_invariant: expected a bool"):
         engine(batch_invariant=1)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        engine(tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
+def test_two_ranks_alone_equals_batched(monkeypatch):
+    """Tensor parallelism in the mode: each rank's shard in the mode, the two ranks' sums through the
+    group's all-reduce (one addition an element, whatever the message)."""
+    monkeypatch.setenv(ROW_EXACT_DOT_ENV, "1")  # the worker's interpreter too (this process: the fixture)
+    kw = dict(tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu")
+    mine, ps = [prompt(9, 1, PREFIX), prompt(22, 3)], [params(), SEEDED]
+    with engine(max_num_seqs=1, enable_prefix_caching=False, **kw) as solo:
+        alone = [run(solo, [p], [sp])[0] for p, sp in zip(mine, ps)]
+    with engine(max_num_seqs=8, max_num_batched_tokens=STEP_TOKENS, num_blocks=POOL * 2, **kw) as llm:
+        got = run(llm, [prompt(12, 9, PREFIX), mine[0], prompt(7, 8), mine[1]], [params(), ps[0], params(), ps[1]])
+    assert [got[1], got[3]] == alone
+
+
+def _three_rank_sums(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from pagedflash.engine.parallel import make_collectives
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    try:  # symm_mem asked for and not used (it would need CUDA): the mode's sums do not take it
+        comm = make_collectives(3, kind="symm_mem", dtype=torch.float32, device=torch.device("cpu"), invariant=True)
+        for dtype in (torch.float32, torch.bfloat16):
+            parts = [torch.randn(7, 33, generator=torch.Generator().manual_seed(r)).mul(10 ** r).to(dtype)
+                     for r in range(3)]
+            expected = ((parts[0].float() + parts[1].float()) + parts[2].float()).to(dtype)
+            whole = comm.all_reduce(parts[rank].clone())
+            assert torch.equal(whole, expected)
+            for i in range(7):  # each row alone: the same bits
+                assert torch.equal(comm.all_reduce(parts[rank][i : i + 1].clone())[0], whole[i])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_ranks_sum_in_rank_order():
+    """From three ranks the mode's all-reduce gathers the parts and adds them in rank order, in fp32:
+    a row's sum the same bits alone or in a larger message."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_three_rank_sums, args=(port,), nprocs=3)
 
 
 def test_server_option():

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench serve: the tp section needs --tensor-parallel-size >= 2 (got {tp})", file=sys.stderr)
         return 2
     if args.batch_invariant and tp > 1:
-        print(f"bench serve: --batch-invariant needs one GPU per engine (got --tensor-parallel-size {tp})", file=sys.stderr)
+        print(f"bench serve: --batch-invariant times one-GPU engines, mode off and on (got --tensor-parallel-size {tp}; "
+              "the mode's tensor-parallel engine is not benchmarked here)", file=sys.stderr)
         return 2
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.quick:

@@ -102,8 +102,9 @@ class LLM:
         batch_invariant: a request's tokens and logprobs bit for bit the same whatever else the
             engine serves (batch, chunking, preemption, prefix hits): attention in the kernels'
             batch-invariant mode and every projection through the batch-invariant product
-            (README "Batch invariance"). Not with ``tensor_parallel_size > 1``, whose all-reduce
-            order follows the message size.
+            (README "Batch invariance"); with ``tensor_parallel_size > 1`` the ranks' sums too
+            (:class:`~pagedflash.engine.parallel.Collectives`: two ranks through the group's
+            all-reduce, more gathered and added in rank order).
 
     Not thread-safe: drive one engine from one thread.
     """
@@ -148,7 +149,7 @@ class LLM:
             if self.device.index is None:  # the current GPU (tensor-parallel rank r: the r-th after it)
                 self.device = torch.device("cuda", torch.cuda.current_device())
         self.tensor_parallel_size = check_tensor_parallel_size(self.config, tensor_parallel_size, self.device)
-        _check_batch_invariant(batch_invariant, self.tensor_parallel_size)
+        _check_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self.eos_ids = set(self.config.eos_token_ids)
@@ -485,15 +486,9 @@ class _Tokenizer:
         return self.tok.decode(ids)
 
 
-def _check_batch_invariant(batch_invariant, tensor_parallel_size: int) -> None:
-    """Refuse the batch-invariant mode where the engine cannot keep it, saying why."""
+def _check_batch_invariant(batch_invariant) -> None:
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant: expected a bool, got {batch_invariant!r}")
-    if not batch_invariant:
-        return
-    if tensor_parallel_size > 1:
-        raise ValueError(f"batch_invariant: not supported with tensor_parallel_size > 1 (got {tensor_parallel_size}): "
-                         "the all-reduce picks its algorithm, and so its order of summation, by message size")
 
 
 def _kv_cache_format(kv_cache_dtype, k_scale, v_scale, path: str | None, config: ModelConfig) -> dict:

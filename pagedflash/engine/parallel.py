@@ -21,7 +21,8 @@ the embedding (each rank looks up the ids of its rows, zeros elsewhere) by one m
 head's logits are gathered, so that every rank holds the full logits and computes the same greedy
 tokens; rank 0 samples from them exactly as one GPU does.
 
-All-reduce: the process group's (NCCL on GPUs, gloo on the CPU) by default. ``PAGEDFLASH_ALLREDUCE=
+All-reduce: the process group's (NCCL on GPUs, gloo on the CPU) by default; in the engine's
+batch-invariant mode, from three ranks, an all-gather and a sum in rank order (:class:`Collectives`). ``PAGEDFLASH_ALLREDUCE=
 symm_mem`` (GPU only) sends messages up to :data:`SYMM_MEM_MAX_BYTES` through torch's symmetric-memory
 one-shot all-reduce (each rank reads its peers' buffers directly and sums them; no multicast), and
 larger ones through the group's.
@@ -133,24 +134,46 @@ class ShardSizes:
 
 class Collectives:
     """The tensor-parallel group's operations. With one rank every operation is the identity and no
-    process group exists (the single-GPU path runs no collective code)."""
+    process group exists (the single-GPU path runs no collective code).
 
-    def __init__(self, size: int = 1, group=None, all_reduce=None, device: torch.device | None = None):
+    ``invariant`` (the engine's batch-invariant mode): each element's sum over the ranks has the same
+    bits whatever the message it travels in. A library's all-reduce picks its algorithm by message
+    size, and with it the order in which it adds three or more ranks' values; with two ranks every
+    algorithm adds the two values once (``a + b == b + a``), so the group's all-reduce keeps the
+    bits there (the one-shot symmetric-memory path is not used: it rounds where the group's does
+    not). From three ranks the parts are gathered and added in rank order on each rank,
+    ``((x_0 + x_1) + x_2) + ...`` in fp32, rounded once to ``x``'s dtype (elementwise: no order
+    depends on the message), at the cost of an all-gather (``size - 1`` parts received, where a ring
+    all-reduce receives ``2 (size - 1) / size``) and ``size`` elementwise kernels."""
+
+    def __init__(self, size: int = 1, group=None, all_reduce=None, device: torch.device | None = None,
+                 invariant: bool = False):
         self.size = size
         self.group = group
         self._all_reduce = all_reduce  # a faster all-reduce (SymmMemAllReduce), or None: the group's
         self.device = device  # where the group's tensors live (the rank's GPU, or the CPU)
+        self.invariant = invariant
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns ``x``."""
         if self.size > 1:
-            if self._all_reduce is not None:
+            if self.invariant and self.size > 2:
+                self._sum_in_rank_order(x)
+            elif self._all_reduce is not None and not self.invariant:
                 self._all_reduce(x)
             else:
                 import torch.distributed as dist
 
                 dist.all_reduce(x, group=self.group)
         return x
+
+    def _sum_in_rank_order(self, x: torch.Tensor) -> None:
+        """``x`` replaced by the ranks' parts added in rank order (see the class docstring)."""
+        parts = self.all_gather(x.reshape(1, -1))[:, 0]
+        total = parts[0].float()  # a copy unless x is fp32: parts is this call's own buffer either way
+        for part in parts[1:]:
+            total.add_(part)
+        x.copy_(total.view(x.shape))
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x [R, C]``, stacked by rank: ``[size, R, C]`` (``x[None]`` with one rank)."""
@@ -175,14 +198,16 @@ class Collectives:
         return int(t.item())
 
 
-def make_collectives(size: int, *, kind: str, dtype: torch.dtype, device: torch.device) -> Collectives:
+def make_collectives(size: int, *, kind: str, dtype: torch.dtype, device: torch.device,
+                     invariant: bool = False) -> Collectives:
     """The default process group's :class:`Collectives` (every rank calls it, after joining the
-    group): ``kind`` ``"symm_mem"`` sets up the one-shot all-reduce, a collective itself."""
+    group): ``kind`` ``"symm_mem"`` sets up the one-shot all-reduce, a collective itself (not with
+    ``invariant``, the batch-invariant sums, which do not use it)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    fast = SymmMemAllReduce(group, dtype=dtype, device=device) if kind == "symm_mem" else None
-    return Collectives(size, group, fast, device)
+    fast = SymmMemAllReduce(group, dtype=dtype, device=device) if kind == "symm_mem" and not invariant else None
+    return Collectives(size, group, fast, device, invariant)
 
 
 class SymmMemAllReduce:

@@ -53,7 +53,7 @@ from datetime import timedelta
 
 import torch
 
-from pagedflash import validate
+from pagedflash import testing, validate
 from pagedflash.engine.executor import EngineSpec, Rank, build_rank
 from pagedflash.engine.parallel import make_collectives
 from pagedflash.ops.utils import on_device
@@ -122,7 +122,8 @@ class Workers:
             self._owns_group = True
             if spec.device.type == "cuda":  # gloo raises by itself
                 self._start_watchdog()
-            self.comm = make_collectives(self.size, kind=spec.all_reduce, dtype=spec.dtype, device=self.device)
+            self.comm = make_collectives(self.size, kind=spec.all_reduce, dtype=spec.dtype, device=self.device,
+                                         invariant=spec.batch_invariant)
         except BaseException as e:
             self.fail(e)
 
@@ -353,10 +354,12 @@ def _worker_main(rank: int, spec: EngineSpec, port: int, conn, parent_pid: int) 
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(_backend(spec), store=store, rank=rank, world_size=spec.tensor_parallel_size,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S), **kw)
-        comm = make_collectives(spec.tensor_parallel_size, kind=spec.all_reduce, dtype=spec.dtype, device=device)
+        comm = make_collectives(spec.tensor_parallel_size, kind=spec.all_reduce, dtype=spec.dtype, device=device,
+                                invariant=spec.batch_invariant)
         runner = build_rank(spec, rank=rank, comm=comm).runner
         conn.send(("ready", None))
-        _follow(runner, conn)
+        with testing.row_exact_dot_from_env():
+            _follow(runner, conn)
     except EOFError:
         pass  # rank 0 is gone
     except BaseException:

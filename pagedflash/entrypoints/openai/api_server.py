@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens and logprobs the same whatever else is served "
-                             "(LLM(batch_invariant=True); one GPU (no tensor parallelism); README 'Batch invariance')")
+                             "(LLM(batch_invariant=True); README 'Batch invariance')")
     args = ap.parse_args(argv)
     if args.max_queue is not None and args.max_queue < 1:
         ap.error(f"--max-queue must be >= 1 (a new request waits until a step admits it), got {args.max_queue}")
