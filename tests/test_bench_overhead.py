@@ -19,7 +19,7 @@ def test_bench_overhead_quick(tmp_path, capsys):
     doc = json.loads((tmp_path / "overhead.json").read_text())
     assert doc["bench"] == "overhead" and doc["env"]["quick"] is True
     rows = doc["tables"]["overhead"]["rows"]
-    assert [r["workload"] for r in rows] == ["decode", "prefill", "paged decode"]
+    assert [r["workload"] for r in rows] == ["decode", "prefill", "paged decode", "varlen"]
     for row in rows:
         assert all(isinstance(row[c], float) and row[c] > 0 for c in COLUMNS), row
         assert row["sdpa_backend"] and isinstance(row["meets_target"], bool)
@@ -27,7 +27,7 @@ def test_bench_overhead_quick(tmp_path, capsys):
     summary = doc["summary"]
     assert summary["failures"] == 0 and summary["target"] == overhead.TARGET
     assert summary["direct_launch"] == fastlaunch.direct_status()  # on, off or why refused
-    assert {"decode_vs_sdpa", "prefill_vs_sdpa", "paged_decode_vs_sdpa"} <= summary.keys()
+    assert {"decode_vs_sdpa", "prefill_vs_sdpa", "paged_decode_vs_sdpa", "varlen_vs_sdpa"} <= summary.keys()
     assert (tmp_path / "overhead.md").stat().st_size > 0
     assert "Host time per eager call" in capsys.readouterr().out
 

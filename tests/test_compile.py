@@ -71,8 +71,10 @@ def test_dynamic_shapes_compile_once(name):
 
 def _compile_once(name):
     case = CASES[name]
-    for module in (prefill, decode):  # the public calls' kept check outcomes, empty as in a fresh process: a
-        module._CHECKED.clear()  # graph that guarded on them would recompile once the eager calls below fill them
+    # the public calls' kept check outcomes, empty as in a fresh process: a graph that guarded on them would
+    # recompile once the eager calls below fill them
+    for kept in (prefill._CHECKED, prefill._CHECKED_VARLEN, decode._CHECKED):
+        kept.clear()
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(case.fn, backend=counter, fullgraph=True, dynamic=True)
     first = fresh_args(case)

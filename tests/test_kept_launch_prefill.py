@@ -1,15 +1,15 @@
-"""The kept-plan path of ``flash_attn_func``: from a signature's second eager call on, where the
-Gluon kernel does not take the call, the public function launches the plan kept for its checks
-itself (:func:`pagedflash.ops.attention.kept_forward`) instead of going through its operator's
-launcher. Its results are the first call's and the operator's, bit for bit; it is skipped where
-the operator path must run (calls routed through the dispatcher, a given ``out``, a call the
-Gluon kernel takes, asked on every call), and a new signature gets a new plan."""
+"""The kept-plan path of ``flash_attn_func`` and ``flash_attn_varlen_func``: from a signature's
+second eager call on, where the Gluon kernel does not take the call, the public function launches
+the plan kept for its checks itself (:func:`pagedflash.ops.attention.kept_forward`) instead of going
+through its operator's launcher. Its results are the first call's and the operator's, bit for bit;
+it is skipped where the operator path must run (calls routed through the dispatcher, a given
+``out``, a call the Gluon kernel takes, asked on every call), and a new signature gets a new plan."""
 
 import pytest
 import torch
-from helpers import assert_close, count_kept_launches, randn
+from helpers import DEVICE, assert_close, count_kept_launches, cu_seqlens, fp8_pool, make_pool, randn
 
-from pagedflash import flash_attn_func
+from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
 from pagedflash.ops import attention, custom_ops, prefill, prefill_hopper
 
@@ -128,3 +128,125 @@ def test_the_gluon_kernel_still_takes_a_call_whose_plan_is_kept(kept_calls, monk
         monkeypatch.setattr(prefill_hopper, "ENABLED", False)
         assert torch.equal(flash_attn_func(**case, causal=True, softmax_scale=0.5), first)
         assert len(calls) == 1 and kept_calls[0] == 3
+
+
+# ---------------------------------------------------------------- varlen
+
+_LENS_Q, _LENS_K = [7, 1, 4], [9, 12, 4]
+
+
+def _varlen_case(layout: str) -> dict:
+    """Packed K/V (with sinks: "packed-sinks"), a paged cache, or an fp8 paged cache with per-KV-head
+    descales; causal."""
+    case = dict(q=randn(sum(_LENS_Q), 4, 32), cu_seqlens_q=cu_seqlens(_LENS_Q), cu_seqlens_k=cu_seqlens(_LENS_K),
+                max_seqlen_q=max(_LENS_Q), max_seqlen_k=max(_LENS_K), causal=True)
+    if layout.startswith("packed"):
+        case.update(k=randn(sum(_LENS_K), 2, 32), v=randn(sum(_LENS_K), 2, 32))
+        if layout == "packed-sinks":
+            case.update(sinks=randn(4))
+    elif layout == "paged":
+        k, v, table = make_pool(_LENS_K, 4, 2, 32, torch.float32)
+        case.update(k=k, v=v, block_table=table)
+    else:
+        k, v, table = fp8_pool(_LENS_K, 4, 2, 32)
+        case.update(k=k, v=v, block_table=table, k_descale=torch.tensor([0.5, 2.0], device=DEVICE),
+                    v_descale=torch.tensor([1.5, 0.25], device=DEVICE))
+    return case
+
+
+def _varlen_ref(case: dict):
+    k, v = ref.dequantize_ref(case["k"], case.get("k_descale")), ref.dequantize_ref(case["v"], case.get("v_descale"))
+    common = dict(causal=True, sinks=case.get("sinks"))
+    if "block_table" in case:
+        return ref.paged_varlen_attention_ref(case["q"], k, v, case["cu_seqlens_q"], case["cu_seqlens_k"],
+                                              case["block_table"], **common)
+    return ref.varlen_attention_ref(case["q"], k, v, case["cu_seqlens_q"], case["cu_seqlens_k"], **common)
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed-sinks", "paged", "paged-fp8"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["", "invariant"])
+def test_varlen_kept_path_gives_the_first_calls_result_and_the_operators(kept_calls, layout, invariant):
+    case = dict(_varlen_case(layout), return_lse=True, batch_invariant=invariant)
+    first, first_lse = flash_attn_varlen_func(**case)
+    assert kept_calls[0] == 0
+    again, again_lse = flash_attn_varlen_func(**case)
+    assert kept_calls[0] == 1
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        via_op, via_op_lse = flash_attn_varlen_func(**case)
+    finally:
+        custom_ops.dispatch_eager(previous)
+    assert kept_calls[0] == 1  # routed through the dispatcher: never the kept path
+    assert torch.equal(again, first) and torch.equal(again_lse, first_lse)
+    assert torch.equal(via_op, first) and torch.equal(via_op_lse, first_lse)
+    want, want_lse = _varlen_ref(case)
+    assert_close(again, want, torch.float32)
+    assert_close(again_lse, want_lse, torch.float32, name="lse")
+
+
+def test_varlen_kept_path_only_for_the_same_signature(kept_calls):
+    case = _varlen_case("paged")
+    flash_attn_varlen_func(**case)
+    flash_attn_varlen_func(**case, return_lse=True)  # another plan: the LSE is written
+    flash_attn_varlen_func(**dict(case, max_seqlen_k=max(_LENS_K) + 1))  # another check outcome
+    flash_attn_varlen_func(**case, num_splits=2)
+    assert kept_calls[0] == 0
+    out = flash_attn_varlen_func(**case)
+    assert kept_calls[0] == 1 and out.is_contiguous() and out.shape == case["q"].shape
+    # a q of another alignment, a batch of another size: their own first calls
+    q_off = randn(case["q"].numel() + 1)[1:].view(case["q"].shape)
+    flash_attn_varlen_func(**dict(case, q=q_off))
+    flash_attn_varlen_func(**dict(case, q=case["q"][:7], cu_seqlens_q=case["cu_seqlens_q"][:2],
+                                  cu_seqlens_k=case["cu_seqlens_k"][:2], block_table=case["block_table"][:1]))
+    assert kept_calls[0] == 1
+
+
+def test_varlen_kept_call_launches_once_and_not_for_a_given_out(kept_calls, monkeypatch):
+    """A kept-plan call launches through the kept plan only (the launcher's attention_forward is not
+    called as well); a call with ``out`` never takes it."""
+    case = _varlen_case("packed")
+    first = flash_attn_varlen_func(**case)
+    routed = []
+    real = prefill.attention_forward
+    monkeypatch.setattr(prefill, "attention_forward", lambda *a, **kw: routed.append(1) or real(*a, **kw))
+    for n in (1, 2):
+        assert torch.equal(flash_attn_varlen_func(**case), first)
+        assert kept_calls[0] == n and not routed
+    for _ in range(2):
+        out = torch.empty_like(case["q"])
+        assert flash_attn_varlen_func(**case, out=out) is out and torch.equal(out, first)
+    assert kept_calls[0] == 2 and len(routed) == 2
+
+
+def test_varlen_kept_path_after_the_plans_are_cleared(kept_calls):
+    case = _varlen_case("paged")
+    first = flash_attn_varlen_func(**case)
+    attention.clear_plans()
+    again = flash_attn_varlen_func(**case)
+    assert kept_calls[0] == 0 and torch.equal(again, first)
+    assert torch.equal(flash_attn_varlen_func(**case), first) and kept_calls[0] == 1
+
+
+def test_the_gluon_kernel_still_takes_a_varlen_call_whose_plan_is_kept(kept_calls, monkeypatch):
+    """As for dense calls: the routing (refusal_varlen) is asked on every call, the launcher told its
+    answer, and the kept plan runs again once the Gluon kernel refuses."""
+    calls = []
+
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, *, varlen, block_table, k_descale, v_descale):
+        calls.append((sm_scale, causal, return_lse, varlen[2:], block_table is not None))
+        out.zero_()
+
+    case = dict(_varlen_case("paged"), softmax_scale=0.5)
+    first = flash_attn_varlen_func(**case)
+    flash_attn_varlen_func(**case)
+    assert kept_calls[0] == 1 and not calls
+    monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
+    monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: None)
+    out = flash_attn_varlen_func(**case)
+    assert calls == [(0.5, True, False, (max(_LENS_Q), max(_LENS_K)), True)] and kept_calls[0] == 1
+    assert torch.equal(out, torch.zeros_like(out))
+    flash_attn_varlen_func(**case, batch_invariant=True)  # never the Gluon kernel: the portable plan of its own
+    flash_attn_varlen_func(**case, batch_invariant=True)
+    assert len(calls) == 1 and kept_calls[0] == 2
+    monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: "refused")
+    assert torch.equal(flash_attn_varlen_func(**case), first) and len(calls) == 1 and kept_calls[0] == 3

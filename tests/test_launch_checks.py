@@ -4,9 +4,9 @@ The kernels are replaced by a no-op (host logic only)."""
 
 import pytest
 import torch
-from helpers import DEVICE, randn
+from helpers import DEVICE, cu_seqlens, fp8_pool, make_pool, randn
 
-from pagedflash import flash_attn_func, flash_attn_with_kvcache, validate
+from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validate
 from pagedflash.ops import attention, combine, decode, prefill
 from pagedflash.ops.utils import checked_signature, new_output
 
@@ -161,6 +161,157 @@ def test_results_of_kept_checks_are_the_fresh_ones(no_kernels, monkeypatch):
     for _ in range(3):
         _decode(softmax_scale=2, window_size=(3, 2**31), softcap=float("inf"))
         _prefill(window_size=(4, 9), softcap=5)
-    assert seen[0::2] == [(2.0, (3, 0), 0.0)] * 3
-    assert seen[1::2] == [(32 ** -0.5, (4, 0), 5.0)] * 3
-    assert isinstance(seen[1][2], float)
+        flash_attn_varlen_func(**dict(_varlen_case("paged"), softmax_scale=1, window_size=(2, -1), softcap=7))
+    assert seen[0::3] == [(2.0, (3, 0), 0.0)] * 3
+    assert seen[1::3] == [(32 ** -0.5, (4, 0), 5.0)] * 3
+    assert seen[2::3] == [(1.0, (2, 0), 7.0)] * 3
+    assert isinstance(seen[1][2], float) and isinstance(seen[2][0], float)
+
+
+# ---------------------------------------------------------------- varlen
+
+_LENS_Q, _LENS_K = [5, 3], [9, 7]
+_LAYOUTS = ("packed", "paged", "fp8")
+
+
+def _varlen_case(layout: str) -> dict:
+    """A good flash_attn_varlen_func call over packed K/V, a paged cache, or an fp8 paged cache with
+    per-KV-head descales."""
+    args = dict(q=randn(sum(_LENS_Q), 4, 32), cu_seqlens_q=cu_seqlens(_LENS_Q), cu_seqlens_k=cu_seqlens(_LENS_K),
+                max_seqlen_q=max(_LENS_Q), max_seqlen_k=max(_LENS_K), causal=True)
+    if layout == "packed":
+        return dict(args, k=randn(sum(_LENS_K), 2, 32), v=randn(sum(_LENS_K), 2, 32))
+    if layout == "paged":
+        k, v, table = make_pool(_LENS_K, 4, 2, 32, torch.float32)
+        return dict(args, k=k, v=v, block_table=table)
+    k, v, table = fp8_pool(_LENS_K, 4, 2, 32)
+    descale = torch.tensor([0.5, 2.0], device=DEVICE)
+    return dict(args, k=k, v=v, block_table=table, k_descale=descale, v_descale=descale.clone())
+
+
+def _noncontiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor of the same shape and dtype with another stride."""
+    return torch.stack([t, t], dim=-1)[..., 0]
+
+
+# (layouts, overrides from the good case, exception, message): each changes one thing of a kept signature
+_VARLEN_BAD = [
+    (_LAYOUTS, lambda c: dict(window_size=(True, -1)), TypeError, "window_size"),
+    (_LAYOUTS, lambda c: dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (_LAYOUTS, lambda c: dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+    (_LAYOUTS, lambda c: dict(softcap=True), TypeError, "softcap"),
+    (_LAYOUTS, lambda c: dict(num_splits=-1), ValueError, "num_splits"),
+    (_LAYOUTS, lambda c: dict(num_splits=1.0), ValueError, "num_splits"),
+    (_LAYOUTS, lambda c: dict(max_seqlen_q=5.0), TypeError, "max_seqlen_q"),
+    (_LAYOUTS, lambda c: dict(max_seqlen_k=-1), TypeError, "max_seqlen_k"),
+    (_LAYOUTS, lambda c: dict(max_seqlen_q=torch.tensor(5)), TypeError, "max_seqlen_q"),
+    (_LAYOUTS, lambda c: dict(cu_seqlens_q=c["cu_seqlens_q"].long()), TypeError, "cu_seqlens_q"),
+    (_LAYOUTS, lambda c: dict(cu_seqlens_q=c["cu_seqlens_q"][:1]), ValueError, "cu_seqlens_q"),
+    (_LAYOUTS, lambda c: dict(cu_seqlens_k=_noncontiguous(c["cu_seqlens_k"])), ValueError, "cu_seqlens_k"),
+    (_LAYOUTS, lambda c: dict(cu_seqlens_k=c["cu_seqlens_k"][:2]), ValueError, "cu_seqlens_k"),
+    (_LAYOUTS, lambda c: dict(q=c["q"].clone().requires_grad_()), ValueError, "requires grad"),
+    (_LAYOUTS, lambda c: dict(q=c["q"][:, :, :16]), ValueError, "head dim"),
+    (_LAYOUTS, lambda c: dict(v=c["v"].double()), TypeError, "v"),
+    (_LAYOUTS, lambda c: dict(sinks=randn(4).double()), TypeError, "sinks"),
+    (_LAYOUTS, lambda c: dict(sinks=randn(3)), ValueError, "sinks"),
+    (_LAYOUTS, lambda c: dict(out=randn(*c["q"].shape).half()), TypeError, "out"),
+    (_LAYOUTS, lambda c: dict(out=c["q"]), ValueError, "out: shares memory with q"),
+    (_LAYOUTS, lambda c: dict(out=c["q"], batch_invariant=1), ValueError, "out: shares memory with q"),
+    (_LAYOUTS, lambda c: dict(batch_invariant=1), TypeError, "batch_invariant"),
+    (("packed",), lambda c: dict(v=c["v"][:-1]), ValueError, "v: expected shape"),
+    (("packed", "paged"), lambda c: dict(k_descale=torch.ones(1, device=DEVICE)), ValueError, "k_descale"),
+    (("paged", "fp8"), lambda c: dict(block_table=c["block_table"].long()), TypeError, "block_table"),
+    (("paged", "fp8"), lambda c: dict(block_table=c["block_table"][:1]), ValueError, "block_table"),
+    (("paged", "fp8"), lambda c: dict(block_table=None), ValueError, "k: expected a 3-D tensor"),
+    (("paged", "fp8"), lambda c: dict(v=_noncontiguous(c["v"])), ValueError, "v"),
+    (("fp8",), lambda c: dict(k_descale=c["k_descale"].double()), TypeError, "k_descale"),
+    (("fp8",), lambda c: dict(v_descale=randn(3)), ValueError, "v_descale"),
+    (("fp8",), lambda c: dict(v=c["v"].to(torch.float8_e5m2)), TypeError, "v"),
+]
+_VARLEN_CASES = [(layout, *bad) for i, bad in enumerate(_VARLEN_BAD) for layout in bad[0]]
+
+
+@pytest.mark.parametrize("layout,layouts,over,exc,match", _VARLEN_CASES,
+                         ids=[f"{c[0]}-{_VARLEN_BAD.index(c[1:])}" for c in _VARLEN_CASES])
+def test_varlen_checks_after_a_good_call(no_kernels, layout, layouts, over, exc, match):
+    """A bad call raises the same error, message included, as the first call of its signature and
+    after the good signature it differs from in one thing is kept."""
+    case = _varlen_case(layout)
+    bad = dict(case, **over(case))
+    prefill._CHECKED_VARLEN.clear()
+    with pytest.raises(exc, match=match) as first:
+        flash_attn_varlen_func(**bad)
+    for _ in range(2):
+        flash_attn_varlen_func(**case)
+    with pytest.raises(exc, match=match) as again:
+        flash_attn_varlen_func(**bad)
+    assert str(again.value) == str(first.value)
+
+
+@pytest.fixture
+def check_calls(monkeypatch):
+    """The calls of prefill._check_varlen (the varlen checks but out's) and of validate.check_out."""
+    calls = {"varlen": 0, "out": 0}
+    real_varlen, real_out = prefill._check_varlen, validate.check_out
+
+    def varlen(*args):
+        calls["varlen"] += 1
+        return real_varlen(*args)
+
+    def out(*args, **kwargs):
+        calls["out"] += 1
+        return real_out(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "_check_varlen", varlen)
+    monkeypatch.setattr(validate, "check_out", out)
+    prefill._CHECKED_VARLEN.clear()
+    return calls
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_varlen_checks_run_once_per_signature(no_kernels, check_calls, layout):
+    case = _varlen_case(layout)
+    for _ in range(3):
+        flash_attn_varlen_func(**case)
+    flash_attn_varlen_func(**_varlen_case(layout))  # new tensors of the same properties: the same signature
+    flash_attn_varlen_func(**case, return_lse=True, batch_invariant=True)  # not read by the checks
+    assert check_calls["varlen"] == 1
+    for _ in range(2):
+        flash_attn_varlen_func(**case, out=torch.empty_like(case["q"]))  # out's checks: on every call
+    assert check_calls == {"varlen": 1, "out": 2}
+    wide = randn(case["q"].shape[0], 4, 64)[..., :32].copy_(case["q"])  # q's values, another stride
+    changed = [dict(q=wide), dict(max_seqlen_k=max(_LENS_K) + 1), dict(max_seqlen_q=max(_LENS_Q), num_splits=2),
+               dict(softmax_scale=0.5), dict(softmax_scale=1), dict(softmax_scale=1.0), dict(softcap=2),
+               dict(softcap=2.0), dict(window_size=(3, -1)), dict(causal=False), dict(sinks=randn(4)),
+               dict(cu_seqlens_k=torch.zeros(len(_LENS_K) + 2, dtype=torch.int32, device=DEVICE)[1:].copy_(
+                   case["cu_seqlens_k"]))]  # another pointer alignment
+    for n, over in enumerate(changed, start=2):  # each a signature of its own: checked on its first call only
+        for _ in range(2):
+            flash_attn_varlen_func(**dict(case, **over))
+        assert check_calls["varlen"] == n, over
+    with validate.value_checks(True):  # they read values: checked on every call
+        for _ in range(2):
+            flash_attn_varlen_func(**case)
+    assert check_calls["varlen"] == len(changed) + 3
+
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_varlen_value_checks_run_on_a_kept_signature(no_kernels, layout):
+    case = _varlen_case(layout)
+    for _ in range(2):
+        flash_attn_varlen_func(**case)
+    bad = [(dict(cu_seqlens_q=cu_seqlens([6, 2])), "cu_seqlens_q"),  # a sequence past max_seqlen_q
+           (dict(cu_seqlens_k=cu_seqlens([9, 13])), "cu_seqlens_k")]  # packed: past k; paged: past max_seqlen_k
+    if layout != "packed":
+        table = case["block_table"].clone()
+        table[1, 0] = case["k"].shape[0]  # a page id outside the pool
+        bad.append((dict(block_table=table), "block_table"))
+    if layout == "fp8":
+        bad.append((dict(k_descale=torch.tensor([0.5, 0.0], device=DEVICE)), "k_descale"))
+    with validate.value_checks(True):
+        flash_attn_varlen_func(**case)
+        for over, match in bad:
+            with pytest.raises(ValueError, match=match):
+                flash_attn_varlen_func(**dict(case, **over))
+    for over, _ in bad:  # value checks off: the kept signature, its values unread (the kernel checks them)
+        flash_attn_varlen_func(**dict(case, **over))

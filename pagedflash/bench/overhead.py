@@ -6,11 +6,14 @@ Workloads, bf16 on a GPU (fp32 on a CPU), 32 query heads over 8 KV heads, D = 12
 - ``decode``: ``flash_attn_with_kvcache(q [1, 1, 32, 128], cache [1, 4096, 8, 128], cache_seqlens)``
   with ``cache_seqlens = [4096]``;
 - ``prefill``: ``flash_attn_func(q [1, 128, 32, 128], k/v [1, 128, 8, 128], causal=True)``;
-- ``paged decode``: the decode over a pool of 16-row pages through a block table.
+- ``paged decode``: the decode over a pool of 16-row pages through a block table;
+- ``varlen``: the prefill packed, ``flash_attn_varlen_func(q [128, 32, 128], k/v [128, 8, 128],
+  cu_seqlens_q = cu_seqlens_k = [0, 128], causal=True)``.
 
 SDPA is ``F.scaled_dot_product_attention(q, k, v, is_causal=..., enable_gqa=True)`` on the same
 problem in its ``[B, H, S, D]`` layout, with PyTorch's own backend choice (the ``sdpa backend``
-column); its decode reads the whole cache (SDPA takes no lengths and no pages).
+column); its decode reads the whole cache (SDPA takes no lengths and no pages), and its varlen is
+the prefill's problem (one sequence).
 
 **Method (GPU).** The host time per call is the wall time of a loop of ``CALLS`` back-to-back calls
 that does not wait for the GPU, divided by ``CALLS``: synchronize, start the clock, make the
@@ -31,8 +34,8 @@ Columns: ``ours``, the public call; ``public launch``, the same with
 call, so it includes the GPU's time); ``checks``, the public call with ``attention_forward`` and
 ``kept_forward`` replaced by no-ops (input checks, the launch plan's key, output allocation, dispatch);
 ``launch``, ``attention_forward`` alone (launch plan, scratch, both kernel launches: the first
-call's route; decode's later calls launch their kept plan through ``kept_forward``, a few frames
-shorter); ``launches``,
+call's route; a signature's later calls launch their kept plan through ``kept_forward``, a few
+frames shorter); ``launches``,
 the kernel launches of one public call, and ``replay``, those launches alone, repeated through
 :func:`pagedflash.ops.fastlaunch.run` with the call's arguments (on a GPU Triton's launcher and
 the driver; ``launch`` minus ``replay`` is pagedflash's Python around them); ``sdpa``; and the
@@ -254,14 +257,27 @@ def workloads(dtype: torch.dtype) -> list[dict]:
         sdpa=lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True),
         sdpa_args=(tq, tk, tv, True), sdpa_shape=f"{sdpa_tokens} tokens",
     )
-    return [decode, prefill, paged]
+
+    # the same prefill packed: one sequence of PREFILL_TOKENS
+    vq, vk, vv = pq[0], pk[0], pv[0]
+    cu = torch.tensor([0, PREFILL_TOKENS], dtype=torch.int32, device=dev)
+    varlen = dict(
+        name="varlen", shape=f"1 x {PREFILL_TOKENS} tokens causal {hq}/{hkv} D={DIM}",
+        ours=lambda: pf.flash_attn_varlen_func(vq, vk, vv, cu, cu, PREFILL_TOKENS, PREFILL_TOKENS, causal=True),
+        launch=lambda: attention.attention_forward(
+            vq, vk, vv, batch=1, max_seqlen_q=PREFILL_TOKENS, max_seqlen_k=PREFILL_TOKENS, sm_scale=scale,
+            window=(-1, 0), softcap=0.0, cu_seqlens_q=cu, cu_seqlens_k=cu),
+        sdpa=prefill["sdpa"], sdpa_args=prefill["sdpa_args"], sdpa_shape=prefill["sdpa_shape"],
+    )
+    return [decode, prefill, paged, varlen]
 
 
 def _correct(case: dict, dtype) -> tuple[float, bool]:
-    """Our output against SDPA's (GPU only: on the CPU nothing is computed)."""
+    """Our output against SDPA's (GPU only: on the CPU nothing is computed); a packed output
+    ``[tokens, H, D]`` against SDPA's one sequence."""
     out = case["ours"]()
     ref = case["sdpa"]().transpose(1, 2)
-    return check_close(out, ref, dtype)
+    return check_close(out.view(ref.shape), ref, dtype)
 
 
 @contextlib.contextmanager

@@ -458,18 +458,21 @@ def attention_forward(
 
 
 def kept_forward(signature: tuple, q, k, v, out, return_lse: bool, seqused_k, block_table, sm_scale: float,
-                 softcap: float, left: int, right: int, sinks, k_descale, v_descale, batch_invariant: bool):
-    """:func:`attention_forward` of a dense-q call (no ``cu_seqlens``, nothing appended, a fresh
-    ``out``) whose plan is kept under its public ``signature``
-    (:func:`~pagedflash.ops.attention_plan.public_plan_key`), with positional arguments and the
-    scalars already normalized (``sm_scale`` and ``softcap`` floats): ``(out, lse)``, or None
-    where no plan is kept under ``signature`` (nothing launched: call :func:`attention_forward`)."""
+                 softcap: float, left: int, right: int, sinks, k_descale, v_descale, batch_invariant: bool,
+                 varlen: tuple | None = None):
+    """:func:`attention_forward` of a call (nothing appended, a fresh ``out``) whose plan is kept
+    under its public ``signature`` (:func:`~pagedflash.ops.attention_plan.public_plan_key`), with
+    positional arguments and the scalars already normalized (``sm_scale`` and ``softcap`` floats):
+    ``(out, lse)``, or None where no plan is kept under ``signature`` (nothing launched: call
+    :func:`attention_forward`). ``varlen``: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q)`` of a
+    packed-q call; None for dense q."""
     plan = _PLANS.get(signature)
     if plan is None:
         return None
-    lse = _new_lse(q, False) if return_lse else None
-    _run(plan, q, k, v, out, lse, None, None, seqused_k, block_table, sm_scale, softcap, left, right, sinks,
-         k_descale, v_descale, q.shape[1], 0, batch_invariant)
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q = varlen or (None, None, q.shape[1])
+    lse = _new_lse(q, varlen is not None) if return_lse else None
+    _run(plan, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, sm_scale, softcap, left, right,
+         sinks, k_descale, v_descale, max_seqlen_q, 0, batch_invariant)
     return out, lse
 
 

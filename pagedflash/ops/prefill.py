@@ -67,12 +67,15 @@ def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softca
 
 def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
                    softmax_scale, window_left, window_right, softcap, num_splits, return_lse, sinks=None,
-                   k_descale=None, v_descale=None, batch_invariant=False):
+                   k_descale=None, v_descale=None, batch_invariant=False, signature=None, gluon=None):
+    """The operator's launcher; ``signature`` and ``gluon`` as :func:`_launch_dense`'s."""
     if q.numel() == 0:  # no query tokens
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     batch, scale = cu_seqlens_q.shape[0] - 1, validate.check_scale(softmax_scale, q.shape[-1])
-    if not batch_invariant and prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table,
-                                                             window_left, window_right, softcap, sinks) is None:
+    if gluon is None:
+        gluon = not batch_invariant and prefill_hopper.refusal_varlen(
+            q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left, window_right, softcap, sinks) is None
+    if gluon:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
                                           varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -84,7 +87,7 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         sm_scale=scale, window=(window_left, window_right),
         softcap=softcap, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
         num_splits=num_splits, return_lse=return_lse, out=out, sinks=sinks, k_descale=k_descale,
-        v_descale=v_descale, batch_invariant=batch_invariant,
+        v_descale=v_descale, batch_invariant=batch_invariant, signature=signature,
     )[1]
 
 
@@ -92,8 +95,20 @@ _dense_op = custom_ops.implement("flash_attn_func", _launch_dense)
 _varlen_op = custom_ops.implement("flash_attn_varlen_func", _launch_varlen)
 
 
-# the outcome of _check_dense by call signature (checked_signature: every property it reads), and its checks_id
+# the outcomes of _check_dense and of _check_varlen by call signature (checked_signature: every property they
+# read), as _keep keeps them
 _CHECKED = PlanCache()
+_CHECKED_VARLEN = PlanCache()
+
+
+def _keep(cache: PlanCache, key: tuple | None, q: torch.Tensor, checked: tuple) -> tuple:
+    """A check outcome (``softmax_scale`` first) with the scale the kernel takes (``softmax_scale`` or
+    its default) and a :func:`checks_id`, kept in ``cache`` under ``key``; a None key (torch.compile
+    tracing, among others) never touches the cache, as a graph would guard on its contents: the
+    outcome then comes with None for both."""
+    if key is None:
+        return (*checked, None, None)
+    return cache.add(key, (*checked, validate.check_scale(checked[0], q.shape[-1]), checks_id()))
 
 
 def flash_attn_func(
@@ -133,13 +148,9 @@ def flash_attn_func(
         batch of 0 gives empty tensors.
     """
     key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
-    # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
     checked = None if key is None else _CHECKED.find(key)
     if checked is None:
-        checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
-        # kept: with the scale the kernel takes (softmax_scale or its default) and a checks_id
-        checked = (*checked, None, None) if key is None else _CHECKED.add(
-            key, (*checked, validate.check_scale(checked[0], q.shape[-1]), checks_id()))
+        checked = _keep(_CHECKED, key, q, _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks))
     softmax_scale, left, right, softcap, scale, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
@@ -229,6 +240,41 @@ def flash_attn_varlen_func(
     kernel, whose grid is laid out from it); each fault is recorded for
     :func:`pagedflash.validate.raise_if_invalid`.
     """
+    key = checked_signature((q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, k_descale, v_descale, sinks),
+                            (max_seqlen_q, max_seqlen_k, num_splits, softmax_scale, causal, window_size, softcap))
+    checked = None if key is None else _CHECKED_VARLEN.find(key)
+    if checked is None:
+        checked = _keep(_CHECKED_VARLEN, key, q, _check_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+            softcap, block_table, num_splits, k_descale, v_descale, sinks))
+    softmax_scale, left, right, softcap, scale, checks = checked
+    # the checks' key covers the plan's where out is fresh
+    fresh = key is not None and out is None
+    out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
+                  sinks=sinks, k_descale=k_descale, v_descale=v_descale)
+    invariant = batch_invariance.resolve(batch_invariant)
+    signature = public_plan_key("varlen", checks, return_lse, invariant) if fresh else None
+    gluon = None  # whether the Gluon kernel takes the call, where _varlen_op's launcher would run here
+    if signature is not None and custom_ops.launches_here(q):
+        # asked on every call, as flash_attn_func's: the routing reads module switches the checks' key does not cover
+        gluon = not invariant and prefill_hopper.refusal_varlen(
+            q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, block_table, left, right, softcap,
+            sinks) is None
+        if not gluon:  # the launcher's kept-plan path
+            done = kept_forward(signature, q, k, v, out, return_lse, None, block_table, scale, softcap, left, right,
+                                sinks, k_descale, v_descale, invariant, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q))
+            if done is not None:
+                return done if return_lse else out
+    lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
+                     softmax_scale, left, right, softcap, num_splits, return_lse, sinks, k_descale, v_descale,
+                     invariant, signature=signature, gluon=gluon)
+    return (out, lse) if return_lse else out
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                  softcap, block_table, num_splits, k_descale, v_descale, sinks) -> tuple[float | None, int, int, float]:
+    """The checks of :func:`flash_attn_varlen_func` but ``out``'s; returns the normalized
+    ``(softmax_scale, left, right, softcap)``."""
     paged = block_table is not None
     _check_common(q, k, v, q_ndim=3, kv_ndim=4 if paged else 3, fp8_kv=True)
     if paged:
@@ -260,12 +306,7 @@ def flash_attn_varlen_func(
         softmax_scale = validate.check_scale(softmax_scale, q.shape[-1])
     left, right = validate.check_window(window_size, causal)
     softcap = validate.check_softcap(softcap)
-    k_descale = validate.check_kv_scale("k_descale", k_descale, cache=k, cache_name="k", device=q.device)
-    v_descale = validate.check_kv_scale("v_descale", v_descale, cache=v, cache_name="v", device=q.device)
-    sinks = validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
-    out = _output(out, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, block_table=block_table,
-                  sinks=sinks, k_descale=k_descale, v_descale=v_descale)
-    lse = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, out,
-                     softmax_scale, left, right, softcap, num_splits, return_lse, sinks, k_descale, v_descale,
-                     batch_invariance.resolve(batch_invariant))
-    return (out, lse) if return_lse else out
+    validate.check_kv_scale("k_descale", k_descale, cache=k, cache_name="k", device=q.device)
+    validate.check_kv_scale("v_descale", v_descale, cache=v, cache_name="v", device=q.device)
+    validate.check_sinks(sinks, num_heads=q.shape[-2], device=q.device)
+    return softmax_scale, left, right, softcap
