@@ -324,21 +324,21 @@ def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, tot
 
 
 def moe_route_ref(router_logits, top_k, *, scoring="softmax", renormalize=True, bias=None):
-    """Each token's ``top_k`` experts by a full descending sort: ``(weights fp32 [T, top_k], ids
-    int32 [T, top_k])``. ``"softmax"``: softmax over E, the k largest, renormalized to sum 1 if
-    ``renormalize``; ``"topk_softmax"``: the k largest logits, softmax over them. ``bias [E]`` is
-    added to the logits first."""
+    """Each token's ``top_k`` experts by a stable descending sort of ``x = logits + bias`` in fp32
+    (equal values: lowest index first; a NaN sorts as ``-inf``): ``(weights fp32 [T, top_k], ids
+    int32 [T, top_k])``. ``"softmax"``: ``softmax(x)`` over E at those experts, renormalized to sum 1
+    if ``renormalize``; ``"topk_softmax"``: softmax over their ``x``. A row with a NaN gets NaN
+    weights; one whose maximum is infinite gets them from the softmax. ``bias [E]`` is optional."""
     logits = router_logits.float() if bias is None else router_logits.float() + bias.float()
+    nan = logits.isnan()
+    order = logits.masked_fill(nan, float("-inf")).argsort(dim=-1, descending=True, stable=True)[:, :top_k]
     if scoring == "softmax":
-        probs = torch.softmax(logits, dim=-1)
-        order = probs.argsort(dim=-1, descending=True, stable=True)[:, :top_k]
-        weights = probs.gather(1, order)
+        weights = torch.softmax(logits, dim=-1).gather(1, order)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     else:
-        order = logits.argsort(dim=-1, descending=True, stable=True)[:, :top_k]
         weights = torch.softmax(logits.gather(1, order), dim=-1)
-    return weights, order.to(torch.int32)
+    return weights.masked_fill(nan.any(dim=-1, keepdim=True), float("nan")), order.to(torch.int32)
 
 
 def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu", w13_bias=None, w2_bias=None,

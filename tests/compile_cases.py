@@ -24,7 +24,7 @@ from pagedflash import (
     merge_attn_states,
     write_kv_cache,
 )
-from pagedflash.ops import activation, gemv, norm, rope, sampling
+from pagedflash.ops import activation, gemv, moe, norm, rope, sampling
 
 
 @dataclasses.dataclass
@@ -221,6 +221,18 @@ def _decoder(x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out,
             sampling.argmax(logits))
 
 
+def _route_args(dtype, big):
+    """Router logits (E no power of two on the CPU: 60) and a router bias (GPT-OSS)."""
+    t, e = (64, 128) if big else (5, 60)
+    return randn(t, e, dtype=dtype), randn(e, dtype=dtype)
+
+
+def _route(logits, bias):
+    """The MoE routing's forms: softmax renormalized, softmax, topk_softmax with a bias."""
+    return (*moe.route(logits, 8), *moe.route(logits, 4, renormalize=False),
+            *moe.route(logits, 4, scoring="topk_softmax", bias=bias))
+
+
 CASES = {
     "dense": Case(_dense, "flash_attn_func", _dense_args),
     "dense_options": Case(_dense_options, "flash_attn_func", _dense_args),
@@ -247,6 +259,7 @@ CASES = {
     "write_kv_cache": Case(_write, "write_kv_cache", _write_args),
     "decoder_ops": Case(_decoder, {"rms_norm", "rope_", "silu_mul", "gemv", "argmax"}, _decoder_args),
     "write_kv_cache_fp8": Case(_write_fp8, "write_kv_cache", _fp8_write_args),
+    "moe_route": Case(_route, "moe_route", _route_args),
 }
 
 
@@ -293,6 +306,9 @@ def resized(name):
     if name == "merge":
         out_a, lse_a, out_b, lse_b = _merge_args(torch.float32, False)
         return out_a[:2], lse_a[:2], out_b[:2], lse_b[:2]
+    if name == "moe_route":
+        logits, bias = _route_args(torch.float32, False)
+        return logits[:3], bias
     if name == "decoder_ops":
         x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out, logits = _decoder_args(torch.float32, False)
         return x[:2], res[:2], norm_w, qkv[:2], pos[:2], cos, sin, heads, d, gate_up[:2], w_in, w_out, logits[:2]

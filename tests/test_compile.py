@@ -60,7 +60,8 @@ def test_compiled_aot_eager_is_bit_identical(name):
 
 
 @pytest.mark.parametrize("name", ["dense_out", "varlen_paged", "kvcache_paged_append", "kvcache_int_seqlens", "merge",
-                                  "write_kv_cache", "decoder_ops"] + (["kvcache_paged_fp8_sinks"] if ON_GPU else []))
+                                  "write_kv_cache", "decoder_ops", "moe_route"]
+                         + (["kvcache_paged_fp8_sinks"] if ON_GPU else []))
 def test_dynamic_shapes_compile_once(name):
     """``dynamic=True``: bit-identical to eager, and a second set of sizes reuses the graph (every
     check ran on SymInts). Duck sizing, off here, would specialize on sizes that happen to be equal

@@ -31,6 +31,19 @@ def test_engine_kernels_compile_for_sm90():
         assert any(f" {kernel} " in x for x in lines), kernel
 
 
+def test_moe_layers_compile_for_sm90():
+    """The mixture-of-experts shapes' layer kernels, their routing with them (softmax; GPT-OSS's
+    topk_softmax with a router bias)."""
+    run = subprocess.run([sys.executable, str(TOOL), "--shapes", "qwen3-30b-a3b,gpt-oss-20b", "--parts", "layers"],
+                         capture_output=True, text=True, env=child_env(interpret=False), timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines[-1].endswith(" 0 failed")
+    for shape in ("qwen3-30b-a3b", "gpt-oss-20b"):
+        assert any(x.startswith(shape) and " moe route " in x and " _route_kernel " in x for x in lines), shape
+    assert all(" 0 B local" in x for x in lines[:-1] if " regs," in x), "a kernel spills"
+
+
 def test_bad_arguments_are_refused():
     for args, message in ((["--shapes", "nope"], "--shapes: unknown ['nope']"), (["--parts", "kernels"], "--parts:")):
         run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120,

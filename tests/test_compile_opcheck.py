@@ -59,6 +59,7 @@ OP_CALLS = {
     "argmax": lambda: (fresh_args(CASES["decoder_ops"])[12],),
     "gemv": lambda: _gemv_op_args(),
     "write_kv_cache[fp8]": lambda: fresh_args(CASES["write_kv_cache_fp8"]),
+    "moe_route": lambda: (*fresh_args(CASES["moe_route"]), 4, 1, True),
 }
 
 

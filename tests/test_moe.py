@@ -278,7 +278,7 @@ def test_compiled_is_bit_identical():
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("topk_softmax", True)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_route(scoring, renormalize, with_bias):
-    # fp16 logits, distinct in each row (a tie would let either expert win)
+    # fp16 logits, distinct in each row (ties: tests/test_moe_routing.py)
     logits = (torch.stack([torch.randperm(16, device=DEVICE) for _ in range(37)]) * 0.5 - 4).to(torch.float16)
     bias = randn(16) if with_bias else None
     weights, ids_ = moe.route(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)

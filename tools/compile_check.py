@@ -8,8 +8,8 @@ loads, the fp8 conversion instruction):
 
 - ``layers``: RMSNorm with and without the residual, RoPE with and without the fused q/k norm,
   SiLU-and-mul, the single-row projections (gemv and its RMSNorm and SiLU prologues), the GEMM,
-  and the argmax of the LM head's logits; one decode row, a 64-row decode step and a 512-token
-  prefill chunk;
+  the argmax of the LM head's logits, and a mixture-of-experts shape's routing; one decode row, a
+  64-row decode step and a 512-token prefill chunk;
 - ``attention``: the engine's attention as its layers call it (K/V written into 16-row pages, then
   one paged varlen launch with the shape's window, softcap and sinks): a 1-row and a 64-row decode
   step at 1K and 16K keys (split-KV and its combine), the decode graphs' launches (every batch size
@@ -50,7 +50,7 @@ import torch
 import pagedflash
 from pagedflash.bench.shapes import SHAPES
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
-from pagedflash.ops import activation, attention_plan, combine, gemv, matmul, norm, rope, sampling
+from pagedflash.ops import activation, attention_plan, combine, gemv, matmul, moe, norm, rope, sampling
 from pagedflash.ops import launch as launch_table
 from pagedflash.testing import compile_new, cubin_resources, recorded_launches
 
@@ -101,6 +101,12 @@ def _layer_calls(cfg: dict, rows: int):
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:  # a mixture-of-experts shape's router (GPT-OSS: topk_softmax, with a bias)
+        gpt_oss = cfg.get("model_type") == "gpt_oss"
+        logits, bias = torch.empty(rows, experts, **bf16), torch.empty(experts, **bf16) if gpt_oss else None
+        yield "moe route", lambda: moe.route(logits, cfg["num_experts_per_tok"], bias=bias,
+                                             scoring="topk_softmax" if gpt_oss else "softmax")
 
 
 def _opted(module, switch: str, value, call):

@@ -1,5 +1,6 @@
 """The @triton.jit pieces shared by every kernel: constants, the online-softmax step, score
-transforms, masks and the merge of two softmax states. Kernels import these; nothing here launches.
+transforms, masks, the first index of a maximum and the merge of two softmax states. Kernels import
+these; nothing here launches.
 """
 
 import triton
@@ -129,6 +130,18 @@ def fp8_to_f16(x):
     else:
         tl.static_assert(x.dtype == tl.float8e5, "fp8_to_f16: e4m3fn or e5m2 only")
         return tl.inline_asm_elementwise(_CVT_E5M2, "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def max_first_index(x, idx, ok, AXIS: tl.constexpr):
+    """Along ``AXIS``: the maximum of ``x`` over the entries where ``ok``, and the lowest ``idx``
+    (int32) among the entries ``ok`` that hold it (ties: the lowest index first, as ``torch.argmax``).
+    ``x`` holds no NaN (the caller maps it first); where no entry is ``ok``: ``-inf`` and the int32
+    maximum."""
+    x = tl.where(ok, x, NEG_INF)
+    m = tl.max(x, AXIS)
+    first = tl.min(tl.where(ok & (x == tl.expand_dims(m, AXIS)), idx, 0x7FFFFFFF), AXIS)
+    return m, first
 
 
 @triton.jit

@@ -20,6 +20,7 @@ operator                        public function                                m
 ``argmax``                      :func:`pagedflash.ops.sampling.argmax`         —
 ``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
                                 forms (``rms_norm_gemv``, ``silu_mul_gemv``)
+``moe_route``                   :func:`pagedflash.ops.moe.route`               —
 ``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`           ``out``
 ``matmul``                      :func:`pagedflash.ops.matmul.matmul`           ``out``
 =============================== ============================================== ============================
@@ -174,6 +175,18 @@ for _name, _fake in (("flash_attn_func", _fake_dense), ("flash_attn_varlen_func"
                      ("write_kv_cache", _fake_write), ("rms_norm", _fake_rms_norm), ("rope_", _fake_rope),
                      ("silu_mul", _fake_silu_mul), ("argmax", _fake_argmax), ("gemv", _fake_gemv)):
     torch.library.register_fake(f"pagedflash::{_name}", _fake, lib=_lib)
+
+# moe_route (pagedflash.ops.moe.route): new (weights fp32, ids int32) [T, top_k]; scoring: an index of SCORINGS
+_SCHEMAS["moe_route"] = "(Tensor router_logits, Tensor? bias, int top_k, int scoring, bool renormalize) -> (Tensor, Tensor)"
+_lib.define("moe_route" + _SCHEMAS["moe_route"])
+
+
+def _fake_moe_route(router_logits, bias, top_k, scoring, renormalize):
+    shape = (router_logits.shape[0], top_k)
+    return router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int32)
+
+
+torch.library.register_fake("pagedflash::moe_route", _fake_moe_route, lib=_lib)
 
 # fused_moe (pagedflash.ops.moe.fused_moe): writes out
 _SCHEMAS["fused_moe"] = ("(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "

@@ -5,9 +5,8 @@ This module holds the launch choices (:func:`tiles`) and the public API; the ker
 :mod:`pagedflash.ops.moe_kernels`, routing and the grouping kernels in
 :mod:`pagedflash.ops.moe_routing` (``route`` is re-exported here).
 
-- :func:`route`: router logits ``[T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``, torch ops
-  on the device (softmax/top-k: ``torch.topk`` needs no host sync and is CUDA-graph safe, and a
-  Triton kernel would save at most one small launch).
+- :func:`route`: router logits ``[T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])`` in one
+  kernel (the bias, softmax, top k and normalization fused; equal logits: lowest expert index first).
 - :func:`fused_moe`: ``sum_j w[t, j] * expert_{ids[t, j]}(x_t)`` in three kernels:
 
   1. ``_gate_up_kernel``: for a block of ``BM`` pairs routed to one expert, ``x W_gate^T`` and

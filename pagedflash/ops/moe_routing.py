@@ -2,6 +2,14 @@
 (:func:`route`), and the ``P = T * k`` (token, slot) pairs grouped by expert for the expert GEMMs'
 *sorted* form (:func:`plan_grouping`, :func:`group`). Dimensions as in :mod:`pagedflash.ops.moe`.
 
+Routing, one launch with no host sync (CUDA-graph safe; the ``torch.ops.pagedflash.moe_route``
+operator under ``torch.compile``): ``_route_kernel``, one program per ``BLOCK_T`` tokens, each
+token's ``E`` logits (plus the bias) one fp32 row of ``BLOCK_E = next_pow2(E)`` lanes in registers;
+the top ``k`` by ``k`` rounds of (the row's maximum among the experts not yet taken, the lowest
+index holding it, taken), then the softmax and the weights' normalization over the row or the ``k``.
+The tile (``BLOCK_T``, warps) follows from ``E`` alone, so a token's bits never depend on the other
+tokens (batch-invariant in every mode).
+
 Grouping, on the device with no host sync (CUDA-graph safe): expert ``e``'s pairs fill a run of
 slots padded to a multiple of ``BM`` (in any order within it); ids outside ``[0, E)`` form one more
 run, expert ``E``; pad slots hold the sentinel ``P``; blocks past the last run have expert ``-1``.
@@ -20,9 +28,12 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops.utils import Launch, cdiv, next_pow2
+from pagedflash.ops import custom_ops
+from pagedflash.ops._jit import NEG_INF, max_first_index
+from pagedflash.ops.utils import Launch, PlanCache, cdiv, next_pow2
 
-SCORINGS = ("softmax", "topk_softmax")
+SCORINGS = ("softmax", "topk_softmax")  # route's scoring; the operator takes its index
+MAX_EXPERTS = 4096  # route's kernel holds a token's E logits in registers: up to here
 
 
 # ---------------------------------------------------------------- grouping kernels
@@ -137,32 +148,124 @@ def group(g: Grouping, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> 
     return sorted_ids, block_expert
 
 
-def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
-          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick each token's experts: router_logits ``[T, E]`` (any float dtype) -> ``(topk_weights fp32
-    [T, top_k], topk_ids int32 [T, top_k])``, in fp32 on the logits' device, no host sync.
+# ---------------------------------------------------------------- routing kernel
 
-    scoring ``"softmax"``: softmax over E, then the top k; ``renormalize`` divides the k weights by
-    their sum (Mixtral; Qwen3-MoE's ``norm_topk_prob``). ``"topk_softmax"`` (GPT-OSS): the top k
-    logits, then a softmax over those k (already normalized). ``bias`` ``[E]`` is added to the
-    logits first. Ties go to ``torch.topk``'s choice."""
+
+@triton.jit
+def _route_kernel(
+    Logits,  # [T, E] fp16/bf16/fp32, strides (stride_lt, stride_le)
+    Bias,  # [E], stride stride_b (read with HAS_BIAS)
+    Weights,  # [T, TOP_K] fp32, contiguous
+    Ids,  # [T, TOP_K] int32, contiguous
+    T, E, stride_lt, stride_le, stride_b,
+    TOP_K: tl.constexpr, OVER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """:func:`route`'s rule for ``BLOCK_T`` tokens, each row alone (no reduction across rows). Each
+    weight is ``exp(x - max)`` over a sum: the row's with ``OVER_ROW`` (softmax), else the k's
+    (softmax renormalized over the k, which is topk_softmax)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = (cols < E)[None, :]
+    x = tl.load(Logits + rows.to(tl.int64)[:, None] * stride_lt + cols.to(tl.int64)[None, :] * stride_le,
+                mask=row_ok[:, None] & col_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(Bias + cols * stride_b, mask=cols < E, other=0.0).to(tl.float32)[None, :]
+    nan = x != x
+    has_nan = tl.max(nan.to(tl.int32), 1) > 0
+    x = tl.where(nan | ~col_ok, NEG_INF, x)  # a NaN ranks as -inf (its row's weights are NaN below)
+    # top k: round j takes the largest logit left, the lowest index among equals
+    slot = tl.arange(0, BLOCK_K)[None, :]
+    top = tl.full([BLOCK_T, BLOCK_K], NEG_INF, tl.float32)  # slots past TOP_K stay -inf
+    top_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    left = tl.broadcast_to(col_ok, [BLOCK_T, BLOCK_E])  # the experts not taken yet
+    for j in range(TOP_K):
+        m, e = max_first_index(x, cols[None, :], left, 1)
+        top = tl.where(slot == j, m[:, None], top)
+        top_ids = tl.where(slot == j, e[:, None], top_ids)
+        left = left & (cols[None, :] != e[:, None])
+    row_max = tl.max(x, 1)[:, None]  # top's first slot; -inf or +inf make the row's weights NaN
+    num = tl.exp(top - row_max)  # 0 in the slots past TOP_K (a finite row_max)
+    if OVER_ROW:
+        den = tl.sum(tl.exp(x - row_max), 1)  # its padding lanes add 0
+    else:
+        den = tl.sum(num, 1)
+    w = tl.where(has_nan[:, None], float("nan"), num / den[:, None])
+    out = rows.to(tl.int64)[:, None] * TOP_K + slot
+    store_ok = row_ok[:, None] & (slot < TOP_K)
+    tl.store(Weights + out, w, mask=store_ok)
+    tl.store(Ids + out, top_ids, mask=store_ok)
+
+
+def _check(router_logits, top_k, bias) -> None:
     validate.check_tensor("router_logits", router_logits, ndim=2, dtypes=validate.SUPPORTED_DTYPES)
     E = router_logits.shape[1]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"top_k: expected an int in [1, {E}] (E, router_logits' last dim), got {top_k!r}")
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring: expected one of {list(SCORINGS)}, got {scoring!r}")
-    logits = router_logits.float()
+    if E > MAX_EXPERTS:
+        raise ValueError(f"router_logits: expected at most {MAX_EXPERTS} experts (its last dim: the routing kernel "
+                         f"holds a token's logits in registers), got shape {tuple(router_logits.shape)}")
     if bias is not None:
         validate.check_tensor("bias", bias, ndim=1, dtypes=validate.SUPPORTED_DTYPES, device=router_logits.device)
         if bias.shape[0] != E:
             raise ValueError(f"bias: expected shape ({E},) (one per expert), got {tuple(bias.shape)}")
-        logits = logits + bias.float()
-    if scoring == "softmax":
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
-        top, ids = torch.topk(logits, top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
-    return weights, ids.to(torch.int32)
+    validate.check_no_grad(router_logits=router_logits, bias=bias)
+
+
+def _plan(router_logits, bias, top_k: int, scoring: int, renormalize: bool) -> Launch:
+    """Check the operands (all the checks read is in the plan's key) and work out the launch: the
+    tile from E alone (batch invariance: the module's doc), about 1024 logits a program."""
+    _check(router_logits, top_k, bias)
+    T, E = router_logits.shape
+    block_e = next_pow2(E)
+    block_t = max(1, min(64, 1024 // block_e))
+    return Launch(_route_kernel, (cdiv(T, block_t),) if T else None,
+                  dict(TOP_K=top_k, OVER_ROW=scoring == 0 and not renormalize, HAS_BIAS=bias is not None,
+                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(top_k)),
+                  num_warps=4 if block_e <= 1024 else 8)
+
+
+_PLANS = PlanCache()
+
+
+def _launch(router_logits, bias, top_k: int, scoring: int, renormalize: bool):
+    key = _PLANS.key(router_logits, bias, extra=(top_k, scoring, renormalize))
+    plan = _PLANS.find(key) or _PLANS.add(key, _plan(router_logits, bias, top_k, scoring, renormalize))
+    T, E = router_logits.shape
+    weights = router_logits.new_empty((T, top_k), dtype=torch.float32)
+    ids = router_logits.new_empty((T, top_k), dtype=torch.int32)
+    b = router_logits if bias is None else bias
+    plan(router_logits, b, weights, ids, T, E, *router_logits.stride(), b.stride(0))
+    return weights, ids
+
+
+_op = custom_ops.implement("moe_route", _launch)
+
+
+def route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool = True,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each token's experts: router_logits ``[T, E]`` (fp16/bf16/fp32, any strides, ``E <=``
+    :data:`MAX_EXPERTS`) -> ``(topk_weights fp32 [T, top_k], topk_ids int32 [T, top_k])`` on the
+    logits' device, in one kernel with no host sync (CUDA-graph safe).
+
+    In fp32, with ``x = logits + bias`` (``bias`` ``[E]``, optional): the experts are the ``top_k``
+    largest ``x`` in descending order (``torch.topk``'s ``sorted=True``); equal values go lowest
+    index first (a stable descending sort: bf16 logits do tie). scoring ``"softmax"``: each weight
+    is ``softmax(x)`` over the E experts; ``renormalize`` divides the k weights by their sum
+    (Mixtral; Qwen3-MoE's ``norm_topk_prob``). ``"topk_softmax"`` (GPT-OSS): a softmax over the k
+    chosen ``x`` (already normalized). The softmax is monotone, so ranking ``x`` ranks the
+    probabilities; the order of experts whose distinct logits round to one probability follows ``x``.
+
+    A NaN in a token's ``x`` ranks as ``-inf`` and makes all k of its weights NaN; a row whose
+    maximum is ``-inf`` (all ``-inf``) or ``+inf`` gets NaN weights too (as ``torch.softmax``). Ids
+    are always ``top_k`` distinct experts in ``[0, E)``, so the expert kernels read no wild weight.
+    Each token's row is computed alone: the same bits whatever the other tokens. Checked on a call
+    signature's first call (and when traced); ``pagedflash.reference.moe_route_ref`` is the same
+    rule in torch ops."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring: expected one of {list(SCORINGS)}, got {scoring!r}")
+    renormalize = bool(renormalize)
+    if custom_ops.via_operator():
+        _check(router_logits, top_k, bias)
+    return _op(router_logits, bias, top_k, SCORINGS.index(scoring), renormalize)

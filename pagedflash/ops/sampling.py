@@ -14,6 +14,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
+from pagedflash.ops._jit import max_first_index
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_operand, next_pow2
 
 ARGMAX_CHUNK = 4096  # columns reduced by one program
@@ -31,9 +32,9 @@ def _argmax_chunks_kernel(
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + row * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("inf"), x)  # NaN counts as the largest, as in torch.argmax
-    m = tl.max(x, axis=0)
+    m, first = max_first_index(x, cols, cols < n, 0)
     tl.store(Val + row * num_chunks + chunk, m)
-    tl.store(Idx + row * num_chunks + chunk, tl.min(tl.where((x == m) & (cols < n), cols, n), axis=0))
+    tl.store(Idx + row * num_chunks + chunk, first)
 
 
 @triton.jit
@@ -48,8 +49,8 @@ def _argmax_merge_kernel(
     ok = c < num_chunks
     v = tl.load(Val + row * num_chunks + c, mask=ok, other=float("-inf"))
     i = tl.load(Idx + row * num_chunks + c, mask=ok, other=0x7FFFFFFF)
-    m = tl.max(v, axis=0)
-    tl.store(Out + row, tl.min(tl.where(ok & (v == m), i, 0x7FFFFFFF), axis=0).to(tl.int64))
+    _, first = max_first_index(v, i, ok, 0)
+    tl.store(Out + row, first.to(tl.int64))
 
 
 def _check(logits) -> None:
