@@ -16,6 +16,7 @@ import itertools
 
 import torch
 
+from pagedflash import validate
 from pagedflash.ops import fastlaunch
 from pagedflash.ops import launch as launch_table
 from pagedflash.ops.launch import (
@@ -31,6 +32,7 @@ from pagedflash.ops.launch import (
     use_tma,
 )
 from pagedflash.ops.utils import (
+    PlanCache,
     cdiv,
     fp8_cvt_device,
     head_stride,
@@ -95,6 +97,17 @@ def _switches(invariant: bool) -> tuple:
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
+
+
+def keep_checks(kept: PlanCache, key: tuple | None, checked: tuple, softmax_scale: float | None,
+                head_dim: int) -> tuple:
+    """A public call's check outcome ``checked`` with the scale the kernel takes (``softmax_scale``
+    or its default) and a :func:`checks_id`, kept in ``kept`` under ``key``; a None key (torch.compile
+    tracing, among others) never touches the cache, as a graph would guard on its contents: the
+    outcome then comes with None for both."""
+    if key is None:
+        return (*checked, None, None)
+    return kept.add(key, (*checked, validate.check_scale(softmax_scale, head_dim), checks_id()))
 
 
 def public_plan_key(entry: str, checks: int, return_lse: bool, invariant: bool) -> tuple:

@@ -15,7 +15,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops
 from pagedflash.ops.attention import attention_forward, kept_forward
-from pagedflash.ops.attention_plan import checks_id, public_plan_key
+from pagedflash.ops.attention_plan import keep_checks, public_plan_key
 from pagedflash.ops.cache_write import append_kv
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
@@ -63,7 +63,7 @@ def _launch(q, k_cache, v_cache, k, v, cache_seqlens, block_table, max_seqlen_k,
 _op = custom_ops.implement("flash_attn_with_kvcache", _launch)
 
 
-# the outcome of _check by call signature (checked_signature: every property it reads), and its checks_id
+# the outcome of _check by call signature (checked_signature: every property it reads), as keep_checks keeps it
 _CHECKED = PlanCache()
 
 
@@ -123,14 +123,11 @@ def flash_attn_with_kvcache(
     if out is None and type(cache_seqlens) is not int:  # out's checks read addresses; an int makes a tensor
         key = checked_signature((q, k_cache, v_cache, k, v, cache_seqlens, block_table, k_descale, v_descale, sinks),
                                 (softmax_scale, causal, window_size, softcap, num_splits))
-    # a None key (torch.compile tracing, among others) never touches _CHECKED: a graph would guard on its contents
     checked = None if key is None else _CHECKED.find(key)
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
-        # kept: with the scale the kernel takes (softmax_scale or its default) and a checks_id
-        checked = (*checked, None, None) if key is None else _CHECKED.add(
-            key, (*checked, validate.check_scale(checked[1], q.shape[-1]), checks_id()))
+        checked = keep_checks(_CHECKED, key, checked, checked[1], q.shape[-1])
     else:
         seqlens = cache_seqlens
     max_len, softmax_scale, left, right, softcap, scale, checks = checked

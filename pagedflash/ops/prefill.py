@@ -16,7 +16,7 @@ import torch
 from pagedflash import batch_invariance, validate
 from pagedflash.ops import custom_ops, prefill_hopper
 from pagedflash.ops.attention import attention_forward, kept_forward
-from pagedflash.ops.attention_plan import checks_id, public_plan_key
+from pagedflash.ops.attention_plan import keep_checks, public_plan_key
 from pagedflash.ops.utils import PlanCache, checked_signature, new_output
 
 
@@ -96,19 +96,9 @@ _varlen_op = custom_ops.implement("flash_attn_varlen_func", _launch_varlen)
 
 
 # the outcomes of _check_dense and of _check_varlen by call signature (checked_signature: every property they
-# read), as _keep keeps them
+# read), as keep_checks keeps them
 _CHECKED = PlanCache()
 _CHECKED_VARLEN = PlanCache()
-
-
-def _keep(cache: PlanCache, key: tuple | None, q: torch.Tensor, checked: tuple) -> tuple:
-    """A check outcome (``softmax_scale`` first) with the scale the kernel takes (``softmax_scale`` or
-    its default) and a :func:`checks_id`, kept in ``cache`` under ``key``; a None key (torch.compile
-    tracing, among others) never touches the cache, as a graph would guard on its contents: the
-    outcome then comes with None for both."""
-    if key is None:
-        return (*checked, None, None)
-    return cache.add(key, (*checked, validate.check_scale(checked[0], q.shape[-1]), checks_id()))
 
 
 def flash_attn_func(
@@ -150,7 +140,8 @@ def flash_attn_func(
     key = checked_signature((q, k, v, sinks), (softmax_scale, causal, window_size, softcap))
     checked = None if key is None else _CHECKED.find(key)
     if checked is None:
-        checked = _keep(_CHECKED, key, q, _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks))
+        checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
+        checked = keep_checks(_CHECKED, key, checked, checked[0], q.shape[-1])
     softmax_scale, left, right, softcap, scale, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
@@ -244,9 +235,9 @@ def flash_attn_varlen_func(
                             (max_seqlen_q, max_seqlen_k, num_splits, softmax_scale, causal, window_size, softcap))
     checked = None if key is None else _CHECKED_VARLEN.find(key)
     if checked is None:
-        checked = _keep(_CHECKED_VARLEN, key, q, _check_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
-            softcap, block_table, num_splits, k_descale, v_descale, sinks))
+        checked = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                window_size, softcap, block_table, num_splits, k_descale, v_descale, sinks)
+        checked = keep_checks(_CHECKED_VARLEN, key, checked, checked[0], q.shape[-1])
     softmax_scale, left, right, softcap, scale, checks = checked
     # the checks' key covers the plan's where out is fresh
     fresh = key is not None and out is None
