@@ -231,3 +231,13 @@ def test_two_ranks_give_one_ranks_entries(monkeypatch):
             for x, y in zip(a or [], b or []):
                 assert (x is None and y is None) or (
                     list(x) == list(y) and all(abs(x[t] - y[t]) <= ATOL for t in x)), f"{name}: {x} vs {y}"
+
+
+def test_unread_gather_asks_for_every_slice_and_computes_nothing(monkeypatch):
+    """A tensor-parallel worker's prompt entries are never read: it still asks for each slice's
+    logits (a gather over the ranks) in rank 0's slices, and computes no log-softmax."""
+    asked = []
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: pytest.fail("log_softmax on an unread gather"))
+    out = logprobs_mod.gather(lambda idx: asked.append(idx.tolist()) or torch.zeros(len(idx), 8), [0, 1, 2, 3, 4],
+                              torch.zeros(5, dtype=torch.int64), k=2, slice_rows=2, read=False)
+    assert out is None and asked == [[0, 1], [2, 3], [4]]

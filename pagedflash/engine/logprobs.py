@@ -93,33 +93,38 @@ def plan(batch, vocab_size: int) -> LogprobPlan | None:
 
 
 def gather(logits_of: Callable[[torch.Tensor], torch.Tensor], rows: list[int], targets: torch.Tensor, k: int,
-           slice_rows: int | None = None) -> torch.Tensor:
+           slice_rows: int | None = None, read: bool = True) -> torch.Tensor | None:
     """For each row ``r`` of ``rows``: the fp32 log-softmax of its logits at its target, then the
     ``k`` largest values' token ids and values. ``logits_of(idx)``: the logits ``[len(idx), V]`` (any
     float dtype) of the rows ``idx`` (int64, on ``targets``' device), asked for in order, ``slice_rows``
     rows at a time (default :data:`ROWS_PER_GATHER`); ``targets`` int64 ``[len(rows)]``. Returns
-    float64 ``[len(rows) * (1 + 2k)]``, row by row."""
+    float64 ``[len(rows) * (1 + 2k)]``, row by row; with ``read`` False (a tensor-parallel rank whose
+    entries nobody reads) only asks for the logits, as a gather over the ranks needs, and returns None."""
     step = slice_rows or ROWS_PER_GATHER
     parts = []
     for a in range(0, len(rows), step):
-        lp = torch.log_softmax(logits_of(_on_device(rows[a : a + step], targets.device)).float(), dim=-1)
+        logits = logits_of(_on_device(rows[a : a + step], targets.device))
+        if not read:
+            continue
+        lp = torch.log_softmax(logits.float(), dim=-1)
         cols = [lp.gather(1, targets[a : a + step, None])]
         if k:
             top = lp.topk(k, dim=-1)
             cols += [top.indices, top.values]
         parts.append(torch.cat([c.double() for c in cols], dim=1).flatten())
-    return torch.cat(parts)
+    return torch.cat(parts) if read else None
 
 
-def prompt(want: LogprobPlan, logits_of: Callable[[torch.Tensor], torch.Tensor], device) -> torch.Tensor | None:
+def prompt(want: LogprobPlan, logits_of: Callable[[torch.Tensor], torch.Tensor], device,
+           read: bool = True) -> torch.Tensor | None:
     """:func:`gather` of ``want``'s prompt positions (``logits_of``: as there, by packed index) in
     slices of ``want.slice_rows``, on ``device``; None when it has none. Every rank of a
     tensor-parallel engine calls it with the same ``want`` (``logits_of`` may gather over the ranks:
-    the same slices everywhere)."""
+    the same slices everywhere); only rank 0's entries are read (``read`` False elsewhere)."""
     if not want.prompt:
         return None
     return gather(logits_of, want.prompt_positions, _on_device(want.prompt_targets, device), _width(want.prompt),
-                  want.slice_rows)
+                  want.slice_rows, read)
 
 
 def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor,

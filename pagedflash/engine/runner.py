@@ -256,7 +256,7 @@ class ModelRunner:
             rows = hidden if len(logits_idx) == hidden.shape[0] else hidden[self._tensor(logits_idx, torch.int64)]
             logits = self.model.lm_logits(rows)
         prompt = None if want is None else logprobs.prompt(want, lambda idx: self.model.lm_logits(hidden[idx]),
-                                                           self.device)
+                                                           self.device, read=self.model.shard.rank == 0)
         return logits, prompt
 
     def plan(self, batch: Batch):
