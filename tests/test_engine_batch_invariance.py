@@ -125,26 +125,34 @@ def test_refusals():
         engine(batch_invariant=1)
 
 
+OLMOE = dict(GPT_OSS, architectures=["OlmoeForCausalLM"], model_type="olmoe", num_experts=4, sliding_window=None)
+del OLMOE["num_local_experts"]
+
+
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-def test_two_ranks_alone_equals_batched(monkeypatch):
+@pytest.mark.parametrize("model", [MODEL, OLMOE], ids=["llama", "olmoe"])
+def test_two_ranks_alone_equals_batched(monkeypatch, model):
     """Tensor parallelism in the mode: each rank's shard in the mode, the two ranks' sums through the
-    group's all-reduce (one addition an element, whatever the message)."""
+    group's all-reduce (one addition an element, whatever the message); OLMoE: its q/k projection
+    norms' sums of squares over the ranks, and experts."""
     monkeypatch.setenv(ROW_EXACT_DOT_ENV, "1")  # the worker's interpreter too (this process: the fixture)
-    kw = dict(tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu")
+    kw = dict(tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", batch_invariant=True, page_size=8,
+              num_blocks=64)
     mine, ps = [prompt(9, 1, PREFIX), prompt(22, 3)], [params(), SEEDED]
-    with engine(max_num_seqs=1, enable_prefix_caching=False, **kw) as solo:
+    with LLM(model, dtype=DTYPE, seed=0, max_num_seqs=1, enable_prefix_caching=False, **kw) as solo:
         alone = [run(solo, [p], [sp])[0] for p, sp in zip(mine, ps)]
-    with engine(max_num_seqs=8, max_num_batched_tokens=STEP_TOKENS, num_blocks=POOL * 2, **kw) as llm:
+    kw["num_blocks"] = POOL * 2
+    with LLM(model, dtype=DTYPE, seed=0, max_num_seqs=8, max_num_batched_tokens=STEP_TOKENS, **kw) as llm:
         got = run(llm, [prompt(12, 9, PREFIX), mine[0], prompt(7, 8), mine[1]], [params(), ps[0], params(), ps[1]])
     assert [got[1], got[3]] == alone
 
 
-def _three_rank_sums(rank: int, port: int) -> None:
+def _three_rank_sums(rank: int, init_method: str) -> None:
     import torch.distributed as dist
 
     from pagedflash.engine.parallel import make_collectives
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=3)
     try:  # symm_mem asked for and not used (it would need CUDA): the mode's sums do not take it
         comm = make_collectives(3, kind="symm_mem", dtype=torch.float32, device=torch.device("cpu"), invariant=True)
         for dtype in (torch.float32, torch.bfloat16):
@@ -159,17 +167,12 @@ def _three_rank_sums(rank: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_three_ranks_sum_in_rank_order():
+def test_three_ranks_sum_in_rank_order(tmp_path):
     """From three ranks the mode's all-reduce gathers the parts and adds them in rank order, in fp32:
     a row's sum the same bits alone or in a larger message."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_three_rank_sums, args=(port,), nprocs=3)
+    mp.spawn(_three_rank_sums, args=(f"file://{tmp_path / 'group'}",), nprocs=3)
 
 
 def test_server_option():

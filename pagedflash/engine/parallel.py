@@ -140,8 +140,8 @@ class Collectives:
     bits whatever the message it travels in. A library's all-reduce picks its algorithm by message
     size, and with it the order in which it adds three or more ranks' values; with two ranks every
     algorithm adds the two values once (``a + b == b + a``), so the group's all-reduce keeps the
-    bits there (the one-shot symmetric-memory path is not used: it rounds where the group's does
-    not). From three ranks the parts are gathered and added in rank order on each rank,
+    bits there (the one-shot symmetric-memory path, taken by message size, is not used: its
+    zero-started fp32 sum is not shown to give the group's bits, the sign of a zero at least). From three ranks the parts are gathered and added in rank order on each rank,
     ``((x_0 + x_1) + x_2) + ...`` in fp32, rounded once to ``x``'s dtype (elementwise: no order
     depends on the message), at the cost of an all-gather (``size - 1`` parts received, where a ring
     all-reduce receives ``2 (size - 1) / size``) and ``size`` elementwise kernels."""

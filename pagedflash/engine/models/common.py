@@ -65,20 +65,36 @@ class RMSNorm(nn.Module):
 class ProjectionNorm(nn.Module):
     """RMSNorm over a whole projection (OLMo 2's q/k norm) whose ``dim`` columns may be split over
     the ranks: this rank holds ``weight [dim / N]`` and the mean square is summed over the ranks
-    (a replicated KV head counted once per rank that holds it, and divided out likewise)."""
+    (a replicated KV head counted once per rank that holds it, and divided out likewise). In the
+    batch-invariant mode a rank's sum of squares is a fixed tree of elementwise adds
+    (:func:`_row_sum`): a library reduction lays a row's additions out by the number of rows."""
 
     def __init__(self, local_dim: int, eps: float, comm: Collectives):
         super().__init__()
         self.eps, self.comm = eps, comm
         self.weight = nn.Parameter(torch.ones(local_dim))
+        self.batch_invariant = False  # CausalLM.make_batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.comm.size == 1:
             return layers.rms_norm(x.contiguous(), self.weight, self.eps)[0]
         xf = x.float()
-        square_sum = self.comm.all_reduce(xf.square().sum(-1, keepdim=True))
+        squares = xf.square()
+        local = _row_sum(squares) if self.batch_invariant else squares.sum(-1, keepdim=True)
+        square_sum = self.comm.all_reduce(local)
         mean = square_sum / (x.shape[-1] * self.comm.size)
         return (xf * torch.rsqrt(mean + self.eps)).to(x.dtype) * self.weight
+
+
+def _row_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, C]`` summed along each row ``[T, 1]`` by halving: the first half plus the second (an odd
+    column carried), until one column is left. Elementwise adds only, so a row's bits never depend
+    on ``T``."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        pairs = x[:, :half] + x[:, half : 2 * half]
+        x = torch.cat([pairs, x[:, 2 * half :]], dim=-1) if x.shape[-1] % 2 else pairs
+    return x
 
 
 class RotaryEmbedding(nn.Module):

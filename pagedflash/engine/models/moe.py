@@ -87,7 +87,7 @@ class SparseMoE(nn.Module):
 
 
 class MoeDecoderLayer(nn.Module):
-    """Pre-norm block with a mixture of experts (or, in a Qwen3-MoE dense layer, a dense MLP) under
+    """Pre-norm block with a mixture of experts (or, in a Qwen2/3-MoE dense layer, a dense MLP) under
     the checkpoint's name for it (``moe_name``)."""
 
     moe_name = "mlp"
