@@ -249,7 +249,7 @@ def test_random_experts_shard_as_one_rank():
 
 def test_random_shared_expert_shards_as_one_rank():
     """Qwen2-MoE's shared expert drawn at random on two ranks is the one-rank model's: each rank's
-    gate/up rows and down columns, the gate whole."""
+    gate/up rows and down columns, the router with the shared expert's gate whole."""
     from pagedflash.engine.parallel import Collectives, ShardSizes
     from pagedflash.engine.weights import build_model, init_random_weights
 
@@ -267,4 +267,4 @@ def test_random_shared_expert_shards_as_one_rank():
             gate, up = one.mlp.shared_expert.gate_up_proj.weight.chunk(2)
             assert torch.equal(layer.mlp.shared_expert.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
             assert torch.equal(layer.mlp.shared_expert.down_proj.weight, one.mlp.shared_expert.down_proj.weight[:, rows])
-            assert torch.equal(layer.mlp.shared_expert_gate.weight, one.mlp.shared_expert_gate.weight)
+            assert torch.equal(layer.mlp.gate.weight, one.mlp.gate.weight)  # the router, the shared gate last

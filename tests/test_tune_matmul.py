@@ -33,11 +33,11 @@ def test_projections_match_the_published_shapes():
         "qkv": (5120, 2048, 48), "o_proj": (2048, 4096, 48), "router": (128, 2048, 48),
         "lm_head": (151936, 2048, 1)}
     assert tm.projections("gpt-oss-20b")["router"] == (32, 2880, 24)
-    # Qwen1.5-MoE-A2.7B: 16 / 16 heads of 128, 60 experts' router, a shared expert of 5632 and its gate
+    # Qwen1.5-MoE-A2.7B: 16 / 16 heads of 128, 60 experts' router and the shared expert's gate, the
+    # shared expert of 5632
     assert tm.projections("qwen1.5-moe-a2.7b") == {
-        "qkv": (6144, 2048, 24), "o_proj": (2048, 2048, 24), "router": (60, 2048, 24),
-        "shared_gate_up": (11264, 2048, 24), "shared_down": (2048, 5632, 24), "shared_gate": (1, 2048, 24),
-        "lm_head": (151936, 2048, 1)}
+        "qkv": (6144, 2048, 24), "o_proj": (2048, 2048, 24), "router": (61, 2048, 24),
+        "shared_gate_up": (11264, 2048, 24), "shared_down": (2048, 5632, 24), "lm_head": (151936, 2048, 1)}
 
 
 def test_projections_share_a_label_when_shapes_repeat(monkeypatch):

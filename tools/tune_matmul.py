@@ -9,8 +9,8 @@ cuBLAS picks its kernel by M).
 (:func:`projections`, from ``pagedflash/bench/shapes.py`` through ``ModelConfig``; comma-separated
 for several; default ``llama-3-8b``): qkv, o_proj, gate_up, down in every layer and the LM head
 once; a mixture of experts (qwen3-30b-a3b, gpt-oss-20b) has qkv, o_proj, its router and the LM head
-(gate_up and down only in dense layers; qwen1.5-moe-a2.7b's shared expert, its gate_up, down and
-one-column gate, in every MoE layer): its routed experts run in ``fused_moe``'s own invariant tiles
+(gate_up and down only in dense layers; qwen1.5-moe-a2.7b's shared expert, its gate_up and down, in
+every MoE layer, its gate a row of the router): its routed experts run in ``fused_moe``'s own invariant tiles
 (``ops/moe.py``), not through ``matmul``. ``--rows`` (default 1, 32, 256, 8192): the M values timed.
 
 Each case cycles through enough copies of its weight (> 2x L2) inside one CUDA graph, as the layers
@@ -72,12 +72,11 @@ def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, 
     h, q, kv, layers = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_layers
     dense = len(cfg.dense_layers) if cfg.num_experts else layers
     found = [("qkv", q + 2 * kv, h, layers), ("o_proj", h, q, layers)]
-    if cfg.num_experts:
-        found.append(("router", cfg.num_experts, h, layers - dense))
-    if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: beside every MoE layer's experts
-        s = cfg.shared_expert_intermediate_size
-        found += [("shared_gate_up", 2 * s, h, layers - dense), ("shared_down", h, s, layers - dense),
-                  ("shared_gate", 1, h, layers - dense)]
+    shared = cfg.shared_expert_intermediate_size  # Qwen2-MoE: beside every MoE layer's experts
+    if cfg.num_experts:  # with a shared expert, its one-column gate is the router's last row
+        found.append(("router", cfg.num_experts + (shared > 0), h, layers - dense))
+    if shared:
+        found += [("shared_gate_up", 2 * shared, h, layers - dense), ("shared_down", h, shared, layers - dense)]
     if dense:
         found += [("gate_up", 2 * cfg.intermediate_size, h, dense), ("down", h, cfg.intermediate_size, dense)]
     found.append(("lm_head", cfg.vocab_size, h, 1))

@@ -14,7 +14,8 @@ already fused; each rank reads its rows of each part.
 Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``experts.w13 [E, 2 I, H]``,
 ``experts.w2 [E, H, I]`` and GPT-OSS's biases): Mixtral's per-expert ``experts.{e}.w1/w3/w2.weight``
 and Qwen2/3-MoE's and OLMoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows
-(Qwen2-MoE's ``shared_expert`` is an MLP as a dense layer's, its ``shared_expert_gate`` whole);
+(Qwen2-MoE's ``shared_expert`` is an MLP as a dense layer's, its ``shared_expert_gate`` a last row of
+the router's ``gate``);
 GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
 ``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
 de-interleaved and transposed. A rank reads its rows of each expert. GPT-OSS's MXFP4 experts
@@ -117,6 +118,9 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
     d = config.head_dim
     if module == "experts":
         return _expert_pieces(prefix, kind, param, config, shard)
+    if module == "gate" and kind == "weight" and config.shared_expert_intermediate_size:
+        e = config.num_experts  # the router's rows, then the shared expert's gate (models.moe.SparseMoE)
+        return [Piece(name, 0, 0, e, 0, e), Piece(f"{prefix}.shared_expert_gate.weight", 0, 0, 1, e, 1, e)]
     if kind == "sinks":  # one per query head: this rank's heads
         return [Piece(name, 0, shard.rank * shard.num_heads, shard.num_heads, 0, config.num_heads)]
     if module in ("q_norm", "k_norm") and config.qk_norm == "projection":  # this rank's heads of it

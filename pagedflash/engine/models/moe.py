@@ -7,7 +7,7 @@ which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fus
 - Qwen2-MoE: Qwen2's attention (q/k/v biases by ``qkv_bias``; a window on every other layer below
   ``max_window_layers`` with ``use_sliding_window``); the router as Qwen3-MoE's; beside the routed
   experts a shared expert every token runs, a SiLU-gated MLP of ``shared_expert_intermediate_size``
-  scaled by ``sigmoid(shared_expert_gate(x))``.
+  scaled by ``sigmoid(shared_expert_gate(x))`` (the gate a last row of the router's weight).
 - Qwen3-MoE: Qwen3's attention (RMSNorm over each q and k head); top-k renormalized only with
   ``norm_topk_prob``; dense MLP layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say.
 - OLMoE: Llama's attention with OLMo 2's RMSNorm over the whole q and k projections (summed over
@@ -61,29 +61,31 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router and experts, and Qwen2-MoE's shared expert; ``forward(x [T, H]) -> [T, H]``, this rank's
-    part of the sum. The router carries its checkpoint's name (``gate``; GPT-OSS: ``router``)."""
+    part of the sum. The router carries its checkpoint's name (``gate``; GPT-OSS: ``router``); with a
+    shared expert its weight holds the expert's one-column gate (``shared_expert_gate``) as a last
+    row, so one product gives the ``E`` router logits and the gate's."""
 
     def __init__(self, config: ModelConfig, shard: ShardSizes, router_name: str = "gate"):
         super().__init__()
         self.router_name = router_name
-        setattr(self, router_name, nn.Linear(config.hidden_size, config.num_experts, bias=config.moe_bias))
+        self.num_experts = config.num_experts
+        shared = config.shared_expert_intermediate_size > 0
+        setattr(self, router_name, nn.Linear(config.hidden_size, config.num_experts + shared, bias=config.moe_bias))
         self.experts = Experts(config, shard)
         self.top_k, self.scoring, self.renormalize = config.num_experts_per_tok, config.moe_scoring, config.moe_renormalize
-        self.shared_expert = self.shared_expert_gate = None
-        if config.shared_expert_intermediate_size:
-            # every token's: x + sigmoid(x . g) * mlp(x), the MLP split over the ranks as a dense one,
-            # its scalar gate whole on every rank (the all-reduce then sums gate * the ranks' parts)
-            self.shared_expert = MLP(config, shard, shard.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        # every token's: x + sigmoid(x . g) * mlp(x), the MLP split over the ranks as a dense one, its
+        # gate g whole on every rank (the all-reduce then sums the gate times the ranks' parts)
+        self.shared_expert = MLP(config, shard, shard.shared_expert_intermediate_size) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = layers.linear(x, getattr(self, self.router_name))
-        weights, ids = layers.moe_route(logits, self.top_k, scoring=self.scoring, renormalize=self.renormalize)
+        e = self.num_experts
+        weights, ids = layers.moe_route(logits[:, :e], self.top_k, scoring=self.scoring, renormalize=self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(layers.linear(x, self.shared_expert.gate_up_proj))
-        return out.addcmul_(torch.sigmoid(layers.linear(x, self.shared_expert_gate)), shared)
+        return out.addcmul_(torch.sigmoid(logits[:, e:]), shared)
 
 
 class MoeDecoderLayer(nn.Module):
