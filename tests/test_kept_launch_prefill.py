@@ -27,24 +27,32 @@ def _case(sinks: bool = False):
     return dict(q=q, k=k, v=v, **(dict(sinks=randn(4)) if sinks else {}))
 
 
+def kept_equals_first_and_dispatched(fn, case: dict, kept_calls: list) -> tuple:
+    """``fn(**case)`` three times: the first call keeps its plan, the second takes the kept path, the
+    third goes through the dispatcher (never the kept path); all three the same bits. Returns the
+    kept call's ``(out, lse)``."""
+    first, first_lse = fn(**case)
+    assert kept_calls[0] == 0
+    again, again_lse = fn(**case)
+    assert kept_calls[0] == 1
+    previous = custom_ops.dispatch_eager(True)
+    try:
+        via_op, via_op_lse = fn(**case)
+    finally:
+        custom_ops.dispatch_eager(previous)
+    assert kept_calls[0] == 1
+    assert torch.equal(again, first) and torch.equal(again_lse, first_lse)
+    assert torch.equal(via_op, first) and torch.equal(via_op_lse, first_lse)
+    return again, again_lse
+
+
 @pytest.mark.parametrize("args", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0, softmax_scale=0.3)],
                          ids=["causal", "window-softcap"])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("invariant", [False, True], ids=["", "invariant"])
 def test_kept_path_gives_the_first_calls_result_and_the_operators(kept_calls, args, sinks, invariant):
     case = dict(_case(sinks), **args, return_lse=True, batch_invariant=invariant)
-    first, first_lse = flash_attn_func(**case)
-    assert kept_calls[0] == 0
-    again, again_lse = flash_attn_func(**case)
-    assert kept_calls[0] == 1
-    previous = custom_ops.dispatch_eager(True)
-    try:
-        via_op, via_op_lse = flash_attn_func(**case)
-    finally:
-        custom_ops.dispatch_eager(previous)
-    assert kept_calls[0] == 1  # routed through the dispatcher: never the kept path
-    assert torch.equal(again, first) and torch.equal(again_lse, first_lse)
-    assert torch.equal(via_op, first) and torch.equal(via_op_lse, first_lse)
+    again, again_lse = kept_equals_first_and_dispatched(flash_attn_func, case, kept_calls)
     want, want_lse = ref.attention_ref(case["q"], case["k"], case["v"], sinks=case.get("sinks"), **args)
     assert_close(again, want, torch.float32)
     assert_close(again_lse, want_lse, torch.float32, name="lse")
@@ -167,18 +175,7 @@ def _varlen_ref(case: dict):
 @pytest.mark.parametrize("invariant", [False, True], ids=["", "invariant"])
 def test_varlen_kept_path_gives_the_first_calls_result_and_the_operators(kept_calls, layout, invariant):
     case = dict(_varlen_case(layout), return_lse=True, batch_invariant=invariant)
-    first, first_lse = flash_attn_varlen_func(**case)
-    assert kept_calls[0] == 0
-    again, again_lse = flash_attn_varlen_func(**case)
-    assert kept_calls[0] == 1
-    previous = custom_ops.dispatch_eager(True)
-    try:
-        via_op, via_op_lse = flash_attn_varlen_func(**case)
-    finally:
-        custom_ops.dispatch_eager(previous)
-    assert kept_calls[0] == 1  # routed through the dispatcher: never the kept path
-    assert torch.equal(again, first) and torch.equal(again_lse, first_lse)
-    assert torch.equal(via_op, first) and torch.equal(via_op_lse, first_lse)
+    again, again_lse = kept_equals_first_and_dispatched(flash_attn_varlen_func, case, kept_calls)
     want, want_lse = _varlen_ref(case)
     assert_close(again, want, torch.float32)
     assert_close(again_lse, want_lse, torch.float32, name="lse")

@@ -223,48 +223,46 @@ def test_kernel_path_matches_transformers(tmp_path, monkeypatch, family):
     check_against_transformers(llm, hf, [prompt], n=3)
 
 
-def test_random_experts_shard_as_one_rank():
-    """Random weights (the benchmarks' models) on two ranks are the one-rank model's: each rank's
-    w13 holds its rows of every expert's gate and of its up, w2 those columns, sinks its heads."""
+def random_shards(config):
+    """``(rank, layer, whole_layer)`` for each layer of each of two ranks' models with seed-3 random
+    weights, beside the same layer of the one-rank model."""
     from pagedflash.engine.parallel import Collectives, ShardSizes
     from pagedflash.engine.weights import build_model, init_random_weights
 
-    config = ModelConfig.from_dict({**TINY, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-                                    "num_local_experts": 4, "sliding_window": 5})
     kw = dict(max_len=32, dtype=torch.float32, device=torch.device("cpu"))
     whole = build_model(config, **kw)
     init_random_weights(whole, seed=3)
-    i = config.moe_intermediate_size // 2
     for rank in range(2):
         part = build_model(config, shard=ShardSizes.of(config, rank, 2), comm=Collectives(2), **kw)
         init_random_weights(part, seed=3)
         for layer, one in zip(part.model.layers, whole.model.layers):
-            rows = slice(rank * i, (rank + 1) * i)
-            gate, up = one.mlp.experts.w13.chunk(2, dim=1)
-            assert torch.equal(layer.mlp.experts.w13, torch.cat([gate[:, rows], up[:, rows]], dim=1))
-            assert torch.equal(layer.mlp.experts.w2, one.mlp.experts.w2[:, :, rows])
-            assert torch.equal(layer.mlp.router.weight, one.mlp.router.weight)
-            assert torch.equal(layer.self_attn.sinks, one.self_attn.sinks[rank * 2 : rank * 2 + 2])
+            yield rank, layer, one
+
+
+def test_random_experts_shard_as_one_rank():
+    """Random weights (the benchmarks' models) on two ranks are the one-rank model's: each rank's
+    w13 holds its rows of every expert's gate and of its up, w2 those columns, sinks its heads."""
+    config = ModelConfig.from_dict({**TINY, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                                    "num_local_experts": 4, "sliding_window": 5})
+    i = config.moe_intermediate_size // 2
+    for rank, layer, one in random_shards(config):
+        rows = slice(rank * i, (rank + 1) * i)
+        gate, up = one.mlp.experts.w13.chunk(2, dim=1)
+        assert torch.equal(layer.mlp.experts.w13, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(layer.mlp.experts.w2, one.mlp.experts.w2[:, :, rows])
+        assert torch.equal(layer.mlp.router.weight, one.mlp.router.weight)
+        assert torch.equal(layer.self_attn.sinks, one.self_attn.sinks[rank * 2 : rank * 2 + 2])
 
 
 def test_random_shared_expert_shards_as_one_rank():
     """Qwen2-MoE's shared expert drawn at random on two ranks is the one-rank model's: each rank's
     gate/up rows and down columns, the router with the shared expert's gate whole."""
-    from pagedflash.engine.parallel import Collectives, ShardSizes
-    from pagedflash.engine.weights import build_model, init_random_weights
-
     config = ModelConfig.from_dict({**TINY, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
                                     "num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
-    kw = dict(max_len=32, dtype=torch.float32, device=torch.device("cpu"))
-    whole = build_model(config, **kw)
-    init_random_weights(whole, seed=3)
     i = config.shared_expert_intermediate_size // 2
-    for rank in range(2):
-        part = build_model(config, shard=ShardSizes.of(config, rank, 2), comm=Collectives(2), **kw)
-        init_random_weights(part, seed=3)
-        for layer, one in zip(part.model.layers, whole.model.layers):
-            rows = slice(rank * i, (rank + 1) * i)
-            gate, up = one.mlp.shared_expert.gate_up_proj.weight.chunk(2)
-            assert torch.equal(layer.mlp.shared_expert.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
-            assert torch.equal(layer.mlp.shared_expert.down_proj.weight, one.mlp.shared_expert.down_proj.weight[:, rows])
-            assert torch.equal(layer.mlp.gate.weight, one.mlp.gate.weight)  # the router, the shared gate last
+    for rank, layer, one in random_shards(config):
+        rows = slice(rank * i, (rank + 1) * i)
+        gate, up = one.mlp.shared_expert.gate_up_proj.weight.chunk(2)
+        assert torch.equal(layer.mlp.shared_expert.gate_up_proj.weight, torch.cat([gate[rows], up[rows]]))
+        assert torch.equal(layer.mlp.shared_expert.down_proj.weight, one.mlp.shared_expert.down_proj.weight[:, rows])
+        assert torch.equal(layer.mlp.gate.weight, one.mlp.gate.weight)  # the router, the shared gate last
