@@ -285,7 +285,7 @@ def test_route(scoring, renormalize, with_bias):
     want_w, want_ids = ref.moe_route_ref(logits, 4, scoring=scoring, renormalize=renormalize, bias=bias)
     assert weights.dtype == torch.float32 and ids_.dtype == torch.int32 and ids_.shape == (37, 4)
     assert torch.equal(ids_, want_ids)
-    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)  # a GPU's exp and division are approximate
     if scoring == "topk_softmax" or renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(37, device=DEVICE))
 

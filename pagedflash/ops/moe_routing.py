@@ -7,8 +7,11 @@ operator under ``torch.compile``): ``_route_kernel``, one program per ``BLOCK_T`
 token's ``E`` logits (plus the bias) one fp32 row of ``BLOCK_E = next_pow2(E)`` lanes in registers;
 the top ``k`` by ``k`` rounds of (the row's maximum among the experts not yet taken, the lowest
 index holding it, taken), then the softmax and the weights' normalization over the row or the ``k``.
-The tile (``BLOCK_T``, warps) follows from ``E`` alone, so a token's bits never depend on the other
-tokens (batch-invariant in every mode).
+The tile (``BLOCK_T``, warps) follows from ``E`` alone and rows never mix, so a token's bits never
+depend on the other tokens (batch-invariant in every mode). They may depend on the logits' strides
+and alignment where a sum runs over the row's lanes (plain softmax, not renormalized: the compiled
+load's layout orders it); the k-slot sums add in rank order. On a GPU ``exp`` and the division are
+the fast approximate instructions: weights within ~1e-6 relative of torch's.
 
 Grouping, on the device with no host sync (CUDA-graph safe): expert ``e``'s pairs fill a run of
 slots padded to a multiple of ``BM`` (in any order within it); ids outside ``[0, E)`` form one more
@@ -171,26 +174,27 @@ def _route_kernel(
     x = tl.load(Logits + rows.to(tl.int64)[:, None] * stride_lt + cols.to(tl.int64)[None, :] * stride_le,
                 mask=row_ok[:, None] & col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        x += tl.load(Bias + cols * stride_b, mask=cols < E, other=0.0).to(tl.float32)[None, :]
+        x += tl.load(Bias + cols.to(tl.int64) * stride_b, mask=cols < E, other=0.0).to(tl.float32)[None, :]
     nan = x != x
     has_nan = tl.max(nan.to(tl.int32), 1) > 0
     x = tl.where(nan | ~col_ok, NEG_INF, x)  # a NaN ranks as -inf (its row's weights are NaN below)
-    # top k: round j takes the largest logit left, the lowest index among equals
+    row_max = tl.max(x, 1)  # exact in any order; -inf or +inf make the row's weights NaN
+    # top k: round j takes the largest logit left, the lowest index among equals; the k weights' sum
+    # is added in that order (no reduction tree: the same bits whatever the load's layout)
     slot = tl.arange(0, BLOCK_K)[None, :]
     top = tl.full([BLOCK_T, BLOCK_K], NEG_INF, tl.float32)  # slots past TOP_K stay -inf
     top_ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    den = tl.zeros([BLOCK_T], tl.float32)
     left = tl.broadcast_to(col_ok, [BLOCK_T, BLOCK_E])  # the experts not taken yet
     for j in range(TOP_K):
         m, e = max_first_index(x, cols[None, :], left, 1)
         top = tl.where(slot == j, m[:, None], top)
         top_ids = tl.where(slot == j, e[:, None], top_ids)
+        den += tl.exp(m - row_max)
         left = left & (cols[None, :] != e[:, None])
-    row_max = tl.max(x, 1)[:, None]  # top's first slot; -inf or +inf make the row's weights NaN
-    num = tl.exp(top - row_max)  # 0 in the slots past TOP_K (a finite row_max)
-    if OVER_ROW:
-        den = tl.sum(tl.exp(x - row_max), 1)  # its padding lanes add 0
-    else:
-        den = tl.sum(num, 1)
+    num = tl.exp(top - row_max[:, None])  # 0 in the slots past TOP_K (a finite row_max)
+    if OVER_ROW:  # a reduction over the row's lanes: its order follows the load's layout (strides)
+        den = tl.sum(tl.exp(x - row_max[:, None]), 1)  # its padding lanes add 0
     w = tl.where(has_nan[:, None], float("nan"), num / den[:, None])
     out = rows.to(tl.int64)[:, None] * TOP_K + slot
     store_ok = row_ok[:, None] & (slot < TOP_K)
