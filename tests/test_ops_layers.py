@@ -147,21 +147,23 @@ def test_silu_mul_real_sizes(t, n, dtype):
 # ------------------------------------------------------------------------------------------ sampling
 def test_argmax_ties_nan_and_chunk_borders(monkeypatch):
     """First index of the maximum across chunk borders, with ties, a vocabulary that is not a multiple
-    of the chunk, -inf rows and NaN (torch: NaN is the largest); padding past each row is +inf, which
-    would win if it were read."""
+    of the chunk, -inf rows and NaN (torch: NaN is the largest, above +inf); padding past each row is
+    +inf, which would win if it were read."""
     monkeypatch.setattr(sampling, "ARGMAX_CHUNK", 64)
     v = 64 * 5 + 17
     for dtype in DTYPES:
-        logits = randn(6, v).to(dtype)
+        logits = randn(7, v).to(dtype)
         logits[1, [70, 300, 330]] = 9.0  # tie across chunks: the first wins
         logits[2, [3, 4]] = 9.0  # tie inside a chunk
         logits[3] = float("-inf")
         logits[4, v - 1] = 9.0  # the last, partial chunk
         logits[5, 200] = float("nan")
+        logits[6, [10, 150]] = float("inf")  # +inf before NaN, in its chunk and in an earlier one
+        logits[6, [160, 250]] = float("nan")
         got = sampling.argmax(in_wider_rows(logits, fill=float("inf")))
         assert got.dtype == torch.int64
         assert got.tolist() == ref.argmax_ref(logits).tolist()
-        assert got.tolist()[1:] == [70, 3, 0, v - 1, 200]
+        assert got.tolist()[1:] == [70, 3, 0, v - 1, 200, 160]
 
 
 @pytest.mark.parametrize("rows,v", [(3, 5000), (1, 1), (0, 10)])

@@ -21,6 +21,18 @@ ARGMAX_CHUNK = 4096  # columns reduced by one program
 
 
 @triton.jit
+def _nan_first(x, idx, ok):
+    """torch.argmax's pick among the entries ``ok`` of ``x`` (1-D): the lowest ``idx`` holding a NaN
+    (NaN is the largest, above +inf), else the lowest holding the maximum; returned with NaN or that
+    maximum, so that a chunk's pick merges by the same rule."""
+    nan = ok & (x != x)
+    first_nan = tl.min(tl.where(nan, idx, 0x7FFFFFFF), 0)
+    m, first = max_first_index(tl.where(nan, float("-inf"), x), idx, ok, 0)
+    has_nan = first_nan < 0x7FFFFFFF
+    return tl.where(has_nan, float("nan"), m), tl.where(has_nan, first_nan, first)
+
+
+@triton.jit
 def _argmax_chunks_kernel(
     X,  # [R, V] logits, row stride stride_x
     Val, Idx,  # [R, C] fp32 / int32: max and its first index in each chunk of BLOCK columns
@@ -30,9 +42,9 @@ def _argmax_chunks_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + row * stride_x + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # NaN counts as the largest, as in torch.argmax
-    m, first = max_first_index(x, cols, cols < n, 0)
+    ok = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    m, first = _nan_first(x, cols, ok)
     tl.store(Val + row * num_chunks + chunk, m)
     tl.store(Idx + row * num_chunks + chunk, first)
 
@@ -49,7 +61,7 @@ def _argmax_merge_kernel(
     ok = c < num_chunks
     v = tl.load(Val + row * num_chunks + c, mask=ok, other=float("-inf"))
     i = tl.load(Idx + row * num_chunks + c, mask=ok, other=0x7FFFFFFF)
-    _, first = max_first_index(v, i, ok, 0)
+    _, first = _nan_first(v, i, ok)
     tl.store(Out + row, first.to(tl.int64))
 
 
