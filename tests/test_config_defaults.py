@@ -71,7 +71,7 @@ def expected(c, family):
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     window = getattr(c, "sliding_window", None)
     types = getattr(c, "layer_types", None)
-    experts = getattr(c, "num_experts", 0)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", 0)  # Granite-MoE: no alias
     gemma = family in ("gemma2", "gemma3")
     scalar = getattr(c, "query_pre_attn_scalar", None) or head_dim
     return dict(
@@ -80,7 +80,7 @@ def expected(c, family):
         # a window on the layers layer_types says (every layer where the class has no layer_types)
         sliding=[window if window and (types is None or types[i] == "sliding_attention") else None
                  for i in range(c.num_hidden_layers)],
-        attention_scale=c.attention_multiplier if family == "granite" and c.attention_multiplier is not None
+        attention_scale=c.attention_multiplier if family in ("granite", "granitemoe") and c.attention_multiplier is not None
         else scalar ** -0.5,
         attn_softcap=(c.attn_logit_softcapping or 0.0) if family == "gemma2" else 0.0,  # Gemma 3 ignores it
         final_softcap=getattr(c, "final_logit_softcapping", None) or 0.0,

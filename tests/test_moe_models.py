@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) against transformers' own classes: a
+"""The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS) against transformers' own classes: a
 tiny random model (2 layers, 4 experts of which 2 per token, fp32, eager attention) saved with
 ``save_pretrained``, its norms, biases and sinks perturbed so that they matter. Prompt logits and
 greedy tokens (chunked prefill, paged decode) must equal transformers'; GPT-OSS's prompts are longer
@@ -32,6 +32,10 @@ MOE_CASES = {
                        max_window_layers=2)),
     # RMSNorm over the whole q and k projections, top-k not renormalized
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, norm_topk_prob=False)),
+    # Granite's multipliers; the top-k logits then softmax; experts fused in the checkpoint
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.6,
+        logits_scaling=3.0)),
     # a 5-token window on layer 0; YaRN (transformers' default for GPT-OSS) over a short original context
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_local_experts=4, sliding_window=5, swiglu_limit=1.5,
@@ -109,12 +113,13 @@ def test_qwen3_moe_dense_layers():
 
 
 @pytest.mark.skipif(ON_GPU and not TWO_GPUS, reason="needs 2 GPUs (without a GPU: gloo on the CPU)")
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
 def test_two_ranks_match_transformers(tmp_path, family):
     """Two ranks (gloo on the CPU): each expert's intermediate rows split; GPT-OSS: its interleaved
     gate/up de-interleaved per rank, sinks per rank's heads, the experts' down bias added once;
     Qwen3-MoE: per-expert tensors, q/k norms, a dense layer beside the experts; Qwen2-MoE: the shared
-    expert's rows split, its gate whole; OLMoE: the q/k projection norms summed over the ranks."""
+    expert's rows split, its gate whole; OLMoE: the q/k projection norms summed over the ranks;
+    Granite-MoE: each rank's rows of the checkpoint's fused gate/up and columns of its down."""
     hf = save_moe(tmp_path, family)
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
              page_size=4, num_blocks=24) as llm:

@@ -17,7 +17,7 @@ Keys a config leaves out mean what the family's transformers config class makes 
 Gemma's softcaps and ``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's
 ``attention_multiplier`` 1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers.
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS) set the ``num_experts`` fields:
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS) set the ``num_experts`` fields:
 the router (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation
 and biases, a shared expert (Qwen2-MoE), and which layers are dense (Qwen2/3-MoE's ``mlp_only_layers``
 / ``decoder_sparse_step``).
@@ -46,6 +46,7 @@ class Family:
     keys: frozenset[str] = frozenset()
 
 
+_GRANITE_KEYS = frozenset({"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"})
 _GEMMA_KEYS = frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                          "hidden_activation"})
 FAMILIES = {  # keyed by the HF ``architectures`` entry
@@ -53,8 +54,7 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
     "MistralForCausalLM": Family("mistral", ("mistral",)),
     "Qwen2ForCausalLM": Family("qwen2", ("qwen2",)),
     "Qwen3ForCausalLM": Family("qwen3", ("qwen3",)),
-    "GraniteForCausalLM": Family("granite", ("granite",), frozenset(
-        {"embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"})),
+    "GraniteForCausalLM": Family("granite", ("granite",), _GRANITE_KEYS),
     "Olmo2ForCausalLM": Family("olmo2", ("olmo2",)),
     "Gemma2ForCausalLM": Family("gemma2", ("gemma2",), _GEMMA_KEYS),
     "Gemma3ForCausalLM": Family("gemma3", ("gemma3_text",), _GEMMA_KEYS | {"rope_local_base_freq"}),
@@ -64,9 +64,10 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
         {"num_local_experts", "num_experts", "shared_expert_intermediate_size"})),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
     "OlmoeForCausalLM": Family("olmoe", ("olmoe",), frozenset({"num_local_experts", "num_experts"})),
+    "GraniteMoeForCausalLM": Family("granitemoe", ("granitemoe",), _GRANITE_KEYS | {"num_local_experts", "num_experts"}),
     "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
 }
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
 SUPPORTED_ARCHITECTURES = {arch: fam.name for arch, fam in FAMILIES.items()}
 MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.model_types}
 # architectures refused with a reason of their own
@@ -255,7 +256,7 @@ class ModelConfig:
                                                       default_theta=d["rope_theta"])
         attn_bias = kind in READS_ATTENTION_BIAS and bool(d["attention_bias"])
         sliding = d["sliding_window"]
-        if kind in ("llama", "granite", "olmo2", "olmoe") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+        if kind in ("llama", "granite", "olmo2", "olmoe", "granitemoe") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
                                                      and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
@@ -393,13 +394,16 @@ def _family_fields(kind: str, d: dict, head_dim: int) -> dict:
         return dict(qk_norm="head")
     if kind == "olmo2":
         return dict(qk_norm="projection")
-    if kind == "granite":
+    fields = {}
+    if kind in ("granite", "granitemoe"):
         scale = d["attention_multiplier"]  # transformers: the softmax scale itself (default 1.0); None: 1/sqrt(D)
-        multipliers = {key: float(1.0 if d[key] is None else d[key])
-                       for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
-        return dict(**multipliers, attention_scale=None if scale is None else float(scale))
+        fields.update({key: float(1.0 if d[key] is None else d[key])
+                       for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling")})
+        fields["attention_scale"] = None if scale is None else float(scale)
     if kind in MOE_FAMILIES:
-        return _moe_fields(kind, d)
+        fields.update(_moe_fields(kind, d))
+    if fields:
+        return fields
     if kind in ("gemma2", "gemma3"):
         scalar = d["query_pre_attn_scalar"] or head_dim
         return dict(qk_norm="head" if kind == "gemma3" else "", norm_offset=1.0,
@@ -429,7 +433,9 @@ def _moe_fields(kind: str, d: dict) -> dict:
     with ``norm_topk_prob`` (renormalize or not) and experts of ``moe_intermediate_size``, dense MLPs in
     ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``; Qwen3-MoE q/k norm
     per head, Qwen2-MoE a gated shared expert of ``shared_expert_intermediate_size``; OLMoE Mixtral's experts
-    with ``norm_topk_prob`` and RMSNorm over the whole q and k projections (OLMo 2's); GPT-OSS top-k of the
+    with ``norm_topk_prob`` and RMSNorm over the whole q and k projections (OLMo 2's); Granite-MoE (with
+    Granite's multipliers) the top-k logits then softmax over them, SiLU experts of ``intermediate_size``;
+    GPT-OSS top-k of the
     logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
     experts_key = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
     n = d["num_hidden_layers"]
@@ -454,6 +460,8 @@ def _moe_fields(kind: str, d: dict) -> dict:
         fields["dense_layers"] = tuple(i for i in range(n) if i in only or (i + 1) % step)
     elif kind == "olmoe":
         fields.update(qk_norm="projection", moe_renormalize=bool(d["norm_topk_prob"]))
+    elif kind == "granitemoe":
+        fields.update(moe_scoring="topk_softmax", moe_renormalize=False)
     elif kind == "gpt_oss":
         quant = d.get("quantization_config")
         if quant is not None:

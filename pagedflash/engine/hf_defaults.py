@@ -47,6 +47,8 @@ DEFAULTS = {
                   "decoder_sparse_step": 1, **_QWEN_WINDOW},
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8,
               "norm_topk_prob": False},
+    "granitemoe": {"embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
+                   "logits_scaling": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2},
     "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                 "rope_theta": 150000.0, "sliding_window": 128, "attention_bias": True, "num_local_experts": 128,
                 "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
@@ -56,7 +58,8 @@ GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                  "original_max_position_embeddings": 4096}
 # the families whose transformers model reads these keys (elsewhere a key is ignored, as transformers
 # ignores it: a bias tensor it would leave unused then fails strict loading by name)
-READS_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "olmoe", "gpt_oss")
+READS_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3", "qwen3_moe", "olmoe", "granitemoe",
+                        "gpt_oss")
 READS_MLP_BIAS = ("llama", "granite")
 READS_LAYER_TYPES = ("qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3", "gpt_oss")  # elsewhere a window is on every layer
 # one key under two names (transformers' attribute_map)

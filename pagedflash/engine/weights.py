@@ -15,10 +15,10 @@ Mixture-of-experts checkpoints (:mod:`pagedflash.engine.models.moe` holds ``expe
 ``experts.w2 [E, H, I]`` and GPT-OSS's biases): Mixtral's per-expert ``experts.{e}.w1/w3/w2.weight``
 and Qwen2/3-MoE's and OLMoE's ``experts.{e}.gate_proj/up_proj/down_proj.weight`` fill expert ``e``'s rows
 (Qwen2-MoE's ``shared_expert`` is an MLP as a dense layer's, its ``shared_expert_gate`` a last row of
-the router's ``gate``);
-GPT-OSS's ``experts.gate_up_proj [E, H, 2 I]`` (gate and up interleaved on the last dim, as its
-``gate_up_proj_bias [E, 2 I]``), ``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced,
-de-interleaved and transposed. A rank reads its rows of each expert. GPT-OSS's MXFP4 experts
+the router's ``gate``); Granite-MoE's ``input_linear [E, 2 I, H]`` and ``output_linear [E, H, I]``
+are the layout itself (its router under ``router.layer``); GPT-OSS's ``experts.gate_up_proj [E, H,
+2 I]`` (gate and up interleaved on the last dim, as its ``gate_up_proj_bias [E, 2 I]``),
+``down_proj [E, I, H]`` and ``down_proj_bias [E, H]`` are sliced, de-interleaved and transposed. A rank reads its rows of each expert. GPT-OSS's MXFP4 experts
 (``quantization_config.quant_method == "mxfp4"``: ``gate_up_proj_blocks/_scales`` and
 ``down_proj_blocks/_scales``, 32 4-bit values and one power-of-two exponent per block, out-major)
 are dequantized at load, as transformers' ``convert_moe_packed_tensors`` does.
@@ -118,6 +118,8 @@ def pieces(name: str, param: torch.Tensor, config: ModelConfig, shard: ShardSize
     d = config.head_dim
     if module == "experts":
         return _expert_pieces(prefix, kind, param, config, shard)
+    if module == "router" and config.architecture == "GraniteMoeForCausalLM":  # the checkpoint's router.layer
+        return [Piece(f"{prefix}.router.layer.{kind}", 0, 0, param.shape[0], 0, param.shape[0])]
     if module == "gate" and kind == "weight" and config.shared_expert_intermediate_size:
         e = config.num_experts  # the router's rows, then the shared expert's gate (models.moe.SparseMoE)
         return [Piece(name, 0, 0, e, 0, e), Piece(f"{prefix}.shared_expert_gate.weight", 0, 0, 1, e, 1, e)]
@@ -183,6 +185,13 @@ def _expert_pieces(prefix: str, kind: str, param: torch.Tensor, config: ModelCon
     start = shard.rank * i
     base = f"{prefix}.experts"
     names = _EXPERT_NAMES.get(config.architecture)
+    if config.architecture == "GraniteMoeForCausalLM":  # input_linear [E, 2 I, H] (gate, up), output_linear [E, H, I]
+        if kind == "w13":
+            hf = f"{prefix}.input_linear.weight"
+            return [Piece(hf, 1, start, i, 0, 2 * full), Piece(hf, 1, full + start, i, i, 2 * full)]
+        if kind == "w2":
+            return [Piece(f"{prefix}.output_linear.weight", 2, start, i, 0, full)]
+        raise ValueError(f"{config.architecture} has no expert parameter {kind!r}")
     if names is not None:
         gate, up, down = names
         if kind == "w13":

@@ -11,6 +11,7 @@ from pagedflash.engine.models.gemma import GemmaForCausalLM
 from pagedflash.engine.models.llama import LlamaForCausalLM
 from pagedflash.engine.models.moe import (
     GptOssForCausalLM,
+    GraniteMoeForCausalLM,
     MixtralForCausalLM,
     OlmoeForCausalLM,
     Qwen2MoeForCausalLM,
@@ -32,6 +33,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
 }
 

@@ -62,6 +62,12 @@ class RMSNorm(nn.Module):
         return layers.rms_norm(x, self.weight, self.eps, residual)
 
 
+def residual_branch(h: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """A residual branch's output ``h`` as added to the stream: times Granite's ``residual_multiplier``
+    (in place; ``h`` as it is for 1)."""
+    return h if multiplier == 1.0 else h.mul_(multiplier)
+
+
 class ProjectionNorm(nn.Module):
     """RMSNorm over a whole projection (OLMo 2's q/k norm) whose ``dim`` columns may be split over
     the ranks: this rank holds ``weight [dim / N]`` and the mean square is summed over the ranks

@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedflash.engine import layers
 from pagedflash.engine.config import ModelConfig
-from pagedflash.engine.models.common import MLP, Attention, CausalLM, RMSNorm
+from pagedflash.engine.models.common import MLP, Attention, CausalLM, RMSNorm, residual_branch
 from pagedflash.engine.parallel import Collectives, ShardSizes
 
 
@@ -33,13 +33,9 @@ class LlamaDecoderLayer(nn.Module):
         With several ranks, the outputs of ``o_proj`` and ``down_proj`` are summed over them."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-        h = self._branch(self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache)))
+        h = residual_branch(self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache)), self.residual_multiplier)
         gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return self._branch(self.comm.all_reduce(mlp(gate_up))), residual
-
-    def _branch(self, h):
-        """A residual branch's output as added to the stream (times Granite's ``residual_multiplier``)."""
-        return h if self.residual_multiplier == 1.0 else h.mul_(self.residual_multiplier)
+        return residual_branch(self.comm.all_reduce(mlp(gate_up)), self.residual_multiplier), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GPT-OSS. The pre-norm block of Llama,
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS. The pre-norm block of Llama,
 ``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and ``E`` expert MLPs of
 which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fused_moe``).
 
@@ -13,6 +13,9 @@ which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fus
 - OLMoE: Llama's attention with OLMo 2's RMSNorm over the whole q and k projections (summed over
   tensor-parallel ranks); Mixtral's router with ``norm_topk_prob``; SiLU-gated experts of
   ``intermediate_size``.
+- Granite-MoE: Granite's multipliers (embedding, softmax scale, residual branches, logits) over
+  Mixtral's layout; a router taking the top-k logits, then a softmax over them (GPT-OSS's rule, no
+  bias); SiLU-gated experts of ``intermediate_size``, stored fused in the checkpoint.
 - GPT-OSS: q/k/v/o biases, a learned sink logit per head, a 128-token window on alternate layers,
   YaRN RoPE; a router with a bias, top-k of its logits then softmax over those k; experts with biases
   and the clamped SwiGLU (``(up + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``,
@@ -32,7 +35,7 @@ from torch import nn
 
 from pagedflash.engine import layers
 from pagedflash.engine.config import ModelConfig
-from pagedflash.engine.models.common import MLP, Attention, CausalLM, RMSNorm
+from pagedflash.engine.models.common import MLP, Attention, CausalLM, RMSNorm, residual_branch
 from pagedflash.engine.parallel import Collectives, ShardSizes
 
 
@@ -104,22 +107,30 @@ class MoeDecoderLayer(nn.Module):
         setattr(self, self.moe_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, x, residual, positions, rope, meta, kv_cache):
         """As :class:`~pagedflash.engine.models.llama.LlamaDecoderLayer`: ``(mlp_out, residual)``, the
-        outputs of ``o_proj`` and of the MLP summed over the ranks."""
+        outputs of ``o_proj`` and of the MLP summed over the ranks (times Granite's ``residual_multiplier``)."""
         attn, mlp = self.self_attn, getattr(self, self.moe_name)
         qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-        h = self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache))
+        h = residual_branch(self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache)), self.residual_multiplier)
         if self.sparse:
             h, residual = self.post_attention_layernorm(h, residual)
-            return self.comm.all_reduce(mlp(h)), residual
-        gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return self.comm.all_reduce(mlp(gate_up)), residual
+            out = mlp(h)
+        else:
+            gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+            out = mlp(gate_up)
+        return residual_branch(self.comm.all_reduce(out), self.residual_multiplier), residual
 
 
 class MixtralDecoderLayer(MoeDecoderLayer):
     moe_name = "block_sparse_moe"
+
+
+class GraniteMoeDecoderLayer(MoeDecoderLayer):
+    moe_name = "block_sparse_moe"
+    router_name = "router"
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):
@@ -140,6 +151,10 @@ class Qwen3MoeForCausalLM(CausalLM):
 
 class OlmoeForCausalLM(CausalLM):
     layer_class = MoeDecoderLayer
+
+
+class GraniteMoeForCausalLM(CausalLM):
+    layer_class = GraniteMoeDecoderLayer
 
 
 class GptOssForCausalLM(CausalLM):
