@@ -32,10 +32,11 @@ MOE_CASES = {
                        max_window_layers=2)),
     # RMSNorm over the whole q and k projections, top-k not renormalized
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, norm_topk_prob=False)),
-    # Granite's multipliers; the top-k logits then softmax; experts fused in the checkpoint
+    # Granite's multipliers; the top-k logits then softmax; experts fused in the checkpoint, narrower
+    # than the hidden size; tied embeddings and attention biases (as the released models, the first)
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
-        num_local_experts=4, embedding_multiplier=2.0, attention_multiplier=0.2, residual_multiplier=0.6,
-        logits_scaling=3.0)),
+        num_local_experts=4, intermediate_size=48, embedding_multiplier=2.0, attention_multiplier=0.2,
+        residual_multiplier=0.6, logits_scaling=3.0, tie_word_embeddings=True, attention_bias=True)),
     # a 5-token window on layer 0; YaRN (transformers' default for GPT-OSS) over a short original context
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         num_local_experts=4, sliding_window=5, swiglu_limit=1.5,
@@ -124,7 +125,7 @@ def test_two_ranks_match_transformers(tmp_path, family):
     with LLM(tmp_path, tensor_parallel_size=2, device="cuda" if ON_GPU else "cpu", dtype=torch.float32,
              page_size=4, num_blocks=24) as llm:
         assert llm.model.shard.moe_intermediate_size == hf.config.to_dict().get(
-            "moe_intermediate_size", TINY["intermediate_size"]) // 2
+            "moe_intermediate_size", hf.config.intermediate_size) // 2
         assert llm.model.shard.shared_expert_intermediate_size == hf.config.to_dict().get(
             "shared_expert_intermediate_size", 0) // 2
         check_against_transformers(llm, hf, prompts_of([11, 5], seed=4, low=3), n=3)
@@ -186,6 +187,9 @@ def _edit_config(path, **changes):
     ("gpt_oss", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "'dynamic'"),
     ("mixtral", dict(num_experts_per_tok=5), "num_experts_per_tok=5"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size must be a positive int"),
+    # transformers' Granite-MoE has no num_experts alias: it would build num_local_experts' experts
+    ("granitemoe", dict(num_experts=8), "num_experts=8"),
+    ("granitemoe", dict(architectures=["GraniteMoeHybridForCausalLM"]), "hybrid Mamba"),
 ])
 def test_unsupported_configs_refused_by_name(tmp_path, family, changes, match):
     save_moe(tmp_path, family)

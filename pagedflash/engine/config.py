@@ -64,7 +64,8 @@ FAMILIES = {  # keyed by the HF ``architectures`` entry
         {"num_local_experts", "num_experts", "shared_expert_intermediate_size"})),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", ("qwen3_moe",), frozenset({"num_local_experts", "num_experts"})),
     "OlmoeForCausalLM": Family("olmoe", ("olmoe",), frozenset({"num_local_experts", "num_experts"})),
-    "GraniteMoeForCausalLM": Family("granitemoe", ("granitemoe",), _GRANITE_KEYS | {"num_local_experts", "num_experts"}),
+    # transformers' Granite-MoE reads num_local_experts only (no num_experts alias): another num_experts is refused
+    "GraniteMoeForCausalLM": Family("granitemoe", ("granitemoe",), _GRANITE_KEYS | {"num_local_experts"}),
     "GptOssForCausalLM": Family("gpt_oss", ("gpt_oss",), frozenset({"num_local_experts", "num_experts"})),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
@@ -74,6 +75,8 @@ MODEL_TYPE_TO_ARCH = {t: arch for arch, fam in FAMILIES.items() for t in fam.mod
 REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (image inputs) is not supported; "
                                       "a text-only Gemma3ForCausalLM checkpoint is",
+    "GraniteMoeSharedForCausalLM": "Granite-MoE with a shared expert is not supported (GraniteMoeForCausalLM is)",
+    "GraniteMoeHybridForCausalLM": "Granite's hybrid Mamba-attention models are not supported (no state-space layers)",
 }
 
 # HF config keys that change a decoder's math -> the values that leave it unchanged. A family that
@@ -256,8 +259,8 @@ class ModelConfig:
                                                       default_theta=d["rope_theta"])
         attn_bias = kind in READS_ATTENTION_BIAS and bool(d["attention_bias"])
         sliding = d["sliding_window"]
-        if kind in ("llama", "granite", "olmo2", "olmoe", "granitemoe") or (kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-                                                     and not d["use_sliding_window"]):
+        if kind in ("llama", "granite", "olmo2", "olmoe", "granitemoe") or (
+                kind in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not d["use_sliding_window"]):
             sliding = None  # transformers ignores the key there; Qwen2/3 slide only when told to
         extra = _family_fields(kind, d, head_dim)
         if "partial_rotary_factor" in FAMILIES[arch].keys:
