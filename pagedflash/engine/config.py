@@ -17,10 +17,10 @@ Keys a config leaves out mean what the family's transformers config class makes 
 Gemma's softcaps and ``query_pre_attn_scalar`` 256, Gemma 3's RoPE thetas 1e6 / 1e4, Granite's
 ``attention_multiplier`` 1.0, Qwen3's ``head_dim`` 128, ...); the engine does not import transformers.
 
-Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS) set the ``num_experts`` fields:
-the router (:func:`pagedflash.ops.moe.route`'s ``scoring`` and ``renormalize``), the experts' activation
-and biases, a shared expert (Qwen2-MoE), and which layers are dense (Qwen2/3-MoE's ``mlp_only_layers``
-/ ``decoder_sparse_step``).
+Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, GPT-OSS) set the
+``num_experts`` fields: the router (:func:`pagedflash.ops.moe.route`'s ``scoring`` and
+``renormalize``), the experts' activation and biases, a shared expert (Qwen2-MoE), and which layers
+are dense (Qwen2/3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``).
 """
 
 from __future__ import annotations
@@ -431,15 +431,14 @@ def _positive_float(d: dict, key: str) -> float:
 
 
 def _moe_fields(kind: str, d: dict) -> dict:
-    """The mixture-of-experts fields of Mixtral, Qwen2/3-MoE and GPT-OSS, as transformers reads them:
+    """The mixture-of-experts fields of :data:`MOE_FAMILIES`, as transformers reads them:
     Mixtral softmax then renormalized top-k, SiLU experts of ``intermediate_size``; Qwen2/3-MoE the same
     with ``norm_topk_prob`` (renormalize or not) and experts of ``moe_intermediate_size``, dense MLPs in
     ``mlp_only_layers`` and in layers ``l`` with ``(l + 1) % decoder_sparse_step != 0``; Qwen3-MoE q/k norm
     per head, Qwen2-MoE a gated shared expert of ``shared_expert_intermediate_size``; OLMoE Mixtral's experts
     with ``norm_topk_prob`` and RMSNorm over the whole q and k projections (OLMo 2's); Granite-MoE (with
     Granite's multipliers) the top-k logits then softmax over them, SiLU experts of ``intermediate_size``;
-    GPT-OSS top-k of the
-    logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
+    GPT-OSS top-k of the logits then softmax, router and expert biases, the clamped SwiGLU, sinks."""
     experts_key = "num_local_experts" if d.get("num_local_experts") is not None else "num_experts"
     n = d["num_hidden_layers"]
     fields = dict(num_experts=_positive_int(d, experts_key, d.get(experts_key)),

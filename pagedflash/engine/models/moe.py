@@ -1,6 +1,7 @@
-"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS. The pre-norm block of Llama,
-``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and ``E`` expert MLPs of
-which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then ``fused_moe``).
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE and GPT-OSS. The
+pre-norm block of Llama, ``x + attn(norm(x))`` then ``x + moe(norm(x))``, whose MLP is a router and
+``E`` expert MLPs of which each token runs ``top_k`` (:mod:`pagedflash.ops.moe`: ``route`` then
+``fused_moe``).
 
 - Mixtral: Mistral's attention (a sliding window when configured); softmax over the experts, top-k,
   renormalized; SiLU-gated experts without biases.
