@@ -134,11 +134,16 @@ def snapshot(bm: BlockManager):
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt, n):
-    """``n`` greedy tokens of a transformers model after ``prompt``, one full forward per token."""
+def hf_greedy(model, prompt, n, processors=None):
+    """``n`` greedy tokens of a transformers model after ``prompt``, one full forward per token;
+    ``processors`` (transformers' ``LogitsProcessorList`` or any ``(ids, scores) -> scores``) adjust
+    the last position's logits before the argmax."""
     ids, out = torch.tensor([prompt]), []
     for _ in range(n):
-        tok = int(model(ids).logits[0, -1].argmax())
+        scores = model(ids).logits[:, -1]
+        if processors is not None:
+            scores = processors(ids, scores)
+        tok = int(scores[0].argmax())
         out.append(tok)
         ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
     return out

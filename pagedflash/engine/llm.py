@@ -347,6 +347,8 @@ class LLM:
         # a copy: the request runs with the parameters it was checked with, whatever the caller changes later
         params = copy.copy(params)
         params.stop_token_ids = tuple(params.stop_token_ids)
+        if params.logit_bias is not None:
+            params.logit_bias = dict(params.logit_bias)
         seq = Sequence(self._new_id(), ids, params, arrival, self.device)
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq
@@ -362,6 +364,9 @@ class LLM:
         problem = params.problem()
         if problem:
             return ids, ValueError(problem)
+        bad = next((t for t in params.logit_bias or () if t >= self.config.vocab_size), None)
+        if bad is not None:
+            return ids, ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
         total = min(len(ids) + params.max_tokens - 1, self.max_model_len)
         pages = -(-total // self.page_size)
         if pages > self.num_blocks:

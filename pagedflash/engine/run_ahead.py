@@ -143,7 +143,7 @@ class RunAhead:
         p = sched.page_size
         rows, new_pages = [], 0
         for row, seq in zip(batch.rows, sched.running):
-            if row.seq is not seq or row.num_tokens != 1 or not row.samples or not seq.params.greedy:
+            if row.seq is not seq or row.num_tokens != 1 or not row.samples or not seq.params.raw_greedy:
                 return None
             pos = len(seq)  # where batch's token goes
             if pos >= self.runner.max_model_len:  # the row ends with that token; no position (or page) for it

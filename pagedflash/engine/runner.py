@@ -147,7 +147,7 @@ class ModelRunner:
                     self._decode(batch, unwritten=[i for i, _ in want.unwritten])
                 else:
                     self._decode(batch)
-                if want is None and all(r.samples and r.seq.params.greedy for r in batch.rows):
+                if want is None and all(r.samples and r.seq.params.raw_greedy for r in batch.rows):
                     return self._read_greedy(n)
                 logits = sample_logits = self._logits[:n]  # row i: row i's one position
                 greedy = self._greedy[:n]
@@ -171,7 +171,8 @@ class ModelRunner:
             self.workers.wait_device()  # sampling reads the device: wait there, watching the ranks
         if rows:
             tokens = sample(sample_logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
-                            self.generator, greedy=greedy)
+                            self.generator, greedy=greedy,
+                            history=[(r.seq.token_ids, r.seq.num_prompt_tokens) for r in rows])
         else:
             tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         if want is None:

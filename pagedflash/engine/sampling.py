@@ -1,8 +1,11 @@
-"""SamplingParams and the sampler: greedy, or temperature then top-k then top-p, per request.
+"""SamplingParams and the sampler, per request, in vLLM's order: ``logit_bias``, then the penalties
+(repetition, then frequency and presence), then greedy argmax, or temperature, ``min_p``, top-k, top-p
+and a draw.
 
 A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else is in
 the batch; requests without one share the engine's generator. Logprobs (``logprobs``,
-``prompt_logprobs``) are computed by :mod:`pagedflash.engine.logprobs`.
+``prompt_logprobs``) are computed by :mod:`pagedflash.engine.logprobs` from the raw logits, before
+any of these steps (vLLM's default).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pagedflash.engine import layers
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: dividing the logits by it would overflow fp32
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most, as OpenAI's API
 
 
 @dataclass
@@ -26,6 +31,13 @@ class SamplingParams:
     ``MIN_TEMPERATURE``), else > 0. top_p in (0, 1]. top_k: 0 (off) or >= 1. seed: per-request
     generator seed (a 64-bit int). ignore_eos: keep going past EOS.
     stop_token_ids: extra ids that end the request (the stop token is kept in the output).
+    presence_penalty / frequency_penalty in [-2, 2]: subtracted from the logit of every token generated
+    so far, once / once per occurrence (OpenAI's). repetition_penalty > 0 (1: off): the logits of every
+    token of the prompt and the output so far divided by it where positive, multiplied where not (the
+    CTRL paper's, as transformers and vLLM). logit_bias: ``{token_id: bias}``, bias in [-100, 100], added
+    to the raw logits. The three penalties and the bias apply to greedy requests too (their argmax
+    is taken over the adjusted logits). min_p in [0, 1]: after temperature, tokens whose probability is
+    below ``min_p`` times the top token's are dropped (0: off).
     logprobs: None (none), or ``k`` in ``[0, MAX_LOGPROBS]``: each generated token's log-probability,
     and those of the ``k`` most likely tokens at its position. prompt_logprobs: the same for each
     prompt token after the first. Both are the fp32 log-softmax of the logits the sampler saw,
@@ -42,6 +54,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         problem = self.problem()
@@ -70,15 +87,70 @@ class SamplingParams:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 return (f"{name} must be None or an int in [0, {MAX_LOGPROBS}] (0: the sampled or given token's "
                         f"only), got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                return f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {v!r}"
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
+            return f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}"
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}"
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                return f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}"
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    return f"logit_bias keys must be non-negative int token ids, got {t!r}"
+                if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    return (f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                            f"got {b!r} for token {t}")
         return None
 
     @property
     def greedy(self) -> bool:
+        """The token is the argmax (of the adjusted logits: see :attr:`adjusts_logits`)."""
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """A bias or a penalty changes the logits before the pick (and so may change the argmax)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask ``logits [V]`` (already divided by temperature) outside top-k, then outside the top-p nucleus."""
+    @property
+    def raw_greedy(self) -> bool:
+        """The token is the argmax of the raw logits: the decode graph's own pick serves it."""
+        return self.greedy and not self.adjusts_logits
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def _adjust(logits: torch.Tensor, p: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+    """``logits [V]`` (fp32) with ``p``'s bias and penalties, given the row's tokens so far (prompt first)."""
+    device, vocab = logits.device, logits.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+        logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device))
+    if p.repetition_penalty != 1.0 and token_ids:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seen[torch.tensor(token_ids, dtype=torch.int64, device=device)] = True
+        scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(token_ids) > num_prompt:
+        out = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=device)
+        counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask ``logits [V]`` (already divided by temperature) below ``min_p`` of the top token's probability,
+    then outside top-k, then outside the top-p nucleus."""
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -91,17 +163,27 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None, greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row of ``logits [R, V]`` (the model's dtype; sampled rows are computed in fp32):
-    int64 ``[R]`` on the logits' device. ``greedy``: the rows' argmax when the step already computed
-    it (the decode graphs do)."""
+           default_generator: torch.Generator | None, greedy: torch.Tensor | None = None,
+           history: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+    """One token per row of ``logits [R, V]`` (the model's dtype; rows other than raw greedy ones are
+    computed in fp32): int64 ``[R]`` on the logits' device. ``greedy``: the rows' argmax when the step
+    already computed it (the decode graphs do). ``history``: per row, its token ids so far (prompt, then
+    output) and its prompt's length; needed by the rows whose params have penalties."""
     tokens = greedy if greedy is not None else layers.argmax(logits)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rows = [i for i, p in enumerate(params) if not p.raw_greedy]
     if rows:
         tokens = tokens.clone()
     for i in rows:
         p = params[i]
-        probs = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p).softmax(-1)
+        row = logits[i].float()
+        if p.adjusts_logits:
+            if history is None:
+                raise ValueError("sample: a row has penalties or a logit_bias but no history was given")
+            row = _adjust(row, p, *history[i])
+        if p.greedy:
+            tokens[i] = layers.argmax(row[None])[0]
+            continue
+        probs = _filter(row / p.temperature, p.min_p, p.top_k, p.top_p).softmax(-1)
         gen = generators[i] if generators[i] is not None else default_generator
         tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
     return tokens

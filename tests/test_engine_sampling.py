@@ -1,0 +1,183 @@
+"""The sampler's logit adjustments: ``logit_bias``, repetition / frequency / presence penalties and
+``min_p``, against transformers' logits processors and a loop over the tokens (fp32, tiny random
+models; on a GPU the engine runs compiled, with CUDA graphs and run-ahead).
+
+Greedy requests with an adjustment take the argmax of the adjusted logits, so the engine's greedy
+tokens must equal transformers' greedy loop with the same processors, through chunked prefill,
+preemption, prefix-cache hits and run-ahead steps beside plain greedy rows.
+"""
+
+import pytest
+import torch
+from helpers import hf_greedy, prompts_of
+from test_engine import fp32_llm, save_tiny
+
+from pagedflash.engine import SamplingParams
+from pagedflash.engine.sampling import _adjust, _filter
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 128
+
+
+class FrequencyPresence:
+    """OpenAI's penalties over the generated tokens (those after the prompt), one token at a time."""
+
+    def __init__(self, num_prompt, frequency, presence):
+        self.num_prompt, self.frequency, self.presence = num_prompt, frequency, presence
+
+    def __call__(self, ids, scores):
+        scores = scores.clone()
+        out = ids[0, self.num_prompt:].tolist()
+        for t in set(out):
+            scores[0, t] -= self.frequency * out.count(t) + self.presence
+        return scores
+
+
+class Bias:
+    def __init__(self, bias):
+        self.bias = bias
+
+    def __call__(self, ids, scores):
+        scores = scores.clone()
+        for t, b in self.bias.items():
+            scores[0, t] += b
+        return scores
+
+
+def processors(num_prompt, logit_bias=None, repetition=1.0, frequency=0.0, presence=0.0):
+    """vLLM's order: the bias, the repetition penalty, then frequency and presence."""
+    procs = transformers.LogitsProcessorList()
+    if logit_bias:
+        procs.append(Bias(logit_bias))
+    if repetition != 1.0:
+        procs.append(transformers.RepetitionPenaltyLogitsProcessor(repetition))
+    if frequency or presence:
+        procs.append(FrequencyPresence(num_prompt, frequency, presence))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama_sampling")
+    return path, save_tiny(path, "llama", seed=4)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(logit_bias={3: 2.5, 70: -1.0}), dict(repetition_penalty=1.7), dict(repetition_penalty=0.6),
+    dict(frequency_penalty=0.7, presence_penalty=-0.4), dict(frequency_penalty=-1.5),
+    dict(logit_bias={5: 1.0}, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5),
+], ids=lambda kw: "+".join(kw))
+def test_adjust_matches_transformers_processors(kwargs):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(VOCAB, generator=g) * 3
+    tokens = torch.randint(0, VOCAB, (23,), generator=g).tolist()
+    num_prompt = 9
+    p = SamplingParams(**kwargs)
+    want = processors(num_prompt, kwargs.get("logit_bias"), kwargs.get("repetition_penalty", 1.0),
+                      kwargs.get("frequency_penalty", 0.0), kwargs.get("presence_penalty", 0.0))(
+        torch.tensor([tokens]), logits[None].clone())[0]
+    torch.testing.assert_close(_adjust(logits, p, tokens, num_prompt), want, rtol=0, atol=1e-6)
+    assert p.adjusts_logits and not p.raw_greedy
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
+def test_min_p_matches_transformers(min_p):
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 2
+    got = _filter(logits, min_p, 0, 1.0)
+    want = logits if min_p == 0 else transformers.MinPLogitsWarper(min_p)(None, logits[None])[0]
+    assert torch.equal(got, want)
+    assert SamplingParams(min_p=min_p).raw_greedy  # min_p never changes the argmax
+
+
+@pytest.mark.parametrize("kwargs, ahead", [
+    (dict(repetition_penalty=1.8), False), (dict(frequency_penalty=1.2, presence_penalty=0.6), True),
+    (dict(logit_bias={7: 3.0, 11: 2.0}, repetition_penalty=1.4), True),
+], ids=lambda v: "+".join(v) if isinstance(v, dict) else f"ahead_{v}")
+def test_greedy_with_adjustments_equals_transformers(llama, kwargs, ahead):
+    """Through chunked prefill (8-token chunks), preemption (a pool too small for all rows), prefix
+    hits (the prompts share a prefix) and a plain greedy row beside the adjusted ones, with run-ahead
+    steps (which the plain row takes while the adjusted rows are done) or without."""
+    path, hf = llama
+    system = prompts_of([11], seed=20)[0]
+    prompts = [system + s for s in prompts_of([5, 14, 3], seed=21)]
+    n = 14
+    refs = [hf_greedy(hf, q, n, processors(len(q), **_ref_kwargs(kwargs))) for q in prompts]
+    plain = hf_greedy(hf, prompts[0], n + 6)
+    adjusted = SamplingParams(max_tokens=n, ignore_eos=True, **kwargs)
+    llm = fp32_llm(path, page_size=4, num_blocks=20, max_num_batched_tokens=8)
+    llm.run_ahead.enabled = ahead
+    outs = llm.generate(prompts + [prompts[0]], [adjusted] * 3 + [SamplingParams(max_tokens=n + 6, ignore_eos=True)])
+    assert [o.token_ids for o in outs] == refs + [plain]
+    assert sum(o.num_preemptions for o in outs) > 0 and llm.block_manager.num_free_blocks == 20
+    assert refs[0] != plain[:n]  # the adjustment mattered
+
+
+def _ref_kwargs(kwargs):
+    return dict(logit_bias=kwargs.get("logit_bias"), repetition=kwargs.get("repetition_penalty", 1.0),
+                frequency=kwargs.get("frequency_penalty", 0.0), presence=kwargs.get("presence_penalty", 0.0))
+
+
+def test_logit_bias_steers_and_logprobs_stay_raw(llama):
+    """A +100 bias makes every greedy token the biased one; logprobs are those of the raw logits
+    (vLLM's default), so the biased token's logprob is what it would be without the bias."""
+    path, _ = llama
+    llm = fp32_llm(path, page_size=8, num_blocks=32)
+    prompt = prompts_of([10], seed=5)[0]
+    plain, biased = llm.generate([prompt] * 2, [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0),
+                                                SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3,
+                                                               logit_bias={42: 100.0})])
+    assert biased.token_ids == [42] * 4 and plain.token_ids != [42] * 4
+    first = biased.logprobs[0]
+    assert 42 in first and first[42] < max(first.values())  # the raw logits rank another token first
+    assert plain.logprobs[0][plain.token_ids[0]] == max(first.values())
+
+
+def test_sampled_rows_with_penalties_are_seeded_and_batch_independent(llama):
+    """A seeded sampled request with penalties, min_p and top-k gives the same tokens alone and in a
+    batch; a strong frequency penalty keeps it from repeating any token."""
+    path, _ = llama
+    llm = fp32_llm(path, page_size=8, num_blocks=64)
+    prompt = prompts_of([12], seed=6)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=9, min_p=0.02, top_k=40, frequency_penalty=2.0,
+                            presence_penalty=2.0, repetition_penalty=1.2, ignore_eos=True)
+    alone = llm.generate([prompt], params)[0]
+    batched = llm.generate(prompts_of([7, 19, 4], seed=8) + [prompt],
+                           [SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)] * 3 + [params])[3]
+    assert alone.token_ids == batched.token_ids
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.7, seed=9, ignore_eos=True))[0]
+    assert len(set(alone.token_ids)) >= len(set(free.token_ids))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(logit_bias={1: 101.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"1": 1.0}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"), (dict(presence_penalty=True), "presence_penalty"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_adjustment_params_out_of_range(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_fails_alone(llama):
+    """The id is checked per request (a GPU would fault on it inside the step): that request fails,
+    the others run; ``add_request`` raises. The request keeps the bias it was checked with."""
+    path, hf = llama
+    llm = fp32_llm(path, page_size=8, num_blocks=32)
+    prompt = prompts_of([6], seed=2)[0]
+    bias = {VOCAB: 1.0}
+    bad, good = llm.generate([prompt] * 2, [SamplingParams(max_tokens=2, logit_bias=bias),
+                                           SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert f"logit_bias: token id {VOCAB} is outside the vocabulary" in bad.error and bad.token_ids == []
+    assert good.token_ids == hf_greedy(hf, prompt, 3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.add_request(prompt, SamplingParams(max_tokens=2, logit_bias=bias))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={9: 100.0})
+    llm.add_request(prompt, params)
+    params.logit_bias[9] = -100.0  # changed after the request was added: the request keeps +100
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += llm.step()
+    assert outs[-1].token_ids == [9, 9, 9]
+    assert llm.block_manager.num_free_blocks == 32 and not llm.scheduler.running
