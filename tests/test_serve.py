@@ -262,13 +262,24 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -3}, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "min_p": 0.1}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"512": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "seed": 2**64 - 1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -279,6 +290,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": -1}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1.5": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+     "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
@@ -411,6 +428,8 @@ def test_queue_full_is_a_503():
     try:
         r = s.post("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 1})  # can never fit: no retry
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = s.post("/v1/completions", {"prompt": [1, 2], "n": 2, "max_tokens": 1})  # n requests in the engine
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         body = {"prompt": [9, 10], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with slow_steps(s), httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as running:
             next(line for line in running.iter_lines() if line.startswith("data:"))  # admitted and running

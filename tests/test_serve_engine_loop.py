@@ -153,6 +153,21 @@ def test_admission_is_all_or_nothing_and_max_queue_counts_waiting():
         engine.stop()
 
 
+def test_params_one_per_prompt(loop_and_engine):
+    """A submission's params: one for all its prompts, or one each (``n`` choices with their seeds)."""
+    engine, llm = loop_and_engine
+
+    async def run():
+        queue = asyncio.Queue()
+        ids = await engine.submit([[1], [1], [2]], [SamplingParams(max_tokens=n, seed=n) for n in (1, 2, 3)], queue)
+        events = await drain(queue, until_finished=3)
+        return ids, events
+
+    ids, events = asyncio.run(run())
+    assert [sum(len(e[2]) for e in events if e[1] == i) for i in range(3)] == [1, 2, 3]
+    assert len(ids) == 3 and not llm.requests
+
+
 def test_stop_fails_what_is_in_flight(loop_and_engine):
     engine, llm = loop_and_engine
 

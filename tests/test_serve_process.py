@@ -1,7 +1,8 @@
 """``pagedflash serve --engine-process``: the engine loop in a child process, behind the same HTTP
 server. :mod:`test_serve`'s behaviours that cross the process boundary (the openai client streamed
 and not, a disconnect, concurrent streams against offline ``generate``, /metrics, admission
-errors, SIGTERM drain), plus a child that dies.
+errors, SIGTERM drain), :mod:`test_serve_sampling`'s that do (``n`` with per-choice seeds and its
+abort, ``echo`` with prompt logprobs, ``logit_bias``), plus a child that dies.
 """
 
 import asyncio
@@ -12,6 +13,7 @@ import time
 
 import pytest
 from test_serve import GREEDY, MODEL, TIMEOUT, LiveServer, finished, httpx, openai, serve_process
+from test_serve_sampling import SAMPLED, finish_reasons, streamed_texts
 
 from pagedflash.engine.config import TINY_LLAMA
 from pagedflash.engine.llm import LLM
@@ -71,6 +73,38 @@ def test_disconnect_aborts_and_frees_the_pool(server):
     assert finished(after, "abort") == finished(before, "abort") + 1
     assert after[("pagedflash:generation_tokens_total", frozenset())] - \
         before[("pagedflash:generation_tokens_total", frozenset())] < 500
+    server.assert_pool_whole()
+
+
+def test_n_echo_and_logit_bias(server):
+    """Per-choice seeds and prompt logprobs cross the pipe: a request with a thread's engine loop
+    would give the same choices; disconnecting aborts every choice."""
+    client = server.client()
+    tok = server.state.tokenizer
+    ids = tok.encode("The quick brown fox")
+    asked = dict(model=MODEL, prompt=ids, max_tokens=2, n=3, seed=21, echo=True, logprobs=1, **SAMPLED)
+    whole = client.completions.create(**asked)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and len({c.text for c in whole.choices}) > 1
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 6
+    for c in whole.choices:
+        assert c.text.startswith(tok.decode(ids)) and len(c.logprobs.tokens) == len(ids) + 2
+        assert c.logprobs.token_logprobs[0] is None and all(x <= 0 for x in c.logprobs.token_logprobs[1:])
+    chunks = list(client.completions.create(**asked, stream=True))
+    assert streamed_texts(chunks) == {c.index: c.text for c in whole.choices}
+    assert finish_reasons(chunks) == {i: ["length"] for i in range(3)}
+    alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, seed=22, **SAMPLED)
+    assert whole.choices[1].text == tok.decode(ids) + alone.choices[0].text
+
+    biased = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, logit_bias={"42": 100}, **GREEDY)
+    assert biased.choices[0].text == tok.decode([42] * 3)
+
+    before = server.wait_idle()
+    body = {"prompt": [7, 8, 9], "max_tokens": 500, "n": 2, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    after = server.wait_idle()
+    assert finished(after, "abort") == finished(before, "abort") + 2
     server.assert_pool_whole()
 
 

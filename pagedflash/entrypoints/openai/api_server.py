@@ -19,6 +19,7 @@ classes imported inside :func:`build_app`.)
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -237,13 +238,15 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         prompts = serving.completion_prompts(state, body)
         params = serving.sampling_params(state, body, max(len(x) for x in prompts),
                                          default_max_tokens=serving.DEFAULT_COMPLETION_MAX_TOKENS)
+        echo = serving.echo_texts(state, body, prompts) if body.echo else None
         gen = serving.Generation(state, prompts, params, serving.stop_strings(body),
+                                 keep_output=not serving.echo_only(body),
                                  timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return GenerationStream(serving.completion_stream(gen, state.model_name, usage), gen)
-        return await respond(request, gen, serving.completion_response)
+            return GenerationStream(serving.completion_stream(gen, state.model_name, usage, echo=echo), gen)
+        return await respond(request, gen, functools.partial(serving.completion_response, echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -9,9 +9,11 @@ client never holds up a step; its tokens wait in its queue.
 
 Events put on a queue (each a tuple):
 
-- ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens, new_logprobs)``:
+- ``("tokens", tag, new_token_ids, finish_reason, num_cached_tokens, new_logprobs, prompt_logprobs)``:
   ``finish_reason`` is None while the request runs, else ``"stop"`` or ``"length"``;
   ``new_logprobs`` the step's ``RequestOutput.new_logprobs`` (None unless asked for);
+  ``prompt_logprobs`` its ``prompt_logprobs`` (with ``SamplingParams.prompt_logprobs``, in the
+  request's first event; else None);
 - ``("error", tag, message)``: the step running the request raised; the request is aborted;
 - ``("timeline", tag, stamps)``: only with ``timeline=True``, once, just before the request's first
   ``tokens`` event: the engine side's stamps of :mod:`.timeline` (``submit`` through
@@ -60,7 +62,7 @@ class _Submission:
     """Prompts of one HTTP request, admitted together or not at all."""
 
     prompts: list[list[int]]
-    params: SamplingParams
+    params: SamplingParams | list[SamplingParams]  # one for all, or one per prompt
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
@@ -91,8 +93,8 @@ def check_admission(accepting: bool, waiting: int, num_prompts: int, max_queue: 
     if not accepting:
         raise EngineClosedError("the server is shutting down")
     if max_queue is not None and num_prompts > max_queue:  # a retry can never fit: the client's error
-        raise RequestRejected(None, ValueError(f"prompt: a batch of {num_prompts} prompts is more than the "
-                                            f"{max_queue} requests the server queues (--max-queue)"))
+        raise RequestRejected(None, ValueError(f"a request of {num_prompts} sequences (prompts times n) is more "
+                                            f"than the {max_queue} requests the server queues (--max-queue)"))
     if max_queue is not None and waiting + num_prompts > max_queue:
         raise QueueFullError(f"{waiting} requests are waiting for admission and the server queues at most "
                              f"{max_queue} (--max-queue); retry later")
@@ -184,9 +186,11 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.engine_failure is None
 
     # ------------------------------------------------------------------ event loop
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
-        """Hand ``prompts`` (token ids) to the engine; their events go to ``queue``, tagged with the
-        prompt's index. Returns the request ids (for :meth:`abort`) once the loop admitted them all.
+    async def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                     queue: asyncio.Queue) -> list[int]:
+        """Hand ``prompts`` (token ids) to the engine with ``params`` (one for all, or one per prompt);
+        their events go to ``queue``, tagged with the prompt's index. Returns the request ids (for
+        :meth:`abort`) once the loop admitted them all.
 
         Raises :class:`QueueFullError`, :class:`EngineClosedError`, or :class:`RequestRejected` (then no
         prompt of the submission runs). Cancelled while waiting, the prompts are aborted."""
@@ -266,9 +270,10 @@ class EngineLoop:
         if self.engine_failure is not None:  # queued before the engine failed
             return sub, None, EngineClosedError(f"the engine failed: {self.engine_failure}")
         ids = []
+        params = sub.params if isinstance(sub.params, list) else [sub.params] * len(sub.prompts)
         try:
-            for prompt in sub.prompts:
-                ids.append(self.llm.add_request(prompt, sub.params))
+            for prompt, one in zip(sub.prompts, params):
+                ids.append(self.llm.add_request(prompt, one))
         except Exception as e:
             try:
                 for rid in ids:
@@ -362,7 +367,7 @@ class EngineLoop:
                     metrics.e2e.observe(now - live.arrival)
             events.setdefault(live.loop, []).append(
                 (live.queue, ("tokens", live.tag, out.new_token_ids, out.finish_reason if out.finished else None,
-                              out.num_cached_tokens, out.new_logprobs)))
+                              out.num_cached_tokens, out.new_logprobs, out.prompt_logprobs)))
         for loop, batch in events.items():
             self._call(loop, _deliver, batch)
 

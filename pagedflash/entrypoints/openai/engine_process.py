@@ -10,7 +10,8 @@ Prometheus, are collected and sent up the pipe as one message per loop iteration
 HTTP process keeps tokenizing, detokenizing, formatting and the metrics' exposition, so its Python
 work does not take the GIL from the engine's host work.
 
-Messages (plain pickled tuples) down the pipe: ``("submit", sub_id, prompts, params, arrival)``,
+Messages (plain pickled tuples) down the pipe: ``("submit", sub_id, prompts, params, arrival)``
+(``params``: one SamplingParams for all the prompts, or a list of one each),
 ``("abort", request_ids, reason)``, ``("stop",)``. Up the pipe: ``("ready", limits)`` or
 ``("failed", type name, message)`` once, then per iteration ``("step", num_waiting, num_unfinished,
 items, metric_ops, engine_failure)`` where ``items`` are ``("event", sub_id, event)`` (an :mod:`.engine_loop`
@@ -336,7 +337,8 @@ class EngineProcess:
                 and self._engine_failure is None and self.process.is_alive())
 
     # ------------------------------------------------------------------ event loop
-    async def submit(self, prompts: list[list[int]], params: SamplingParams, queue: asyncio.Queue) -> list[int]:
+    async def submit(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                     queue: asyncio.Queue) -> list[int]:
         """As :meth:`.EngineLoop.submit`."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()

@@ -1,12 +1,12 @@
 """Request and response bodies of the OpenAI API, as typed models (pydantic v2).
 
 Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are ignored, as OpenAI and vLLM do;
-fields the server cannot honour (``n > 1``, ``echo``, penalties, ``logit_bias``, ``min_p``, tools,
-``response_format``, ``suffix``, ``best_of``) are listed by :func:`unsupported_field`, which the
-handlers turn into a 400 naming the field. Logprobs (completions' ``logprobs: k``, chat's
-``logprobs: true`` + ``top_logprobs: k``, k <= 20) come from the engine, computed before
-temperature and filtering as vLLM's are.
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are ignored,
+as OpenAI and vLLM do; fields the server cannot honour (tools, ``response_format``, ``suffix``,
+``best_of``) are listed by :func:`unsupported_field`, which the handlers turn into a 400 naming the
+field. Logprobs (completions' ``logprobs: k``, chat's ``logprobs: true`` + ``top_logprobs: k``,
+k <= 20) come from the engine, computed before the bias, penalties, temperature and filtering as
+vLLM's are; with completions' ``echo`` the prompt's tokens come first, the first one's entries null.
 """
 
 from __future__ import annotations
@@ -42,18 +42,18 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = None  # None: 1.0, as OpenAI
     top_p: float | None = None
     top_k: StrictInt | None = None  # 0 or -1: off
-    min_p: float | None = None
+    min_p: float | None = None  # None: 0 (off)
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: StrictInt | None = None  # choices per prompt; None: 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None  # None: 0 (off)
+    frequency_penalty: float | None = None  # None: 0 (off)
+    repetition_penalty: float | None = None  # None: 1 (off)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     user: str | None = None
 
 
@@ -92,17 +92,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 def unsupported_field(request: _GenerationRequest) -> tuple[str, str] | None:
     """(field, why) for the first field asking for something the server does not do, else None."""
-    checks = [
-        ("n", request.n != 1, "n > 1 is not supported (send the request n times)"),
-        ("presence_penalty", request.presence_penalty != 0.0, "presence_penalty is not supported (the sampler has no penalties)"),
-        ("frequency_penalty", request.frequency_penalty != 0.0, "frequency_penalty is not supported (the sampler has no penalties)"),
-        ("repetition_penalty", request.repetition_penalty != 1.0, "repetition_penalty is not supported (the sampler has no penalties)"),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
-        ("min_p", request.min_p not in (None, 0.0), "min_p is not supported (the sampler has temperature, top_k and top_p)"),
-    ]
+    checks = []
     if isinstance(request, CompletionRequest):
         checks += [
-            ("echo", request.echo, "echo is not supported"),
             ("suffix", bool(request.suffix), "suffix is not supported"),
             ("best_of", request.best_of not in (None, 1), "best_of is not supported"),
         ]
@@ -133,11 +125,12 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Per generated token: its text, log-probability, text offset, and the top ones by text."""
+    """Per token of the text (with ``echo``, the prompt's first): its text, log-probability, text
+    offset, and the top ones by text; the first prompt token's log-probability and top ones are null."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

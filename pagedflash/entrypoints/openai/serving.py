@@ -1,6 +1,15 @@
 """The handlers' work between HTTP and the engine loop: validate a request into token ids and
 :class:`~pagedflash.engine.SamplingParams`, run it, and build the OpenAI responses and stream chunks.
 
+A request's ``n`` choices per prompt are ``n`` engine requests each (the prefix cache shares the
+prompt's full pages); with a ``seed``, choice ``j`` of a prompt draws with ``seed + j`` (vLLM's
+parallel sampling), so the choices differ and a request repeated gives the same ones. Completions
+number their choices ``prompt_index * n + j``, chat ``0 .. n - 1``; ``usage`` counts each prompt's
+tokens once and every choice's generated tokens. Completions' ``echo`` puts each prompt's text
+before its choices' (with ``logprobs``, the prompt tokens' entries from the engine's
+``prompt_logprobs`` first); with ``max_tokens: 0`` it returns the prompt alone (the engine generates
+one token, which is dropped, as vLLM does).
+
 Every refusal is an :class:`APIError` carrying the HTTP status and the OpenAI error body's fields
 (``param`` names the offending field). Input never gives a 500: that status is for a step that failed.
 """
@@ -8,6 +17,7 @@ Every refusal is an :class:`APIError` carrying the HTTP status and the OpenAI er
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -26,6 +36,7 @@ from pagedflash.entrypoints.openai.timeline import RequestTimeline
 from pagedflash.entrypoints.openai.tokenizer import ChatTemplateError, IncrementalDetokenizer, TextTokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+MAX_N = 128  # choices per prompt at most (each an engine request)
 
 
 class APIError(Exception):
@@ -68,6 +79,12 @@ def check_request(state: ServerState, request: p._GenerationRequest) -> None:
     if unsupported is not None:
         field, why = unsupported
         raise bad_request(why, param=field, code="unsupported")
+    if not 1 <= num_choices(request) <= MAX_N:
+        raise bad_request(f"n must be an int in [1, {MAX_N}] (choices per prompt), got {request.n}", param="n")
+
+
+def num_choices(request: p._GenerationRequest) -> int:
+    return 1 if request.n is None else request.n
 
 
 def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
@@ -81,34 +98,73 @@ def check_prompt(state: ServerState, ids: list[int], param: str) -> None:
                           f"{state.max_model_len} (prompt plus at least one generated token)", param=param)
 
 
+def echo_only(request: p._GenerationRequest) -> bool:
+    """Completions' ``echo`` with ``max_tokens: 0``: the prompt alone, nothing generated."""
+    return isinstance(request, p.CompletionRequest) and request.echo and request.max_tokens == 0
+
+
 def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_len: int, *, default_max_tokens: int | None,
-                    max_tokens_field: str = "max_tokens") -> SamplingParams:
-    """The request's sampling fields as SamplingParams; ``prompt_len``: the longest prompt's tokens."""
+                    max_tokens_field: str = "max_tokens") -> list[SamplingParams]:
+    """The request's sampling fields as SamplingParams, one per choice of a prompt (``n``; with a
+    ``seed``, choice ``j``'s is ``seed + j``); ``prompt_len``: the longest prompt's tokens."""
+    echo = isinstance(request, p.CompletionRequest) and request.echo
     if isinstance(request, p.ChatCompletionRequest):
         logprobs, logprobs_field = (request.top_logprobs or 0) if request.logprobs else None, "top_logprobs"
     else:
         logprobs, logprobs_field = request.logprobs, "logprobs"
+    n = num_choices(request)
     room = state.max_model_len - prompt_len
     max_tokens = getattr(request, max_tokens_field)
-    if max_tokens is None:  # the room left, in the model's length and in the whole pool
-        fits = min(room, state.pool_tokens - prompt_len + 1) if state.pool_tokens else room
+    if max_tokens is None:  # the room left, in the model's length and in the whole pool (the n choices' share)
+        fits = min(room, (state.pool_tokens - prompt_len) // n + 1) if state.pool_tokens else room
         max_tokens = max(1, fits if default_max_tokens is None else min(default_max_tokens, fits))
     elif max_tokens >= 1 and prompt_len + max_tokens > state.max_model_len:
         raise bad_request(f"{max_tokens_field}={max_tokens} with a prompt of {prompt_len} tokens exceeds the model's "
                           f"maximum context length {state.max_model_len} (at most {room} can be generated)",
                           param=max_tokens_field)
+    elif echo_only(request):
+        max_tokens = 1  # the engine's one token is dropped (:class:`Generation`'s ``keep_output``)
     top_k = request.top_k if request.top_k is not None else 0
     fields = dict(max_tokens=max_tokens, temperature=1.0 if request.temperature is None else request.temperature,
                   top_p=1.0 if request.top_p is None else request.top_p, top_k=0 if top_k == -1 else top_k,
+                  min_p=0.0 if request.min_p is None else request.min_p,
+                  presence_penalty=0.0 if request.presence_penalty is None else request.presence_penalty,
+                  frequency_penalty=0.0 if request.frequency_penalty is None else request.frequency_penalty,
+                  repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                  logit_bias=logit_bias(state, request.logit_bias),
                   seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()),
-                  logprobs=logprobs)
+                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
     try:
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
-        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}
+        renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "prompt_logprobs": logprobs_field}
         param = renamed.get(field, field if field in fields else None)
         raise bad_request(str(e).replace(field, param, 1) if param else str(e), param=param) from None
+    if params.seed is None or n == 1:
+        return [params] * n
+    try:
+        return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+    except ValueError as e:
+        raise bad_request(f"seed: choice j of n draws with seed + j, and seed + {n - 1} is out of range: {e}",
+                          param="seed") from None
+
+
+def logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as strings) with int keys, each in the vocabulary."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id (an integer)", param="logit_bias") from None
+        if not 0 <= token < state.vocab_size:
+            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {state.vocab_size})",
+                              param="logit_bias")
+        out[token] = value
+    return out
 
 
 def stop_strings(request: p._GenerationRequest) -> list[str]:
@@ -116,10 +172,15 @@ def stop_strings(request: p._GenerationRequest) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
-def completion_prompts(state: ServerState, request: p.CompletionRequest) -> list[list[int]]:
-    """The request's prompts as token ids: a string, a list of ids, or a batch of either."""
+def prompt_batch(request: p.CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts as given: a string, a list of ids, or a batch of either."""
     prompt = request.prompt
-    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+
+
+def completion_prompts(state: ServerState, request: p.CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token ids."""
+    batch = prompt_batch(request)
     out = []
     for i, item in enumerate(batch):
         param = "prompt" if len(batch) == 1 else f"prompt[{i}]"
@@ -132,6 +193,12 @@ def completion_prompts(state: ServerState, request: p.CompletionRequest) -> list
         check_prompt(state, ids, param)
         out.append(ids)
     return out
+
+
+def echo_texts(state: ServerState, request: p.CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text for ``echo``: a string as given, token ids decoded."""
+    return [item if isinstance(item, str) else state.tokenizer.decode(ids)
+            for item, ids in zip(prompt_batch(request), prompts)]
 
 
 def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[int]:
@@ -162,46 +229,58 @@ def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[in
 # ------------------------------------------------------------------ running
 @dataclass
 class Delta:
-    index: int
+    index: int  # the choice's: ``prompt_index * n + j``
     text: str
     finish_reason: str | None
     logprobs: list[tuple[int, dict[int, float]]] | None = None  # (token id, {id: logprob}) of its tokens
 
 
 class Generation:
-    """One HTTP request's prompts in the engine: :meth:`start` admits them, :meth:`deltas` yields
-    their text as it comes (one :class:`Delta` per engine step that gave a prompt tokens, its text
-    empty while a character or a possible stop string is incomplete; the last with the finish
-    reason), :meth:`usage` counts tokens. Leaving :meth:`deltas` early (an error, a
-    client gone) aborts what is still running.
+    """One HTTP request's choices in the engine: ``params[j]`` runs choice ``j`` of every prompt
+    (:func:`sampling_params`'s list: equal but for the seeds; :attr:`params` is the first),
+    choice ``j`` of prompt ``i`` being engine request (and :class:`Delta` index) ``i * n + j``.
+    :meth:`start` admits them all, :meth:`deltas` yields their text as it comes (one
+    :class:`Delta` per engine step that gave a choice tokens, its text empty while a character or a
+    possible stop string is incomplete; the last with the finish reason), :meth:`usage` counts
+    tokens. Leaving :meth:`deltas` early (an error, a client gone) aborts what is still running.
 
+    keep_output: False drops what the engine generates (completions' ``echo`` with ``max_tokens:
+    0``, whose engine requests generate one token): each choice ends with no text and ``"length"``.
     timeline: the HTTP request's first stamps (:meth:`.RequestTimeline.begin`) when the server keeps
-    a timeline; :meth:`deltas` completes each prompt's and writes them when it ends."""
+    a timeline; :meth:`deltas` completes each choice's and writes them when it ends."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: SamplingParams, stop: list[str], *,
-                 timeline: dict | None = None):
-        self.state, self.prompts, self.params = state, prompts, params
-        self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in prompts]
-        self.finish_reason: list[str | None] = [None] * len(prompts)
-        self.num_cached = [0] * len(prompts)
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], stop: list[str], *,
+                 keep_output: bool = True, timeline: dict | None = None):
+        self.state, self.prompts, self.params, self.n = state, prompts, params[0], len(params)
+        self.keep_output = keep_output
+        self.sequences = [ids for ids in prompts for _ in params]  # by choice index
+        self.sequence_params = params[0] if self.n == 1 else [one for _ in prompts for one in params]
+        count = len(self.sequences)
+        self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in range(count)]
+        self.finish_reason: list[str | None] = [None] * count
+        self.num_cached = [0] * count
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[int] = []
-        self.all_logprobs: list[list] = [[] for _ in prompts]  # by prompt, filled by :func:`collect`
-        self.stamps = None if timeline is None else [dict(timeline) for _ in prompts]
+        self.all_logprobs: list[list] = [[] for _ in range(count)]  # by choice, filled by :func:`collect`
+        self.prompt_logprobs: list[list | None] = [None] * count  # by choice, from its first event
+        self.stamps = None if timeline is None else [dict(timeline) for _ in range(count)]
 
     async def start(self) -> None:
         try:
-            self.request_ids = await self.state.engine.submit(self.prompts, self.params, self.queue)
+            self.request_ids = await self.state.engine.submit(self.sequences, self.sequence_params, self.queue)
         except QueueFullError as e:
             raise APIError(503, str(e), type="service_unavailable", code="queue_full") from None
         except EngineClosedError as e:
             raise APIError(503, str(e), type="service_unavailable") from None
         except RequestRejected as e:
-            param = "prompt" if len(self.prompts) == 1 or e.index is None else f"prompt[{e.index}]"
+            if e.index is None:  # more sequences than the queue holds
+                param = "n" if self.n > 1 else "prompt"
+            else:
+                param = "prompt" if len(self.prompts) == 1 else f"prompt[{e.index // self.n}]"
             raise bad_request(str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        left = len(self.prompts)
+        left = len(self.sequences)
         try:
             while left:
                 event = await self.queue.get()
@@ -210,9 +289,13 @@ class Generation:
                         raise APIError(500, event[2], type="internal_server_error")
                     self.stamps[event[1]].update(event[2], handler=time.perf_counter())  # "timeline"
                     continue
-                _, i, new_ids, reason, num_cached, new_logprobs = event
+                _, i, new_ids, reason, num_cached, new_logprobs, prompt_logprobs = event
                 if self.finish_reason[i] is not None:
                     continue  # stopped by a stop string; the engine's abort is on its way
+                if prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = prompt_logprobs
+                if not self.keep_output:
+                    new_ids, new_logprobs, reason = [], None, reason and "length"
                 detok = self.detok[i]
                 self.num_cached[i] = num_cached
                 taken = detok.num_tokens
@@ -238,28 +321,37 @@ class Generation:
             if self.stamps is not None:
                 self._write_timeline()
 
+    def prompt_entries(self, index: int) -> list[tuple[int, dict[int, float] | None]]:
+        """Choice ``index``'s prompt tokens with their logprobs (``SamplingParams.prompt_logprobs``):
+        None for the first token, and for every one if the engine sent none."""
+        ids = self.sequences[index]
+        return list(zip(ids, self.prompt_logprobs[index] or [None] * len(ids)))
+
     def _write_timeline(self) -> None:
         now = time.perf_counter()
         records = []
         for i, stamps in enumerate(self.stamps):
             stamps.update(index=i, request_id=self.request_ids[i] if self.request_ids else None,
-                          prompt_tokens=len(self.prompts[i]), cached_tokens=self.num_cached[i],
+                          prompt_tokens=len(self.sequences[i]), cached_tokens=self.num_cached[i],
                           output_tokens=self.detok[i].num_tokens, finish_reason=self.finish_reason[i], finished=now)
             records.append(stamps)
         self.stamps = None
         self.state.timeline.write(records)
 
     def abort_unfinished(self) -> None:
-        """Abort the prompts that have not finished (nothing when all have; safe to repeat)."""
+        """Abort the choices that have not finished (nothing when all have; safe to repeat)."""
         running = [rid for rid, reason in zip(self.request_ids, self.finish_reason) if reason is None]
         if running:
             self.state.engine.abort(running)
 
     def usage(self) -> p.UsageInfo:
+        """Each prompt's tokens once (its cached ones as its first choice found them), every choice's
+        generated tokens."""
         prompt = sum(len(ids) for ids in self.prompts)
         completion = sum(d.num_tokens for d in self.detok)
+        cached = sum(self.num_cached[:: self.n])
         return p.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(self.num_cached)))
+                           prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached))
 
 
 async def until_disconnect(receive) -> None:
@@ -275,10 +367,10 @@ class ClientGone(Exception):
 
 
 async def collect(gen: Generation, receive) -> list[str]:
-    """Run ``gen`` to the end; its texts by prompt. Raises :class:`ClientGone` (after aborting)
+    """Run ``gen`` to the end; its texts by choice. Raises :class:`ClientGone` (after aborting)
     when the client leaves first."""
-    texts = [""] * len(gen.prompts)
-    gen.all_logprobs = [[] for _ in gen.prompts]
+    texts = [""] * len(gen.sequences)
+    gen.all_logprobs = [[] for _ in gen.sequences]
 
     async def run():
         async for d in gen.deltas():
@@ -316,18 +408,23 @@ def new_id(prefix: str) -> str:
 def completion_logprobs(tokenizer: TextTokenizer, entries, offset: int = 0) -> p.CompletionLogprobs:
     """Completions' format: each token's text, logprob and text offset (from ``offset``), and its
     position's logprobs by token text (the sampled token and the top k; where several tokens have
-    one text, as bytes of a longer character do, the likeliest's)."""
+    one text, as bytes of a longer character do, the likeliest's); null for a token whose table is
+    None (a prompt's first)."""
     out = p.CompletionLogprobs()
     for token, table in entries:
         text = tokenizer.token_text(token)
         out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if table is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
         out.token_logprobs.append(table[token])
         top: dict[str, float] = {}
         for t, lp in sorted(table.items(), key=lambda x: -x[1]):  # tokens of equal text: the likeliest's
             top.setdefault(tokenizer.token_text(t), lp)
         out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(text)
     return out
 
 
@@ -347,16 +444,25 @@ def chat_logprobs(tokenizer: TextTokenizer, entries, k: int) -> p.ChatLogprobs:
 
 
 # ------------------------------------------------------------------ completions
-async def completion_response(gen: Generation, receive, model: str) -> p.CompletionResponse:
+async def completion_response(gen: Generation, receive, model: str, *,
+                              echo: list[str] | None = None) -> p.CompletionResponse:
+    """echo: each prompt's text, put before its choices' (with logprobs, its tokens' entries too)."""
     texts = await collect(gen, receive)
     tok, asked = gen.state.tokenizer, gen.params.logprobs is not None
-    choices = [p.CompletionChoice(index=i, text=t, finish_reason=r,
-                                  logprobs=completion_logprobs(tok, gen.all_logprobs[i]) if asked else None)
-               for i, (t, r) in enumerate(zip(texts, gen.finish_reason))]
+    choices = []
+    for i, (text, reason) in enumerate(zip(texts, gen.finish_reason)):
+        entries = gen.all_logprobs[i]
+        if echo is not None:
+            text = echo[i // gen.n] + text
+            entries = gen.prompt_entries(i) + entries if asked else entries
+        choices.append(p.CompletionChoice(index=i, text=text, finish_reason=reason,
+                                          logprobs=completion_logprobs(tok, entries) if asked else None))
     return p.CompletionResponse(id=new_id("cmpl"), model=model, choices=choices, usage=gen.usage())
 
 
-async def completion_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def completion_stream(gen: Generation, model: str, include_usage: bool, *,
+                            echo: list[str] | None = None) -> AsyncIterator[str]:
+    """echo: each prompt's text, put in its choices' first chunks (with logprobs, its tokens' entries too)."""
     rid, created = new_id("cmpl"), int(time.time())
 
     def chunk(choices, usage=None):  # built without validation: every value is the server's own
@@ -364,14 +470,20 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool) ->
                                                          usage=usage))
 
     tok, asked = gen.state.tokenizer, gen.params.logprobs is not None
-    offsets = [0] * len(gen.prompts)
+    offsets = [0] * len(gen.sequences)
+    echoed = [echo is None] * len(gen.sequences)
     try:
         async for d in gen.deltas():
+            text, entries = d.text, d.logprobs or []
+            if not echoed[d.index]:
+                echoed[d.index] = True
+                text = echo[d.index // gen.n] + text
+                entries = gen.prompt_entries(d.index) + entries if asked else entries
             logprobs = None
             if asked:
-                logprobs = completion_logprobs(tok, d.logprobs or [], offsets[d.index])
+                logprobs = completion_logprobs(tok, entries, offsets[d.index])
                 offsets[d.index] += sum(len(t) for t in logprobs.tokens)
-            yield chunk([p.CompletionChoice.model_construct(index=d.index, text=d.text, finish_reason=d.finish_reason,
+            yield chunk([p.CompletionChoice.model_construct(index=d.index, text=text, finish_reason=d.finish_reason,
                                                             logprobs=logprobs)])
         if include_usage:
             yield chunk([], gen.usage())
@@ -383,15 +495,16 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool) ->
 # ------------------------------------------------------------------ chat
 async def chat_response(gen: Generation, receive, model: str) -> p.ChatCompletionResponse:
     texts = await collect(gen, receive)
-    k = gen.params.logprobs
+    tok, k = gen.state.tokenizer, gen.params.logprobs
     return p.ChatCompletionResponse(
         id=new_id("chatcmpl"), model=model, usage=gen.usage(),
-        choices=[p.ChatChoice(index=0, message=p.ChatResponseMessage(content=texts[0]),
-                              finish_reason=gen.finish_reason[0],
-                              logprobs=None if k is None else chat_logprobs(gen.state.tokenizer, gen.all_logprobs[0], k))])
+        choices=[p.ChatChoice(index=i, message=p.ChatResponseMessage(content=text), finish_reason=reason,
+                              logprobs=None if k is None else chat_logprobs(tok, gen.all_logprobs[i], k))
+                 for i, (text, reason) in enumerate(zip(texts, gen.finish_reason))])
 
 
 async def chat_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """A first chunk with the role for each choice, then the choices' deltas as they come."""
     rid, created = new_id("chatcmpl"), int(time.time())
 
     def chunk(choices, usage=None):  # built without validation: every value is the server's own
@@ -399,11 +512,13 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool) -> Async
                                                           usage=usage))
 
     try:
-        yield chunk([p.ChatChunkChoice(index=0, delta=p.DeltaMessage(role="assistant", content=""))])
+        for i in range(gen.n):
+            yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
         k = gen.params.logprobs
         async for d in gen.deltas():
             logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
-            yield chunk([p.ChatChunkChoice.model_construct(index=0, delta=p.DeltaMessage.model_construct(content=d.text),
+            yield chunk([p.ChatChunkChoice.model_construct(index=d.index,
+                                                           delta=p.DeltaMessage.model_construct(content=d.text),
                                                            logprobs=logprobs, finish_reason=d.finish_reason)])
         if include_usage:
             yield chunk([], gen.usage())

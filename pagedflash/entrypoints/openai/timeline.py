@@ -2,11 +2,12 @@
 between the HTTP handler and the first token on the wire.
 
 Off by default; when off no stamp is taken (the engine loop and the handlers test one attribute).
-On, every engine request (each prompt of a batched completion) that ends, finished or not, appends
-one JSON line to ``PATH`` (the file is opened for appending, each line flushed). Timestamps are
-``time.perf_counter()`` seconds: CLOCK_MONOTONIC on Linux, one clock for the HTTP process and the
-engine process, so they compare across ``--engine-process``. The stamps, in the order a request
-passes them (a phase that a mode or an outcome does not pass is absent):
+On, every engine request (each of the ``n`` choices of each prompt of a batched completion) that
+ends, finished or not, appends one JSON line to ``PATH`` (the file is opened for appending, each
+line flushed). Timestamps are ``time.perf_counter()`` seconds: CLOCK_MONOTONIC on Linux, one clock
+for the HTTP process and the engine process, so they compare across ``--engine-process``. The
+stamps, in the order a request passes them (a phase that a mode or an outcome does not pass is
+absent):
 
 ========== ===================================================================================
 http       the handler began (headers read; the body not yet parsed)
@@ -20,15 +21,15 @@ reader     ``--engine-process`` only: the HTTP process's reader thread got that 
 handler    the first token reached the request's handler on the event loop
 sent       streamed: the chunk holding the first token was written to the connection (the
            stream asked for the next one); not streamed: the handler took the first token
-finished   the handler was done with the HTTP request (its every prompt)
+finished   the handler was done with the HTTP request (its every choice)
 ========== ===================================================================================
 
-Other fields: ``request`` (one id per HTTP request), ``index`` (the prompt's), ``request_id``
-(the engine's), ``mode`` (``"process"`` or ``"thread"``), ``stream``, ``prompt_tokens``,
-``cached_tokens``, ``output_tokens``, ``finish_reason`` (None: the request failed or was aborted),
-``steps_waiting`` (engine steps between ``added`` and ``scheduled``), ``steps_to_first_token``
-(steps from ``scheduled`` through ``first_token``, both counted) and ``unix_time`` (of ``http``).
-``pagedflash.bench.timeline`` summarizes a file.
+Other fields: ``request`` (one id per HTTP request), ``index`` (the choice's, ``prompt_index * n
++ j``), ``request_id`` (the engine's), ``mode`` (``"process"`` or ``"thread"``), ``stream``,
+``prompt_tokens``, ``cached_tokens``, ``output_tokens``, ``finish_reason`` (None: the request failed
+or was aborted), ``steps_waiting`` (engine steps between ``added`` and ``scheduled``),
+``steps_to_first_token`` (steps from ``scheduled`` through ``first_token``, both counted) and
+``unix_time`` (of ``http``). ``pagedflash.bench.timeline`` summarizes a file.
 """
 
 from __future__ import annotations
