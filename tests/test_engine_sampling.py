@@ -13,7 +13,7 @@ from helpers import hf_greedy, prompts_of
 from test_engine import fp32_llm, save_tiny
 
 from pagedflash.engine import SamplingParams
-from pagedflash.engine.sampling import _adjust, _filter
+from pagedflash.engine.sampling import TokenHistory, _adjust, _filter
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 128
@@ -76,8 +76,21 @@ def test_adjust_matches_transformers_processors(kwargs):
     want = processors(num_prompt, kwargs.get("logit_bias"), kwargs.get("repetition_penalty", 1.0),
                       kwargs.get("frequency_penalty", 0.0), kwargs.get("presence_penalty", 0.0))(
         torch.tensor([tokens]), logits[None].clone())[0]
-    torch.testing.assert_close(_adjust(logits, p, tokens, num_prompt), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_adjust(logits, p, TokenHistory(tokens, num_prompt)), want, rtol=0, atol=1e-6)
     assert p.adjusts_logits and not p.raw_greedy
+
+
+def test_token_history_copies_only_new_tokens():
+    """The device copy follows the list the engine appends to, growing by doubling."""
+    tokens = list(range(62))
+    history = TokenHistory(tokens, 10)
+    assert history.device_ids("cpu").tolist() == tokens
+    first = history._ids
+    tokens += [5, 6, 7]  # past the first capacity (64)
+    assert history.device_ids("cpu").tolist() == tokens and history._ids.shape[0] == 128
+    tokens.append(9)
+    again = history._ids
+    assert history.device_ids("cpu").tolist() == tokens and history._ids is again is not first
 
 
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])

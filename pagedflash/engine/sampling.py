@@ -112,10 +112,14 @@ class SamplingParams:
         return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
+    def penalized(self) -> bool:
+        """A penalty reads the row's tokens so far."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
     def adjusts_logits(self) -> bool:
         """A bias or a penalty changes the logits before the pick (and so may change the argmax)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def raw_greedy(self) -> bool:
@@ -127,20 +131,51 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
-def _adjust(logits: torch.Tensor, p: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
-    """``logits [V]`` (fp32) with ``p``'s bias and penalties, given the row's tokens so far (prompt first)."""
+class TokenHistory:
+    """A row's tokens (prompt, then output) for its penalties, mirrored on the device: each call copies
+    only the tokens appended to ``token_ids`` since the last (the list the engine appends to; capacity
+    doubles), so the host's work a step does not grow with the row's length."""
+
+    def __init__(self, token_ids: list[int], num_prompt: int):
+        self.token_ids, self.num_prompt = token_ids, num_prompt
+        self._ids: torch.Tensor | None = None
+        self._count = 0  # tokens already on the device
+
+    def device_ids(self, device) -> torch.Tensor:
+        """int64 ``[len(token_ids)]`` on ``device``."""
+        n = len(self.token_ids)
+        if self._ids is None or self._ids.device != torch.device(device) or self._ids.shape[0] < n:
+            grown = torch.empty(max(n, 64, 2 * (0 if self._ids is None else self._ids.shape[0])), dtype=torch.int64,
+                                device=device)
+            if self._ids is not None and self._ids.device == grown.device:
+                grown[: self._count] = self._ids[: self._count]
+            else:
+                self._count = 0
+            self._ids = grown
+        if n > self._count:
+            self._ids[self._count : n] = torch.tensor(self.token_ids[self._count : n], dtype=torch.int64)
+            self._count = n
+        return self._ids[:n]
+
+
+def _adjust(logits: torch.Tensor, p: SamplingParams, history: TokenHistory | None) -> torch.Tensor:
+    """``logits [V]`` (fp32) with ``p``'s bias and penalties; ``history``: the row's tokens so far (needed
+    when ``p`` has penalties)."""
     device, vocab = logits.device, logits.shape[-1]
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
         logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device))
-    if p.repetition_penalty != 1.0 and token_ids:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[torch.tensor(token_ids, dtype=torch.int64, device=device)] = True
+    if not p.penalized:
+        return logits
+    if history is None:
+        raise ValueError("sample: a row has penalties but no token history was given")
+    ids = history.device_ids(device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
         scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
         logits = torch.where(seen, scaled, logits)
-    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(token_ids) > num_prompt:
-        out = torch.tensor(token_ids[num_prompt:], dtype=torch.int64, device=device)
-        counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        counts = torch.bincount(ids[history.num_prompt :], minlength=vocab)[:vocab].to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -164,11 +199,11 @@ def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> tor
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None, greedy: torch.Tensor | None = None,
-           history: list[tuple[list[int], int]] | None = None) -> torch.Tensor:
+           history: list[TokenHistory | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits [R, V]`` (the model's dtype; rows other than raw greedy ones are
     computed in fp32): int64 ``[R]`` on the logits' device. ``greedy``: the rows' argmax when the step
-    already computed it (the decode graphs do). ``history``: per row, its token ids so far (prompt, then
-    output) and its prompt's length; needed by the rows whose params have penalties."""
+    already computed it (the decode graphs do). ``history``: per row, its tokens so far; needed by the
+    rows whose params have penalties."""
     tokens = greedy if greedy is not None else layers.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.raw_greedy]
     if rows:
@@ -177,9 +212,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         p = params[i]
         row = logits[i].float()
         if p.adjusts_logits:
-            if history is None:
-                raise ValueError("sample: a row has penalties or a logit_bias but no history was given")
-            row = _adjust(row, p, *history[i])
+            row = _adjust(row, p, None if history is None else history[i])
         if p.greedy:
             tokens[i] = layers.argmax(row[None])[0]
             continue

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedflash.engine.sampling import SamplingParams
+from pagedflash.engine.sampling import SamplingParams, TokenHistory
 
 
 class Status(enum.Enum):
@@ -133,6 +133,7 @@ class Sequence:
         self.logprobs = [] if params.logprobs is not None else None
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None  # entries missing
+        self.history = TokenHistory(self.token_ids, self.num_prompt_tokens) if params.penalized else None
         self.generator = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)
