@@ -13,7 +13,7 @@ from helpers import hf_greedy, prompts_of
 from test_engine import fp32_llm, save_tiny
 
 from pagedflash.engine import SamplingParams
-from pagedflash.engine.sampling import TokenHistory, _adjust, _filter
+from pagedflash.engine.sampling import TokenHistory, _adjust, _probabilities, sample
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 128
@@ -76,7 +76,7 @@ def test_adjust_matches_transformers_processors(kwargs):
     want = processors(num_prompt, kwargs.get("logit_bias"), kwargs.get("repetition_penalty", 1.0),
                       kwargs.get("frequency_penalty", 0.0), kwargs.get("presence_penalty", 0.0))(
         torch.tensor([tokens]), logits[None].clone())[0]
-    torch.testing.assert_close(_adjust(logits, p, TokenHistory(tokens, num_prompt)), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(_adjust(logits[None], [p], [TokenHistory(tokens, num_prompt)])[0], want, rtol=0, atol=1e-6)
     assert p.adjusts_logits and not p.raw_greedy
 
 
@@ -93,13 +93,83 @@ def test_token_history_copies_only_new_tokens():
     assert history.device_ids("cpu").tolist() == tokens and history._ids is again is not first
 
 
+def test_adjusted_rows_do_not_depend_on_each_other():
+    """Rows of different params adjusted together equal each row adjusted alone, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, VOCAB, generator=g) * 3
+    params = [SamplingParams(repetition_penalty=1.5), SamplingParams(logit_bias={3: 4.0}),
+              SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), SamplingParams(),
+              SamplingParams(logit_bias={9: -2.0}, repetition_penalty=0.8, presence_penalty=-1.0)]
+    histories = [TokenHistory(torch.randint(0, VOCAB, (n,), generator=g).tolist(), n // 2) for n in (9, 1, 30, 4, 17)]
+    together = _adjust(logits, params, histories)
+    for j in range(5):
+        assert torch.equal(together[j], _adjust(logits[j : j + 1], params[j : j + 1], histories[j : j + 1])[0])
+
+
+def _filter_ref(logits, min_p, top_k, top_p):
+    """One row: min_p, then top-k (ties kept), then the smallest top-p prefix, on the vocabulary's order."""
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)  # ties: the lower id first
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits.softmax(-1)
+
+
+def _unsorted(probs, order):
+    return probs if order is None else torch.zeros_like(probs).scatter(1, order, probs)
+
+
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
 def test_min_p_matches_transformers(min_p):
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 2
-    got = _filter(logits, min_p, 0, 1.0)
-    want = logits if min_p == 0 else transformers.MinPLogitsWarper(min_p)(None, logits[None])[0]
-    assert torch.equal(got, want)
+    got = _unsorted(*_probabilities(logits[None], [SamplingParams(temperature=1.0, min_p=min_p)]))[0]
+    kept = logits if min_p == 0 else transformers.MinPLogitsWarper(min_p)(None, logits[None])[0]
+    torch.testing.assert_close(got, kept.softmax(-1), rtol=1e-6, atol=1e-7)
     assert SamplingParams(min_p=min_p).raw_greedy  # min_p never changes the argmax
+
+
+def test_filters_batched_equal_each_row_alone():
+    """Rows of different min_p / top-k / top-p (ties in the logits included) filtered together give
+    each row's distribution alone; the same zeros, probabilities within rounding."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, VOCAB, generator=g) * 2).round(decimals=1)  # ties
+    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.7),
+              SamplingParams(temperature=1.0, min_p=0.1, top_k=20, top_p=0.9), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_k=VOCAB + 3, top_p=0.2), SamplingParams(temperature=1.0, min_p=0.5)]
+    got = _unsorted(*_probabilities(logits, params))
+    for j, p in enumerate(params):
+        want = _filter_ref(logits[j], p.min_p, p.top_k, p.top_p)
+        assert torch.equal(got[j] > 0, want > 0), j
+        torch.testing.assert_close(got[j], want, rtol=1e-5, atol=1e-7)
+
+
+def test_draws_follow_the_distribution_and_seeded_rows_their_generator():
+    """The exponential race draws each token with its probability (20,000 draws over 6 tokens), and a
+    row with a generator draws the same tokens whatever rows surround it."""
+    probs = torch.tensor([0.05, 0.3, 0.0, 0.4, 0.15, 0.1])
+    logits = probs.log().repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0)] * 20000
+    tokens = sample(logits, params, [None] * 20000, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=6) / 20000
+    assert freq[2] == 0 and (freq - probs).abs().max() < 0.015
+    seeded = SamplingParams(temperature=0.9, top_p=0.8, seed=5)
+    x = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    others = SamplingParams(temperature=1.0, top_k=3)
+
+    def draws(batched):
+        gen, shared = torch.Generator().manual_seed(5), torch.Generator().manual_seed(1)
+        if not batched:
+            return [int(sample(x[2:3], [seeded], [gen], shared)[0]) for _ in range(12)]
+        return [int(sample(x, [others, others, seeded, others], [None, None, gen, None], shared)[2]) for _ in range(12)]
+
+    alone = draws(False)
+    assert draws(True) == alone and len(set(alone)) > 1
 
 
 @pytest.mark.parametrize("kwargs, ahead", [

@@ -9,7 +9,7 @@ a row asking for ``logprobs``, and the positions of a prefill chunk whose next t
 token not covered yet (position ``i`` gives the entry of prompt token ``i + 1``; the first prompt
 token has none). :func:`prompt` (prompt positions, in the runner's forward) and :func:`read`
 (sampling rows) compute, on the device and for those rows only, the fp32 log-softmax of the logits
-the sampler saw (before temperature and filtering), the target token's value and the top ``k``
+as the model gave them (before the sampler's bias, penalties, temperature and filters), the target token's value and the top ``k``
 (``torch.topk``, largest first); :func:`read` brings them to the host together with the sampled
 tokens in one transfer (float64: token ids below 2**53 and fp32 values are exact).
 

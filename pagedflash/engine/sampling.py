@@ -1,6 +1,6 @@
 """SamplingParams and the sampler, per request, in vLLM's order: ``logit_bias``, then the penalties
 (repetition, then frequency and presence), then greedy argmax, or temperature, ``min_p``, top-k, top-p
-and a draw.
+and a draw; the rows that need any of it are adjusted and drawn together, in a few batched ops.
 
 A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else is in
 the batch; requests without one share the engine's generator. Logprobs (``logprobs``,
@@ -21,6 +21,7 @@ _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI's API
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most, as OpenAI's API
+MAX_REPETITION_PENALTY = 1e4  # finite in fp32, and so is a logit multiplied by it
 
 
 @dataclass
@@ -32,7 +33,7 @@ class SamplingParams:
     generator seed (a 64-bit int). ignore_eos: keep going past EOS.
     stop_token_ids: extra ids that end the request (the stop token is kept in the output).
     presence_penalty / frequency_penalty in [-2, 2]: subtracted from the logit of every token generated
-    so far, once / once per occurrence (OpenAI's). repetition_penalty > 0 (1: off): the logits of every
+    so far, once / once per occurrence (OpenAI's). repetition_penalty in (0, 1e4] (1: off): the logits of every
     token of the prompt and the output so far divided by it where positive, multiplied where not (the
     CTRL paper's, as transformers and vLLM). logit_bias: ``{token_id: bias}``, bias in [-100, 100], added
     to the raw logits. The three penalties and the bias apply to greedy requests too (their argmax
@@ -40,8 +41,8 @@ class SamplingParams:
     below ``min_p`` times the top token's are dropped (0: off).
     logprobs: None (none), or ``k`` in ``[0, MAX_LOGPROBS]``: each generated token's log-probability,
     and those of the ``k`` most likely tokens at its position. prompt_logprobs: the same for each
-    prompt token after the first. Both are the fp32 log-softmax of the logits the sampler saw,
-    before temperature, top-k and top-p (as vLLM's default).
+    prompt token after the first. Both are the fp32 log-softmax of the raw logits, before the bias,
+    the penalties, temperature, min_p, top-k and top-p (vLLM's default).
     Out-of-range values raise ``ValueError`` here, and are checked again per request in ``generate``.
     """
 
@@ -91,8 +92,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 return f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {v!r}"
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < float("inf"):
-            return f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty!r}"
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            return (f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 is off), "
+                    f"got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             return f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}"
         if self.logit_bias is not None:
@@ -119,7 +121,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """A bias or a penalty changes the logits before the pick (and so may change the argmax)."""
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or any(self.logit_bias.values() if self.logit_bias else ())
 
     @property
     def raw_greedy(self) -> bool:
@@ -153,70 +155,131 @@ class TokenHistory:
                 self._count = 0
             self._ids = grown
         if n > self._count:
-            self._ids[self._count : n] = torch.tensor(self.token_ids[self._count : n], dtype=torch.int64)
+            self._ids[self._count : n] = _to_device(self.token_ids[self._count : n], torch.int64, device)
             self._count = n
         return self._ids[:n]
 
 
-def _adjust(logits: torch.Tensor, p: SamplingParams, history: TokenHistory | None) -> torch.Tensor:
-    """``logits [V]`` (fp32) with ``p``'s bias and penalties; ``history``: the row's tokens so far (needed
-    when ``p`` has penalties)."""
-    device, vocab = logits.device, logits.shape[-1]
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
-        logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=device))
-    if not p.penalized:
-        return logits
-    if history is None:
+def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, through pinned memory to a GPU (a copy that does not wait
+    for the device)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _rows_of(rows: list[int], lengths: list[int], device) -> torch.Tensor:
+    """Row ``rows[j]`` repeated ``lengths[j]`` times, on the device, without a sync."""
+    return torch.repeat_interleave(_to_device(rows, torch.int64, device), _to_device(lengths, torch.int64, device),
+                                   output_size=sum(lengths))
+
+
+def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHistory | None] | None) -> torch.Tensor:
+    """``x [R, V]`` (fp32 logits) with each row's bias, then its penalties (a few batched ops whatever
+    ``R``); ``history[j]``: row ``j``'s tokens so far (needed where its params have penalties)."""
+    device = x.device
+    bias = [(j, t, b) for j, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if b]
+    if bias:
+        where = _to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.int64, device)
+        x = x.index_put((where[0], where[1]), _to_device([b for _, _, b in bias], x.dtype, device), accumulate=True)
+    penalized = [j for j, p in enumerate(params) if p.penalized]
+    if not penalized:
+        return x
+    if history is None or any(history[j] is None for j in penalized):
         raise ValueError("sample: a row has penalties but no token history was given")
-    ids = history.device_ids(device)
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
-        scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits = torch.where(seen, scaled, logits)
-    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-        counts = torch.bincount(ids[history.num_prompt :], minlength=vocab)[:vocab].to(logits.dtype)
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+    repeated = [j for j in penalized if params[j].repetition_penalty != 1.0]
+    if repeated:
+        ids = [history[j].device_ids(device) for j in repeated]
+        seen = torch.zeros_like(x, dtype=torch.bool)
+        seen[_rows_of(repeated, [len(t) for t in ids], device), torch.cat(ids)] = True
+        penalty = _to_device([[p.repetition_penalty] for p in params], x.dtype, device)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    counted = [j for j in penalized if params[j].frequency_penalty != 0.0 or params[j].presence_penalty != 0.0]
+    if counted:
+        out = [history[j].device_ids(device)[history[j].num_prompt :] for j in counted]
+        lengths = [len(t) for t in out]
+        counts = torch.zeros_like(x).index_put_((_rows_of(counted, lengths, device), torch.cat(out)),
+                                                torch.ones(sum(lengths), dtype=x.dtype, device=device), accumulate=True)
+        weights = _to_device([[p.frequency_penalty, p.presence_penalty] for p in params], x.dtype, device)
+        x = x - weights[:, :1] * counts - weights[:, 1:] * (counts > 0).to(x.dtype)
+    return x
 
 
-def _filter(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask ``logits [V]`` (already divided by temperature) below ``min_p`` of the top token's probability,
-    then outside top-k, then outside the top-p nucleus."""
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def _probabilities(y: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The distribution each row of ``y [R, V]`` (logits over temperature) draws from: ``min_p``, then
+    top-k, then top-p applied (the smallest prefix of the sorted tokens reaching ``top_p``; top-k keeps
+    the ties of its k-th value). Returns (probabilities, None), or, where a row filters, (probabilities
+    in descending order of logit, the order: token ids ``[R, V]``)."""
+    vocab = y.shape[-1]
+    if all(p.min_p == 0.0 and not 0 < p.top_k < vocab and p.top_p == 1.0 for p in params):
+        return y.softmax(-1), None
+    device = y.device
+    y, order = y.sort(dim=-1, descending=True, stable=True)
+    if any(p.min_p > 0.0 for p in params):
+        probs = y.softmax(-1)
+        y = y.masked_fill(probs < _to_device([[p.min_p] for p in params], y.dtype, device) * probs[:, :1], float("-inf"))
+    if any(0 < p.top_k < vocab for p in params):
+        k = _to_device([[p.top_k if 0 < p.top_k < vocab else vocab] for p in params], torch.int64, device)
+        y = y.masked_fill(y < y.gather(1, k - 1), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        probs = y.softmax(-1)
+        y = y.masked_fill(probs.cumsum(-1) - probs >= _to_device([[p.top_p] for p in params], y.dtype, device),
+                          float("-inf"))
+    return y.softmax(-1), order
+
+
+def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+          default_generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of the adjusted logits ``x [R, V]``: greedy rows' argmax; the others drawn
+    after temperature and the filters, as ``argmax(probs / q)`` with ``q ~ Exp(1)`` (a draw from
+    ``probs``): ``q`` of a row with a generator comes from that generator alone, the rest from
+    ``default_generator`` in one call."""
+    picks = layers.argmax(x)
+    drawn = [j for j, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        return picks
+    device, ps = x.device, [params[j] for j in drawn]
+    where = None if len(drawn) == len(params) else _to_device(drawn, torch.int64, device)
+    y = x if where is None else x.index_select(0, where)
+    y = (y / _to_device([[p.temperature] for p in ps], y.dtype, device)).clamp(_FLT_MIN, _FLT_MAX)
+    probs, order = _probabilities(y, ps)
+    q = torch.empty_like(probs)
+    if any(generators[j] is None for j in drawn):
+        q.exponential_(generator=default_generator)
+    for row, j in enumerate(drawn):
+        if generators[j] is not None:
+            q[row].exponential_(generator=generators[j])
+    choice = (probs / q).argmax(-1)
+    if order is not None:
+        choice = order.gather(1, choice[:, None])[:, 0]
+    return picks.index_copy_(0, where, choice) if where is not None else choice
+
+
+_FLT_MAX = torch.finfo(torch.float32).max
+_FLT_MIN = -_FLT_MAX  # a huge penalty's inf clamped: softmax never subtracts inf from inf
+MAX_SAMPLE_ROWS = 64  # rows adjusted and drawn together: bounds the [rows, V] temporaries (fp32 logits, a
+# sort's values and int64 order: ~20 bytes a logit, 200 MB at a 152K vocabulary)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None, greedy: torch.Tensor | None = None,
            history: list[TokenHistory | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits [R, V]`` (the model's dtype; rows other than raw greedy ones are
-    computed in fp32): int64 ``[R]`` on the logits' device. ``greedy``: the rows' argmax when the step
-    already computed it (the decode graphs do). ``history``: per row, its tokens so far; needed by the
-    rows whose params have penalties."""
+    computed in fp32, ``MAX_SAMPLE_ROWS`` at a time in a few batched ops): int64 ``[R]`` on the logits'
+    device. ``greedy``: the rows' argmax when the step already computed it (the decode graphs do).
+    ``history``: per row, its tokens so far; needed by the rows whose params have penalties. No
+    device sync: the small per-step tables go through pinned memory."""
     tokens = greedy if greedy is not None else layers.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.raw_greedy]
-    if rows:
-        tokens = tokens.clone()
-    for i in rows:
-        p = params[i]
-        row = logits[i].float()
-        if p.adjusts_logits:
-            row = _adjust(row, p, None if history is None else history[i])
-        if p.greedy:
-            tokens[i] = layers.argmax(row[None])[0]
-            continue
-        probs = _filter(row / p.temperature, p.min_p, p.top_k, p.top_p).softmax(-1)
-        gen = generators[i] if generators[i] is not None else default_generator
-        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    if not rows:
+        return tokens
+    tokens = tokens.clone()
+    for start in range(0, len(rows), MAX_SAMPLE_ROWS):
+        chunk = rows[start : start + MAX_SAMPLE_ROWS]
+        where = _to_device(chunk, torch.int64, logits.device)
+        x = _adjust(logits.index_select(0, where).float(), [params[i] for i in chunk],
+                    None if history is None else [history[i] for i in chunk])
+        tokens.index_copy_(0, where, _pick(x, [params[i] for i in chunk], [generators[i] for i in chunk],
+                                           default_generator))
     return tokens

@@ -84,7 +84,7 @@ class GenerationOutput:
     generated token, holding that token and the ``k`` most likely ones at its position (``k`` or
     ``k + 1`` entries; the generated token first). prompt_logprobs (with ``prompt_logprobs=k``):
     the same for each prompt token, None for the first one. Values are the fp32 log-softmax of the
-    model's logits, before temperature, top-k and top-p.
+    model's raw logits, before the bias, the penalties, temperature, min_p, top-k and top-p.
     """
 
     index: int
