@@ -74,6 +74,9 @@ def test_request_fields_map_onto_sampling_params(state):
 
     [echo] = params_of(state, {"echo": True, "logprobs": 2, "max_tokens": 3})
     assert echo.prompt_logprobs == 2 and echo.logprobs == 2 and echo.max_tokens == 3
+    # a non-streamed echo's prompt logprobs come from the first choice (the others hit the prefix cache)
+    assert [x.prompt_logprobs for x in params_of(state, {"echo": True, "logprobs": 1, "n": 3})] == [1, None, None]
+    assert [x.prompt_logprobs for x in params_of(state, {"echo": True, "logprobs": 1, "n": 2, "stream": True})] == [1, 1]
     [bare] = params_of(state, {"echo": True, "max_tokens": 0})  # one token, dropped by the Generation
     assert bare.max_tokens == 1 and bare.prompt_logprobs is None
 
@@ -170,14 +173,14 @@ def test_logit_bias_steers_greedy_and_sampled_tokens(server):
 
 
 def test_penalties_and_min_p_change_the_tokens(server):
-    """repetition_penalty 1e6 takes every seen token's logit to ~0 or far below (the random model has
+    """repetition_penalty 1e4 takes every seen token's logit to ~0 or far below (the random model has
     positive logits among the unseen ones at every step): greedy never repeats a prompt or output
     token. min_p 1 keeps the top token only: sampling gives the greedy text."""
     client = server.client()
     tok = server.state.tokenizer
     prompt = [5, 6, 7, 5, 6, 7]
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, logprobs=0, temperature=0,
-                                    extra_body={"ignore_eos": True, "repetition_penalty": 1e6})
+                                    extra_body={"ignore_eos": True, "repetition_penalty": 1e4})
     texts = [t for t in out.choices[0].logprobs.tokens if "\ufffd" not in t]  # byte tokens share one text
     seen = {tok.token_text(t) for t in prompt}
     assert len(set(texts)) == len(texts) and not seen & set(texts), (texts, seen)
@@ -244,6 +247,12 @@ def test_echo_with_n_and_a_batch_and_without_generation(server):
     for chunk in chunks:
         firsts.setdefault(chunk.choices[0].index, chunk.choices[0].text)
     assert all(firsts[i].startswith(texts[i // 2]) for i in range(4))
+
+    scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, n=3, echo=True, logprobs=1, **SAMPLED)
+    for c in scored.choices:  # every choice shows its prompt's entries, computed by the prompt's first choice
+        first = scored.choices[c.index - c.index % 3].logprobs
+        assert c.logprobs.token_logprobs[:3] == first.token_logprobs[:3] and c.logprobs.token_logprobs[0] is None
+        assert all(x <= 0 for x in c.logprobs.token_logprobs[1:])
 
     bare = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0, **GREEDY)
     choice = bare.choices[0]

@@ -141,10 +141,16 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
         renamed = {"max_tokens": max_tokens_field, "logprobs": logprobs_field, "prompt_logprobs": logprobs_field}
         param = renamed.get(field, field if field in fields else None)
         raise bad_request(str(e).replace(field, param, 1) if param else str(e), param=param) from None
-    if params.seed is None or n == 1:
-        return [params] * n
+    if n == 1:
+        return [params]
+    # a non-streamed echo's prompt logprobs come from the first choice alone: a request asking for them
+    # recomputes its prompt (no prefix-cache hit), and the other choices then share the first's pages
+    # (a stream needs each choice's entries in its own first chunk, which may come before the first's)
+    shared = params.prompt_logprobs is not None and not request.stream
     try:
-        return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+        return [dataclasses.replace(params, seed=None if params.seed is None else params.seed + j,
+                                    prompt_logprobs=None if shared and j else params.prompt_logprobs)
+                for j in range(n)]
     except ValueError as e:
         raise bad_request(f"seed: choice j of n draws with seed + j, and seed + {n - 1} is out of range: {e}",
                           param="seed") from None
@@ -156,13 +162,14 @@ def logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, f
         return None
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias: key {key!r} is not a token id (an integer)", param="logit_bias") from None
-        if not 0 <= token < state.vocab_size:
+        if not (key.isascii() and key.isdigit()):
+            raise bad_request(f"logit_bias: key {key!r} is not a token id (decimal digits)", param="logit_bias")
+        token = int(key)
+        if not token < state.vocab_size:
             raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {state.vocab_size})",
                               param="logit_bias")
+        if token in out:
+            raise bad_request(f"logit_bias: token id {token} is given twice", param="logit_bias")
         out[token] = value
     return out
 
@@ -325,7 +332,8 @@ class Generation:
         """Choice ``index``'s prompt tokens with their logprobs (``SamplingParams.prompt_logprobs``):
         None for the first token, and for every one if the engine sent none."""
         ids = self.sequences[index]
-        return list(zip(ids, self.prompt_logprobs[index] or [None] * len(ids)))
+        entries = self.prompt_logprobs[index] or self.prompt_logprobs[index - index % self.n]  # or its prompt's first choice's
+        return list(zip(ids, entries or [None] * len(ids)))
 
     def _write_timeline(self) -> None:
         now = time.perf_counter()
