@@ -169,6 +169,13 @@ def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _column(values: list[float], dtype: torch.dtype, device) -> float | torch.Tensor:
+    """A per-row value: the number itself when every row has it (no copy), else a ``[R, 1]`` tensor."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return _to_device([[v] for v in values], dtype, device)
+
+
 def _rows_of(rows: list[int], lengths: list[int], device) -> torch.Tensor:
     """Row ``rows[j]`` repeated ``lengths[j]`` times, on the device, without a sync."""
     return torch.repeat_interleave(_to_device(rows, torch.int64, device), _to_device(lengths, torch.int64, device),
@@ -218,13 +225,13 @@ def _probabilities(y: torch.Tensor, params: list[SamplingParams]) -> tuple[torch
     y, order = y.sort(dim=-1, descending=True, stable=True)
     if any(p.min_p > 0.0 for p in params):
         probs = y.softmax(-1)
-        y = y.masked_fill(probs < _to_device([[p.min_p] for p in params], y.dtype, device) * probs[:, :1], float("-inf"))
+        y = y.masked_fill(probs < _column([p.min_p for p in params], y.dtype, device) * probs[:, :1], float("-inf"))
     if any(0 < p.top_k < vocab for p in params):
-        k = _to_device([[p.top_k if 0 < p.top_k < vocab else vocab] for p in params], torch.int64, device)
-        y = y.masked_fill(y < y.gather(1, k - 1), float("-inf"))
+        k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
+        y = y.masked_fill(y < (y[:, k - 1 : k] if isinstance(k, int) else y.gather(1, k - 1)), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         probs = y.softmax(-1)
-        y = y.masked_fill(probs.cumsum(-1) - probs >= _to_device([[p.top_p] for p in params], y.dtype, device),
+        y = y.masked_fill(probs.cumsum(-1) - probs >= _column([p.top_p for p in params], y.dtype, device),
                           float("-inf"))
     return y.softmax(-1), order
 
@@ -235,14 +242,17 @@ def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     after temperature and the filters, as ``argmax(probs / q)`` with ``q ~ Exp(1)`` (a draw from
     ``probs``): ``q`` of a row with a generator comes from that generator alone, the rest from
     ``default_generator`` in one call."""
-    picks = layers.argmax(x)
     drawn = [j for j, p in enumerate(params) if not p.greedy]
-    if not drawn:
-        return picks
+    if len(drawn) < len(params):
+        picks = layers.argmax(x)
+        if not drawn:
+            return picks
     device, ps = x.device, [params[j] for j in drawn]
     where = None if len(drawn) == len(params) else _to_device(drawn, torch.int64, device)
     y = x if where is None else x.index_select(0, where)
-    y = (y / _to_device([[p.temperature] for p in ps], y.dtype, device)).clamp(_FLT_MIN, _FLT_MAX)
+    y = y / _column([p.temperature for p in ps], y.dtype, device)
+    if any(p.adjusts_logits for p in ps):
+        y = y.clamp(_FLT_MIN, _FLT_MAX)
     probs, order = _probabilities(y, ps)
     q = torch.empty_like(probs)
     if any(generators[j] is None for j in drawn):
@@ -270,8 +280,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     device. ``greedy``: the rows' argmax when the step already computed it (the decode graphs do).
     ``history``: per row, its tokens so far; needed by the rows whose params have penalties. No
     device sync: the small per-step tables go through pinned memory."""
-    tokens = greedy if greedy is not None else layers.argmax(logits)
     rows = [i for i, p in enumerate(params) if not p.raw_greedy]
+    if len(rows) == len(params) <= MAX_SAMPLE_ROWS:  # every row, one chunk: no gather, no scatter
+        return _pick(_adjust(logits.float(), params, history), params, generators, default_generator)
+    tokens = greedy if greedy is not None else layers.argmax(logits)
     if not rows:
         return tokens
     tokens = tokens.clone()
