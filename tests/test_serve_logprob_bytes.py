@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from pagedflash.entrypoints.openai.serving import chat_logprobs  # noqa: E402
+from pagedflash.entrypoints.openai.responses import chat_logprobs  # noqa: E402
 from pagedflash.entrypoints.openai.tokenizer import TextTokenizer  # noqa: E402
 
 TEXT = "héllo wörld 😀 ✓ naïve — 日本語 done"

@@ -28,7 +28,7 @@ import socket
 import sys
 
 from pagedflash.entrypoints.openai import protocol as p
-from pagedflash.entrypoints.openai import serving
+from pagedflash.entrypoints.openai import responses, serving
 from pagedflash.entrypoints.openai.serving import APIError, ServerState
 
 logger = logging.getLogger("pagedflash.serve")
@@ -245,8 +245,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return GenerationStream(serving.completion_stream(gen, state.model_name, usage, echo=echo), gen)
-        return await respond(request, gen, functools.partial(serving.completion_response, echo=echo))
+            return GenerationStream(responses.completion_stream(gen, state.model_name, usage, echo=echo), gen)
+        return await respond(request, gen, functools.partial(responses.completion_response, echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -263,8 +263,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return GenerationStream(serving.chat_stream(gen, state.model_name, usage), gen)
-        return await respond(request, gen, serving.chat_response)
+            return GenerationStream(responses.chat_stream(gen, state.model_name, usage), gen)
+        return await respond(request, gen, responses.chat_response)
 
     @app.get("/v1/models")
     async def models():
