@@ -121,14 +121,10 @@ def _filter_ref(logits, min_p, top_k, top_p):
     return logits.softmax(-1)
 
 
-def _unsorted(probs, order):
-    return probs if order is None else torch.zeros_like(probs).scatter(1, order, probs)
-
-
 @pytest.mark.parametrize("min_p", [0.0, 0.05, 0.3, 1.0])
 def test_min_p_matches_transformers(min_p):
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1)) * 2
-    got = _unsorted(*_probabilities(logits[None], [SamplingParams(temperature=1.0, min_p=min_p)]))[0]
+    got = _probabilities(logits[None], [SamplingParams(temperature=1.0, min_p=min_p)])[0]
     kept = logits if min_p == 0 else transformers.MinPLogitsWarper(min_p)(None, logits[None])[0]
     torch.testing.assert_close(got, kept.softmax(-1), rtol=1e-6, atol=1e-7)
     assert SamplingParams(min_p=min_p).raw_greedy  # min_p never changes the argmax
@@ -142,11 +138,25 @@ def test_filters_batched_equal_each_row_alone():
     params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, top_p=0.7),
               SamplingParams(temperature=1.0, min_p=0.1, top_k=20, top_p=0.9), SamplingParams(temperature=1.0),
               SamplingParams(temperature=1.0, top_k=VOCAB + 3, top_p=0.2), SamplingParams(temperature=1.0, min_p=0.5)]
-    got = _unsorted(*_probabilities(logits, params))
+    got = _probabilities(logits, params)
     for j, p in enumerate(params):
         want = _filter_ref(logits[j], p.min_p, p.top_k, p.top_p)
         assert torch.equal(got[j] > 0, want > 0), j
         torch.testing.assert_close(got[j], want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_row_without_filters_is_untouched_by_its_neighbours_filters():
+    """A row with no min_p / top-k / top-p (a cumulative sum reaching 1.0 before its last term must
+    not trim it) gets the same bits beside filtering rows as alone, and so does a filtering row."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 152064, generator=g) * 4
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01),
+              SamplingParams(temperature=1.0, top_k=7)]
+    together = _probabilities(logits, params)
+    for j in range(3):
+        alone = _probabilities(logits[j : j + 1], params[j : j + 1])[0]
+        assert torch.equal(together[j], alone), j
+    assert (together[0] > 0).all()
 
 
 def test_draws_follow_the_distribution_and_seeded_rows_their_generator():
@@ -170,6 +180,13 @@ def test_draws_follow_the_distribution_and_seeded_rows_their_generator():
 
     alone = draws(False)
     assert draws(True) == alone and len(set(alone)) > 1
+    plain = SamplingParams(temperature=1.0, seed=5)  # no filter, beside rows that filter
+    gens = [torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
+    for _ in range(6):
+        a = sample(x[2:3], [plain], gens[:1], None)[0]
+        b = sample(x[1:3], [SamplingParams(temperature=1.0, top_p=0.5), plain], [None, gens[1]],
+                   torch.Generator().manual_seed(1))[1]
+        assert a == b
 
 
 @pytest.mark.parametrize("kwargs, ahead", [
@@ -216,19 +233,21 @@ def test_logit_bias_steers_and_logprobs_stay_raw(llama):
 
 
 def test_sampled_rows_with_penalties_are_seeded_and_batch_independent(llama):
-    """A seeded sampled request with penalties, min_p and top-k gives the same tokens alone and in a
-    batch; a strong frequency penalty keeps it from repeating any token."""
+    """Seeded sampled requests, one with penalties, min_p and top-k, one with no filter at all, give
+    the same tokens alone and in a batch beside rows that filter otherwise (top-p); a strong
+    frequency penalty keeps the first from repeating any token."""
     path, _ = llama
     llm = fp32_llm(path, page_size=8, num_blocks=64)
     prompt = prompts_of([12], seed=6)[0]
     params = SamplingParams(max_tokens=12, temperature=0.7, seed=9, min_p=0.02, top_k=40, frequency_penalty=2.0,
                             presence_penalty=2.0, repetition_penalty=1.2, ignore_eos=True)
-    alone = llm.generate([prompt], params)[0]
-    batched = llm.generate(prompts_of([7, 19, 4], seed=8) + [prompt],
-                           [SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)] * 3 + [params])[3]
-    assert alone.token_ids == batched.token_ids
-    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.7, seed=9, ignore_eos=True))[0]
-    assert len(set(alone.token_ids)) >= len(set(free.token_ids))
+    free = SamplingParams(max_tokens=12, temperature=0.7, seed=9, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate([prompt], params) + llm.generate([prompt], free)]
+    batched = llm.generate(prompts_of([7, 19, 4], seed=8) + [prompt, prompt],
+                           [SamplingParams(max_tokens=5, temperature=1.0, top_p=0.8, ignore_eos=True)] * 3
+                           + [params, free])[3:]
+    assert [o.token_ids for o in batched] == alone
+    assert len(set(alone[0])) >= len(set(alone[1]))
 
 
 @pytest.mark.parametrize("kwargs, field", [

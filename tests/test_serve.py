@@ -272,6 +272,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"7": 1, "07": 2}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {" 7": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),

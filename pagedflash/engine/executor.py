@@ -186,7 +186,9 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
 def largest_step(model: CausalLM, spec: EngineSpec, device: torch.device) -> tuple[ModelRunner, Batch]:
     """A runner on a scratch pool and the step of largest activations it can be given: the prefill
     of max_num_batched_tokens prompt tokens spread over max_num_seqs sequences, each asking for
-    ``logprobs`` and ``prompt_logprobs`` of :data:`~pagedflash.engine.sampling.MAX_LOGPROBS`. Its
+    ``logprobs`` and ``prompt_logprobs`` of :data:`~pagedflash.engine.sampling.MAX_LOGPROBS`, and
+    sampled with every filter and penalty (the sampler's temporaries, ``MAX_SAMPLE_ROWS`` rows at a
+    time). Its
     logits: ``[max_num_seqs, vocab]`` for the sampling rows, and the prompt positions' in slices of
     :data:`~pagedflash.engine.logprobs.ROWS_PER_GATHER` rows, each slice's fp32 log-softmax and top
     k computed before the next slice's LM head (:mod:`pagedflash.engine.logprobs`): its logits peak is
@@ -198,7 +200,8 @@ def largest_step(model: CausalLM, spec: EngineSpec, device: torch.device) -> tup
     num_blocks = sum(-(-n // page_size) for n in lens)
     scratch = spec.pool(model.shard, num_blocks=num_blocks, device=device)
     bm = BlockManager(num_blocks, page_size, enable_prefix_caching=False)
-    params = SamplingParams(logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS)
+    params = SamplingParams(logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS, temperature=1.0, top_p=0.9, top_k=50,
+                            min_p=0.01, repetition_penalty=1.1, frequency_penalty=0.1, logit_bias={0: 1.0})
     seqs = [Sequence(i, [0] * n, params, 0.0, device) for i, n in enumerate(lens)]
     for seq in seqs:
         seq.block_table, _ = bm.allocate(seq.seq_id, seq.token_ids)

@@ -213,27 +213,35 @@ def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHi
     return x
 
 
-def _probabilities(y: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The distribution each row of ``y [R, V]`` (logits over temperature) draws from: ``min_p``, then
-    top-k, then top-p applied (the smallest prefix of the sorted tokens reaching ``top_p``; top-k keeps
-    the ties of its k-th value). Returns (probabilities, None), or, where a row filters, (probabilities
-    in descending order of logit, the order: token ids ``[R, V]``)."""
-    vocab = y.shape[-1]
-    if all(p.min_p == 0.0 and not 0 < p.top_k < vocab and p.top_p == 1.0 for p in params):
-        return y.softmax(-1), None
-    device = y.device
-    y, order = y.sort(dim=-1, descending=True, stable=True)
+def _probabilities(y: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of ``y [R, V]`` (logits over temperature) draws from, in the
+    vocabulary's order: ``min_p``, then top-k (the ties of its k-th value kept), then top-p (the
+    smallest prefix of the sorted tokens reaching ``top_p``). A row's depends on that row alone: the
+    filters' masks are found on the sorted rows and put back in the vocabulary's order, and a row
+    without a filter is masked nowhere, whatever its neighbours ask."""
+    vocab, device = y.shape[-1], y.device
+    if not any(p.min_p > 0.0 or 0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        return y.softmax(-1)
+    s, order = y.sort(dim=-1, descending=True, stable=True)
     if any(p.min_p > 0.0 for p in params):
-        probs = y.softmax(-1)
-        y = y.masked_fill(probs < _column([p.min_p for p in params], y.dtype, device) * probs[:, :1], float("-inf"))
+        probs = s.softmax(-1)
+        s = s.masked_fill(probs < _column([p.min_p for p in params], s.dtype, device) * probs[:, :1], float("-inf"))
     if any(0 < p.top_k < vocab for p in params):
         k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, device)
-        y = y.masked_fill(y < (y[:, k - 1 : k] if isinstance(k, int) else y.gather(1, k - 1)), float("-inf"))
+        s = s.masked_fill(s < (s[:, k - 1 : k] if isinstance(k, int) else s.gather(1, k - 1)), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        probs = y.softmax(-1)
-        y = y.masked_fill(probs.cumsum(-1) - probs >= _column([p.top_p for p in params], y.dtype, device),
-                          float("-inf"))
-    return y.softmax(-1), order
+        probs = s.softmax(-1)
+        # top_p = 1 is off (inf): a cumulative sum can reach 1.0 before its last term
+        top_p = _column([p.top_p if p.top_p < 1.0 else float("inf") for p in params], s.dtype, device)
+        s = s.masked_fill(_row_cumsum(probs) - probs >= top_p, float("-inf"))
+    dropped = torch.empty_like(s, dtype=torch.bool).scatter_(1, order, s == float("-inf"))
+    return y.masked_fill(dropped, float("-inf")).softmax(-1)
+
+
+def _row_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """``x.cumsum(-1)`` by one algorithm whatever the number of rows (CUDA scans a lone row with
+    another, whose sums round differently): a lone row is scanned beside a copy of itself."""
+    return x.cumsum(-1) if x.shape[0] != 1 else x.expand(2, -1).contiguous().cumsum(-1)[:1]
 
 
 def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -253,23 +261,23 @@ def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     y = y / _column([p.temperature for p in ps], y.dtype, device)
     if any(p.adjusts_logits for p in ps):
         y = y.clamp(_FLT_MIN, _FLT_MAX)
-    probs, order = _probabilities(y, ps)
+    probs = _probabilities(y, ps)
     q = torch.empty_like(probs)
     if any(generators[j] is None for j in drawn):
         q.exponential_(generator=default_generator)
     for row, j in enumerate(drawn):
         if generators[j] is not None:
             q[row].exponential_(generator=generators[j])
-    choice = (probs / q).argmax(-1)
-    if order is not None:
-        choice = order.gather(1, choice[:, None])[:, 0]
+    choice = (probs / q.clamp_min_(_TINY)).argmax(-1)  # q > 0: a token of probability 0 never wins
     return picks.index_copy_(0, where, choice) if where is not None else choice
 
 
 _FLT_MAX = torch.finfo(torch.float32).max
 _FLT_MIN = -_FLT_MAX  # a huge penalty's inf clamped: softmax never subtracts inf from inf
-MAX_SAMPLE_ROWS = 64  # rows adjusted and drawn together: bounds the [rows, V] temporaries (fp32 logits, a
-# sort's values and int64 order: ~20 bytes a logit, 200 MB at a 152K vocabulary)
+_TINY = torch.finfo(torch.float32).tiny
+MAX_SAMPLE_ROWS = 64  # rows adjusted and drawn together: bounds the [rows, V] temporaries (fp32 logits and
+# probabilities, a sort's values and int64 order, masks: ~32 bytes a logit at most, ~320 MB at a 152K
+# vocabulary; the engine's activation profile samples with every filter and penalty on)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

@@ -163,9 +163,9 @@ def logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, f
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()):
             raise bad_request(f"logit_bias: key {key!r} is not a token id (decimal digits)", param="logit_bias")
-        token = int(key)
+        token = int(key) if len(key) <= 18 else state.vocab_size  # longer: past any vocabulary (and int()'s limit)
         if not token < state.vocab_size:
-            raise bad_request(f"logit_bias: token id {token} is outside the vocabulary [0, {state.vocab_size})",
+            raise bad_request(f"logit_bias: token id {token if len(key) <= 18 else key[:18] + '...'} is outside the vocabulary [0, {state.vocab_size})",
                               param="logit_bias")
         if token in out:
             raise bad_request(f"logit_bias: token id {token} is given twice", param="logit_bias")
