@@ -283,3 +283,28 @@ def test_logit_bias_outside_the_vocabulary_fails_alone(llama):
         outs += llm.step()
     assert outs[-1].token_ids == [9, 9, 9]
     assert llm.block_manager.num_free_blocks == 32 and not llm.scheduler.running
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_sample_never_syncs():
+    """The batched sampler (biases, penalties, every filter, seeded and unseeded draws, a lone row and
+    a chunk past 64) issues no call that waits for the device."""
+    g = torch.Generator().manual_seed(7)
+    dev = torch.device("cuda")
+    logits = torch.randn(70, 1000, generator=g).to(dev, torch.bfloat16)
+    history = [TokenHistory(torch.randint(0, 1000, (40,), generator=g).tolist(), 20) for _ in range(70)]
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2,
+                            frequency_penalty=0.3, presence_penalty=0.2, logit_bias={5: 3.0}),
+             SamplingParams(temperature=1.0), SamplingParams(logit_bias={7: 100.0}), SamplingParams()]
+    params = [kinds[i % 4] for i in range(70)]
+    gens = [torch.Generator(device=dev).manual_seed(i) if i % 3 == 0 else None for i in range(70)]
+    for rows in (1, 70):
+        sample(logits[:rows], params[:rows], gens[:rows], None, history=history[:rows])  # warm up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            tokens = sample(logits[:rows], params[:rows], gens[:rows], None, history=history[:rows])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert tokens.shape == (rows,) and tokens.device.type == "cuda"
+    assert int(tokens[2]) == 7  # the +100 bias wins its greedy row
