@@ -258,7 +258,9 @@ def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
     device, ps = x.device, [params[j] for j in drawn]
     where = None if len(drawn) == len(params) else _to_device(drawn, torch.int64, device)
     y = x if where is None else x.index_select(0, where)
-    y = y / _column([p.temperature for p in ps], y.dtype, device)
+    # times 1/T: a GPU divides by a number as a product with its reciprocal, by a tensor not; a product
+    # rounds alike either way, so a row's bits do not follow whether its neighbours share its temperature
+    y = y * _column([1.0 / p.temperature for p in ps], y.dtype, device)
     if any(p.adjusts_logits for p in ps):
         y = y.clamp(_FLT_MIN, _FLT_MAX)
     probs = _probabilities(y, ps)
@@ -289,7 +291,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     ``history``: per row, its tokens so far; needed by the rows whose params have penalties. No
     device sync: the small per-step tables go through pinned memory."""
     rows = [i for i, p in enumerate(params) if not p.raw_greedy]
-    if len(rows) == len(params) <= MAX_SAMPLE_ROWS:  # every row, one chunk: no gather, no scatter
+    if rows and len(rows) == len(params) <= MAX_SAMPLE_ROWS:  # every row, one chunk: no gather, no scatter
         return _pick(_adjust(logits.float(), params, history), params, generators, default_generator)
     tokens = greedy if greedy is not None else layers.argmax(logits)
     if not rows:
