@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedflash.engine.sampling import to_device
+
 ROWS_PER_GATHER = 1024  # logits rows per slice of prompt positions: bounds their logits and log-softmax
 
 Logprobs = dict[int, float]  # token id -> logprob: the target token first, then the top k (largest first)
@@ -103,7 +105,7 @@ def gather(logits_of: Callable[[torch.Tensor], torch.Tensor], rows: list[int], t
     step = slice_rows or ROWS_PER_GATHER
     parts = []
     for a in range(0, len(rows), step):
-        logits = logits_of(_on_device(rows[a : a + step], targets.device))
+        logits = logits_of(to_device(rows[a : a + step], torch.int64, targets.device))
         if not read:
             continue
         lp = torch.log_softmax(logits.float(), dim=-1)
@@ -123,7 +125,7 @@ def prompt(want: LogprobPlan, logits_of: Callable[[torch.Tensor], torch.Tensor],
     the same slices everywhere); only rank 0's entries are read (``read`` False elsewhere)."""
     if not want.prompt:
         return None
-    return gather(logits_of, want.prompt_positions, _on_device(want.prompt_targets, device), _width(want.prompt),
+    return gather(logits_of, want.prompt_positions, to_device(want.prompt_targets, torch.int64, device), _width(want.prompt),
                   want.slice_rows, read)
 
 
@@ -137,7 +139,7 @@ def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor,
     k_sampled, k_prompt = _width(want.sampled), _width(want.prompt)
     if want.sampled:
         rows = [s for _, s, _ in want.sampled]
-        parts.append(gather(sample_logits.__getitem__, rows, tokens[_on_device(rows, tokens.device)], k_sampled))
+        parts.append(gather(sample_logits.__getitem__, rows, tokens[to_device(rows, torch.int64, tokens.device)], k_sampled))
     if want.prompt:
         parts.append(prompt_values)
     values = torch.cat(parts).tolist()  # the one transfer (and sync) of the step
@@ -160,10 +162,6 @@ def read(want: LogprobPlan, tokens: torch.Tensor, sample_logits: torch.Tensor,
 def _width(items: list[tuple[int, int, int]]) -> int:
     """The top-k width of a step's entries of one kind: the largest ``k`` that its rows ask for."""
     return max((k for *_, k in items), default=0)
-
-
-def _on_device(ints: list[int], device) -> torch.Tensor:
-    return torch.tensor(ints, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _entry(target: int, values: list[float], at: int, k: int, width: int) -> Logprobs:

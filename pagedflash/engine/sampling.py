@@ -146,39 +146,35 @@ class TokenHistory:
     def device_ids(self, device) -> torch.Tensor:
         """int64 ``[len(token_ids)]`` on ``device``."""
         n = len(self.token_ids)
-        if self._ids is None or self._ids.device != torch.device(device) or self._ids.shape[0] < n:
+        if self._ids is None or self._ids.shape[0] < n:
             grown = torch.empty(max(n, 64, 2 * (0 if self._ids is None else self._ids.shape[0])), dtype=torch.int64,
                                 device=device)
-            if self._ids is not None and self._ids.device == grown.device:
+            if self._ids is not None:
                 grown[: self._count] = self._ids[: self._count]
-            else:
-                self._count = 0
             self._ids = grown
         if n > self._count:
-            self._ids[self._count : n] = _to_device(self.token_ids[self._count : n], torch.int64, device)
+            self._ids[self._count : n] = to_device(self.token_ids[self._count : n], torch.int64, device)
             self._count = n
         return self._ids[:n]
 
 
-def _to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     """``values`` as a tensor on ``device``, through pinned memory to a GPU (a copy that does not wait
     for the device)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)
 
 
 def _column(values: list[float], dtype: torch.dtype, device) -> float | torch.Tensor:
     """A per-row value: the number itself when every row has it (no copy), else a ``[R, 1]`` tensor."""
     if all(v == values[0] for v in values):
         return values[0]
-    return _to_device([[v] for v in values], dtype, device)
+    return to_device([[v] for v in values], dtype, device)
 
 
 def _rows_of(rows: list[int], lengths: list[int], device) -> torch.Tensor:
     """Row ``rows[j]`` repeated ``lengths[j]`` times, on the device, without a sync."""
-    return torch.repeat_interleave(_to_device(rows, torch.int64, device), _to_device(lengths, torch.int64, device),
+    return torch.repeat_interleave(to_device(rows, torch.int64, device), to_device(lengths, torch.int64, device),
                                    output_size=sum(lengths))
 
 
@@ -188,27 +184,27 @@ def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHi
     device = x.device
     bias = [(j, t, b) for j, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if b]
     if bias:
-        where = _to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.int64, device)
-        x = x.index_put((where[0], where[1]), _to_device([b for _, _, b in bias], x.dtype, device), accumulate=True)
+        where = to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.int64, device)
+        x = x.index_put((where[0], where[1]), to_device([b for _, _, b in bias], x.dtype, device), accumulate=True)
     penalized = [j for j, p in enumerate(params) if p.penalized]
     if not penalized:
         return x
     if history is None or any(history[j] is None for j in penalized):
         raise ValueError("sample: a row has penalties but no token history was given")
+    ids = {j: history[j].device_ids(device) for j in penalized}
     repeated = [j for j in penalized if params[j].repetition_penalty != 1.0]
     if repeated:
-        ids = [history[j].device_ids(device) for j in repeated]
         seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[_rows_of(repeated, [len(t) for t in ids], device), torch.cat(ids)] = True
-        penalty = _to_device([[p.repetition_penalty] for p in params], x.dtype, device)
+        seen[_rows_of(repeated, [len(ids[j]) for j in repeated], device), torch.cat([ids[j] for j in repeated])] = True
+        penalty = to_device([[p.repetition_penalty] for p in params], x.dtype, device)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     counted = [j for j in penalized if params[j].frequency_penalty != 0.0 or params[j].presence_penalty != 0.0]
     if counted:
-        out = [history[j].device_ids(device)[history[j].num_prompt :] for j in counted]
+        out = [ids[j][history[j].num_prompt :] for j in counted]
         lengths = [len(t) for t in out]
         counts = torch.zeros_like(x).index_put_((_rows_of(counted, lengths, device), torch.cat(out)),
                                                 torch.ones(sum(lengths), dtype=x.dtype, device=device), accumulate=True)
-        weights = _to_device([[p.frequency_penalty, p.presence_penalty] for p in params], x.dtype, device)
+        weights = to_device([[p.frequency_penalty, p.presence_penalty] for p in params], x.dtype, device)
         x = x - weights[:, :1] * counts - weights[:, 1:] * (counts > 0).to(x.dtype)
     return x
 
@@ -256,7 +252,7 @@ def _pick(x: torch.Tensor, params: list[SamplingParams], generators: list[torch.
         if not drawn:
             return picks
     device, ps = x.device, [params[j] for j in drawn]
-    where = None if len(drawn) == len(params) else _to_device(drawn, torch.int64, device)
+    where = None if len(drawn) == len(params) else to_device(drawn, torch.int64, device)
     y = x if where is None else x.index_select(0, where)
     # times 1/T: a GPU divides by a number as a product with its reciprocal, by a tensor not; a product
     # rounds alike either way, so a row's bits do not follow whether its neighbours share its temperature
@@ -299,7 +295,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = tokens.clone()
     for start in range(0, len(rows), MAX_SAMPLE_ROWS):
         chunk = rows[start : start + MAX_SAMPLE_ROWS]
-        where = _to_device(chunk, torch.int64, logits.device)
+        where = to_device(chunk, torch.int64, logits.device)
         x = _adjust(logits.index_select(0, where).float(), [params[i] for i in chunk],
                     None if history is None else [history[i] for i in chunk])
         tokens.index_copy_(0, where, _pick(x, [params[i] for i in chunk], [generators[i] for i in chunk],

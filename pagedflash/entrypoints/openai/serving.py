@@ -260,7 +260,7 @@ class Generation:
         self.state, self.prompts, self.params, self.n = state, prompts, params[0], len(params)
         self.keep_output = keep_output
         self.sequences = [ids for ids in prompts for _ in params]  # by choice index
-        self.sequence_params = params[0] if self.n == 1 else [one for _ in prompts for one in params]
+        self.sequence_params = [one for _ in prompts for one in params]  # by choice index
         count = len(self.sequences)
         self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in range(count)]
         self.finish_reason: list[str | None] = [None] * count
