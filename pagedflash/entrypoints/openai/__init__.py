@@ -6,6 +6,7 @@
 - :mod:`.engine_loop`: the one thread that owns the ``LLM`` and runs its steps;
 - :mod:`.protocol`: typed request and response bodies;
 - :mod:`.tokenizer`: tokenizer, chat template, incremental detokenization and stop strings;
+- :mod:`.tokenize`: vLLM's ``/tokenize`` and ``/detokenize``;
 - :mod:`.metrics`: the Prometheus metrics.
 
 Needs the ``serve`` extra (fastapi, uvicorn, prometheus_client, jinja2).

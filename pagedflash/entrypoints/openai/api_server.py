@@ -1,7 +1,8 @@
 """``pagedflash serve [MODEL_DIR]``: the OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
-or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). One engine loop runs the
+or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and vLLM's ``POST /tokenize``
+and ``POST /detokenize`` (:mod:`.tokenize`). One engine loop runs the
 engine, in a child process by default (:mod:`.engine_process`: the engine's host work shares no GIL
 with the HTTP handlers) or, with ``--no-engine-process``, in a thread (:mod:`.engine_loop`); the handlers (:mod:`.serving`) only validate, tokenize,
 detokenize and format. Without ``MODEL_DIR`` the tiny random Llama
@@ -28,7 +29,7 @@ import socket
 import sys
 
 from pagedflash.entrypoints.openai import protocol as p
-from pagedflash.entrypoints.openai import responses, serving
+from pagedflash.entrypoints.openai import responses, serving, tokenize
 from pagedflash.entrypoints.openai.serving import APIError, ServerState
 
 logger = logging.getLogger("pagedflash.serve")
@@ -265,6 +266,14 @@ def build_app(state: ServerState, *, api_key: str | None = None):
             usage = body.stream_options is not None and body.stream_options.include_usage
             return GenerationStream(responses.chat_stream(gen, state.model_name, usage), gen)
         return await respond(request, gen, responses.chat_response)
+
+    @app.post("/tokenize")
+    async def create_tokenize(request: Request):
+        return tokenize.tokenize(state, parse_body(tokenize.TokenizeRequest, await request.body()))
+
+    @app.post("/detokenize")
+    async def create_detokenize(request: Request):
+        return tokenize.detokenize(state, parse_body(tokenize.DetokenizeRequest, await request.body()))
 
     @app.get("/v1/models")
     async def models():

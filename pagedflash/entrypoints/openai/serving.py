@@ -70,10 +70,14 @@ class ServerState:
 
 
 # ------------------------------------------------------------------ validation
-def check_request(state: ServerState, request: p._GenerationRequest) -> None:
-    if request.model is not None and request.model != state.model_name:
-        raise APIError(400, f"model {request.model!r} is not served here; this server serves {state.model_name!r}",
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise APIError(400, f"model {model!r} is not served here; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+
+
+def check_request(state: ServerState, request: p._GenerationRequest) -> None:
+    check_model(state, request.model)
     unsupported = p.unsupported_field(request)
     if unsupported is not None:
         field, why = unsupported

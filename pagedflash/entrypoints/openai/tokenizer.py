@@ -144,9 +144,9 @@ class TextTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of ``ids`` without special tokens (EOS, BOS)."""
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``, without special tokens (EOS, BOS) unless ``skip_special_tokens`` is False."""
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (a byte of a longer character shows as U+FFFD)."""
