@@ -12,7 +12,7 @@ PYTEST_ARGS ?= -n auto --maxprocesses=8
 # The CPU builds installed where no torch / triton is present (a CUDA build already there is kept)
 TORCH = 2.13.0
 TRITON = 3.9.0
-EXTRAS = test,engine,bench,serve
+EXTRAS = test,engine,bench,serve,structured
 # DEPS=pinned: the extras at constraints.txt's versions (what CI passes with; needs the package index)
 # DEPS=latest: the newest release of every package constraints.txt names (make test-latest)
 # DEPS=installed: keep what imports, install only what is missing, unpinned (offline images, the H200's)

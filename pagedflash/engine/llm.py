@@ -47,6 +47,7 @@ from pagedflash.engine.runner import ModelRunner
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.scheduler import Batch, ScheduledRow, Scheduler
 from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
+from pagedflash.engine.structured import GrammarCompiler
 from pagedflash.engine.weights import read_kv_scales
 from pagedflash.engine.workers import WorkerError, Workers
 from pagedflash.ops.utils import on_device
@@ -86,8 +87,9 @@ class LLM:
         enable_prefix_caching: share full pages of equal prompt prefixes. cuda_graphs: replay
             captured graphs for decode-only steps (GPU only).
         max_model_len: cap on prompt + generated tokens (default: the model's maximum).
-        seed: random weights and unseeded sampling. tokenizer: path to a tokenizer.json, a
-            ``tokenizers.Tokenizer``, or None to use ``<model dir>/tokenizer.json`` when present.
+        seed: random weights and unseeded sampling. tokenizer: path to a tokenizer.json (or a directory
+            holding one), a ``tokenizers.Tokenizer``, or None to use ``<model dir>/tokenizer.json`` when
+            present; string prompts, ``text`` and ``structured_outputs`` need one.
         tensor_parallel_size: ranks the model is split over (one process and one GPU each: GPUs
             ``device.index .. + N - 1``; gloo processes on the CPU). It must divide the attention
             heads and the intermediate size, and divide or be a multiple of the KV heads.
@@ -152,6 +154,7 @@ class LLM:
         _check_batch_invariant(batch_invariant)
         self.batch_invariant = batch_invariant
         self.tokenizer = _load_tokenizer(tokenizer, path)
+        self._grammars: GrammarCompiler | None = None  # built on the first request with structured_outputs
         self.eos_ids = set(self.config.eos_token_ids)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -350,6 +353,8 @@ class LLM:
         if params.logit_bias is not None:
             params.logit_bias = dict(params.logit_bias)
         seq = Sequence(self._new_id(), ids, params, arrival, self.device)
+        if params.structured_outputs is not None:  # compiled by _check_request: a cache hit
+            seq.grammar = self._grammars.grammar(params.structured_outputs)
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq
         return seq
@@ -373,7 +378,20 @@ class LLM:
             return ids, ValueError(
                 f"request needs {pages} KV pages of {self.page_size} tokens ({len(ids)} prompt + {params.max_tokens} "
                 f"max_tokens) but the whole pool has {self.num_blocks}: it can never fit")
+        if params.structured_outputs is not None:
+            try:
+                self._grammar_compiler().compile(params.structured_outputs)
+            except ValueError as e:
+                return ids, e
         return ids, None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer (its vocabulary's text), but it has "
+                                 "none: pass LLM(..., tokenizer=...) or a model directory with a tokenizer.json")
+            self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     def _check_prompt(self, prompt) -> tuple[list[int] | None, Exception | None]:
         """Token ids of a prompt (a string goes through the tokenizer), each in the vocabulary, at
@@ -467,8 +485,10 @@ class LLM:
 
 def _load_tokenizer(tokenizer, path: str | None):
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
-        return tokenizer
+        return _Tokenizer(tokenizer) if type(tokenizer).__module__.startswith("tokenizers") else tokenizer
     file = os.fspath(tokenizer) if tokenizer is not None else (os.path.join(path, "tokenizer.json") if path else None)
+    if file is not None and os.path.isdir(file):
+        file = os.path.join(file, "tokenizer.json")
     if file is None or not os.path.isfile(file):
         if tokenizer is not None:
             raise FileNotFoundError(f"tokenizer file {file!r} not found")

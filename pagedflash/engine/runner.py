@@ -172,7 +172,7 @@ class ModelRunner:
         if rows:
             tokens = sample(sample_logits, [r.seq.params for r in rows], [r.seq.generator for r in rows],
                             self.generator, greedy=greedy,
-                            history=[r.seq.history for r in rows])
+                            history=[r.seq.history for r in rows], grammars=[r.seq.grammar for r in rows])
         else:
             tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         if want is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedflash.engine import layers
+from pagedflash.engine.structured import Grammar, StructuredOutputsParams, mask_logits
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy: dividing the logits by it would overflow fp32
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
@@ -39,6 +40,10 @@ class SamplingParams:
     to the raw logits. The three penalties and the bias apply to greedy requests too (their argmax
     is taken over the adjusted logits). min_p in [0, 1]: after temperature, tokens whose probability is
     below ``min_p`` times the top token's are dropped (0: off).
+    structured_outputs: a :class:`~pagedflash.engine.structured.StructuredOutputsParams` (a JSON schema,
+    any JSON object, a regex, choices or a grammar) the output must match; the tokens it forbids are
+    masked before everything above, and the request stops when the grammar ends. Needs an engine with a
+    tokenizer and the ``structured`` extra.
     logprobs: None (none), or ``k`` in ``[0, MAX_LOGPROBS]``: each generated token's log-probability,
     and those of the ``k`` most likely tokens at its position. prompt_logprobs: the same for each
     prompt token after the first. Both are the fp32 log-softmax of the raw logits, before the bias,
@@ -60,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         problem = self.problem()
@@ -106,6 +112,11 @@ class SamplingParams:
                 if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                     return (f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                             f"got {b!r} for token {t}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                return (f"structured_outputs must be a StructuredOutputsParams, got "
+                        f"{type(self.structured_outputs).__name__}")
+            return self.structured_outputs.problem()
         return None
 
     @property
@@ -120,8 +131,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """A bias or a penalty changes the logits before the pick (and so may change the argmax)."""
-        return self.penalized or any(self.logit_bias.values() if self.logit_bias else ())
+        """A grammar, a bias or a penalty changes the logits before the pick (and so may change the argmax)."""
+        return (self.structured_outputs is not None or self.penalized
+                or any(self.logit_bias.values() if self.logit_bias else ()))
 
     @property
     def raw_greedy(self) -> bool:
@@ -178,10 +190,17 @@ def _rows_of(rows: list[int], lengths: list[int], device) -> torch.Tensor:
                                    output_size=sum(lengths))
 
 
-def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHistory | None] | None) -> torch.Tensor:
-    """``x [R, V]`` (fp32 logits) with each row's bias, then its penalties (a few batched ops whatever
-    ``R``); ``history[j]``: row ``j``'s tokens so far (needed where its params have penalties)."""
+def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHistory | None] | None,
+            grammars: list[Grammar | None] | None = None) -> torch.Tensor:
+    """``x [R, V]`` (fp32 logits) with each row's grammar mask, bias, then penalties (a few batched ops
+    whatever ``R``); ``history[j]``: row ``j``'s tokens so far (needed where its params have penalties);
+    ``grammars[j]``: row ``j``'s matcher (needed where its params have ``structured_outputs``)."""
     device = x.device
+    constrained = [j for j, p in enumerate(params) if p.structured_outputs is not None]
+    if constrained:
+        if grammars is None or any(grammars[j] is None for j in constrained):
+            raise ValueError("sample: a row has structured_outputs but no grammar was given")
+        x = mask_logits(x, grammars)
     bias = [(j, t, b) for j, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items() if b]
     if bias:
         where = to_device([[j for j, _, _ in bias], [t for _, t, _ in bias]], torch.int64, device)
@@ -280,15 +299,17 @@ MAX_SAMPLE_ROWS = 64  # rows adjusted and drawn together: bounds the [rows, V] t
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator | None, greedy: torch.Tensor | None = None,
-           history: list[TokenHistory | None] | None = None) -> torch.Tensor:
+           history: list[TokenHistory | None] | None = None,
+           grammars: list[Grammar | None] | None = None) -> torch.Tensor:
     """One token per row of ``logits [R, V]`` (the model's dtype; rows other than raw greedy ones are
     computed in fp32, ``MAX_SAMPLE_ROWS`` at a time in a few batched ops): int64 ``[R]`` on the logits'
     device. ``greedy``: the rows' argmax when the step already computed it (the decode graphs do).
-    ``history``: per row, its tokens so far; needed by the rows whose params have penalties. No
+    ``history``: per row, its tokens so far; needed by the rows whose params have penalties.
+    ``grammars``: per row, its matcher; needed by the rows whose params have ``structured_outputs``. No
     device sync: the small per-step tables go through pinned memory."""
     rows = [i for i, p in enumerate(params) if not p.raw_greedy]
     if rows and len(rows) == len(params) <= MAX_SAMPLE_ROWS:  # every row, one chunk: no gather, no scatter
-        return _pick(_adjust(logits.float(), params, history), params, generators, default_generator)
+        return _pick(_adjust(logits.float(), params, history, grammars), params, generators, default_generator)
     tokens = greedy if greedy is not None else layers.argmax(logits)
     if not rows:
         return tokens
@@ -297,7 +318,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         chunk = rows[start : start + MAX_SAMPLE_ROWS]
         where = to_device(chunk, torch.int64, logits.device)
         x = _adjust(logits.index_select(0, where).float(), [params[i] for i in chunk],
-                    None if history is None else [history[i] for i in chunk])
+                    None if history is None else [history[i] for i in chunk],
+                    None if grammars is None else [grammars[i] for i in chunk])
         tokens.index_copy_(0, where, _pick(x, [params[i] for i in chunk], [generators[i] for i in chunk],
                                            default_generator))
     return tokens

@@ -134,6 +134,7 @@ class Sequence:
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.asks_logprobs = params.logprobs is not None or params.prompt_logprobs is not None  # entries missing
         self.history = TokenHistory(self.token_ids, self.num_prompt_tokens) if params.penalized else None
+        self.grammar = None  # a Grammar (pagedflash.engine.structured) where params.structured_outputs is set
         self.generator = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed(params.seed)

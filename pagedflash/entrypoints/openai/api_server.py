@@ -99,8 +99,14 @@ def build_llm(args: argparse.Namespace):
                   cuda_graphs=not args.enforce_eager, seed=args.seed, batch_invariant=args.batch_invariant)
     if args.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    # the engine's tokenizer: the vocabulary structured outputs compile against
+    kwargs["tokenizer"] = args.tokenizer
     if args.model is not None:
         return LLM(args.model, **kwargs)
+    if args.tokenizer is None:
+        from pagedflash.entrypoints.openai.tokenizer import tiny_tokenizer
+
+        kwargs["tokenizer"] = tiny_tokenizer(TINY_LLAMA["vocab_size"])
     if not torch.cuda.is_available():  # the engine demo's CPU sizes: the interpreter is slow
         kwargs.setdefault("max_num_batched_tokens", 256)
         kwargs["num_blocks"] = kwargs["num_blocks"] or 256
@@ -241,7 +247,7 @@ def build_app(state: ServerState, *, api_key: str | None = None):
                                          default_max_tokens=serving.DEFAULT_COMPLETION_MAX_TOKENS)
         echo = serving.echo_texts(state, body, prompts) if body.echo else None
         gen = serving.Generation(state, prompts, params, serving.stop_strings(body),
-                                 keep_output=not serving.echo_only(body),
+                                 keep_output=not serving.echo_only(body), structured_field=serving.structured_field(body),
                                  timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:
@@ -260,6 +266,7 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         prompt = serving.chat_prompt(state, body)
         params = serving.sampling_params(state, body, len(prompt), default_max_tokens=None, max_tokens_field=field)
         gen = serving.Generation(state, [prompt], params, serving.stop_strings(body),
+                                 structured_field=serving.structured_field(body),
                                  timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:

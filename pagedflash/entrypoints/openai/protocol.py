@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI API, as typed models (pydantic v2).
 
 Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
-``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). Unknown fields are ignored,
-as OpenAI and vLLM do; fields the server cannot honour (tools, ``response_format``, ``suffix``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``structured_outputs``).
+Unknown fields are ignored, as OpenAI and vLLM do; fields the server cannot honour (tools, ``suffix``,
 ``best_of``) are listed by :func:`unsupported_field`, which the handlers turn into a 400 naming the
-field. Logprobs (completions' ``logprobs: k``, chat's ``logprobs: true`` + ``top_logprobs: k``,
+field. ``response_format`` (``json_object``, ``json_schema``) and ``structured_outputs`` (vLLM's: a
+JSON schema, a regex, choices or a grammar) constrain the output (the engine's
+:class:`~pagedflash.engine.structured.StructuredOutputsParams`). Logprobs (completions' ``logprobs: k``, chat's ``logprobs: true`` + ``top_logprobs: k``,
 k <= 20) come from the engine, computed before the bias, penalties, temperature and filtering as
 vLLM's are; with completions' ``echo`` the prompt's tokens come first, the first one's entries null.
 """
@@ -32,6 +34,37 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema (OpenAI's ``strict`` accepted; the output always
+    matches the schema)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` request field: one of its constraints (fields it has that the
+    engine lacks, such as ``structural_tag``, are a 400 naming them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: StrictBool = False
+
+
 class _GenerationRequest(BaseModel):
     """Fields common to completions and chat completions."""
 
@@ -54,6 +87,8 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None  # None: 0 (off)
     repetition_penalty: float | None = None  # None: 1 (off)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     user: str | None = None
 
 
@@ -86,7 +121,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True  # vLLM's extension
 
 
@@ -104,8 +138,6 @@ def unsupported_field(request: _GenerationRequest) -> tuple[str, str] | None:
              "top_logprobs needs logprobs: true"),
             ("tools", bool(request.tools), "tools are not supported"),
             ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported"),
-            ("response_format", request.response_format not in (None, {"type": "text"}),
-             "response_format other than {'type': 'text'} is not supported"),
         ]
     if request.stream_options is not None and not request.stream:
         checks.append(("stream_options", True, "stream_options is only allowed when stream is true"))

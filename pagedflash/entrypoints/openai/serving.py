@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from pagedflash.engine.sampling import SamplingParams
+from pagedflash.engine.structured import StructuredOutputsParams
 from pagedflash.entrypoints.openai import protocol as p
 from pagedflash.entrypoints.openai.engine_loop import (
     EngineClosedError,
@@ -136,7 +138,8 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
                   repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
                   logit_bias=logit_bias(state, request.logit_bias),
                   seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()),
-                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                  structured_outputs=structured_outputs(request))
     try:
         params = SamplingParams(**fields)
     except ValueError as e:
@@ -157,6 +160,36 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
     except ValueError as e:
         raise bad_request(f"seed: choice j of n draws with seed + j, and seed + {n - 1} is out of range: {e}",
                           param="seed") from None
+
+
+def structured_field(request: p._GenerationRequest) -> str:
+    """The request field that carries its output constraint (errors name it)."""
+    return "response_format" if request.response_format is not None else "structured_outputs"
+
+
+def structured_outputs(request: p._GenerationRequest) -> StructuredOutputsParams | None:
+    """``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` as the
+    engine's constraint; None for neither (or ``{"type": "text"}``)."""
+    fmt, vllm = request.response_format, request.structured_outputs
+    if fmt is not None and vllm is not None:
+        raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+    if fmt is not None:
+        if fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema",
+                              param="response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    if vllm is None:
+        return None
+    try:
+        return StructuredOutputsParams(json=vllm.json_, json_object=bool(vllm.json_object), regex=vllm.regex,
+                                       choice=vllm.choice, grammar=vllm.grammar,
+                                       disable_any_whitespace=vllm.disable_any_whitespace)
+    except ValueError as e:
+        raise bad_request(str(e), param="structured_outputs") from None
 
 
 def logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -260,8 +293,9 @@ class Generation:
     a timeline; :meth:`deltas` completes each choice's and writes them when it ends."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], stop: list[str], *,
-                 keep_output: bool = True, timeline: dict | None = None):
+                 keep_output: bool = True, timeline: dict | None = None, structured_field: str = "structured_outputs"):
         self.state, self.prompts, self.params, self.n = state, prompts, params[0], len(params)
+        self.structured_field = structured_field
         self.keep_output = keep_output
         self.sequences = [ids for ids in prompts for _ in params]  # by choice index
         self.sequence_params = [one for _ in prompts for one in params]  # by choice index
@@ -287,7 +321,11 @@ class Generation:
                 param = "n" if self.n > 1 else "prompt"
             else:
                 param = "prompt" if len(self.prompts) == 1 else f"prompt[{e.index // self.n}]"
-            raise bad_request(str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
+            message = str(e)
+            if message.startswith("structured_outputs"):  # the engine's grammar refused it: name the request's field
+                param = self.structured_field
+                message = re.sub(r"^structured_outputs(\.\w+)?", param, message)
+            raise bad_request(message, param="max_tokens" if "max_tokens" in message else param) from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         left = len(self.sequences)
