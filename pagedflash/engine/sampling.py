@@ -214,7 +214,8 @@ def _adjust(x: torch.Tensor, params: list[SamplingParams], history: list[TokenHi
     repeated = [j for j in penalized if params[j].repetition_penalty != 1.0]
     if repeated:
         seen = torch.zeros_like(x, dtype=torch.bool)
-        seen[_rows_of(repeated, [len(ids[j]) for j in repeated], device), torch.cat([ids[j] for j in repeated])] = True
+        seen.index_put_((_rows_of(repeated, [len(ids[j]) for j in repeated], device), torch.cat([ids[j] for j in repeated])),
+                        torch.ones((), dtype=torch.bool, device=device))  # a host True would be copied with a sync
         penalty = to_device([[p.repetition_penalty] for p in params], x.dtype, device)
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     counted = [j for j in penalized if params[j].frequency_penalty != 0.0 or params[j].presence_penalty != 0.0]
