@@ -433,6 +433,7 @@ def test_split_switches_from_the_environment(monkeypatch):
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     """The engine's bound on its decode graphs' partials takes each graph's split count from the same
     rule as the launch (its rows x the rank's query heads against the budget)."""
+    monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", 2)  # the odd-heads case below: one program a row
     heads, kv_heads, d, sms = 8, 2, 32, 16
     rule = launch.invariant_split_rule(interpreted(), d)
     model = SimpleNamespace(shard=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads))
