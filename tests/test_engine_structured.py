@@ -63,6 +63,14 @@ def test_params_are_checked():
                        (dict(json_object=True, disable_any_whitespace="yes"), "disable_any_whitespace")]:
         with pytest.raises(ValueError, match=match):
             S(**bad)
+    nested = {"type": "integer"}
+    for _ in range(65):
+        nested = {"type": "array", "items": nested}
+    for bad, match in [(dict(json=nested), "more than 64 deep"), (dict(json={"enum": {1, 2}}), "is not JSON"),
+                       (dict(json="{"), "is not JSON"), (dict(regex="a" * 70000), "at most 65536"),
+                       (dict(choice=["a"] * 1025), "at most 1024")]:
+        with pytest.raises(ValueError, match=match):
+            S(**bad)
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
     assert SamplingParams(structured_outputs=S(regex="a")).adjusts_logits
@@ -72,7 +80,7 @@ def test_params_are_checked():
 def test_every_kind_greedy_and_sampled_beside_unconstrained_rows(llm):
     free = SamplingParams(max_tokens=12, ignore_eos=True)
     kinds = [(kind, s, t) for t in (0.0, 1.0) for kind, s in KINDS.items()]
-    params = [SamplingParams(max_tokens=32, temperature=t, seed=i, structured_outputs=s)
+    params = [SamplingParams(max_tokens=48, temperature=t, seed=i, structured_outputs=s)
               for i, (_, s, t) in enumerate(kinds)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     outs = llm.generate(prompts + PROMPTS[:2], params + [free, free])
@@ -152,7 +160,7 @@ def test_logprobs_are_the_raw_logits(llm):
 
 def test_bad_grammars_are_refused_at_add_request(llm):
     for structured, match in [(S(json='{"type": 5}'), "structured_outputs.json: xgrammar cannot compile"),
-                              (S(json="not json"), "structured_outputs.json"),
+                              (S(json='{"type": "object", "properties": 5}'), "structured_outputs.json"),
                               (S(regex="(ab"), "structured_outputs.regex"),
                               (S(grammar="root ::= "), "structured_outputs.grammar")]:
         with pytest.raises(ValueError, match=match):
@@ -160,6 +168,31 @@ def test_bad_grammars_are_refused_at_add_request(llm):
     assert not llm.has_unfinished_requests()
     out = llm.generate([PROMPTS[0]], SamplingParams(structured_outputs=S(regex="(ab")))[0]
     assert out.finish_reason == "error" and "structured_outputs.regex" in out.error
+
+
+def test_a_grammar_no_token_can_begin_is_refused_and_a_stuck_one_stops(llm):
+    with pytest.raises(ValueError, match="structured_outputs.regex: no token of the vocabulary can begin"):
+        llm.add_request(PROMPTS[0], SamplingParams(structured_outputs=S(regex="[^\\s\\S]")))
+    assert not llm.has_unfinished_requests()
+    # a row whose grammar allows nothing next may take the stop tokens only: the request ends there
+    from pagedflash.engine.structured import fill_bitmask
+
+    grammar = llm._grammars.grammar(KINDS["regex"])
+    batch = grammar.compiler.batch
+
+    class Stuck:
+        def batch_fill_next_token_bitmask(self, matchers, bitmask, indices):
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=indices)
+            bitmask[indices[0]] = 0
+
+    grammar.compiler.batch = Stuck()
+    try:
+        mask = fill_bitmask([None, grammar], [1], 512)
+    finally:
+        grammar.compiler.batch = batch
+    allowed = [t for t in range(512) if mask[1, t // 32] >> (t % 32) & 1]
+    assert allowed == sorted(llm.eos_ids)
+    assert not grammar.accept(allowed[0]) or grammar.terminated
 
 
 def test_an_engine_without_a_tokenizer_says_so():

@@ -16,6 +16,9 @@ pytest.importorskip("transformers")
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "sunny": {"type": "boolean"}},
           "required": ["city", "sunny"], "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "The weather, as JSON."}]
+NESTED = {"type": "integer"}
+for _ in range(70):  # past MAX_SCHEMA_DEPTH
+    NESTED = {"type": "array", "items": NESTED}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,15 @@ def test_json_object_and_text_formats(server):
     assert plain == chat(server)
 
 
+def test_vllm_keys_left_null_and_a_text_format_are_no_obstacle(server):
+    body = {"prompt": "Answer:", "max_tokens": 10, "temperature": 0, "response_format": {"type": "text"},
+            "structured_outputs": {"choice": ["yes", "no"], "structural_tag": None, "disable_fallback": True,
+                                   "whitespace_pattern": None, "disable_additional_properties": False}}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+
+
 def test_vllm_structured_outputs_on_completions(server):
     client = server.client()
 
@@ -95,7 +107,12 @@ BAD = [
     ({"structured_outputs": {"json": "not json"}}, "structured_outputs"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": "a", "backend": "outlines"}}, "structured_outputs.backend"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "array", "items": {"type": "array", "items": {}}}, "regex": "a"}},
+     "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": NESTED}}}, "response_format"),
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
 ]

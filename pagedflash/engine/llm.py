@@ -380,8 +380,8 @@ class LLM:
                 f"max_tokens) but the whole pool has {self.num_blocks}: it can never fit")
         if params.structured_outputs is not None:
             try:
-                self._grammar_compiler().compile(params.structured_outputs)
-            except ValueError as e:
+                self._grammar_compiler().check(params.structured_outputs)
+            except (ValueError, TypeError) as e:
                 return ids, e
         return ids, None
 

@@ -143,7 +143,7 @@ class Scheduler:
                 seq.logprobs.append(logprobs.sampled[i])
             seq.token_times.append(now)
             p = seq.params
-            # a grammar ends with its stop token accepted (its mask never lets it refuse one)
+            # a grammar ends with its stop token accepted, or refusing one where no token continued it
             ended = seq.grammar is not None and (not seq.grammar.accept(token) or seq.grammar.terminated)
             if ended or (not p.ignore_eos and token in eos_ids) or token in p.stop_token_ids:
                 seq.finish_reason = "stop"

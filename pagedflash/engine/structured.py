@@ -14,11 +14,18 @@ logits.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import re
+from dataclasses import dataclass
 
 import torch
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Bounds on what a request may ask to compile: a grammar compiles on the engine's step loop, and a
+# schema nested hundreds deep takes seconds to minutes (64 deep: ~15 ms on a 512-token vocabulary)
+MAX_SPEC_CHARS = 65536  # a schema's JSON text, a regex, a grammar, all choices together
+MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays
+MAX_CHOICES = 1024
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
 @dataclass(frozen=True)
@@ -53,25 +60,53 @@ class StructuredOutputsParams:
         if len(given) != 1:
             return (f"structured_outputs: exactly one of {', '.join(_KINDS)} must be set, got "
                     f"{', '.join(given) if given else 'none'}")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            return f"structured_outputs.json must be a JSON schema (a dict or a string), got {type(self.json).__name__}"
+        if self.json is not None:
+            problem = _schema_problem(self.json)
+            if problem:
+                return f"structured_outputs.json {problem}"
         if not isinstance(self.json_object, bool):
             return f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
         for name in ("regex", "grammar"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                return f"structured_outputs.{name} must be a non-empty string, got {v!r}"
+            if v is not None and (not isinstance(v, str) or not v or len(v) > MAX_SPEC_CHARS):
+                return (f"structured_outputs.{name} must be a non-empty string of at most {MAX_SPEC_CHARS} "
+                        f"characters, got {_short(v)}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
-                                        or not all(isinstance(c, str) for c in self.choice)):
-            return f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}"
+                                        or not all(isinstance(c, str) for c in self.choice)
+                                        or len(self.choice) > MAX_CHOICES
+                                        or sum(map(len, self.choice)) > MAX_SPEC_CHARS):
+            return (f"structured_outputs.choice must be a non-empty list of at most {MAX_CHOICES} strings of "
+                    f"{MAX_SPEC_CHARS} characters in all, got {_short(self.choice)}")
         if not isinstance(self.disable_any_whitespace, bool):
             return f"structured_outputs.disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
         return None
 
-    def key(self) -> tuple:
-        """Hashable identity of what is compiled (a dict schema by its canonical JSON)."""
-        return tuple(json.dumps(v, sort_keys=True) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v
-                     for v in (getattr(self, f.name) for f in fields(self)))
+
+
+def _schema_problem(schema) -> str | None:
+    """Why ``schema`` (a dict or JSON text) cannot be compiled, as the end of a sentence, or None."""
+    if not isinstance(schema, (dict, str)):
+        return f"must be a JSON schema (a dict or a string), got {type(schema).__name__}"
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        value = json.loads(text)
+    except (TypeError, ValueError) as e:
+        return f"is not JSON: {e}"
+    if len(text) > MAX_SPEC_CHARS:
+        return f"has {len(text)} characters of JSON; at most {MAX_SPEC_CHARS}"
+    if _depth(value) > MAX_SCHEMA_DEPTH:
+        return f"nests objects and arrays more than {MAX_SCHEMA_DEPTH} deep"
+    return None
+
+
+def _depth(value) -> int:
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return 1 + max(map(_depth, children), default=0) if isinstance(value, (dict, list)) else 0
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _xgrammar():
@@ -85,38 +120,44 @@ def _xgrammar():
 class GrammarCompiler:
     """Compiles :class:`StructuredOutputsParams` against one vocabulary (the tokenizer's, padded to
     the model's ``vocab_size``; ``stop_ids``: the tokens that end a finished grammar, the engine's
-    EOS ids). Built on the first structured request; compiled grammars are cached by their params."""
+    EOS ids). Built on the first structured request; xgrammar caches what it compiled, up to
+    ``cache_bytes``."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], max_cached: int = 256):
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], cache_bytes: int = 256 << 20):
         xgr = _xgrammar()
         from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-        tok = getattr(tokenizer, "tok", tokenizer)  # the engine's and the server's wrappers of tokenizers.Tokenizer
+        if not stop_ids:
+            raise ValueError("structured_outputs needs the model's EOS token id to end a grammar, and its config "
+                             "has none (eos_token_id)")
+        tok = getattr(tokenizer, "tok", tokenizer)  # the engine's wrapper of a tokenizers.Tokenizer
         if not isinstance(tok, PreTrainedTokenizerBase):
             tok = PreTrainedTokenizerFast(tokenizer_object=tok)
         self.xgr = xgr
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=4)
+        self.stop_ids = sorted(stop_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_limit_bytes=cache_bytes)
         self.batch = xgr.BatchGrammarMatcher()  # fills the rows' masks on half the host's cores
-        self._cache: dict[tuple, object] = {}
-        self._max_cached = max_cached
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar; ``ValueError`` naming the field when xgrammar refuses it."""
-        key = params.key()
-        compiled = self._cache.get(key)
-        if compiled is None:
-            kind = params.kind
-            try:
-                compiled = self._compile(params, kind)
-            except (RuntimeError, ValueError, TypeError) as e:
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
-            if len(self._cache) >= self._max_cached:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[key] = compiled
-        return compiled
+        """The compiled grammar (a cache hit after the first time); ``ValueError`` naming the field when
+        xgrammar refuses it."""
+        kind = params.kind
+        try:
+            return self._compile(params, kind)
+        except (RuntimeError, ValueError, TypeError) as e:
+            reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[-1]) if str(e).strip() else type(e).__name__
+            raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params``; ``ValueError`` naming the field when that fails or when no token of the
+        vocabulary can begin an output the grammar allows."""
+        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
+        self.xgr.GrammarMatcher(self.compile(params)).fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise ValueError(f"structured_outputs.{params.kind}: no token of the vocabulary can begin an output "
+                             "it allows")
 
     def _compile(self, params: StructuredOutputsParams, kind: str):
         c = self._compiler
@@ -142,7 +183,8 @@ class Grammar:
         self.matcher, self.compiler = matcher, compiler
 
     def accept(self, token: int) -> bool:
-        """Feed the sampled token; False if the grammar refuses it (the mask makes that impossible)."""
+        """Feed the sampled token; False if the grammar refuses it (a stop token where the grammar had
+        reached a state no token of the vocabulary continues: :func:`fill_bitmask`)."""
         return self.matcher.accept_token(token)
 
     @property
@@ -168,8 +210,15 @@ def mask_logits(x: torch.Tensor, grammars: list[Grammar | None]) -> torch.Tensor
 def fill_bitmask(grammars: list[Grammar | None], rows: list[int], vocab: int, pinned: bool = False) -> torch.Tensor:
     """int32 ``[len(grammars), ceil(vocab / 32)]`` on the host: row ``j`` of ``rows`` the tokens
     ``grammars[j]`` allows next, bit ``t % 32`` of word ``t // 32`` (other rows unset). Rows are filled
-    on the compiler's threads."""
+    on the compiler's threads. A row that allows nothing (a state the vocabulary cannot continue, as
+    a choice it cannot spell) allows the stop tokens: the request ends there, its grammar refusing."""
     bitmask = torch.empty(len(grammars), -(-vocab // 32), dtype=torch.int32, pin_memory=pinned)
     compiler = grammars[rows[0]].compiler
     compiler.batch.batch_fill_next_token_bitmask([grammars[j].matcher for j in rows], bitmask, indices=rows)
+    stuck = [j for j in rows if not bitmask[j].any()]
+    if stuck:
+        stop = torch.tensor(compiler.stop_ids)
+        for j in stuck:
+            bitmask[j].index_put_((stop // 32,), torch.ones_like(stop, dtype=torch.int32) << (stop % 32).int(),
+                                  accumulate=True)
     return bitmask

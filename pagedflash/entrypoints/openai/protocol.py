@@ -52,8 +52,9 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` request field: one of its constraints (fields it has that the
-    engine lacks, such as ``structural_tag``, are a 400 naming them)."""
+    """vLLM's ``structured_outputs`` request field: one of its constraints. vLLM's other keys are
+    accepted when null or false (clients send its whole dataclass); set, they are a 400 naming them
+    (:meth:`unsupported`); unknown keys are a 400 too."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,6 +64,15 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     disable_any_whitespace: StrictBool = False
+    disable_fallback: StrictBool = False  # there is one backend: nothing to fall back from
+    disable_additional_properties: StrictBool = False
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first of vLLM's keys set that the engine does not do, or None."""
+        return next((k for k in ("disable_additional_properties", "whitespace_pattern", "structural_tag")
+                     if getattr(self, k) not in (None, False)), None)
 
 
 class _GenerationRequest(BaseModel):

@@ -171,19 +171,27 @@ def structured_outputs(request: p._GenerationRequest) -> StructuredOutputsParams
     """``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` as the
     engine's constraint; None for neither (or ``{"type": "text"}``)."""
     fmt, vllm = request.response_format, request.structured_outputs
+    if fmt is not None and fmt.type == "text":
+        fmt = None
     if fmt is not None and vllm is not None:
         raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
     if fmt is not None:
-        if fmt.type == "text":
-            return None
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema",
                               param="response_format")
-        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        try:
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        except ValueError as e:
+            raise bad_request(re.sub(r"^structured_outputs\.json", "response_format.json_schema.schema", str(e)),
+                              param="response_format") from None
     if vllm is None:
         return None
+    unsupported = vllm.unsupported()
+    if unsupported:
+        raise bad_request(f"structured_outputs.{unsupported} is not supported", param=f"structured_outputs.{unsupported}",
+                          code="unsupported")
     try:
         return StructuredOutputsParams(json=vllm.json_, json_object=bool(vllm.json_object), regex=vllm.regex,
                                        choice=vllm.choice, grammar=vllm.grammar,
@@ -325,7 +333,9 @@ class Generation:
             if message.startswith("structured_outputs"):  # the engine's grammar refused it: name the request's field
                 param = self.structured_field
                 message = re.sub(r"^structured_outputs(\.\w+)?", param, message)
-            raise bad_request(message, param="max_tokens" if "max_tokens" in message else param) from None
+            elif "max_tokens" in message:
+                param = "max_tokens"
+            raise bad_request(message, param=param) from None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         left = len(self.sequences)
