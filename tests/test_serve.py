@@ -298,7 +298,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
      "presence_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools"),
+     "tools[0].function"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),

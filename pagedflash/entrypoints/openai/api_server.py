@@ -29,7 +29,7 @@ import socket
 import sys
 
 from pagedflash.entrypoints.openai import protocol as p
-from pagedflash.entrypoints.openai import responses, serving, tokenize
+from pagedflash.entrypoints.openai import responses, serving, tokenize, tools
 from pagedflash.entrypoints.openai.serving import APIError, ServerState
 
 logger = logging.getLogger("pagedflash.serve")
@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL_DIR)")
     ap.add_argument("--tokenizer", default=None, help="directory or tokenizer.json (default: MODEL_DIR's)")
     ap.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='chat tool_choice "auto": parse the model\'s tool calls (needs --tool-call-parser)')
+    ap.add_argument("--tool-call-parser", default=None, choices=sorted(tools.PARSERS),
+                    help="the format the model writes its tool calls in (hermes: Qwen 2.5/3, Hermes)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     ap.add_argument("--max-queue", type=int, default=None,
                     help="requests waiting for admission at most; more get 503 (default: no limit)")
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.max_queue is not None and args.max_queue < 1:
         ap.error(f"--max-queue must be >= 1 (a new request waits until a step admits it), got {args.max_queue}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes its calls in)")
     if args.shutdown_timeout < 0:
         ap.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return args
@@ -154,7 +160,8 @@ def build_state(args: argparse.Namespace) -> ServerState:
         llm = build_llm(args)
         engine = EngineLoop(llm, metrics=metrics, max_queue=args.max_queue, timeline=timeline is not None)
         limits = engine_limits(llm)
-    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, timeline=timeline, **limits)
+    return ServerState(engine=engine, tokenizer=tokenizer, model_name=name, timeline=timeline,
+                       tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None, **limits)
 
 
 def build_app(state: ServerState, *, api_key: str | None = None):
@@ -263,16 +270,19 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise serving.bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        plan = serving.tool_plan(state, body)
         prompt = serving.chat_prompt(state, body)
-        params = serving.sampling_params(state, body, len(prompt), default_max_tokens=None, max_tokens_field=field)
+        constraint = plan.constraint(body.tools or [])
+        params = serving.sampling_params(state, body, len(prompt), default_max_tokens=None, max_tokens_field=field,
+                                         structured=constraint)
         gen = serving.Generation(state, [prompt], params, serving.stop_strings(body),
-                                 structured_field=serving.structured_field(body),
+                                 structured_field="tools" if constraint else serving.structured_field(body),
                                  timeline=stamps and {**stamps, "stream": body.stream})
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return GenerationStream(responses.chat_stream(gen, state.model_name, usage), gen)
-        return await respond(request, gen, responses.chat_response)
+            return GenerationStream(responses.chat_stream(gen, state.model_name, usage, plan), gen)
+        return await respond(request, gen, functools.partial(responses.chat_response, plan=plan))
 
     @app.post("/tokenize")
     async def create_tokenize(request: Request):

@@ -2,11 +2,11 @@
 
 Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``structured_outputs``).
-Unknown fields are ignored, as OpenAI and vLLM do; fields the server cannot honour (tools, ``suffix``,
+Unknown fields are ignored, as OpenAI and vLLM do; fields the server cannot honour (``suffix``,
 ``best_of``) are listed by :func:`unsupported_field`, which the handlers turn into a 400 naming the
-field. ``response_format`` (``json_object``, ``json_schema``) and ``structured_outputs`` (vLLM's: a
-JSON schema, a regex, choices or a grammar) constrain the output (the engine's
-:class:`~pagedflash.engine.structured.StructuredOutputsParams`). Logprobs (completions' ``logprobs: k``, chat's ``logprobs: true`` + ``top_logprobs: k``,
+field. Chat's ``tools`` and ``tool_choice``: :mod:`.tools`. ``response_format`` (``json_object``,
+``json_schema``) and ``structured_outputs`` (vLLM's: a JSON schema, a regex, choices or a grammar)
+constrain the output (the engine's :class:`~pagedflash.engine.structured.StructuredOutputsParams`). Logprobs (completions' ``logprobs: k``, chat's ``logprobs: true`` + ``top_logprobs: k``,
 k <= 20) come from the engine, computed before the bias, penalties, temperature and filtering as
 vLLM's are; with completions' ``echo`` the prompt's tokens come first, the first one's entries null.
 """
@@ -124,13 +124,35 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: StrictBool = True  # accepted; "required" may return several calls either way
     add_generation_prompt: StrictBool = True  # vLLM's extension
 
 
@@ -146,8 +168,6 @@ def unsupported_field(request: _GenerationRequest) -> tuple[str, str] | None:
         checks += [
             ("top_logprobs", request.top_logprobs is not None and not request.logprobs,
              "top_logprobs needs logprobs: true"),
-            ("tools", bool(request.tools), "tools are not supported"),
-            ("tool_choice", request.tool_choice not in (None, "none"), "tool_choice is not supported"),
         ]
     if request.stream_options is not None and not request.stream:
         checks.append(("stream_options", True, "stream_options is only allowed when stream is true"))
@@ -192,9 +212,21 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -215,7 +247,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -227,11 +259,35 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A call's first delta has its id, type and name; later ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
-    """Only the fields it carries are written: the role in the first chunk, then content, then none."""
+    """Only the fields it carries are written: the role in the first chunk, then content or tool
+    calls, then none."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _without_none(self, handler):
@@ -242,7 +298,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

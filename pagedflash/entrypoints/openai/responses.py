@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from pagedflash.entrypoints.openai import protocol as p
+from pagedflash.entrypoints.openai import tools
 from pagedflash.entrypoints.openai.serving import APIError, Generation, collect
 from pagedflash.entrypoints.openai.tokenizer import TextTokenizer
 
@@ -111,33 +112,59 @@ async def completion_stream(gen: Generation, model: str, include_usage: bool, *,
 
 
 # ------------------------------------------------------------------ chat
-async def chat_response(gen: Generation, receive, model: str) -> p.ChatCompletionResponse:
+async def chat_response(gen: Generation, receive, model: str, *, plan: tools.ToolPlan) -> p.ChatCompletionResponse:
     texts = await collect(gen, receive)
     tok, k = gen.state.tokenizer, gen.params.logprobs
-    return p.ChatCompletionResponse(
-        id=new_id("chatcmpl"), model=model, usage=gen.usage(),
-        choices=[p.ChatChoice(index=i, message=p.ChatResponseMessage(content=text), finish_reason=reason,
-                              logprobs=None if k is None else chat_logprobs(tok, gen.all_logprobs[i], k))
-                 for i, (text, reason) in enumerate(zip(texts, gen.finish_reason))])
+    choices = []
+    for i, (text, reason) in enumerate(zip(texts, gen.finish_reason)):
+        message, reason = tools.response_message(plan, text, reason)
+        choices.append(p.ChatChoice(index=i, message=message, finish_reason=reason,
+                                    logprobs=None if k is None else chat_logprobs(tok, gen.all_logprobs[i], k)))
+    return p.ChatCompletionResponse(id=new_id("chatcmpl"), model=model, usage=gen.usage(), choices=choices)
 
 
-async def chat_stream(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """A first chunk with the role for each choice, then the choices' deltas as they come."""
+async def chat_stream(gen: Generation, model: str, include_usage: bool, plan: tools.ToolPlan) -> AsyncIterator[str]:
+    """A first chunk with the role for each choice, then the choices' deltas as they come (under a
+    tool plan: :mod:`.tools`)."""
     rid, created = new_id("chatcmpl"), int(time.time())
 
     def chunk(choices, usage=None):  # built without validation: every value is the server's own
         return _sse(p.ChatCompletionChunk.model_construct(id=rid, created=created, model=model, choices=choices,
                                                           usage=usage))
 
+    def call_delta(i: int, call: p.ToolCall) -> p.DeltaToolCall:
+        return p.DeltaToolCall(index=i, id=call.id, type="function",
+                               function=p.DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+
+    held = {i: tools.ToolStream(plan) for i in range(gen.n)} if plan.mode in ("required", "auto") else None
+    named_call = {}  # choice -> its named call's id, once its first delta went
     try:
         for i in range(gen.n):
             yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
         k = gen.params.logprobs
         async for d in gen.deltas():
             logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
-            yield chunk([p.ChatChunkChoice.model_construct(index=d.index,
-                                                           delta=p.DeltaMessage.model_construct(content=d.text),
-                                                           logprobs=logprobs, finish_reason=d.finish_reason)])
+            reason = d.finish_reason
+            if plan.mode == "named":
+                if d.index in named_call:
+                    calls = [p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=d.text))]
+                else:
+                    call = tools.tool_call(plan.name, d.text)
+                    named_call[d.index] = call.id
+                    calls = [call_delta(0, call)]
+                delta = p.DeltaMessage.model_construct(tool_calls=calls)
+            elif held is not None:
+                content, calls = held[d.index].push(d.text), None
+                if reason is not None:
+                    rest, found, reason = held[d.index].finish(reason)
+                    content += rest
+                    calls = None if found is None else [call_delta(j, c) for j, c in enumerate(found)]
+                delta = p.DeltaMessage.model_construct(content=content if content or calls is None else None,
+                                                       tool_calls=calls)
+            else:
+                delta = p.DeltaMessage.model_construct(content=d.text)
+            yield chunk([p.ChatChunkChoice.model_construct(index=d.index, delta=delta, logprobs=logprobs,
+                                                           finish_reason=reason)])
         if include_usage:
             yield chunk([], gen.usage())
     except APIError as e:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.structured import StructuredOutputsParams
 from pagedflash.entrypoints.openai import protocol as p
+from pagedflash.entrypoints.openai import tools
 from pagedflash.entrypoints.openai.engine_loop import (
     EngineClosedError,
     EngineLoop,
@@ -69,6 +70,7 @@ class ServerState:
     vocab_size: int
     pool_tokens: int | None = None  # tokens the KV pool holds (None: no limit below max_model_len)
     timeline: RequestTimeline | None = None  # ``--request-timeline``: where the requests' stamps go
+    tool_parser: str | None = None  # ``--tool-call-parser`` with ``--enable-auto-tool-choice``: tool_choice "auto"
 
 
 # ------------------------------------------------------------------ validation
@@ -109,9 +111,11 @@ def echo_only(request: p._GenerationRequest) -> bool:
 
 
 def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_len: int, *, default_max_tokens: int | None,
-                    max_tokens_field: str = "max_tokens") -> list[SamplingParams]:
+                    max_tokens_field: str = "max_tokens",
+                    structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
     """The request's sampling fields as SamplingParams, one per choice of a prompt (``n``; with a
-    ``seed``, choice ``j``'s is ``seed + j``); ``prompt_len``: the longest prompt's tokens."""
+    ``seed``, choice ``j``'s is ``seed + j``); ``prompt_len``: the longest prompt's tokens.
+    ``structured``: the output's constraint when the request's tools set it (else its own fields')."""
     echo = isinstance(request, p.CompletionRequest) and request.echo
     if isinstance(request, p.ChatCompletionRequest):
         logprobs, logprobs_field = (request.top_logprobs or 0) if request.logprobs else None, "top_logprobs"
@@ -139,7 +143,7 @@ def sampling_params(state: ServerState, request: p._GenerationRequest, prompt_le
                   logit_bias=logit_bias(state, request.logit_bias),
                   seed=request.seed, ignore_eos=request.ignore_eos, stop_token_ids=list(request.stop_token_ids or ()),
                   logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-                  structured_outputs=structured_outputs(request))
+                  structured_outputs=structured or structured_outputs(request))
     try:
         params = SamplingParams(**fields)
     except ValueError as e:
@@ -252,6 +256,13 @@ def echo_texts(state: ServerState, request: p.CompletionRequest, prompts: list[l
             for item, ids in zip(prompt_batch(request), prompts)]
 
 
+def tool_plan(state: ServerState, request: p.ChatCompletionRequest) -> tools.ToolPlan:
+    try:
+        return tools.plan(request, state.tool_parser)
+    except tools.ToolChoiceError as e:
+        raise bad_request(str(e), param="tool_choice") from None
+
+
 def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[int]:
     """The messages rendered with the chat template, as token ids."""
     if not request.messages:
@@ -266,8 +277,10 @@ def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[in
                                   param=f"messages[{i}].content")
             content = "".join(part.text or "" for part in content)
         messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
+    tool_list = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        text = state.tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt)
+        text = state.tokenizer.render_chat(tools.template_messages(messages),
+                                           add_generation_prompt=request.add_generation_prompt, tools=tool_list)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     except ValueError as e:  # no template

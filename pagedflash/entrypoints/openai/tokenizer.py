@@ -184,8 +184,10 @@ class TextTokenizer:
             self._decoders = {d.get("type") for d in spec.get("decoders", [spec])}
         return self._decoders
 
-    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (dicts with ``role`` and string ``content``).
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The prompt text of ``messages`` (dicts with ``role`` and string ``content``); ``tools``: the
+        function tools (OpenAI's format), the template's ``tools`` as transformers passes them.
 
         Raises ``ValueError`` when there is no template, :class:`ChatTemplateError` when it refuses the
         messages."""
@@ -210,7 +212,7 @@ class TextTokenizer:
             except jinja2.TemplateError as e:
                 raise ValueError(f"chat template does not compile: {e}") from None
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except ChatTemplateError:
             raise

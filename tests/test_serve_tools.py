@@ -1,0 +1,204 @@
+"""Chat tool calling (:mod:`pagedflash.entrypoints.openai.tools`): the hermes parser and the streamed
+hold-back without a server; then over HTTP, with a tool-rendering template on the tiny model: a named
+function (arguments constrained to its schema), ``"required"`` (a JSON array of calls), ``"auto"``
+(the hermes parser; the tiny random model is made to write a call with ``structured_outputs``),
+``"none"``, the template's view of tools and of earlier calls, streamed as not, and the 400s.
+"""
+
+import json
+import random
+
+import pytest
+from test_serve import MODEL, LiveServer
+
+from pagedflash.entrypoints.openai import protocol as p
+from pagedflash.entrypoints.openai import tools
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("transformers")
+
+TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message.tool_calls %}"
+    "{% for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>'
+
+
+# ------------------------------------------------------------------ without a server
+def test_hermes_parser():
+    content, calls = tools.parse_hermes("Let me look.\n" + HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Paris"))
+    assert content == "Let me look.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "C"}), ("get_weather", {"city": "Paris", "unit": "C"})]
+    assert len({c.id for c in calls}) == 2
+    assert tools.parse_hermes(HERMES_CALL)[0] is None
+    for text in ("plain text", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": 1", '<tool_call>{"x": 1}</tool_call>'):
+        assert tools.parse_hermes(text) == (text, [])
+
+
+@pytest.mark.parametrize("text", ["Sure: " + HERMES_CALL, "no call at all <tool", "<tool_call>{bad}</tool_call>",
+                                  HERMES_CALL + " trailing"])
+def test_streamed_auto_equals_the_whole_text(text):
+    plan = tools.ToolPlan("auto", parser="hermes")
+    whole, whole_reason = tools.response_message(plan, text, "stop")
+    rng = random.Random(0)
+    for _ in range(20):
+        stream, sent, cut = tools.ToolStream(plan), "", 0
+        while cut < len(text):
+            step = rng.randint(0, 5)
+            sent += stream.push(text[cut : cut + step])
+            assert not (sent and tools.HERMES_START in sent and whole.tool_calls), sent
+            cut += step
+        rest, calls, reason = stream.finish("stop")
+        sent += rest
+        assert reason == whole_reason
+        assert (sent or None) == whole.content
+        assert [(c.function.name, c.function.arguments) for c in calls or []] == \
+            [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+
+
+def test_required_schema_and_parse():
+    parsed = [p.Tool.model_validate(t) for t in TOOLS]
+    schema = tools.required_schema(parsed)
+    assert schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    calls = tools.parse_required('[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    assert tools.parse_required('[{"name": "get_time", "param') is None
+
+
+# ------------------------------------------------------------------ over HTTP
+@pytest.fixture(scope="module")
+def server():
+    s = LiveServer("--max-num-seqs", "8", "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
+                   "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
+
+
+def create(server, stream=False, **kwargs):
+    """(content, tool calls as (name, arguments), finish reason), streamed or not."""
+    body = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, **{"max_tokens": 32, "temperature": 0, **kwargs})
+    client = server.client()
+    if not stream:
+        choice = client.chat.completions.create(**body).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, reason = None, {}, None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                content = (content or "") + delta.content
+            for c in delta.tool_calls or []:
+                entry = calls.setdefault(c.index, {"id": c.id, "name": None, "arguments": ""})
+                entry["name"] = c.function.name or entry["name"]
+                entry["arguments"] += c.function.arguments or ""
+                assert entry["id"], "a call's first delta carries its id"
+            reason = choice.finish_reason or reason
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["not-streamed", "streamed"])
+def test_named_function(server, stream):
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    content, calls, reason = create(server, stream, tool_choice=choice)
+    assert not content and [name for name, _ in calls] == ["get_time"]
+    if reason == "stop":
+        assert json.loads(calls[0][1])["zone"] in ("UTC", "CET")
+    else:
+        assert reason == "length"
+    assert (content, calls, reason) == create(server, not stream, tool_choice=choice)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["not-streamed", "streamed"])
+def test_required(server, stream):
+    content, calls, reason = create(server, stream, tool_choice="required", max_tokens=40)
+    if reason == "tool_calls":
+        assert calls and not content
+        for name, arguments in calls:
+            assert name in ("get_weather", "get_time") and isinstance(json.loads(arguments), dict)
+    else:  # the array was cut short: its text comes back as content
+        assert reason == "length" and not calls and content.lstrip().startswith("[")
+    assert (content, calls, reason) == create(server, not stream, tool_choice="required", max_tokens=40)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["not-streamed", "streamed"])
+def test_auto_parses_hermes_calls(server, stream):
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    forced = {"structured_outputs": {"regex": "Ok " + call.replace("{", "\\{").replace("}", "\\}")}}
+    content, calls, reason = create(server, stream, tool_choice="auto", extra_body=forced, max_tokens=100)
+    assert reason == "tool_calls" and content == "Ok "
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "UTC"})]
+    # the default tool_choice with tools is "auto"; a reply without a call is content
+    content, calls, reason = create(server, stream, max_tokens=8)
+    assert calls == [] and reason in ("stop", "length") and content is not None
+
+
+def test_none_renders_the_tools_and_returns_text(server):
+    client = server.client()
+    with_tools = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                                max_tokens=4, temperature=0)
+    without = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert with_tools.choices[0].message.tool_calls in (None, [])
+    assert with_tools.usage.prompt_tokens > without.usage.prompt_tokens + 4
+
+
+def test_earlier_calls_reach_the_template_with_dict_arguments(server):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    ids = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    text = server.post("/detokenize", {"tokens": ids}).json()["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in text
+    assert "<|tool|>\n18 C, sunny" in text
+    reply = server.client().chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
+                                                    max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tools"),
+]
+
+
+@pytest.mark.parametrize("extra, param", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
+def test_bad_tool_requests_are_a_400_naming_the_field(server, extra, param):
+    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_auto_needs_a_parser():
+    s = LiveServer("--max-num-seqs", "2", "--chat-template", TEMPLATE)
+    try:
+        r = s.post("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        assert "--tool-call-parser" in r.json()["error"]["message"]
+        r = s.post("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4,
+                                            "tool_choice": "none"})
+        assert r.status_code == 200, r.text
+    finally:
+        s.stop()
