@@ -305,12 +305,18 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
-def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
+def assert_400(server, path, body, param) -> dict:
+    """POST ``body`` (a dict, or raw bytes); the response is a 400 naming ``param``: its error body."""
     r = server.post(path, content=body) if isinstance(body, bytes) else server.post(path, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"], error
+    return error
+
+
+@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
+    assert_400(server, path, body, param)
 
 
 def test_unknown_route_and_method_have_error_bodies(server):

@@ -6,7 +6,7 @@ official client; their 400s name the request's field. The engine side is :mod:`t
 import json
 
 import pytest
-from test_serve import MODEL, LiveServer
+from test_serve import MODEL, LiveServer, assert_400
 
 from pagedflash.engine.structured import StructuredOutputsParams as S
 
@@ -122,9 +122,6 @@ BAD = [
 @pytest.mark.parametrize("extra, param", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
 def test_bad_constraints_are_a_400_naming_the_field(server, path, extra, param):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": MESSAGES}
-    r = server.post(path, {**body, "max_tokens": 4, **extra})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    error = assert_400(server, path, {**body, "max_tokens": 4, **extra}, param)
     assert error["message"].startswith(param.split(".")[0]) or "response_format" in error["message"] or \
         "structured_outputs" in error["message"], error

@@ -3,7 +3,7 @@
 ``return_token_strs``, and the refusals (a model not served, ids outside the vocabulary, bad bodies)."""
 
 import pytest
-from test_serve import GREEDY, MODEL, LiveServer
+from test_serve import GREEDY, MODEL, LiveServer, assert_400
 
 TEXT = "héllo wörld 😀 ✓ naïve — 日本語 done"
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello, world!"}]
@@ -106,10 +106,7 @@ BAD = [
 
 @pytest.mark.parametrize("path, body, param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param):
-    r = server.post(path, content=body) if isinstance(body, bytes) else server.post(path, body)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    error = assert_400(server, path, body, param)
     if path == "/detokenize" and param == "tokens" and isinstance(body.get("tokens"), list):
         assert "outside the vocabulary [0, 512)" in error["message"]
 

@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from test_serve import MODEL, LiveServer
+from test_serve import MODEL, LiveServer, assert_400
 
 from pagedflash.entrypoints.openai import protocol as p
 from pagedflash.entrypoints.openai import tools
@@ -46,29 +46,47 @@ def test_hermes_parser():
         ("get_weather", {"city": "Oslo", "unit": "C"}), ("get_weather", {"city": "Paris", "unit": "C"})]
     assert len({c.id for c in calls}) == 2
     assert tools.parse_hermes(HERMES_CALL)[0] is None
-    for text in ("plain text", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": 1", '<tool_call>{"x": 1}</tool_call>'):
-        assert tools.parse_hermes(text) == (text, [])
+    for text in ("plain text", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": 1", '<tool_call>{"x": 1}</tool_call>',
+                 '<tool_call>{"name": 1, "arguments": {}}</tool_call>', '<tool_call>[1]</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', HERMES_CALL + "<tool_call>{bad"):
+        assert tools.parse_hermes(text) == (text, []), text
+    # the last block may end unclosed (the model stopped after its JSON); arguments may be JSON text
+    content, calls = tools.parse_hermes('Hi <tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
+    assert content == "Hi " and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("f", {"a": 1})]
+
+
+def test_finish_reasons_and_parallel_calls():
+    two = HERMES_CALL + HERMES_CALL.replace("Oslo", "Paris")
+    auto = tools.ToolPlan("auto", parser="hermes")
+    assert [len(tools.finish(auto, two, "stop")[1]), tools.finish(auto, two, "stop")[2]] == [2, "tool_calls"]
+    assert tools.finish(auto, two + "<tool_call>{", "length")[2] == "length"  # cut short: not a finished call
+    assert tools.finish(auto, "text", "stop") == ("text", [], "stop")
+    single = tools.ToolPlan("auto", parser="hermes", parallel=False)
+    assert len(tools.finish(single, two, "stop")[1]) == 1
+    required = tools.ToolPlan("required", parallel=False)
+    assert tools.required_schema([p.Tool.model_validate(WEATHER)], parallel=False)["maxItems"] == 1
+    assert tools.finish(required, '[{"name": "get_time"', "length") == ('[{"name": "get_time"', [], "length")
 
 
 @pytest.mark.parametrize("text", ["Sure: " + HERMES_CALL, "no call at all <tool", "<tool_call>{bad}</tool_call>",
                                   HERMES_CALL + " trailing"])
 def test_streamed_auto_equals_the_whole_text(text):
     plan = tools.ToolPlan("auto", parser="hermes")
-    whole, whole_reason = tools.response_message(plan, text, "stop")
+    whole_content, whole_calls, whole_reason = tools.finish(plan, text, "stop")
     rng = random.Random(0)
     for _ in range(20):
         stream, sent, cut = tools.ToolStream(plan), "", 0
         while cut < len(text):
             step = rng.randint(0, 5)
             sent += stream.push(text[cut : cut + step])
-            assert not (sent and tools.HERMES_START in sent and whole.tool_calls), sent
+            assert not (sent and tools.HERMES_START in sent and whole_calls), sent
             cut += step
         rest, calls, reason = stream.finish("stop")
         sent += rest
         assert reason == whole_reason
-        assert (sent or None) == whole.content
-        assert [(c.function.name, c.function.arguments) for c in calls or []] == \
-            [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+        assert (sent or None) == whole_content
+        assert [(c.function.name, c.function.arguments) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in whole_calls]
 
 
 def test_required_schema_and_parse():
@@ -143,6 +161,12 @@ def test_auto_parses_hermes_calls(server, stream):
     content, calls, reason = create(server, stream, tool_choice="auto", extra_body=forced, max_tokens=100)
     assert reason == "tool_calls" and content == "Ok "
     assert [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "UTC"})]
+    if stream:  # the SDK's stream helper sees each call end (the finish reason comes in a chunk of its own)
+        done = []
+        with server.client().chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100,
+                                                     temperature=0, extra_body=forced) as events:
+            done = [e.name for e in events if e.type == "tool_calls.function.arguments.done"]
+        assert done == ["get_time"]
     # the default tool_choice with tools is "auto"; a reply without a call is content
     content, calls, reason = create(server, stream, max_tokens=8)
     assert calls == [] and reason in ("stop", "length") and content is not None
@@ -163,13 +187,14 @@ def test_earlier_calls_reach_the_template_with_dict_arguments(server):
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
-    ids = server.post("/tokenize", {"messages": messages}).json()["tokens"]
+    ids = server.post("/tokenize", {"messages": messages, "tools": TOOLS}).json()["tokens"]
     text = server.post("/detokenize", {"tokens": ids}).json()["prompt"]
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}</tool_call>' in text
-    assert "<|tool|>\n18 C, sunny" in text
+    assert "<|tool|>\n18 C, sunny" in text and "Tools: get_weather get_time" in text
     reply = server.client().chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none",
                                                     max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == len(ids)  # /tokenize with tools counts what the chat feeds the engine
 
 
 BAD = [
@@ -179,16 +204,20 @@ BAD = [
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
-      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": "x"}]}, "messages[1].tool_calls"),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "get_time", "arguments": "[1]"}}]}], "tool_choice": "none"}, "messages[1].tool_calls[0].function.arguments"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": 5}}}}}], "tool_choice": "required"}, "tools"),
 ]
 
 
 @pytest.mark.parametrize("extra, param", BAD, ids=[f"{i}-{b[1]}" for i, b in enumerate(BAD)])
 def test_bad_tool_requests_are_a_400_naming_the_field(server, extra, param):
-    r = server.post("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param, r.json()
+    assert_400(server, "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra}, param)
 
 
 def test_auto_needs_a_parser():

@@ -117,8 +117,9 @@ async def chat_response(gen: Generation, receive, model: str, *, plan: tools.Too
     tok, k = gen.state.tokenizer, gen.params.logprobs
     choices = []
     for i, (text, reason) in enumerate(zip(texts, gen.finish_reason)):
-        message, reason = tools.response_message(plan, text, reason)
-        choices.append(p.ChatChoice(index=i, message=message, finish_reason=reason,
+        content, calls, reason = tools.finish(plan, text, reason)
+        choices.append(p.ChatChoice(index=i, message=p.ChatResponseMessage(content=content, tool_calls=calls),
+                                    finish_reason=reason,
                                     logprobs=None if k is None else chat_logprobs(tok, gen.all_logprobs[i], k)))
     return p.ChatCompletionResponse(id=new_id("chatcmpl"), model=model, usage=gen.usage(), choices=choices)
 
@@ -137,7 +138,7 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool, plan: to
                                function=p.DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
 
     held = {i: tools.ToolStream(plan) for i in range(gen.n)} if plan.mode in ("required", "auto") else None
-    named_call = {}  # choice -> its named call's id, once its first delta went
+    named_started = set()  # choices whose named call's first delta went
     try:
         for i in range(gen.n):
             yield chunk([p.ChatChunkChoice(index=i, delta=p.DeltaMessage(role="assistant", content=""))])
@@ -146,21 +147,24 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool, plan: to
             logprobs = None if k is None else chat_logprobs(gen.state.tokenizer, d.logprobs or [], k)
             reason = d.finish_reason
             if plan.mode == "named":
-                if d.index in named_call:
+                if d.index in named_started:
                     calls = [p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=d.text))]
                 else:
-                    call = tools.tool_call(plan.name, d.text)
-                    named_call[d.index] = call.id
-                    calls = [call_delta(0, call)]
+                    named_started.add(d.index)
+                    calls = [call_delta(0, tools.tool_call(plan.name, d.text))]
                 delta = p.DeltaMessage.model_construct(tool_calls=calls)
             elif held is not None:
                 content, calls = held[d.index].push(d.text), None
-                if reason is not None:
+                if reason is not None:  # the calls, then the finish reason in a chunk of its own (as OpenAI)
                     rest, found, reason = held[d.index].finish(reason)
                     content += rest
-                    calls = None if found is None else [call_delta(j, c) for j, c in enumerate(found)]
-                delta = p.DeltaMessage.model_construct(content=content if content or calls is None else None,
-                                                       tool_calls=calls)
+                    calls = [call_delta(j, c) for j, c in enumerate(found)] or None
+                    yield chunk([p.ChatChunkChoice.model_construct(
+                        index=d.index, delta=p.DeltaMessage.model_construct(content=content or None, tool_calls=calls),
+                        logprobs=logprobs)])
+                    delta, logprobs = p.DeltaMessage.model_construct(), None
+                else:
+                    delta = p.DeltaMessage.model_construct(content=content)
             else:
                 delta = p.DeltaMessage.model_construct(content=d.text)
             yield chunk([p.ChatChunkChoice.model_construct(index=d.index, delta=delta, logprobs=logprobs,

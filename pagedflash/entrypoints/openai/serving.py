@@ -259,8 +259,8 @@ def echo_texts(state: ServerState, request: p.CompletionRequest, prompts: list[l
 def tool_plan(state: ServerState, request: p.ChatCompletionRequest) -> tools.ToolPlan:
     try:
         return tools.plan(request, state.tool_parser)
-    except tools.ToolChoiceError as e:
-        raise bad_request(str(e), param="tool_choice") from None
+    except tools.ToolError as e:
+        raise bad_request(str(e), param=e.param) from None
 
 
 def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[int]:
@@ -279,8 +279,12 @@ def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[in
         messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
     tool_list = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        text = state.tokenizer.render_chat(tools.template_messages(messages),
-                                           add_generation_prompt=request.add_generation_prompt, tools=tool_list)
+        messages = tools.template_messages(messages)
+    except tools.ToolError as e:
+        raise bad_request(str(e), param=e.param) from None
+    try:
+        text = state.tokenizer.render_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                           tools=tool_list)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     except ValueError as e:  # no template

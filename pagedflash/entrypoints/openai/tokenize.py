@@ -31,6 +31,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[p.ChatMessage] | None = None
+    tools: list[p.Tool] | None = None  # messages only: rendered by the chat template
     add_special_tokens: StrictBool | None = None  # None: true with a prompt, false with messages
     add_generation_prompt: StrictBool = True  # messages only
     continue_final_message: StrictBool = False  # messages only; true is refused
@@ -81,7 +82,7 @@ def chat_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
         raise bad_request("add_special_tokens: true is not supported with messages (the chat template writes the "
                           "special tokens; nothing is added to its text)", param="add_special_tokens",
                           code="unsupported")
-    chat = p.ChatCompletionRequest(model=body.model, messages=body.messages,
+    chat = p.ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                    add_generation_prompt=body.add_generation_prompt)
     return serving.chat_prompt(state, chat)
 

@@ -13,8 +13,10 @@ their ``arguments`` as dicts (what tool-use templates expect). ``tool_choice``:
   server's ``--tool-call-parser`` (:data:`PARSERS`; ``hermes``: ``<tool_call>{"name", "arguments"}
   </tool_call>`` blocks, the format of Qwen 2.5/3 and Hermes models), ``"tool_calls"`` when it made one.
 
-Streamed, a named call's arguments stream as they come; ``"required"`` and ``"auto"`` stream the text
-before the first call and send the calls whole in the last delta, once their JSON is complete.
+``parallel_tool_calls: false`` keeps one call (``"required"``: an array of one). A reply cut short by
+``max_tokens`` keeps ``"length"``. Streamed, a named call's arguments stream as they come;
+``"required"`` and ``"auto"`` stream the text before the first call, send the calls whole once the
+output has ended, then the finish reason in a chunk of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from pagedflash.engine.structured import StructuredOutputsParams
 from pagedflash.entrypoints.openai import protocol as p
 
 
+class ToolError(ValueError):
+    """A tool field the server cannot honour: a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -39,71 +49,84 @@ class ToolPlan:
     mode: str  # "none", "named", "required", "auto"
     name: str | None = None  # the named function's
     parser: str | None = None  # "auto": the server's --tool-call-parser
+    parallel: bool = True  # several calls allowed
 
     def constraint(self, tools: list[p.Tool]) -> StructuredOutputsParams | None:
         if self.mode == "named":
             tool = next(t for t in tools if t.function.name == self.name)
             return StructuredOutputsParams(json=tool.function.parameters or {"type": "object"})
         if self.mode == "required":
-            return StructuredOutputsParams(json=required_schema(tools))
+            return StructuredOutputsParams(json=required_schema(tools, self.parallel))
         return None
 
 
-def required_schema(tools: list[p.Tool]) -> dict:
-    """A non-empty JSON array of calls, each ``{"name": <a tool's>, "parameters": <its schema>}``."""
+def required_schema(tools: list[p.Tool], parallel: bool = True) -> dict:
+    """A non-empty JSON array of calls (of one without ``parallel``), each ``{"name": <a tool's>,
+    "parameters": <its schema>}``."""
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "parameters": t.function.parameters or {"type": "object"}},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-
-
-class ToolChoiceError(ValueError):
-    """A ``tool_choice`` the server cannot honour (a 400 naming ``tool_choice``)."""
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def plan(request: p.ChatCompletionRequest, parser: str | None) -> ToolPlan:
-    """The request's tool plan; :class:`ToolChoiceError` for what cannot be honoured."""
+    """The request's tool plan; :class:`ToolError` for what cannot be honoured."""
     tools, choice = request.tools or [], request.tool_choice
+    _check_tools(tools)
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, p.NamedToolChoice):
         if choice.function.name not in {t.function.name for t in tools}:
-            raise ToolChoiceError(f"tool_choice names the function {choice.function.name!r}, which is not in tools "
-                                  f"({sorted(t.function.name for t in tools)})")
+            raise ToolError(f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                            f"({sorted(t.function.name for t in tools)})", "tool_choice")
         found = ToolPlan("named", name=choice.function.name)
     elif choice in ("required", "auto") and not tools:
-        raise ToolChoiceError(f"tool_choice {choice!r} needs tools")
+        raise ToolError(f"tool_choice {choice!r} needs tools", "tool_choice")
     elif choice == "auto" and parser is None:
-        raise ToolChoiceError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
-                              '--tool-call-parser (or use "required", a named function, or "none")')
+        raise ToolError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                        '--tool-call-parser (or use "required", a named function, or "none")', "tool_choice")
     else:
         found = ToolPlan(choice, parser=parser if choice == "auto" else None)
     if found.mode in ("named", "required") and (request.response_format is not None
                                                 or request.structured_outputs is not None):
-        raise ToolChoiceError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} constrains "
-                              "the output already: give it or response_format / structured_outputs, not both")
+        raise ToolError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} constrains "
+                        "the output already: give it or response_format / structured_outputs, not both", "tool_choice")
+    found.parallel = request.parallel_tool_calls
     return found
 
 
+def _check_tools(tools: list[p.Tool]) -> None:
+    seen = set()
+    for i, t in enumerate(tools):
+        if t.function.name in seen:
+            raise ToolError(f"tools[{i}].function.name {t.function.name!r} is given twice", f"tools[{i}].function.name")
+        seen.add(t.function.name)
+        schema = t.function.parameters
+        if schema is not None and schema.get("type", "object") != "object":
+            raise ToolError(f"tools[{i}].function.parameters must be a JSON schema of an object, got type "
+                            f"{schema.get('type')!r}", f"tools[{i}].function.parameters")
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
-    """``messages`` with assistant ``tool_calls``' ``arguments`` as dicts (JSON text in the API)."""
+    """``messages`` with assistant ``tool_calls``' ``arguments`` as dicts (JSON text in the API; an
+    empty text is ``{}``); :class:`ToolError` naming the one that is not a JSON object."""
     out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            m = {**m, "tool_calls": [_with_dict_arguments(c) for c in calls]}
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = []
+            for j, call in enumerate(m["tool_calls"]):
+                text = call["function"]["arguments"]
+                try:
+                    arguments = json.loads(text) if text.strip() else {}
+                except json.JSONDecodeError as e:
+                    arguments = e
+                if not isinstance(arguments, dict):
+                    field = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise ToolError(f"{field} must be the JSON text of an object, got {text[:80]!r}", field)
+                calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+            m = {**m, "tool_calls": calls}
         out.append(m)
     return out
-
-
-def _with_dict_arguments(call: dict) -> dict:
-    fn = call.get("function")
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-        try:
-            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-        except json.JSONDecodeError:
-            pass
-    return call
 
 
 # ------------------------------------------------------------------ the model's output
@@ -121,33 +144,67 @@ def parse_required(text: str) -> list[p.ToolCall] | None:
     return [tool_call(c["name"], c["parameters"]) for c in calls]
 
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)  # the last may end unclosed
 HERMES_START = "<tool_call>"
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[p.ToolCall]]:
-    """(the text before the first call, or None when empty; the calls) of a hermes-format output. A
-    block whose JSON does not parse as ``{"name", "arguments"}`` is left in the text, as is an
-    unclosed one."""
+    """(the text before the first call, or None when empty; the calls) of a hermes-format output. If
+    a block is not the JSON of ``{"name": <a string>, "arguments": <an object, or its JSON text>}``,
+    the whole output is text."""
     calls = []
     for block in _HERMES.finditer(text):
-        try:
-            value = json.loads(block.group(1))
-            calls.append(tool_call(value["name"], value.get("arguments", {})))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        call = _hermes_call(block.group(1) if block.group(1) is not None else block.group(2))
+        if call is None:
             return text or None, []
+        calls.append(call)
     if not calls:
         return text or None, []
     return text[: text.index(HERMES_START)] or None, calls
 
 
+def _hermes_call(block: str) -> p.ToolCall | None:
+    try:
+        value = json.loads(block)
+        if not isinstance(value, dict):
+            return None
+        arguments = value.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
+        return None
+    return tool_call(value["name"], arguments)
+
+
 PARSERS = {"hermes": parse_hermes}
 
 
+def finish(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[p.ToolCall], str | None]:
+    """A finished choice under ``plan``: (its content, its calls, its finish reason). ``"required"``
+    and ``"auto"`` give ``"tool_calls"`` when the output made calls and ended by itself; an output
+    that made none is text."""
+    if plan.mode == "named":
+        return None, [tool_call(plan.name, text)], finish_reason
+    if plan.mode == "required":
+        content, calls = None, parse_required(text)
+        if calls is None:
+            return text, [], finish_reason
+    elif plan.mode == "auto":
+        content, calls = PARSERS[plan.parser](text)
+        if not calls:
+            return text, [], finish_reason
+    else:
+        return text, [], finish_reason
+    calls = calls if plan.parallel else calls[:1]
+    return content, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class ToolStream:
-    """One streamed choice's text under a ``"required"`` or ``"auto"`` plan: :meth:`push` gives what
-    may be sent as content now (auto: the text before a call's start; required: nothing), and
-    :meth:`finish` what is left, the calls and the finish reason."""
+    """One streamed choice's text under a ``"required"`` or ``"auto"`` plan: :meth:`push` gives the
+    content that may be sent now (``"auto"``: the text before a call's start, text that may begin one
+    held back; ``"required"``: none, its output being the calls' JSON), :meth:`finish` the rest."""
 
     def __init__(self, plan: ToolPlan):
         self.plan, self.text, self.sent = plan, "", 0
@@ -156,18 +213,16 @@ class ToolStream:
         self.text += delta
         if self.plan.mode != "auto":
             return ""
-        start = self.text.find(HERMES_START)  # text that may begin a call is held back
+        start = self.text.find(HERMES_START)
         end = start if start >= 0 else _safe_end(self.text, HERMES_START)
         out = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return out
 
-    def finish(self, finish_reason: str | None) -> tuple[str, list[p.ToolCall] | None, str | None]:
-        """(content not yet sent, the calls or None, the finish reason to send)."""
-        calls = final_calls(self.plan, self.text)
-        if calls is None:
-            return self.text[self.sent :], None, finish_reason
-        return "", calls, "tool_calls"
+    def finish(self, finish_reason: str | None) -> tuple[str, list[p.ToolCall], str | None]:
+        """(the content not yet sent, the calls, the finish reason)."""
+        content, calls, reason = finish(self.plan, self.text, finish_reason)
+        return (content or "")[self.sent :] if content is not None else "", calls, reason
 
 
 def _safe_end(text: str, marker: str) -> int:
@@ -176,28 +231,3 @@ def _safe_end(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return len(text) - k
     return len(text)
-
-
-def final_calls(plan: ToolPlan, text: str) -> list[p.ToolCall] | None:
-    """The calls a finished output makes under ``plan`` (None: it is text)."""
-    if plan.mode == "named":
-        return [tool_call(plan.name, text)]
-    if plan.mode == "required":
-        return parse_required(text)
-    if plan.mode == "auto":
-        return PARSERS[plan.parser](text)[1] or None
-    return None
-
-
-def response_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[p.ChatResponseMessage, str | None]:
-    """A finished choice's message and finish reason."""
-    if plan.mode == "auto":
-        content, calls = PARSERS[plan.parser](text)
-        if calls:
-            return p.ChatResponseMessage(content=content, tool_calls=calls), "tool_calls"
-        return p.ChatResponseMessage(content=text), finish_reason
-    calls = final_calls(plan, text)
-    if calls is None:  # "none", or a "required" array cut short by max_tokens
-        return p.ChatResponseMessage(content=text), finish_reason
-    reason = finish_reason if plan.mode == "named" else "tool_calls"
-    return p.ChatResponseMessage(content=None, tool_calls=calls), reason
