@@ -315,7 +315,8 @@ class Generation:
     keep_output: False drops what the engine generates (completions' ``echo`` with ``max_tokens:
     0``, whose engine requests generate one token): each choice ends with no text and ``"length"``.
     timeline: the HTTP request's first stamps (:meth:`.RequestTimeline.begin`) when the server keeps
-    a timeline; :meth:`deltas` completes each choice's and writes them when it ends."""
+    a timeline; :meth:`deltas` completes each choice's and writes them when it ends.
+    structured_field: the request field whose constraint the engine compiles (its refusal names it)."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], stop: list[str], *,
                  keep_output: bool = True, timeline: dict | None = None, structured_field: str = "structured_outputs"):
