@@ -45,6 +45,13 @@ def test_a_prompt_is_counted_past_the_context_length(server):
     assert out["count"] == len(server.state.tokenizer.encode(text)) > out["max_model_len"]
 
 
+def test_a_chat_is_counted_past_the_context_length(server):
+    long = [{"role": "user", "content": " ".join(str(i) for i in range(400))}]
+    out = ok(server, "/tokenize", {"messages": long})
+    assert out["count"] > out["max_model_len"]
+    assert server.post("/v1/chat/completions", {"messages": long, "max_tokens": 1}).status_code == 400
+
+
 def test_messages_count_what_chat_completions_feed_the_engine(server):
     out = ok(server, "/tokenize", {"model": MODEL, "messages": MESSAGES})
     chat = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, **GREEDY)
@@ -94,8 +101,6 @@ BAD = [
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),
-    # the chat endpoint's own check (chat_prompt): a chat longer than the context is refused, not counted
-    ("/tokenize", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
     ("/detokenize", {}, "tokens"),
     ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ("/detokenize", {"tokens": [1, "a"]}, "tokens[1]"),

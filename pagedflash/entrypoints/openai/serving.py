@@ -263,8 +263,9 @@ def tool_plan(state: ServerState, request: p.ChatCompletionRequest) -> tools.Too
         raise bad_request(str(e), param=e.param) from None
 
 
-def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[int]:
-    """The messages rendered with the chat template, as token ids."""
+def chat_prompt(state: ServerState, request: p.ChatCompletionRequest, *, check: bool = True) -> list[int]:
+    """The messages rendered with the chat template, as token ids; ``check``: and refused when they
+    are empty or leave no room in the context for a generated token."""
     if not request.messages:
         raise bad_request("messages is empty", param="messages")
     messages = []
@@ -290,7 +291,8 @@ def chat_prompt(state: ServerState, request: p.ChatCompletionRequest) -> list[in
     except ValueError as e:  # no template
         raise bad_request(str(e), param="messages", code="no_chat_template") from None
     ids = state.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS if it wants one
-    check_prompt(state, ids, "messages")
+    if check:
+        check_prompt(state, ids, "messages")
     return ids
 
 

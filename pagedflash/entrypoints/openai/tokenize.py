@@ -4,9 +4,9 @@
 ``/tokenize`` takes a completion-style body, ``prompt`` (``add_special_tokens`` default true: the BOS
 that completions add), or a chat-style one, ``messages`` (``add_generation_prompt`` default true;
 ``add_special_tokens`` default false, as the chat template writes the special tokens). It returns
-``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``, each token's text. A prompt is
-counted whatever its length; messages are rendered and checked by :func:`.serving.chat_prompt`, the chat
-endpoint's context length included. ``continue_final_message`` and ``add_special_tokens: true`` with
+``count``, ``max_model_len``, ``tokens`` and, with ``return_token_strs``, each token's text. A prompt or
+a chat is counted whatever its length (messages rendered by :func:`.serving.chat_prompt`, with
+``tools`` when given). ``continue_final_message`` and ``add_special_tokens: true`` with
 messages are refused: the template path renders whole messages and adds nothing to the template's text.
 
 ``/detokenize`` takes ``tokens`` and returns their text with the special tokens written out, as vLLM's
@@ -84,7 +84,7 @@ def chat_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
                           code="unsupported")
     chat = p.ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                    add_generation_prompt=body.add_generation_prompt)
-    return serving.chat_prompt(state, chat)
+    return serving.chat_prompt(state, chat, check=False)
 
 
 def detokenize(state: ServerState, body: DetokenizeRequest) -> DetokenizeResponse:
