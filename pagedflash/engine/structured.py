@@ -139,6 +139,10 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_limit_bytes=cache_bytes)
         self.batch = xgr.BatchGrammarMatcher()  # fills the rows' masks on half the host's cores
+        stop = torch.tensor(self.stop_ids)
+        self.stop_mask = torch.zeros(-(-vocab_size // 32), dtype=torch.int32)  # a row allowing the stop tokens only
+        self.stop_mask.index_put_((stop // 32,), torch.ones_like(stop, dtype=torch.int32) << (stop % 32).int(),
+                                  accumulate=True)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar (a cache hit after the first time); ``ValueError`` naming the field when
@@ -215,10 +219,7 @@ def fill_bitmask(grammars: list[Grammar | None], rows: list[int], vocab: int, pi
     bitmask = torch.empty(len(grammars), -(-vocab // 32), dtype=torch.int32, pin_memory=pinned)
     compiler = grammars[rows[0]].compiler
     compiler.batch.batch_fill_next_token_bitmask([grammars[j].matcher for j in rows], bitmask, indices=rows)
-    stuck = [j for j in rows if not bitmask[j].any()]
+    stuck = [j for j, allows in zip(rows, bitmask[rows].any(dim=1).tolist()) if not allows]
     if stuck:
-        stop = torch.tensor(compiler.stop_ids)
-        for j in stuck:
-            bitmask[j].index_put_((stop // 32,), torch.ones_like(stop, dtype=torch.int32) << (stop % 32).int(),
-                                  accumulate=True)
+        bitmask[stuck] = compiler.stop_mask
     return bitmask

@@ -222,7 +222,7 @@ class ToolStream:
     def finish(self, finish_reason: str | None) -> tuple[str, list[p.ToolCall], str | None]:
         """(the content not yet sent, the calls, the finish reason)."""
         content, calls, reason = finish(self.plan, self.text, finish_reason)
-        return (content or "")[self.sent :] if content is not None else "", calls, reason
+        return "" if content is None else content[self.sent :], calls, reason
 
 
 def _safe_end(text: str, marker: str) -> int:
