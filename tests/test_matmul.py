@@ -37,6 +37,8 @@ CHUNK_TILE = mm.Tile(16, 16, 16, 4, 1, 2, chunk_k=32)
 # DECODE_TILES with forced tiles: 16 rows or fewer run 16 columns by 32-deep K steps, more rows 32 by 16
 # (same rows, warps; the interpreter's dot chains 16-deep steps as an MMA does)
 WIDE_TILE, NARROW_TILE = mm.Tile(16, 32, 16, 4, 1, 2), mm.Tile(16, 16, 32, 4, 2, 2)
+# ROW_TILES with a forced tall tile: 32 rows by 16 columns by 32-deep steps, 8 warps, where it fills the SMs
+TALL_TILE = mm.Tile(32, 16, 32, 8, 2, 2)
 # Llama-3-8B's projections (N, K): qkv, o_proj, gate_up, down
 LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
@@ -148,6 +150,32 @@ def test_decode_tile_rule(monkeypatch, chunk_k):
     assert mm.decode_tile(main, 2048, 2048, torch.bfloat16, DEVICE) == main
 
 
+@pytest.mark.parametrize("chunk_k", [False, True], ids=["whole_k", "chunked"])
+def test_tall_tile_rule(monkeypatch, chunk_k):
+    """On sm90 the 128-row tile stacks two of the weight tile's 64-row warpgroups (128 rows, 8 warps:
+    the same wgmma a warpgroup), keeps its K chunks and fits sm90's shared memory; fp32 and other
+    devices keep the weight's tile. A forced tile must keep the K chunks."""
+    monkeypatch.setattr(mm, "CHUNK_K", chunk_k)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
+    for n, k in [*LLAMA_8B.values(), (2048, 2048), (3072, 2048), (16384, 2048), (2048, 8192), (40, 2048)]:
+        main = mm.tile(n, k, torch.bfloat16, DEVICE)
+        t = mm.tall_tile(main, n, k, torch.bfloat16, DEVICE)
+        assert (t.block_m, t.warps, t.group_m, t.chunk_k) == (2 * mm.BLOCK_M, 8, main.group_m, main.chunk_k)
+        assert t.block_n == min(256, max(16, 1 << (n - 1).bit_length())) and t.chunk_k % t.block_k == 0
+        assert 3 <= t.stages and t.stages * (t.block_m + t.block_n) * t.block_k * 2 <= mm.SMEM_SM90
+    main = mm.tile(2048, 2048, torch.float32, DEVICE)
+    assert mm.tall_tile(main, 2048, 2048, torch.float32, DEVICE) == main
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (8, 0))
+    main = mm.tile(2048, 2048, torch.bfloat16, DEVICE)
+    assert mm.tall_tile(main, 2048, 2048, torch.bfloat16, DEVICE) == main
+    monkeypatch.setattr(mm, "ROW_TILES", True)
+    monkeypatch.setattr(mm, "TILE", WIDE_TILE)
+    monkeypatch.setattr(mm, "TALL_TILE", TALL_TILE._replace(chunk_k=32))
+    with pytest.raises(ValueError, match=r"matmul.TALL_TILE: expected chunk_k 0"):
+        mm.matmul(randn(200, 64), randn(5, 64))
+
+
 @pytest.mark.parametrize("m,n,k", [(0, 5, 8), (4, 0, 8), (4, 5, 0)], ids=["no_rows", "no_columns", "no_k"])
 def test_empty_dimensions(m, n, k):
     """As ``torch.nn.functional.linear``: an empty output, or (K = 0) the bias alone."""
@@ -181,23 +209,29 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode"], ids=["table", "small_tile", "chunked",
-                                                                           "decode_tiles"])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode", "rows"],
+                         ids=["table", "small_tile", "chunked", "decode_tiles", "row_tiles"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
-    decode = tile == "decode"
+    decode, rows = tile == "decode", tile == "rows"
     monkeypatch.setattr(mm, "DECODE_TILES", decode)
+    monkeypatch.setattr(mm, "ROW_TILES", rows)
     if decode:  # rows alone and in 7 run the narrow tile, 130 rows the wide one
         monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE)
         tile = WIDE_TILE
+    if rows:  # 130 rows run the tall tile (5 x 3 tiles fill 4 SMs), rows alone and in 7 the wide one
+        monkeypatch.setattr(mm, "TALL_TILE", TALL_TILE)
+        tile = WIDE_TILE
     monkeypatch.setattr(mm, "TILE", tile)
-    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 130 rows folded, 1 and 7 split
+    # chunked: 130 rows folded, 1 and 7 split
+    monkeypatch.setattr(mm, "num_sms", lambda device: 4 if rows else 16)
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
     b = randn(37, dtype=dtype) if bias else None
     check_rows_invariant(x, w, b, rows=[0, 6, 11, 63, 64, 129])
-    if decode:  # the rows alone did run the narrow tile, the whole x the wide one
-        for rows, width in ((1, 16), (130, 32)):
+    if decode or rows:  # which tile each call ran
+        want = ((1, "BLOCK_N", 16), (130, "BLOCK_N", 32)) if decode else ((7, "BLOCK_M", 16), (130, "BLOCK_M", 32))
+        for rows, const, value in want:
             out = mm.matmul(x[:rows], w, b)
-            assert mm._PLANS[mm.plan_key(x[:rows], w, b, out)].main.consts["BLOCK_N"] == width
+            assert mm._PLANS[mm.plan_key(x[:rows], w, b, out)].main.consts[const] == value
 
 
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):
@@ -328,20 +362,22 @@ def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
 @gpu_only
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
 @pytest.mark.parametrize("name", [*LLAMA_8B, "1b_o_proj", "1b_down"])
-@pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
-def test_llama_projections(monkeypatch, name, dtype, decode_tiles):
+@pytest.mark.parametrize("tiles", ["one_tile", "decode_tiles", "row_tiles"])
+def test_llama_projections(monkeypatch, name, dtype, tiles):
     """Against the reference at M = 1 and 300, and batch invariance with the real dot at M = 1, 7, 256
     and 1000 (the row in several row tiles and at several positions in its tile); with DECODE_TILES,
     M = 1 and 7 run the narrow decode tile and the others the weight's tile: the MMA's bits must not
     depend on the tile's width or K steps (Llama-3-8B's projections; Llama-3.2-1B's o_proj and down,
-    whose decode tiles take 256-deep steps)."""
-    monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
+    whose decode tiles take 256-deep steps); with ROW_TILES too, 4,096 rows run the 128-row tile
+    of two warpgroups."""
+    monkeypatch.setattr(mm, "DECODE_TILES", tiles != "one_tile")
+    monkeypatch.setattr(mm, "ROW_TILES", tiles == "row_tiles")
     n, k = {**LLAMA_8B, "1b_o_proj": (2048, 2048), "1b_down": (2048, 8192)}[name]  # 1B: 16 by 256 decode tiles
     w = randn(n, k, dtype=dtype) / k**0.5
-    x = randn(1000, k, dtype=dtype)
+    x = randn(4096 if tiles == "row_tiles" else 1000, k, dtype=dtype)
     for m in (1, 300):
         assert_close(mm.matmul(x[:m], w), ref.matmul_ref(x[:m], w), dtype)
-    check_rows_invariant(x, w, None, rows=[0, 6, 63, 64, 255, 999])
+    check_rows_invariant(x, w, None, rows=[0, 6, 63, 64, 255, 999, x.shape[0] - 1])
     check_rows_invariant(x[:256], w, None, rows=[0, 100, 255])
 
 

@@ -19,7 +19,9 @@ tiles off), and a weight's best tile is the one with the best geometric mean of 
 every M (``--objective all``) or over the decode rows, M <= 64 (``--objective decode``, the prefill
 rows' ratios shown beside).
 ``--sweep`` also times :data:`SWEEP` (16-256 columns: a narrow layer, N = 2048, has 16 column tiles of
-128 for 132 SMs at M = 1); a candidate that matmul or Triton refuses is skipped with its reason.
+128 for 132 SMs at M = 1); ``--prefill-sweep`` :data:`PREFILL_SWEEP` (128 rows, 8 warps:
+``matmul.ROW_TILES``' form; time them at prefill rows, ``--rows 256,1024,2048,8192``); a candidate
+that matmul or Triton refuses is skipped with its reason.
 ``--chunk-k``: also each timed tile with K in fixed chunks (:func:`chunked`, ``matmul.CHUNK_K``'s rule).
 Each weight's log also says which timed unchunked tiles give, bit for bit, the first one's whole
 output: every unchunked tile sums K in the same 16-deep MMA steps in the same order, so where the
@@ -28,7 +30,8 @@ invariant (``matmul.DECODE_TILES``; on an H100 all 32 swept tiles did, docs/perf
 
 Output: everything goes to ``--out`` (default ``$OUT/tune_matmul.log``, else ``tune_matmul.log``),
 each weight's full ranking as soon as it is timed; stdout gets the top 6 of each, and its last lines
-are a summary: per weight the current and the best tile with their ratios per M, the decode step's
+are a summary: per weight the current and the best tile with their ratios per M, matmul's own choice
+per M (its decode and row tiles as set: ``matmul.DECODE_TILES``, ``ROW_TILES``) and its ratio, the decode step's
 GEMM time (weights x layers) and a suggested rule on N. ``--budget-s`` shares a time cap among the
 weights (the current tile is always timed). ``--smoke``: the shapes at ``tiny`` sizes on the CPU
 interpreter (checks the script; its times mean nothing, and its invariance flag is the interpreter's:
@@ -62,6 +65,10 @@ PAIRS = ((16, 128), (16, 256), (32, 128), (32, 256), (64, 128), (64, 256), (128,
 SWEEP = [mm.Tile(mm.BLOCK_M, bn, bk, w, st, 8) for (bn, bk), w, st in itertools.product(PAIRS, (4, 8), (3, 4, 5))
          if (w == 4 or bn >= 128) and st * (mm.BLOCK_M + bn) * bk * 2 <= SMEM]
 SMOKE_SWEEP = [mm.Tile(mm.BLOCK_M, bn, 64, 4, 2, 8) for bn in (16, 32)]
+# --prefill-sweep: 128-row tiles, two warpgroups each issuing the 64-row wgmma (matmul.tall_tile's form)
+PREFILL_SWEEP = [mm.Tile(2 * mm.BLOCK_M, bn, bk, 8, st, 8) for (bn, bk), st in itertools.product(
+    ((128, 64), (128, 128), (256, 64)), (3, 4, 5)) if st * (2 * mm.BLOCK_M + bn) * bk * 2 <= SMEM]
+SMOKE_PREFILL_SWEEP = [mm.Tile(2 * mm.BLOCK_M, 32, 64, 8, 2, 8)]
 
 
 def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, int]]:
@@ -101,7 +108,7 @@ def fits(t: mm.Tile, n: int, k: int) -> bool:
 
 
 def name(t: mm.Tile) -> str:
-    return f"bn{t.block_n} bk{t.block_k} w{t.warps} s{t.stages}" + (f" chunks {t.chunk_k}" if t.chunk_k else "")
+    return (f"bm{t.block_m} " if t.block_m != mm.BLOCK_M else "") + f"bn{t.block_n} bk{t.block_k} w{t.warps} s{t.stages}" + (f" chunks {t.chunk_k}" if t.chunk_k else "")
 
 
 def rule_form(t: mm.Tile) -> str:
@@ -138,11 +145,11 @@ def invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def with_tile(t: mm.Tile | None, fn, *args):
     """``fn(*args)`` with every M on tile ``t`` (decode tiles off: a candidate is timed as itself)."""
-    saved, mm.TILE, mm.DECODE_TILES = mm.DECODE_TILES, t, False
+    saved, mm.TILE, mm.DECODE_TILES, mm.ROW_TILES = (mm.DECODE_TILES, mm.ROW_TILES), t, False, False
     try:
         return fn(*args)
     finally:
-        mm.TILE, mm.DECODE_TILES = None, saved
+        mm.TILE, (mm.DECODE_TILES, mm.ROW_TILES) = None, saved
 
 
 class Log:
@@ -168,6 +175,13 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
     x_all = torch.randn(max(*rows, 32), k, device=dev, dtype=dt)
     calls = max(2, copies)
     base = [graph_us(lambda i, x=x_all[:m]: F.linear(x, weights[i % copies]), calls) for m in rows]
+    rule = []  # matmul's own choice per M (its switches as set): (us, the tile it ran)
+    for m in rows:
+        x = x_all[:m]
+        out = mm.matmul(x, weights[0])
+        c = mm._PLANS[mm.plan_key(x, weights[0], None, out)].main.consts
+        rule.append((graph_us(lambda i, x=x: mm.matmul(x, weights[i % copies]), calls),
+                     f"bm{c['BLOCK_M']} bn{c['BLOCK_N']} bk{c['BLOCK_K']}"))
     times: dict[mm.Tile, list[float] | str] = {}
     same: dict[mm.Tile, bool] = {}  # each later timed unchunked tile's whole output bitwise the first one's
     first = None
@@ -193,7 +207,7 @@ def measure(n: int, k: int, rows, tiles: list[mm.Tile], smoke: bool, deadline: f
             else:
                 same[t] = torch.equal(got, first)
     flags = {"cuBLAS": invariant(F.linear, x_all, weights[0])}
-    return base, times, flags, same, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
+    return base, rule, times, flags, same, lambda t: with_tile(t, invariant, mm.matmul, x_all, weights[0])
 
 
 def rank(rows, base, times, objective: str) -> list[tuple[float, mm.Tile, list[float]]]:
@@ -235,12 +249,14 @@ def suggest(weights: list[tuple[int, dict]]) -> str:
 
 
 def candidates(n: int, k: int, current: mm.Tile, args, sms: int, dev: torch.device) -> list[mm.Tile]:
-    """The current tile, its decode tile (``matmul.decode_tile``: ``DECODE_TILES``' rule), the sweep's
+    """The current tile, its decode and 128-row tiles (``matmul.decode_tile`` and ``tall_tile``), the sweep's
     that fit, and with ``--chunk-k`` each one's K-chunk form (on the interpreter chunks of one K
     step: its tiny K would have none)."""
-    grid = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
-    decode = mm.decode_tile(current, n, k, torch.float16 if args.smoke else torch.bfloat16, dev)
-    tiles = list(dict.fromkeys([current, decode] + [t for t in grid if fits(t, n, k)]))
+    grid = list((SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else [])
+    grid += (SMOKE_PREFILL_SWEEP if args.smoke else PREFILL_SWEEP) if args.prefill_sweep else []
+    dt = torch.float16 if args.smoke else torch.bfloat16
+    decode, tall = mm.decode_tile(current, n, k, dt, dev), mm.tall_tile(current, n, k, dt, dev)
+    tiles = list(dict.fromkeys([current, decode, tall] + [t for t in grid if fits(t, n, k)]))
     if args.chunk_k:
         chunks = (chunked(t, n, k, sms, t.block_k if args.smoke else mm.MIN_CHUNK) for t in tiles)
         tiles += [c for c in dict.fromkeys(chunks) if c is not None and c not in tiles]
@@ -277,13 +293,15 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
         log(f"{model} {label}: N={n} K={k}, {count} a step; current {name(current)}; {len(tiles)} tiles x "
             f"{len(rows)} rows")
         deadline = start + args.budget_s * (share[0] + len(scored) + 1) / share[1]
-        base, times, flags, same, check = measure(n, k, rows, tiles, args.smoke, deadline, log)
+        base, rule, times, flags, same, check = measure(n, k, rows, tiles, args.smoke, deadline, log)
         ranked = rank(rows, base, times, objective)
         for t in dict.fromkeys([current] + [e[1] for e in ranked[:1]]):
             if isinstance(times[t], list):
                 flags[name(t)] = check(t)
         del check  # the weights go before the next weight's are made
         report(log, n, k, rows, objective, base, times, flags, ranked)
+        rule_text = " ".join(f"{m}:{b / u:.2f} ({t})" for m, b, (u, t) in zip(rows, base, rule))
+        log(f"  matmul's rule per M (decode tiles {mm.DECODE_TILES}, row tiles {mm.ROW_TILES}): {rule_text}")
         differ = [name(t) for t, v in same.items() if not v]
         log(f"  other tiles whose output is bitwise the first timed tile's (M={max(*rows, 32)}): "
             f"{len(same) - len(differ)} of {len(same)}" + (f"; differ: {', '.join(differ)}" if differ else ""))
@@ -293,7 +311,7 @@ def tune_model(model: str, args, log: Log, start: float, share: tuple[int, int])
         text = [f"{name(t)} {s:.3f} [{ratios_text(rows, r, objective)}] inv {flags.get(name(t))}"
                 for s, t, r in filter(None, (cur, ranked[0] if ranked else None))]
         summary.append(f"{label} {n}x{k} x{count}: current {text[0] if cur else 'refused'}; "
-                       f"best {text[-1] if ranked else 'none'}")
+                       f"best {text[-1] if ranked else 'none'}; rule [{rule_text}]")
         scored.append((n, {t: s for s, t, _ in ranked}))
         if cur:
             for i, m in enumerate(rows):
@@ -319,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--objective", choices=("decode", "all"), default="all",
                         help=f"rank by the geometric mean over M <= {DECODE_ROWS} (decode) or over every M (all)")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="also time 128-row tiles of two warpgroups (matmul.tall_tile's form)")
     parser.add_argument("--chunk-k", action="store_true", help="also each timed tile with K in fixed chunks")
     parser.add_argument("--out", type=Path, default=None,
                         help="the full log (default $OUT/tune_matmul.log if OUT is set, else ./tune_matmul.log)")

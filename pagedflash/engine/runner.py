@@ -282,15 +282,17 @@ class ModelRunner:
         return ids, pos, slots, cu_q, cu_k, tables, max_q, max_k, logits_idx
 
     @torch.inference_mode()
-    def warmup(self, lengths: tuple[int, ...] = tuple(1 << i for i in range(9))) -> None:
+    def warmup(self, lengths: tuple[int, ...] = tuple(1 << i for i in range(14))) -> None:
         """Compile, before the first request, every kernel variant a step can need, so that no
         request waits for the JIT: the attention launch's tile depends on the step's longest query
         chunk (GQA packing below ``PACK_MAX_ROWS`` rows) and on whether the KV range is split, the
-        fused kernels on the token count, and long prompts' chunks take the Gluon prefill kernel on
-        sm90. One forward per chunk length of ``lengths`` (powers of two to 256; at most the step
-        budget and the model length), split and not, then one of :data:`LONG_STEP` rows in chunks
-        of :data:`LONG_ROWS` (as many as the step budget and ``max_num_seqs`` allow). Their K/V
-        writes go nowhere (slot -1) and their pages are page 0, read only."""
+        fused kernels and the batch-invariant projections (:func:`pagedflash.ops.matmul.rows_tile`)
+        on the token count, and long prompts' chunks take the Gluon prefill kernel on sm90. One
+        forward per chunk length of ``lengths`` (powers of two to 8,192, which meet every tile of
+        the 1B, 8B and Qwen3-1.7B shapes' projections; at most the step budget and the model
+        length), split and not, then one of :data:`LONG_STEP` rows in chunks of :data:`LONG_ROWS`
+        (as many as the step budget and ``max_num_seqs`` allow). Their K/V writes go nowhere (slot -1) and their pages
+        are page 0, read only."""
         with validate.value_checks(False):
             for q_len in sorted({min(n, self.max_model_len, self.max_num_batched_tokens) for n in lengths}):
                 for splits in (1, 2):

@@ -189,6 +189,15 @@ CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
 # (PAGEDFLASH_MATMUL_DECODE_TILES=0 turns it off); part of every plan's key
 DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "1") != "0"
 DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
+# calls of more than BLOCK_M rows run rows_tile() (module doc); on by default
+# (PAGEDFLASH_MATMUL_ROW_TILES=0 turns it off); part of every plan's key
+ROW_TILES = os.environ.get("PAGEDFLASH_MATMUL_ROW_TILES", "1") != "0"
+TALL_TILE: Tile | None = None  # forced 128-row tile (tests, tuning); part of every plan's key
+# rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
+# one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
+# tiles this rule picks for the 1B model's projections ran at 0.67-0.99x cuBLAS from M = 96 to 8192,
+# within 0.08 of each weight's best timed tile (docs/performance.md v48)
+TALL_FILL = 0.5
 DECODE_MIN_N = 16  # decode tiles' columns at least
 DECODE_DEEP_K = 256  # K steps of 16-column decode tiles (v41's sweep: o_proj and down's best at M = 64)
 SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
@@ -231,13 +240,14 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
 
 
-def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
+def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device, m: int = 1) -> Tile:
     """The tile of calls with at most ``BLOCK_M`` rows under :data:`DECODE_TILES`: ``main`` (the
     :func:`tile` of the same weight) with its columns halved, down to :data:`DECODE_MIN_N`, while
-    twice the column tiles would still fit in the SM count; at 16 columns :data:`DECODE_DEEP_K`-deep
+    twice the output tiles would still fit in the SM count; at 16 columns :data:`DECODE_DEEP_K`-deep
     K steps (where K and the chunks allow), so that a program still streams enough bytes a step; as
-    many stages (up to 6) as sm90's shared memory holds. Only on sm90 in 16-bit (wgmma, one
-    warpgroup; elsewhere ``main``). ``block_m``, ``warps``, ``group_m`` and ``chunk_k`` are
+    many stages (up to 6) as sm90's shared memory holds. ``m``: the call's rows (more than
+    ``BLOCK_M`` from :func:`rows_tile`: the row tiles count too). Only on sm90 in 16-bit (wgmma,
+    one warpgroup; elsewhere ``main``). ``block_m``, ``warps``, ``group_m`` and ``chunk_k`` are
     ``main``'s: a row's sum has the same operations in the same order (module doc).
     :data:`DECODE_TILE` overrides it."""
     if DECODE_TILE is not None:
@@ -250,12 +260,46 @@ def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.de
     if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
         return main
     sms, block_n, block_k = num_sms(device), main.block_n, main.block_k
-    while block_n > DECODE_MIN_N and 2 * cdiv(n, block_n) <= sms:
+    while block_n > DECODE_MIN_N and 2 * cdiv(m, main.block_m) * cdiv(n, block_n) <= sms:
         block_n //= 2
     if block_n == DECODE_MIN_N and k >= DECODE_DEEP_K and main.chunk_k % DECODE_DEEP_K == 0:
         block_k = max(block_k, DECODE_DEEP_K)
     stages = max(main.stages, min(6, SMEM_SM90 // ((main.block_m + block_n) * block_k * 2)))
     return main._replace(block_n=block_n, block_k=block_k, stages=stages)
+
+
+def rows_tile(main: Tile, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """The tile of a call of ``m`` > ``BLOCK_M`` rows under :data:`ROW_TILES`: the widest of
+    :func:`tall_tile`'s (256, then 128 columns) whose tiles number at least :data:`TALL_FILL` of
+    the SMs, else ``main`` narrowed as :func:`decode_tile` narrows it for ``m`` rows (with
+    :data:`DECODE_TILES`; it stops at the same half of the SMs). Every choice sums a row's K in
+    the same MMA steps (module doc)."""
+    sms = num_sms(device)
+    for block_n in (256, 128):
+        wide = tall_tile(main, n, k, dtype, device, block_n)
+        if wide != main and cdiv(m, wide.block_m) * cdiv(n, wide.block_n) >= TALL_FILL * sms:
+            return wide
+    return decode_tile(main, n, k, dtype, device, m) if DECODE_TILES else main
+
+
+def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device, block_n: int = 256) -> Tile:
+    """A tile for calls of many rows (:func:`rows_tile`): two warpgroups of ``main``'s 64-row wgmma
+    stacked along M (128 rows, 8 warps), ``block_n`` columns (fewer where ``N`` needs fewer) by
+    64-deep K steps, as many stages (up to 4) as sm90's shared memory holds: a row's sum has the same
+    16-deep MMA steps in the same order as under ``main`` (module doc), with twice the rows a weight
+    tile is read for. ``chunk_k`` and ``group_m`` are ``main``'s. Only on sm90 in 16-bit (elsewhere
+    ``main``). :data:`TALL_TILE` overrides it."""
+    if TALL_TILE is not None:
+        if TALL_TILE.chunk_k != main.chunk_k:
+            raise ValueError(f"matmul.TALL_TILE: expected chunk_k {main.chunk_k} ({main}'s: a row's sum must "
+                             f"keep its order), got {TALL_TILE}")
+        return TALL_TILE
+    capability = nvidia_capability(device)
+    if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
+        return main
+    block_m, block_n, block_k = 2 * main.block_m, max(16, min(block_n, next_pow2(n))), 64
+    stages = min(4, SMEM_SM90 // ((block_m + block_n) * block_k * 2))
+    return main._replace(block_m=block_m, block_n=block_n, block_k=block_k, warps=8, stages=stages)
 
 
 def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
@@ -308,6 +352,8 @@ def _plan(x, weight, bias, out) -> _Plan:
     t = tile(n, k, x.dtype, x.device)
     if DECODE_TILES and m <= t.block_m:
         t = decode_tile(t, n, k, x.dtype, x.device)
+    elif ROW_TILES and m > t.block_m:
+        t = rows_tile(t, m, n, k, x.dtype, x.device)
     if t.chunk_k < 0 or t.chunk_k % t.block_k:
         raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
                          f"got {t.chunk_k}")
@@ -335,7 +381,8 @@ _PLANS = PlanCache()
 
 def plan_key(x, weight, bias, out) -> tuple | None:
     """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
-    return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE))
+    return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
+                                                       TALL_TILE))
 
 
 def _launch(x, weight, bias, out) -> None:
