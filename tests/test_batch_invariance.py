@@ -93,6 +93,20 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
     assert rows == ({128, 64} if ON_GPU else {32, 16}), rows
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's MMA instructions (the interpreter's tile has 16 rows)")
+@pytest.mark.parametrize(("case", "dtype"), [("plain", DTYPES[-1]), ("mqa_window_softcap", DTYPES[-1]),
+                                             ("sinks", DTYPES[-1])], ids=lambda v: ids(v))
+def test_rows_equal_with_a_decode_tile(monkeypatch, case, dtype):
+    """The decode tile (16:1:2) for every decode launch (PAGEDFLASH_INVARIANT_DECODE_WAVES=0): decode rows
+    run one warp's 16 rows (the warp's MMA), prefill and chunks the mode's 64 rows of 4 warps (a
+    warpgroup's): a row's bits must not change."""
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES", 0)
+    attention.clear_plans()  # only this test's plans below
+    check_rows_equal(case, dtype)
+    rows = {plan.cfg.block_m for plan in attention._PLANS.values() if plan.consts.get("INVARIANT")}
+    assert rows == {16, 64}, rows
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's rule; the GPU runs its default rule above")
 @pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16)], ids=["no_head", "head_48_of_16"])
 def test_rows_equal_under_another_split_rule(monkeypatch, rule):
@@ -258,6 +272,23 @@ def test_invariant_tile_setting(monkeypatch):
         monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", other)
         with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_PREFILL_TILE: expected the mode's tile's 16 rows "):
             launch.invariant_config(group=1, head_dim=128, capability=(9, 0), interpreted=False, prefill=True)
+    monkeypatch.setattr(launch, "INVARIANT_PREFILL_TILE", "")
+    # decode launches of at least INVARIANT_DECODE_WAVES (8) programs an SM: one warp's 16 rows
+    assert (launch.INVARIANT_DECODE_TILE, launch.INVARIANT_DECODE_WAVES) == ("16:1:2", 8)
+    wide = dict(capability=(9, 0), interpreted=False, decode_programs=8 * 132, sms=132)
+    cfg = launch.invariant_config(group=4, head_dim=64, **wide)
+    assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (16, 64, 4, 1, 2)
+    for narrow in (dict(wide, decode_programs=8 * 132 - 1), dict(wide, decode_programs=0), dict(wide, prefill=True)):
+        cfg = launch.invariant_config(group=4, head_dim=64, **narrow)
+        assert (cfg.block_m, cfg.num_warps) == (64, 4)
+    assert launch.invariant_config(group=4, head_dim=64, capability=None, interpreted=True,
+                                   decode_programs=10**6, sms=16).block_m == 16
+    for bad, why in (("16:2:2", "the mode's tile's 16 rows a warp"), ("16:1", "rows:warps:stages")):
+        monkeypatch.setattr(launch, "INVARIANT_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match=f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected {why}"):
+            launch.invariant_config(group=1, head_dim=128, **wide)
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_TILE", "")  # none: the tile for every call
+    assert launch.invariant_config(group=4, head_dim=64, **wide).block_m == 64
 
 
 def test_no_compile_fallback_in_the_mode(monkeypatch):

@@ -1,13 +1,16 @@
 """Issue 32: what the batch-invariant mode's split rule costs each kernel, on a few prefill and decode
-cells (bf16; decode 32 query / 8 KV heads), mode off and on in one process, printed as on/off time.
+cells (bf16; decode 32 query / 8 KV heads; the 1B engine's decode steps over 16-row pages), mode off and
+on in one process, printed as on/off time.
 
 The rule is read when pagedflash loads, so compare rules by running this once per environment:
     PYTHONPATH=. python3 tools/invariant_splits.py                                   # the default rule
     PAGEDFLASH_INVARIANT_HEAD_KEYS=0 PYTHONPATH=. python3 tools/invariant_splits.py  # 2048-key splits only
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
+``--engine``: the engine's decode cells only.
 """
 import functools
 import os
+import sys
 
 import torch
 
@@ -19,6 +22,7 @@ PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 1
            (8, 32, 1024, 64, True), (2, 32, 8192, 64, True))  # B, H, N, D, causal
 DECODE = ((1, 1024, 128), (1, 4096, 128), (1, 32768, 64), (1, 65536, 128), (1, 131072, 64), (16, 16384, 128),
           (64, 4096, 128), (64, 16384, 128), (4, 32768, 64))  # B, N, D
+ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (1, 1024, 1024))  # B, keys from, to (the 1B engine's steps)
 
 
 def on_off(call) -> str:
@@ -39,6 +43,20 @@ def decode(b, n, d) -> str:
     return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, batch_invariant=mode))
 
 
+def engine_decode(b, lo, hi, d, page=16) -> str:
+    """The 1B engine's decode step: ``b`` rows of ``lo``-``hi`` random keys over ``page``-row pages
+    (scattered), 32 query / 8 KV heads."""
+    gen = torch.Generator().manual_seed(b)
+    lens = torch.randint(lo, hi + 1, (b,), generator=gen, dtype=torch.int32)
+    per_row = -(-hi // page)
+    table = torch.randperm(b * per_row, generator=gen).to(torch.int32).view(b, per_row).cuda()
+    k, v = (torch.randn(b * per_row, page, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    lens = lens.cuda()
+    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                                          batch_invariant=mode))
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("invariant_splits.py times GPU kernels: no CUDA device here")
@@ -46,10 +64,13 @@ def main() -> None:
     rule = launch.invariant_split_rule(False, 128)
     print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}, then {rule.keys} "
           f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')})")
-    for b, h, n, d, causal in PREFILL:
+    engine_only = "--engine" in sys.argv[1:]
+    for b, h, n, d, causal in () if engine_only else PREFILL:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")
-    for b, n, d in DECODE:
+    for b, n, d in () if engine_only else DECODE:
         print(f"decode B={b} N={n} D={d}: {decode(b, n, d)}")
+    for b, lo, hi in ENGINE_DECODE:
+        print(f"engine decode B={b} N={lo}-{hi} D=64 pages 16: {engine_decode(b, lo, hi, 64)}")
 
 
 if __name__ == "__main__":

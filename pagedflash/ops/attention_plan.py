@@ -153,9 +153,12 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     rule = invariant_split_rule(interpreted(), d) if invariant else None
     if invariant:
+        sixteen_bit = q.element_size() == 2 and k.element_size() == 2
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
                                          interpreted=interpreted(),
-                                         prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2))
+                                         prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2),
+                                         decode_programs=batch * hkv if max_seqlen_q <= 1 and sixteen_bit else 0,
+                                         sms=num_sms(q.device))
         if rule.keys % cfg.block_n or rule.head_split % cfg.block_n:
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant splits "
                              f"({rule.head_split} and {rule.keys} keys), got {cfg.block_n}")

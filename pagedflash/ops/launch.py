@@ -200,6 +200,16 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 # do not change (the invariance tests pass with 128:8:3 on an H100). On a GPU it must keep the tile's rows
 # a warp and its MMA (warps a multiple of 4 with it). Opt-in: 128:8:3 runs slower than the default tile.
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
+# The mode's rows:warps:stages for 16-bit calls with one query row a sequence (decode) and at least
+# INVARIANT_DECODE_WAVES programs (sequences x KV heads) an SM; empty: the tile above for every call. Its
+# keys and its rows a warp stay the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's
+# four warps issue a warpgroup's): that both give a row the same bits is what the compiled invariance
+# tests check (test_rows_equal_with_a_decode_tile; on an H100 fp32, fp16 and bf16 agree). A decode row's
+# query heads fill 4-8 of a tile's rows: 16 rows spend a quarter of the 64-row tile's softmax work, which
+# pays where many programs share the SMs (the 1B engine's 256-request run 5.21 -> 4.89 s) and costs where
+# few stream long rows (its batch-1 step's attention 9.9 -> 14.4 us; docs/performance.md v48).
+INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", "16:1:2")
+INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 
 
 BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
@@ -224,15 +234,15 @@ def _invariant_tile(head_dim: int, capability: tuple[int, int] | None) -> tuple[
     return rows, keys, warps, stages
 
 
-def _invariant_prefill_tile() -> tuple[int, int, int]:
-    """:data:`INVARIANT_PREFILL_TILE` as (rows, warps, stages), or a clear error."""
+def _rows_warps_stages(name: str, text: str) -> tuple[int, int, int]:
+    """Variable ``name``'s value ``text`` as (rows, warps, stages), or a clear error."""
     try:
-        rows, warps, stages = (int(x) for x in INVARIANT_PREFILL_TILE.split(":"))
+        rows, warps, stages = (int(x) for x in text.split(":"))
     except ValueError:
         rows = warps = stages = 0
     if not (rows >= 16 and warps >= 1 and stages >= 1 and all(n & (n - 1) == 0 for n in (rows, warps))):
-        raise ValueError(f"PAGEDFLASH_INVARIANT_PREFILL_TILE: expected rows:warps:stages (rows a power of two >= 16, "
-                         f"warps a power of two, stages >= 1), got {INVARIANT_PREFILL_TILE!r}")
+        raise ValueError(f"{name}: expected rows:warps:stages (rows a power of two >= 16, warps a power of two, "
+                         f"stages >= 1), got {text!r}")
     return rows, warps, stages
 
 
@@ -291,22 +301,27 @@ def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
-                     interpreted: bool, prefill: bool = False) -> LaunchConfig:
-    """The tile of every launch in batch-invariant mode, whatever the rows: a row's scores and its
-    softmax sums are reduced by the same instructions in the same order only under one key tile, one
-    MMA instruction and one layout of a row's elements in its warp (by default one tile shape and warp
-    count for every call; the opt-in prefill tile keeps the keys, the rows a warp and the MMA).
+                     interpreted: bool, prefill: bool = False, decode_programs: int = 0,
+                     sms: int = 0) -> LaunchConfig:
+    """The tile of a launch in batch-invariant mode: a row's scores and its softmax sums are reduced
+    by the same operations in the same order under one key tile and one layout of a row's elements
+    in its warp (16 rows a warp: the MMA's accumulator layout, whether a warp's MMA or a warpgroup's
+    issues it); the prefill and decode tiles keep both, and so a row's bits.
     The query heads of a KV group are packed into the rows when they divide the tile (decode reads
     each K/V byte once per group). By default 64 rows, 64-key tiles, 4 warps, 3 stages on an H200
     up to D = 128 (:func:`_invariant_tile`); in the mode a tile that does not compile is an error,
-    never a fallback to another. Nothing here depends on the lengths, the batch or the GPU's size,
-    only on the model's head size and the GPU's ``capability``; ``PAGEDFLASH_INVARIANT_TILE`` sets
-    another GPU tile (:data:`INVARIANT_TILE`). ``prefill`` (more than one query row a sequence): the
+    never a fallback to another. The keys and the rows a warp depend only on the model's head size
+    and the GPU's ``capability``, never on the lengths, the batch or the GPU's size;
+    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`). ``prefill`` (more than one query row a sequence): the
     rows, warps and stages of :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the
-    tile's), the same keys (under the interpreter its rows only)."""
+    tile's), the same keys (under the interpreter its rows only). ``decode_programs`` (a 16-bit
+    decode launch's sequences x KV heads; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES` x
+    ``sms``: the rows, warps and stages of :data:`INVARIANT_DECODE_TILE` (on a GPU). Which of these
+    runs a row never changes its bits, only its speed."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     if prefill and INVARIANT_PREFILL_TILE:
-        prefill_rows, prefill_warps, prefill_stages = _invariant_prefill_tile()
+        prefill_rows, prefill_warps, prefill_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_PREFILL_TILE",
+                                                                         INVARIANT_PREFILL_TILE)
         if not interpreted:
             if prefill_rows * warps != rows * prefill_warps or (prefill_warps % 4 == 0) != (warps % 4 == 0):
                 raise ValueError(f"PAGEDFLASH_INVARIANT_PREFILL_TILE: expected the mode's tile's {rows // warps} rows a "
@@ -314,6 +329,14 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
                                  f"{INVARIANT_PREFILL_TILE!r}")
             warps, stages = prefill_warps, min(prefill_stages, stages)  # no more stages than the tile holds
         rows = prefill_rows
+    elif (not prefill and INVARIANT_DECODE_TILE and not interpreted and decode_programs > 0
+          and decode_programs >= INVARIANT_DECODE_WAVES * sms):
+        decode_rows, decode_warps, decode_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_DECODE_TILE",
+                                                                      INVARIANT_DECODE_TILE)
+        if decode_rows * warps != rows * decode_warps:
+            raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows a warp, "
+                             f"got {INVARIANT_DECODE_TILE!r}")
+        rows, warps, stages = decode_rows, decode_warps, decode_stages
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
