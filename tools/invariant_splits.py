@@ -22,7 +22,8 @@ PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 1
            (8, 32, 1024, 64, True), (2, 32, 8192, 64, True))  # B, H, N, D, causal
 DECODE = ((1, 1024, 128), (1, 4096, 128), (1, 32768, 64), (1, 65536, 128), (1, 131072, 64), (16, 16384, 128),
           (64, 4096, 128), (64, 16384, 128), (4, 32768, 64))  # B, N, D
-ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (1, 1024, 1024))  # B, keys from, to (the 1B engine's steps)
+# B, keys from, to: the 1B engine's decode steps (the last three also `bench serve --sections itl` cells)
+ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (32, 1024, 1024), (1, 1024, 1024), (1, 32768, 32768))
 
 
 def on_off(call) -> str:

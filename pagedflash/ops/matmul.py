@@ -195,7 +195,7 @@ ROW_TILES = os.environ.get("PAGEDFLASH_MATMUL_ROW_TILES", "1") != "0"
 TALL_TILE: Tile | None = None  # forced 128-row tile (tests, tuning); part of every plan's key
 # rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
 # one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
-# tiles this rule picks for the 1B model's projections ran at 0.67-0.99x cuBLAS from M = 96 to 8192,
+# tiles this rule picks for the 1B model's projections ran at 0.65-0.99x cuBLAS from M = 96 to 8192,
 # within 0.08 of each weight's best timed tile (docs/performance.md v48)
 TALL_FILL = 0.5
 DECODE_MIN_N = 16  # decode tiles' columns at least
