@@ -6,10 +6,11 @@ element's bits depend on the order of that sum. cuBLAS (and any autotuned GEMM) 
 tile shape and split of ``K`` from ``M``: a row computed in a batch of 1 and in a batch of 256 is
 summed in different orders, and greedy decoding then depends on what else is served. Here:
 
-- one tile configuration (``BLOCK_M/N/K``, warps, stages, and so the same MMA instruction: on sm90
-  Triton emits wgmma for ``BLOCK_M >= 64`` with 4+ warps, hence ``BLOCK_M = 64`` for every ``M``)
-  chosen by :func:`tile` from ``N``, ``K``, the dtype and the device (capability, SM count) only,
-  never from ``M``;
+- one MMA instruction for every ``M``: the 64-row wgmma of one warpgroup on sm90 (Triton emits it
+  for ``BLOCK_M >= 64`` with 4+ warps), from a weight's tile (:func:`tile`: ``N``, ``K``, the dtype
+  and the device only) whose columns, K steps and stages :func:`decode_tile` and :func:`rows_tile`
+  change by ``M``, and whose rows the latter doubles with a second warpgroup: neither enters a row's
+  bits (below);
 - no split of ``K`` that follows ``M``: each output tile is reduced over ``K`` in ``BLOCK_K`` steps
   in increasing order into one fp32 accumulator; the bias is added after the loop, then one rounding
   to x's dtype. With :data:`CHUNK_K` (off by default: on an H100 0.85-1.23x the tile's speed at
@@ -17,24 +18,29 @@ summed in different orders, and greedy decoding then depends on what else is ser
   leave SMs idle sums ``K`` in fixed chunks (``Tile.chunk_k``, from ``N``, ``K`` and the SM count),
   each chunk from zero, the chunks' sums added in order after a zero; a few output tiles run one
   program per (tile, chunk) and a fold kernel adds the fp32 partials, many tiles one program per
-  tile adding its own chunks: the same operations, so the same bits, whichever form ``M`` picks. A row's position inside its 64-row tile does not change its arithmetic (rows past
-  ``M`` are zeros, never read from memory nor stored; they do not enter any other row's sums);
+  tile adding its own chunks: the same operations, so the same bits, whichever form ``M`` picks. A
+  row's position inside its tile does not change its arithmetic (rows past ``M`` are zeros, never
+  read from memory nor stored; they do not enter any other row's sums);
 - persistent: ``min(tiles, SMs)`` programs walk the output tiles in one fixed order (8 row blocks
   at a time over the column blocks, for L2 reuse). Which program computes a tile does not change
   the tile's arithmetic, so the grid may follow ``M`` while the bits do not;
-- ``M`` is not specialized (``do_not_specialize``): one compiled kernel for every batch size (two
-  with decode tiles: one for at most ``BLOCK_M`` rows, one above), no recompilation as a serving
-  loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
+- ``M`` is not specialized (``do_not_specialize``): one compiled kernel a tile, whatever the batch
+  size (a weight has up to six tiles over M = 1..8192; the engine's warm-up compiles them), no
+  recompilation as a serving loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
 - with :data:`DECODE_TILES` (on by default), calls of at most ``BLOCK_M``
   rows (decode) run :func:`decode_tile`: the same tile with fewer columns (and, at 16 columns, deeper
-  K steps), so that a narrow layer's column tiles fill the SMs at M = 1. What orders a row's sum
-  stays: ``BLOCK_M`` and the warps (so the MMA instruction's kind), and the K chunks. An MMA
+  K steps), so that a narrow layer's column tiles fill the SMs at M = 1; with :data:`ROW_TILES`
+  (on by default), calls of more rows run :func:`rows_tile`: 128 rows of two warpgroups where
+  their tiles reach half the SMs, else the weight's tile narrowed as decode tiles are, for its row
+  tiles too. What orders a row's sum stays: the MMA instruction a warpgroup issues and the K
+  chunks. An MMA
   computes each output element from its row, its column and its accumulator alone, in 16-deep K
   steps chained in increasing K through one accumulator, so neither the tile's width nor its
   ``BLOCK_K`` (a multiple of 16) enters the element's bits; ``tools/tune_matmul.py`` checks that on
   the device (every timed tile's output against the first's, bit for bit: on an H100 all 32 swept
   tiles, 16-256 columns, 64-256-deep K steps, 4 and 8 warps, agreed on every weight,
-  docs/performance.md v41) and ``tests/test_matmul.py`` checks rows across the two tiles (under the
+  docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
+  across the tiles (under the
   interpreter with a dot that chains 16-deep steps, :func:`pagedflash.testing.row_exact_interpreter_dot`).
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
@@ -46,7 +52,8 @@ stages) 0.27-0.65x cuBLAS's speed at every M (M = 1: 0.7-1.9 TB/s); the sweep's 
 default on sm90 (:func:`tile`), 0.44-0.95x, geometric means 0.74 (gate/up) and 0.55 (down). Rows
 past M are masked, never read: reading row 0 in their place costs 64 reads of the same bytes a K
 step from every SM, which held M <= 32 near 0.5x whatever the tile (v41); at M = 64 the narrow
-decode tiles reach 0.96-1.08x on an H100.
+decode tiles reach 0.96-1.08x on an H100, and from M = 96 to 8192 the row tiles 0.65-0.99x on the 1B
+shape (v48).
 """
 
 from __future__ import annotations
