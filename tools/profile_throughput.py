@@ -7,7 +7,8 @@ under ``torch.profiler`` with the kernels' self CUDA time grouped by kind (GEMM,
     python tools/profile_throughput.py --smoke     # a tiny model on the CPU interpreter (checks the script)
 
 Printed per mode: the wall time and output tok/s, the steps, the kernels' total time and its share of
-the wall time (the rest: the host, gaps between launches), each kind's ms and share, the top kernels;
+the wall time (the rest: the host, gaps between launches), each run's slowest steps (a compile or an
+allocation mid-run shows as one), each kind's ms and share, the top kernels;
 then each kind's ms mode on over off (which kinds the mode's extra time is in).
 """
 from __future__ import annotations
@@ -52,16 +53,42 @@ def workload(n: int, vocab: int, seed: int, sizes: tuple[int, int]):
     return prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lens]
 
 
+class StepTimes:
+    """Wraps ``llm.step``: each step's wall time, the prompt tokens it computed and the rows running
+    after it, for the slowest steps of a run (a compile or an allocation mid-run shows as one)."""
+
+    def __init__(self, llm: LLM):
+        self.llm, self.step, self.rows = llm, llm.step, []
+        llm.step = self
+
+    def __call__(self):
+        before = self.llm.counters["computed_prefill_tokens"]
+        t0 = time.perf_counter()
+        out = self.step()
+        self.rows.append((time.perf_counter() - t0, self.llm.counters["computed_prefill_tokens"] - before,
+                          len(self.llm.scheduler.running)))
+        return out
+
+    def take(self, label: str, count: int = 8) -> str:
+        """The steps since the last take: their count, median and slowest, as a line."""
+        rows, self.rows = self.rows, []
+        times = sorted(r[0] for r in rows) or [0.0]
+        return (f"  {label}: {len(rows)} steps, median {1e3 * times[len(times) // 2]:.2f} ms; slowest (ms, prompt "
+                f"tokens, rows): " + ", ".join(f"({1e3 * t:.1f}, {p}, {n})" for t, p, n in sorted(rows, reverse=True)[:count]))
+
+
 def run_mode(model, invariant: bool, timed, profiled, top: int) -> dict[str, float]:
     """Two workloads of the same sizes (other tokens: the second meets no cached prefix)."""
     llm = LLM(model, max_num_seqs=256, max_num_batched_tokens=8192, batch_invariant=invariant)
     rng = random.Random(1)
     llm.generate([[rng.randrange(3, 1000) for _ in range(300)]] + [[5, 6, 7]] * 3,
                  SamplingParams(max_tokens=4, ignore_eos=True))  # compile every shape class
+    steps = StepTimes(llm)
     t0 = time.perf_counter()
     llm.generate(*timed)
     wall = time.perf_counter() - t0
     stats = dict(llm.last_stats)
+    timed_steps = steps.take("timed run")
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -81,6 +108,8 @@ def run_mode(model, invariant: bool, timed, profiled, top: int) -> dict[str, flo
     print(f"\n== batch-invariant mode {mode}: {wall:.2f} s ({stats['output_tokens'] / wall:.0f} output tok/s), "
           f"{stats['steps']} steps; profiled run {prof_wall:.2f} s, kernels {total / 1e3:.2f} s "
           f"({100 * total / 1e3 / prof_wall:.0f} % of it)")
+    print(timed_steps)
+    print(steps.take("profiled run"))
     for k, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:16s} {ms:9.1f} ms  {100 * ms / total:5.1f} %")
     print(f"  top {top} kernels (self device ms, calls):")
