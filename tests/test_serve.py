@@ -212,6 +212,26 @@ def test_stop_strings_and_stop_token_ids(server):
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
 
 
+def test_special_tokens_in_the_text(server):
+    """vLLM's ``skip_special_tokens``: a special token the model emits (BOS, forced by a bias) is left
+    out of the text by default and written with false, streamed or not; the stop id that ends a
+    request is never written, and is counted."""
+    from pagedflash.entrypoints.openai.tokenizer import TextTokenizer
+
+    client = server.client()
+    body = dict(model=MODEL, prompt=[5, 17, 42], max_tokens=3, temperature=0, logit_bias={"1": 100})
+    out = client.completions.create(**body)
+    assert out.choices[0].text == "" and out.usage.completion_tokens == 3
+    written = TextTokenizer.tiny().decode([1, 1, 1], skip_special_tokens=False)
+    assert "<s>" in written
+    keep = {"skip_special_tokens": False}
+    assert client.completions.create(**body, extra_body=keep).choices[0].text == written
+    streamed = client.completions.create(**body, extra_body=keep, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == written
+    out = client.completions.create(**body, extra_body={**keep, "stop_token_ids": [1]})
+    assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == ("", "stop", 1)
+
+
 def test_logprobs_completions_and_chat(server):
     """Greedy: each token's logprob is the largest at its position; streamed equal to not streamed."""
     client = server.client()

@@ -130,3 +130,18 @@ def test_chat_template_renders_as_transformers_does(tok, template):
     for add in (True, False):
         want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
         assert ours.render_chat(messages, add_generation_prompt=add) == want
+
+
+def test_special_tokens_are_left_out_or_written(tok):
+    """``skip_special_tokens``: BOS (``<s>``) between pieces of text is dropped (the default) or
+    written; an id that ends the request (``ends_on_stop_id``) is counted and never written."""
+    ids = tok.encode("hi there", add_special_tokens=False)
+    mixed = ids[:1] + [1] + ids[1:] + [1]
+    for skip, want in ((True, "hi there"), (False, tok.decode(mixed, skip_special_tokens=False))):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        text = "".join(detok.push([i]) for i in mixed) + detok.finish()
+        assert text == want and detok.num_tokens == len(mixed)
+    assert "<s>" in want
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    text = detok.push(ids) + detok.push([1, 2], ends_on_stop_id=True) + detok.finish()
+    assert text == tok.decode(ids + [1], skip_special_tokens=False) and detok.num_tokens == len(ids) + 2

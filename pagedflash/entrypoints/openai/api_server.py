@@ -255,7 +255,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         echo = serving.echo_texts(state, body, prompts) if body.echo else None
         gen = serving.Generation(state, prompts, params, serving.stop_strings(body),
                                  keep_output=not serving.echo_only(body), structured_field=serving.structured_field(body),
-                                 timeline=stamps and {**stamps, "stream": body.stream})
+                                 timeline=stamps and {**stamps, "stream": body.stream},
+                                 skip_special_tokens=body.skip_special_tokens)
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -277,7 +278,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
                                          structured=constraint)
         gen = serving.Generation(state, [prompt], params, serving.stop_strings(body),
                                  structured_field="tools" if constraint else serving.structured_field(body),
-                                 timeline=stamps and {**stamps, "stream": body.stream})
+                                 timeline=stamps and {**stamps, "stream": body.stream},
+                                 skip_special_tokens=body.skip_special_tokens and plan.mode != "auto")
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

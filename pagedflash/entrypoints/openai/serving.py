@@ -318,17 +318,21 @@ class Generation:
     0``, whose engine requests generate one token): each choice ends with no text and ``"length"``.
     timeline: the HTTP request's first stamps (:meth:`.RequestTimeline.begin`) when the server keeps
     a timeline; :meth:`deltas` completes each choice's and writes them when it ends.
-    structured_field: the request field whose constraint the engine compiles (its refusal names it)."""
+    structured_field: the request field whose constraint the engine compiles (its refusal names it).
+    skip_special_tokens: special tokens' text left out of the choices' text (True) or written; the
+    EOS or stop id that ends a choice is never written (counted in its tokens)."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], stop: list[str], *,
-                 keep_output: bool = True, timeline: dict | None = None, structured_field: str = "structured_outputs"):
+                 keep_output: bool = True, timeline: dict | None = None, structured_field: str = "structured_outputs",
+                 skip_special_tokens: bool = True):
         self.state, self.prompts, self.params, self.n = state, prompts, params[0], len(params)
         self.structured_field = structured_field
         self.keep_output = keep_output
         self.sequences = [ids for ids in prompts for _ in params]  # by choice index
         self.sequence_params = [one for _ in prompts for one in params]  # by choice index
         count = len(self.sequences)
-        self.detok = [IncrementalDetokenizer(state.tokenizer, stop) for _ in range(count)]
+        self.detok = [IncrementalDetokenizer(state.tokenizer, stop, skip_special_tokens=skip_special_tokens)
+                      for _ in range(count)]
         self.finish_reason: list[str | None] = [None] * count
         self.num_cached = [0] * count
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -377,7 +381,7 @@ class Generation:
                 detok = self.detok[i]
                 self.num_cached[i] = num_cached
                 taken = detok.num_tokens
-                text = detok.push(new_ids)
+                text = detok.push(new_ids, ends_on_stop_id=reason == "stop")  # the engine stops on ids only
                 taken = detok.num_tokens - taken  # fewer than new_ids when a stop string matched
                 logprobs = None if new_logprobs is None else list(zip(new_ids[:taken], new_logprobs[:taken]))
                 if detok.stopped:

@@ -229,11 +229,14 @@ class IncrementalDetokenizer:
     character still incomplete; those are returned once its last byte arrives. :meth:`finish`
     returns what the full decode has beyond the deltas. ``stop`` strings: the text is cut before
     the first match (``stopped`` is set), and while the request runs the last ``max(len) - 1``
-    characters are held back, as they may be the start of a match.
+    characters are held back, as they may be the start of a match. ``skip_special_tokens``: special
+    tokens' text left out (True) or written (False).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stop: list[str] | tuple[str, ...] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stop: list[str] | tuple[str, ...] = (), *,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -244,15 +247,19 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string matched; later ids are ignored
         self.num_tokens = 0  # ids taken, up to and including the one that completed a stop match
 
-    def push(self, token_ids: list[int]) -> str:
-        """Take new ids; the text that may be sent now."""
-        for token in token_ids:
+    def push(self, token_ids: list[int], *, ends_on_stop_id: bool = False) -> str:
+        """Take new ids; the text that may be sent now. ``ends_on_stop_id``: the last id is the EOS or
+        stop id that ended the request, counted in ``num_tokens`` but not written (vLLM's text leaves
+        it out)."""
+        for j, token in enumerate(token_ids):
             if self.stopped:
                 break
-            self.ids.append(token)
             self.num_tokens += 1
-            prefix = self.tokenizer.decode(self.ids[self._prefix_offset:self._read_offset])
-            full = self.tokenizer.decode(self.ids[self._prefix_offset:])
+            if ends_on_stop_id and j == len(token_ids) - 1:
+                break
+            self.ids.append(token)
+            prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
+            full = self._decode(self.ids[self._prefix_offset:])
             if len(full) > len(prefix) and not full.endswith("\ufffd"):
                 self._append(full[len(prefix):])
                 self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
@@ -262,11 +269,14 @@ class IncrementalDetokenizer:
         """The rest of the text once the request ended (a trailing incomplete character included, as
         ``decode`` writes it)."""
         if not self.stopped:
-            full = self.tokenizer.decode(self.ids)
+            full = self._decode(self.ids)
             emitted = self.text
             if full.startswith(emitted):
                 self._append(full[len(emitted):])
         return self._take(final=True)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self._hold)  # a match that uses the new characters starts here or later

@@ -11,7 +11,9 @@ their ``arguments`` as dicts (what tool-use templates expect). ``tool_choice``:
   one of the tools each, and returned as that many tool calls (``"tool_calls"``);
 - ``"auto"`` (the default with tools): the model decides; its text is parsed for calls by the
   server's ``--tool-call-parser`` (:data:`PARSERS`; ``hermes``: ``<tool_call>{"name", "arguments"}
-  </tool_call>`` blocks, the format of Qwen 2.5/3 and Hermes models), ``"tool_calls"`` when it made one.
+  </tool_call>`` blocks, the format of Qwen 2.5/3 and Hermes models), ``"tool_calls"`` when it made one;
+  its text keeps special tokens (``skip_special_tokens`` false, as vLLM's parsers ask: some models'
+  ``<tool_call>`` is one).
 
 ``parallel_tool_calls: false`` keeps one call (``"required"``: an array of one). A reply cut short by
 ``max_tokens`` keeps ``"length"``. Streamed, a named call's arguments stream as they come;
