@@ -6,7 +6,7 @@
 # serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
 # bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
 # (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>],
-# profile:<context>[:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels),
+# profile:<context>[:--batch:B][:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels),
 # splits[:VAR=VALUE...] (tools/invariant_splits.py under those environment variables: the batch-invariant
 # mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048); TUNE_ARGS
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
@@ -47,7 +47,7 @@ for step in ${STEPS:-tests}; do
              --error-exitcode 9 --print-limit 20 python3 -m pytest -p no:xdist -q -p no:cacheprovider \
              ${SANITIZE_TESTS:-tests/test_metadata_faults.py tests/test_write_faults.py tests/test_varlen_bounds.py} \
              > $log 2>&1 ;;
-    profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z]/}
+    profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
            log=$R/profile_$ctx${tag:+_$tag}.log
            timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
     splits) vars=; [ "$arg" != splits ] && vars=${arg//:/ }; log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}.log

@@ -1,6 +1,7 @@
-"""Where a batch-1 decode step of the 1B engine spends its time (H200): the kernels of one decode-graph
-replay (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
-    python tools/profile_engine_step.py [context] [--batch-invariant]     # default 1024, mode off
+"""Where a decode step of the 1B engine spends its time (H200): the kernels of one decode-graph replay
+(torch.profiler, grouped by kernel name) and the host's share of a full generate step.
+    python tools/profile_engine_step.py [context] [--batch B] [--batch-invariant]  # default 1024, 1, mode off
+``--batch B``: B requests of that context decoding together (the graph of the ladder's size for B).
 ``--batch-invariant``: the engine in batch-invariant mode (issue 32: which kernels make its step
 slower than the mode-off one; run both in one call to compare).
 """
@@ -20,15 +21,20 @@ from pagedflash.engine.config import LLAMA_3_2_1B
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--batch-invariant"]
     invariant = "--batch-invariant" in sys.argv[1:]
+    batch = 1
+    if "--batch" in args:
+        i = args.index("--batch")
+        batch = int(args[i + 1])
+        del args[i:i + 2]
     ctx = int(args[0]) if args else 1024
     rng = random.Random(0)
-    llm = LLM(LLAMA_3_2_1B, max_num_seqs=64, batch_invariant=invariant)  # seeded random weights
-    print(f"batch-invariant mode {'on' if invariant else 'off'}")
-    prompt = [rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)]
-    llm.generate([prompt], SamplingParams(max_tokens=1))
-    out = llm.generate([prompt], SamplingParams(max_tokens=128, ignore_eos=True))[0]
-    itl = statistics.median(out.itl[16:])
-    graph = llm.runner.graphs[1]
+    llm = LLM(LLAMA_3_2_1B, max_num_seqs=max(64, batch), batch_invariant=invariant)  # seeded random weights
+    print(f"batch-invariant mode {'on' if invariant else 'off'}, batch {batch}")
+    prompts = [[rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)] for _ in range(batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=1))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
+    itl = statistics.median(x for o in outs for x in o.itl[16:])
+    graph = llm.runner.graphs[min(size for size in llm.runner.graphs if size >= batch)]
     g_ms = time_ms(graph.replay, graph=False, flush=None, reps=50)  # the step streams its weights itself
     print(f"context {ctx}: ITL median {itl * 1e3:.3f} ms, graph replay {g_ms:.3f} ms (back to back)")
     launch, whole = [], []
@@ -51,7 +57,7 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70))
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     print("== one 32-token generate (CPU + CUDA)")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=70))
