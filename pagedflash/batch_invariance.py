@@ -3,13 +3,14 @@ the call.
 
 With the mode on, every attention entry point computes a query row the same way whatever the batch
 size, the other rows' lengths, the SM count, the split count, and however the row's keys reached the
-cache (one prefill, chunked-prefill chunks, decode steps): one tile configuration for every call
-(:func:`pagedflash.ops.launch.invariant_config`; the decode tile of wide decode launches and the
-opt-in prefill tile change only how many rows share a tile), keys in splits at fixed absolute key positions (:class:`pagedflash.ops.launch.SplitRule`:
+cache (one prefill, chunked-prefill chunks, decode steps): one key tile and one layout of a row in
+its warp for every call (:func:`pagedflash.ops.launch.invariant_config`; the decode tile of wide
+decode launches and the opt-in prefill tile change how many rows and warps share a tile, never a
+row's layout), keys in splits at fixed absolute key positions (:class:`pagedflash.ops.launch.SplitRule`:
 a row's first 4,096 keys in splits of 256, then splits of 2,048), each split's state computed by the
 same masked loop, and the splits merged left to right in one order, by the kernel itself (one
-program per row) or by the combine (programs sharing a row's splits, a partial state each). The Hopper Gluon prefill is
-not used in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
+program per row) or by the combine (programs sharing a row's splits, a partial state each). The
+Hopper Gluon prefill is not used in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
 
 The switch: an argument of each entry point (``batch_invariant=True``), else the process-wide
 default set here (:func:`set_batch_invariant`, the :func:`batch_invariant` context manager, or the

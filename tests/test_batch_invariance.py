@@ -20,7 +20,7 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_close, cu_seqlens, fp8_pool, 
 from pagedflash import batch_invariance, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validate
 from pagedflash.engine.executor import graph_split_bytes
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
-from pagedflash.ops import attention, attention_launch, attention_plan, combine, launch, moe
+from pagedflash.ops import attention, attention_launch, attention_plan, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
 from pagedflash.ops.utils import interpreted, num_sms
 from pagedflash.reference import paged_varlen_attention_ref
@@ -250,6 +250,9 @@ def test_invariant_tile_setting(monkeypatch):
     monkeypatch.setattr(launch, "INVARIANT_TILE", "32:64:4:3")
     cfg = launch.invariant_config(group=4, head_dim=256, capability=(8, 9), interpreted=False)
     assert (cfg.block_m, cfg.block_n, cfg.g_pack, cfg.num_warps, cfg.num_stages) == (32, 64, 4, 4, 3)
+    # 8 rows a warp: the default decode tile (16 a warp) is left unused, not refused
+    assert launch.invariant_config(group=4, head_dim=256, capability=(8, 9), interpreted=False,
+                                   decode_programs=10**6, sms=1).block_m == 32
     assert launch.invariant_config(group=3, head_dim=128, capability=(9, 0), interpreted=False).g_pack == 1
     for bad in ("64:32:4", "48:32:4:1", "64:8:4:1", "a:b:c:d", "64:32:4:0"):
         monkeypatch.setattr(launch, "INVARIANT_TILE", bad)
@@ -281,12 +284,17 @@ def test_invariant_tile_setting(monkeypatch):
     for narrow in (dict(wide, decode_programs=8 * 132 - 1), dict(wide, decode_programs=0), dict(wide, prefill=True)):
         cfg = launch.invariant_config(group=4, head_dim=64, **narrow)
         assert (cfg.block_m, cfg.num_warps) == (64, 4)
-    assert launch.invariant_config(group=4, head_dim=64, capability=None, interpreted=True,
-                                   decode_programs=10**6, sms=16).block_m == 16
+    cfg = launch.invariant_config(group=4, head_dim=64, capability=None, interpreted=True, decode_programs=10**6,
+                                  sms=16)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages) == (16, 4, 1)  # the interpreter's tile
+    assert launch.invariant_config(group=4, head_dim=64, **dict(wide, capability=None)).block_m == 64  # not NVIDIA
+    assert launch.invariant_config(group=32, head_dim=64, **wide).block_m == 64  # a group past its 16 rows
+    assert launch.invariant_config(group=1, head_dim=256, **dict(wide, capability=(8, 9))).num_stages == 1
     for bad, why in (("16:2:2", "the mode's tile's 16 rows a warp"), ("16:1", "rows:warps:stages")):
         monkeypatch.setattr(launch, "INVARIANT_DECODE_TILE", bad)
-        with pytest.raises(ValueError, match=f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected {why}"):
-            launch.invariant_config(group=1, head_dim=128, **wide)
+        for programs in (8 * 132, 1):  # checked whether a call takes it or not
+            with pytest.raises(ValueError, match=f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected {why}"):
+                launch.invariant_config(group=1, head_dim=128, **dict(wide, decode_programs=programs))
     monkeypatch.setattr(launch, "INVARIANT_DECODE_TILE", "")  # none: the tile for every call
     assert launch.invariant_config(group=4, head_dim=64, **wide).block_m == 64
 
@@ -364,9 +372,6 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
         _split_switches(monkeypatch, most=1024)
         for max_seqlen_k, splits in ((n, head + 11), (bound, head + 200)):
             assert all(map(torch.equal, decode([0], [n], max_seqlen_k, splits), one)), f"{splits} splits"
-        monkeypatch.setattr(combine, "LSES_PER_LOAD", 4)
-        assert all(map(torch.equal, decode([0], [n], bound, head + 200), one)), "LSEs 4 a load"
-        monkeypatch.setattr(combine, "LSES_PER_LOAD", 1024)
         for states, splits in (((head + 22) * 2 * hq, head + 22), ((head + 22) * 2 * hq - 1, 1)):
             _split_switches(monkeypatch, most=1024, states=states)
             assert all(map(torch.equal, decode([0, 1], [n, long], long, splits), one)), f"batched, {splits} splits"
@@ -386,7 +391,7 @@ def test_rows_equal_with_many_split_programs(monkeypatch, paged):
         _split_switches(monkeypatch, most=head + 199)
         assert all(map(torch.equal, decode([0], [n], bound, 1), one)), "past the cap"
     finally:
-        attention.clear_plans()  # LSES_PER_LOAD is no plan switch
+        attention.clear_plans()
 
 
 def test_split_rule():
@@ -477,11 +482,11 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     # 48 programs leave one a row on 16 SMs: no split there
     odd = SimpleNamespace(shard=SimpleNamespace(num_heads=6, num_kv_heads=2))
     _split_switches(monkeypatch, most=512)
-    sets = [300 * bs * 6 * (d + 1) * 4 for bs in (1, 2, 4)]
+    sets = [(300 * (d + 1) + 1) * bs * 6 * 4 for bs in (1, 2, 4)]
     assert graph_split_bytes(odd, spec, sms) == sum(sets) + max(sets)
 
     def bound(graphs):
-        sets = [300 * bs * heads * (d + 1) * 4 for bs in graphs]
+        sets = [(300 * (d + 1) + 1) * bs * heads * 4 for bs in graphs]
         return sum(sets) + max(sets, default=0)
 
     _split_switches(monkeypatch, most=299)
@@ -492,12 +497,13 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     assert graph_split_bytes(model, spec, sms) == bound([1, 2])
 
 
-def test_combine_stops_at_a_rows_last_split():
-    """The mode's combine merges a row's splits up to its last non-empty one: empty splits after it
-    (lse -inf or +inf, whatever their partial outputs hold) give the bits of the row's own splits
-    alone; a leading empty split (a window) is merged; a NaN split (invalid metadata) is not empty;
-    a row of empty splits gives 0 and -inf."""
-    def combine(out_part, lse_part):
+def test_combine_merges_the_rows_count_of_splits():
+    """The mode's combine merges as many splits as a row's count says (the LSE partials' last plane,
+    which the attention kernel writes): slots past it are never read, whatever they hold; an empty
+    split among the row's (lse -inf or +inf) merges as the identity, leading or not; a NaN split
+    (invalid metadata) gives NaN; a row of empty splits gives 0 and -inf."""
+    def combine(out_part, lse_part, counts):
+        lse_part = torch.cat([lse_part, counts.float()[None]])
         out = torch.empty(out_part.shape[1:], device=DEVICE)
         lse = torch.empty(out_part.shape[2], out_part.shape[1], device=DEVICE)
         launch_combine(plan_combine(out_part, lse_part, out, lse, tokens_per_batch=out_part.shape[1], invariant=True),
@@ -508,17 +514,24 @@ def test_combine_stops_at_a_rows_last_split():
     splits, tokens, heads, d = 9, 4, 2, 16
     out_part = torch.randn(splits, tokens, heads, d, generator=g).to(DEVICE)
     lse_part = torch.randn(splits, tokens, heads, generator=g).to(DEVICE)
+    counts = torch.full((tokens, heads), splits, device=DEVICE)
+    counts[:3] = 3  # tokens 0-2: 3 splits; their slots past them hold NaN, never read
+    lse_part[3:, :3] = float("nan")
+    out_part[3:, :3] = float("nan")
     lse_part[0, 1] = float("-inf")  # token 1: a leading empty split
-    lse_part[3:, :3] = float("-inf")  # tokens 0-2: 3 splits, the rest empty with finite garbage outputs
-    lse_part[5, 2] = float("inf")
+    lse_part[1, 2] = float("inf")  # token 2: an empty split inside
     lse_part[6, 3] = float("nan")  # token 3: every split, one of them NaN
-    lse_part[:, 0, 1] = float("-inf")  # token 0, head 1: nothing
-    out, lse = combine(out_part, lse_part)
-    own_out, own_lse = combine(out_part[:3, :3].contiguous(), lse_part[:3, :3].contiguous())
+    lse_part[:3, 0, 1] = float("-inf")  # token 0, head 1: nothing
+    out, lse = combine(out_part, lse_part, counts)
+    own_out, own_lse = combine(out_part[:3, :3].contiguous(), lse_part[:3, :3].contiguous(), counts[:3])
     assert torch.equal(out[:3], own_out) and torch.equal(lse[:, :3], own_lse)
+    assert torch.isfinite(out[:3]).all()
+    kept = [0, 2]  # token 2 without its empty split: the same bits
+    alone_out, alone_lse = combine(out_part[kept, 2:3].contiguous(), lse_part[kept, 2:3].contiguous(),
+                                   torch.full((1, heads), 2, device=DEVICE))
+    assert torch.equal(out[2:3], alone_out) and torch.equal(lse[:, 2:3], alone_lse)
     assert torch.isnan(out[3]).all() and torch.isnan(lse[:, 3]).all()
     assert torch.equal(out[0, 1], torch.zeros(d, device=DEVICE)) and lse[1, 0] == float("-inf")
-    assert torch.isfinite(out[:3]).all()
 
 
 def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():

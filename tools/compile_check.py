@@ -99,6 +99,9 @@ def _layer_calls(cfg: dict, rows: int):
         yield "matmul down, K chunks, wide tile", _opted(matmul, "DECODE_TILES", False,
                                                          _opted(matmul, "CHUNK_K", True, down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
+    if rows == 1:  # the row tiles: a narrowed 64-row tile, and two warpgroups' 128 rows
+        yield "matmul qkv, 96 rows", lambda: matmul.matmul(torch.empty(96, h, **bf16), w_qkv)
+        yield "matmul qkv, 8192 rows", lambda: matmul.matmul(torch.empty(8192, h, **bf16), w_qkv)
     if rows <= 64:
         yield "argmax", lambda: sampling.argmax(torch.empty(rows, vocab, **bf16))
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
@@ -167,6 +170,8 @@ def _attention_calls(cfg: dict):
     if window:
         yield "paged decode window", paged(1, 1, 16383, windowed=True)
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
+    for rows in (32, 256):  # a graph's split launch with its slot counts; the one-warp decode tile
+        yield f"invariant graph decode {rows}x1024", paged(rows, 1, 1023, invariant=True, graph_len=GRAPH_LEN)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
     yield "invariant chunk, prefill tile", _opted(launch_table, "INVARIANT_PREFILL_TILE", "128:8:3",
                                                   paged(1, 512, 4096, invariant=True))

@@ -161,7 +161,7 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     :func:`~pagedflash.ops.launch.invariant_num_splits`, or when its programs, ``bs x Hkv`` or ``bs x
     Hq`` where a KV group does not divide the mode's tile rows, leave one program a row,
     :func:`~pagedflash.ops.launch.invariant_split_programs`): fp32 partials ``[splits, bs, Hq, D]`` and
-    ``[splits, bs, Hq]`` per layer (``Hq``: this rank's query heads). Each graph's eager warm-up run
+    ``[splits + 1, bs, Hq]`` per layer (``Hq``: this rank's query heads). Each graph's eager warm-up run
     leaves one such set in the scratch cache (:mod:`pagedflash.ops.scratch`, one shape for all
     layers; it keeps at most ``MAX_BUFFERS`` sets, so their sum is a bound), and its capture takes
     one set at a time in the graphs' shared pool (a layer's set is freed after its combine, before the next layer's): the sum
@@ -179,7 +179,7 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     for bs in sizes:
         splits = invariant_num_splits(spec.max_model_len, rule, bs * heads)
         if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * programs_a_row, sms) > 1:
-            sets.append(splits * bs * heads * (spec.config.head_dim + 1) * 4)
+            sets.append((splits * (spec.config.head_dim + 1) + 1) * bs * heads * 4)  # + the rows' split counts
     return sum(sets) + max(sets, default=0)
 
 

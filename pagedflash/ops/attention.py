@@ -82,7 +82,7 @@ def _attention_kernel(
     Out,  # like Q
     Lse,  # [B, Hq, Sq] or [Hq, total_q], fp32
     OutPart,  # [num_splits, tokens, Hq, D] fp32 (split-KV only)
-    LsePart,  # [num_splits, tokens, Hq] fp32 (split-KV only)
+    LsePart,  # [num_splits, tokens, Hq] fp32 (split-KV only; batch-invariant: [num_splits + 1, ...])
     CuSeqlensQ,  # [B + 1] int32 (varlen)
     CuSeqlensK,  # [B + 1] int32 (varlen K or paged)
     SequsedK,  # [B] int32 (KV-cache lengths)
@@ -263,9 +263,10 @@ def _attention_kernel(
         # fresh state through the masked loop only (the same instructions for a key tile whatever the
         # row's place in its tile), finalized and merged into the row's state left to right from the
         # sink's (0, sink). Split launches: program `split` of the grid's P on its third axis computes
-        # the row's splits split, split + P, ... (any P gives the same bits), each into its own slot of
-        # the partials, which the combine merges in the same order; a slot past the row's last split
-        # gets an empty LSE only (the combine stops before it).
+        # the tile's splits split, split + P, ... (any P gives the same bits), each into its own slot of
+        # the partials, and program 0 writes their count to the LSE partials' last plane: the combine
+        # merges that many slots in the same order, and no program touches a slot past them (a graph
+        # sized for the longest row launches slots for it).
         s0 = split_of(lo, SPLIT_N, HEAD_N, HEAD_KEYS)
         s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS) + 1, s0 + 1)
         out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -275,7 +276,7 @@ def _attention_kernel(
             sink_lse = tl.load(Sinks + row_head * stride_sink)
         tok = (tok_base + q_pos).to(tl.int64)
         if SPLIT_KV:
-            n_slots = num_splits
+            n_slots = tl.minimum(s_end - s0, num_splits)
             slot_step = tl.num_programs(2)
             # a row past max_seqlen_k (which sized the slots) has splits no slot holds: NaN, a fault
             fits = s_end - s0 <= num_splits
@@ -284,6 +285,9 @@ def _attention_kernel(
                 _jit.report_fault(Faults, _FAULT_SEQUSED, b, over)
             else:
                 _jit.report_fault(Faults, _FAULT_CU_K, b, over)
+            if split == 0:  # the slots the combine merges, in the plane after the last slot
+                tl.store(LsePart + tl.cast(num_splits, tl.int64) * stride_lps + tok * stride_lpt + row_head,
+                         tl.full([BLOCK_M], 0, tl.float32) + n_slots.to(tl.float32), mask=row_ok)
         else:
             n_slots = 1
             slot_step = 1
@@ -318,13 +322,11 @@ def _attention_kernel(
                 if PAGED:
                     s_ok = s_ok & (any_bad_page(page_bad, PAGE_SIZE, BLOCK_N) == 0)
                 slot64 = tl.cast(slot, tl.int64)
-                if w_first < w_end:
-                    p_rows = slot64 * stride_ps + tok * stride_pt + row_head * stride_ph
-                    tl.store(OutPart + p_rows[:, None] + offs_d[None, :], tl.where(s_ok, out, float("nan")),
-                             mask=row_ok[:, None] & d_ok[None, :])
-                # a slot past the row's splits stays empty (its partial unwritten): slot 0 carries a NaN
+                p_rows = slot64 * stride_ps + tok * stride_pt + row_head * stride_ph
+                tl.store(OutPart + p_rows[:, None] + offs_d[None, :], tl.where(s_ok, out, float("nan")),
+                         mask=row_ok[:, None] & d_ok[None, :])
                 tl.store(LsePart + slot64 * stride_lps + tok * stride_lpt + row_head,
-                         tl.where(s_ok | (w_first >= w_end), lse, float("nan")), mask=row_ok)
+                         tl.where(s_ok, lse, float("nan")), mask=row_ok)
     else:
         acc, l_i, m_i, page_bad = attend_range(
             acc, l_i, m_i, page_bad, q, k_src, v_src, tl.maximum(lo, s_lo), tl.minimum(full_lo, s_hi),

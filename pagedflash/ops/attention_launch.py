@@ -82,7 +82,8 @@ def _launch_with_fallback(plan: Plan, args: tuple, kernel) -> None:
             if plan.consts["INVARIANT"]:  # another tile would round other rows otherwise: no fallback
                 raise RuntimeError(f"pagedflash: the batch-invariant tile {cfg} does not compile here "
                                    f"({type(e).__name__}); set PAGEDFLASH_INVARIANT_TILE to another (or, for calls "
-                                   f"of several query rows, PAGEDFLASH_INVARIANT_PREFILL_TILE)") from e
+                                   f"of several query rows, PAGEDFLASH_INVARIANT_PREFILL_TILE; for wide decode "
+                                   f"calls, PAGEDFLASH_INVARIANT_DECODE_TILE)") from e
             safe = dataclasses.replace(cfg, block_n=32, num_warps=4, num_stages=1, tma=False)
             if attempt or (cfg, tma_on) == (safe, False):
                 raise

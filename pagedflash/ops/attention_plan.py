@@ -93,7 +93,8 @@ def _switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_HEAD_SPLIT_KEYS, launch_table.INTERPRET_SPLIT_RULE,
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
-                           launch_table.INVARIANT_SPLIT_WAVES))
+                           launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
+                           launch_table.INVARIANT_DECODE_WAVES))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -201,8 +202,9 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     plan.tma_on = cfg.tma and tma_ok and (not paged or page_size % cfg.block_n == 0)
     plan.grid = (grid_q, hkv * (group // cfg.g_pack), split_programs if split else 1) \
         if tokens > 0 and grid_q > 0 else None
-    plan.part_shapes = (((num_splits, tokens, hq, d), torch.float32), ((num_splits, tokens, hq), torch.float32)) \
-        if split else None
+    # the mode's LSE partials hold one more plane: each row's count of slots (attention._attention_kernel)
+    plan.part_shapes = (((num_splits, tokens, hq, d), torch.float32),
+                        ((num_splits + invariant, tokens, hq), torch.float32)) if split else None
     plan.tokens_per_batch = tokens if varlen_q else q.shape[1]
     plan.ints = (  # the kernel's integer arguments from stride_qb to num_splits (partials contiguous)
         *_bsh(q.stride()), *_bsh(k.stride()), *_bsh(v.stride()), *_bsh(out.stride()), *stride_l,

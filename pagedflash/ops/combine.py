@@ -19,13 +19,12 @@ from pagedflash.ops import _jit, custom_ops, fastlaunch
 from pagedflash.ops.utils import cdiv, next_pow2
 
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
-LSES_PER_LOAD = 1024  # split LSEs the batch-invariant merge scans at once for a row's last non-empty split
 
 
 @triton.jit(do_not_specialize=["tokens_per_batch", "num_splits"])  # vary per call: no recompiles
 def _combine_kernel(
     OutPart,  # [num_splits, tokens, H, D] fp32
-    LsePart,  # [num_splits, tokens, H] fp32
+    LsePart,  # [num_splits, tokens, H] fp32 (INVARIANT: [num_splits + 1, ...], the last plane the rows' counts)
     Out,  # [B, S, H, D] or [tokens, H, D]
     Lse,  # [B, H, S] or [H, tokens] fp32 (WRITE_LSE)
     stride_ps, stride_pt, stride_ph,
@@ -45,12 +44,11 @@ def _combine_kernel(
 
     ``INVARIANT`` (batch-invariant mode): the partials merged one by one, left to right, by
     :func:`pagedflash.ops._jit.merge_weights`, as the attention kernel merges a row's splits when
-    one program computes them all: the same row, the same bits, whatever the split count. The merge
-    stops at the row's last non-empty split (a NaN split is not empty): slots past a row's splits (a
-    graph sized for the longest row) hold only an empty LSE (``-inf``; their partial outputs are not
-    written, so they must never be read), and an empty split inside a row (lse ``±inf``, partial 0)
-    merges as the identity (weights 1 and 0). Its LSEs are scanned ALL_S at a time
-    (:data:`LSES_PER_LOAD` at most: one load up to that many splits)."""
+    one program computes them all: the same row, the same bits, whatever the split count. The row's
+    count of slots is the LSE partials' last plane (``LsePart[num_splits]``, written by the attention
+    kernel): slots past it (a graph sized for the longest row) are never read nor written, and an
+    empty split among the row's (lse ``±inf``, partial 0) merges as the identity (weights 1 and 0),
+    as in the kernel's own fold."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -58,13 +56,9 @@ def _combine_kernel(
     lse_base = LsePart + tok * stride_lpt + head
     b = tok // tokens_per_batch
     t = tok % tokens_per_batch
-    offs_all = tl.arange(0, ALL_S)
     if INVARIANT:
-        used = tl.full([], 0, dtype=tl.int32)  # splits up to the row's last non-empty one, ALL_S LSEs a load
-        for c in range(0, num_splits, ALL_S):
-            offs_c = c + offs_all
-            lse_c = tl.load(lse_base + offs_c.to(tl.int64) * stride_lps, mask=offs_c < num_splits, other=float("-inf"))
-            used = tl.maximum(used, tl.max(tl.where(tl.abs(lse_c) != float("inf"), offs_c + 1, 0), 0))
+        used = tl.load(lse_base + tl.cast(num_splits, tl.int64) * stride_lps).to(tl.int32)  # the row's slots
+        used = tl.minimum(used, num_splits)
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
         for s in range(0, used):
@@ -78,6 +72,7 @@ def _combine_kernel(
         if WRITE_LSE:
             tl.store(Lse + b * stride_lb + head * stride_lh + t * stride_lt, lse)
         return
+    offs_all = tl.arange(0, ALL_S)
     lse_all = tl.load(lse_base + offs_all.to(tl.int64) * stride_lps, mask=offs_all < num_splits, other=float("-inf"))
     lse_all = _jit.empty_if_inf(lse_all)
     m = tl.max(lse_all, 0)
@@ -114,8 +109,9 @@ class CombineLaunch:
 
 
 def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invariant: bool = False) -> CombineLaunch:
-    """The launch that folds split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` into ``out``
-    (and ``lse``), for every call with these tensors' shapes, strides, dtypes and alignment.
+    """The launch that folds split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` (``invariant``:
+    ``[S + 1, tokens, H]``, the last plane each row's count of splits) into ``out`` (and ``lse``), for
+    every call with these tensors' shapes, strides, dtypes and alignment.
 
     ``out`` is ``[B, Sq, H, D]`` with ``tokens_per_batch = Sq`` or ``[tokens, H, D]`` with
     ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None. ``invariant``:
@@ -131,7 +127,7 @@ def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invaria
     plan = CombineLaunch()
     plan.grid = (tokens, heads, 1)
     plan.ints = (*out_part.stride()[:3], *lse_part.stride()[:2], *stride_o, *stride_l, tokens_per_batch, num_splits)
-    all_s = min(next_pow2(num_splits), LSES_PER_LOAD) if invariant else next_pow2(num_splits)
+    all_s = 1 if invariant else next_pow2(num_splits)  # (the mode's merge loads one split at a time)
     plan.consts = dict(ALL_S=all_s, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
                        BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None,
                        INVARIANT=invariant)

@@ -200,15 +200,17 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 # do not change (the invariance tests pass with 128:8:3 on an H100). On a GPU it must keep the tile's rows
 # a warp and its MMA (warps a multiple of 4 with it). Opt-in: 128:8:3 runs slower than the default tile.
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
-# The mode's rows:warps:stages for 16-bit calls with one query row a sequence (decode) and at least
-# INVARIANT_DECODE_WAVES programs (sequences x KV heads) an SM; empty: the tile above for every call. Its
-# keys and its rows a warp stay the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's
-# four warps issue a warpgroup's): that both give a row the same bits is what the compiled invariance
-# tests check (test_rows_equal_with_a_decode_tile; on an H100 fp32, fp16 and bf16 agree). A decode row's
-# query heads fill 4-8 of a tile's rows: 16 rows spend a quarter of the 64-row tile's softmax work, which
-# pays where many programs share the SMs (the 1B engine's 256-request run 5.21 -> 4.89 s) and costs where
-# few stream long rows (its batch-1 step's attention 9.9 -> 14.4 us; docs/performance.md v48).
-INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", "16:1:2")
+# The mode's rows:warps:stages on NVIDIA GPUs for 16-bit calls with one query row a sequence (decode), at
+# least INVARIANT_DECODE_WAVES programs (sequences x KV heads) an SM and a KV group that divides its rows;
+# empty: the tile above for every call. Its keys and its rows a warp stay the tile's, its stages at most
+# the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's four warps issue a warpgroup's):
+# that both give a row the same bits is what the compiled invariance tests check
+# (test_rows_equal_with_a_decode_tile; on an H100 they passed with it on every decode launch, fp32, fp16
+# and bf16). A decode row fills a KV group's rows of a tile: 16 rows do a quarter of the 64-row tile's
+# softmax work, which pays where many programs share the SMs and costs where a few stream long rows
+# (one warp keeps too few loads in flight; docs/performance.md v48).
+INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
+INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 
 
@@ -295,7 +297,7 @@ def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
     every P-th split; no bit depends on P): about :data:`INVARIANT_SPLIT_WAVES` programs on each of
     ``sms`` SMs over the launch's ``programs`` (rows x KV heads), at most one a split. Fewer programs
     than splits keep a graph sized for a long model length from launching one program per split of
-    it at small batch (those past a short row's splits would only write empty LSEs). 1: the launch
+    it at small batch (those past a short row's splits would do nothing). 1: the launch
     does not split (one program folds a row's splits: no partials, no combine)."""
     return max(1, min(num_splits, cdiv(INVARIANT_SPLIT_WAVES * sms, max(programs, 1))))
 
@@ -312,12 +314,16 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     up to D = 128 (:func:`_invariant_tile`); in the mode a tile that does not compile is an error,
     never a fallback to another. The keys and the rows a warp depend only on the model's head size
     and the GPU's ``capability``, never on the lengths, the batch or the GPU's size;
-    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`). ``prefill`` (more than one query row a sequence): the
-    rows, warps and stages of :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the
-    tile's), the same keys (under the interpreter its rows only). ``decode_programs`` (a 16-bit
-    decode launch's sequences x KV heads; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES` x
-    ``sms``: the rows, warps and stages of :data:`INVARIANT_DECODE_TILE` (on a GPU). Which of these
-    runs a row never changes its bits, only its speed."""
+    ``PAGEDFLASH_INVARIANT_TILE`` sets another GPU tile (:data:`INVARIANT_TILE`).
+
+    ``prefill`` (more than one query row a sequence): the rows, warps and stages of
+    :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the tile's; the MMA kind kept
+    too), the same keys (under the interpreter its rows only). ``decode_programs`` (a 16-bit decode
+    launch's sequences x KV heads; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES` x ``sms``
+    on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
+    :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
+    a warp than the tile's is refused on every decode call, taken or not (the default one is left
+    unused). Which of these runs a row never changes its bits, only its speed."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     if prefill and INVARIANT_PREFILL_TILE:
         prefill_rows, prefill_warps, prefill_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_PREFILL_TILE",
@@ -329,14 +335,16 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
                                  f"{INVARIANT_PREFILL_TILE!r}")
             warps, stages = prefill_warps, min(prefill_stages, stages)  # no more stages than the tile holds
         rows = prefill_rows
-    elif (not prefill and INVARIANT_DECODE_TILE and not interpreted and decode_programs > 0
-          and decode_programs >= INVARIANT_DECODE_WAVES * sms):
+    elif not prefill and INVARIANT_DECODE_TILE and not interpreted and capability is not None:
         decode_rows, decode_warps, decode_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_DECODE_TILE",
                                                                       INVARIANT_DECODE_TILE)
-        if decode_rows * warps != rows * decode_warps:
-            raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows a warp, "
-                             f"got {INVARIANT_DECODE_TILE!r}")
-        rows, warps, stages = decode_rows, decode_warps, decode_stages
+        keeps_layout = decode_rows * warps == rows * decode_warps
+        if not keeps_layout and INVARIANT_DECODE_TILE != INVARIANT_DECODE_TILE_DEFAULT:
+            raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows "
+                             f"a warp, got {INVARIANT_DECODE_TILE!r}")
+        if (keeps_layout and decode_programs > 0 and decode_programs >= INVARIANT_DECODE_WAVES * sms
+                and decode_rows % group == 0):
+            rows, warps, stages = decode_rows, decode_warps, min(decode_stages, stages)
     g_pack = group if rows % group == 0 else 1
     return LaunchConfig(block_m=rows, block_n=keys, g_pack=g_pack, num_warps=warps, num_stages=stages)
 
