@@ -316,7 +316,7 @@ def test_warmup_leaves_the_pool_untouched(llama):
     llm = fp32_llm(path, page_size=8, num_blocks=16, max_model_len=64)  # too short for the long prompts' step
     llm.generate(prompts, GREEDY)
     pools = [t.clone() for layer in llm.runner.kv_caches for t in layer]
-    llm.runner.warmup(lengths=(1, 5, 32))  # the GPU's full set (to 256) costs minutes interpreted
+    llm.runner.warmup(lengths=(1, 5, 32))  # the GPU's full set (to 8,192) costs minutes interpreted
     llm.runner._warm_step(5, 3, 1)  # the long prompts' step, in small: several sequences
     after = [t for layer in llm.runner.kv_caches for t in layer]
     assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(pools, after))

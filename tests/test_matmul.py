@@ -150,6 +150,28 @@ def test_decode_tile_rule(monkeypatch, chunk_k):
     assert mm.decode_tile(main, 2048, 2048, torch.bfloat16, DEVICE) == main
 
 
+def test_rows_tile_rule(monkeypatch):
+    """On an H100 (sm90, 132 SMs) calls of more than 64 rows take the widest tile whose tiles reach
+    half the SMs: the 1B shape's o_proj (N = K = 2048) narrows its 64-row tile to 32, 64, then its
+    own 128 columns as the rows grow, then stacks two warpgroups (128 x 128, 128 x 256); gate/up
+    (N = 16,384) is wide enough for 128 x 128 from 65 rows. Row tiles off: the weight's tile."""
+    monkeypatch.setattr(mm, "num_sms", lambda device: 132)
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
+
+    def shape(m, n, k):
+        t = mm.rows_tile(mm.tile(n, k, torch.bfloat16, DEVICE), m, n, k, torch.bfloat16, DEVICE)
+        return t.block_m, t.block_n
+
+    o_proj = {65: (64, 32), 128: (64, 32), 129: (64, 64), 256: (64, 64), 257: (64, 128), 512: (64, 128),
+              513: (128, 128), 1024: (128, 128), 1025: (128, 256), 8192: (128, 256)}
+    assert {m: shape(m, 2048, 2048) for m in o_proj} == o_proj
+    assert shape(65, 16384, 2048) == (128, 128) and shape(257, 16384, 2048) == (128, 256)
+    monkeypatch.setattr(mm, "DECODE_TILES", False)  # no narrowing: the weight's own tile below the tall ones
+    assert shape(65, 2048, 2048) == (64, 128) and shape(1025, 2048, 2048) == (128, 256)
+    tall = mm.tall_tile(mm.tile(40, 48, torch.bfloat16, DEVICE), 40, 48, torch.bfloat16, DEVICE)
+    assert (tall.block_n, tall.block_k) == (64, 64)  # no wider than N and K need (K = 48: 64-deep, padded)
+
+
 @pytest.mark.parametrize("chunk_k", [False, True], ids=["whole_k", "chunked"])
 def test_tall_tile_rule(monkeypatch, chunk_k):
     """On sm90 the 128-row tile stacks two of the weight tile's 64-row warpgroups (128 rows, 8 warps:
@@ -386,8 +408,8 @@ def test_llama_projections(monkeypatch, name, dtype, tiles):
 @pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
 def test_one_compiled_kernel_for_every_m(monkeypatch, decode_tiles):
     """A weight shape no other test uses (K = 520: not a multiple of 16; N = 272 + the case): its
-    first call compiles, no other batch size does (with DECODE_TILES: the first call past BLOCK_M
-    rows compiles the wide tile once)."""
+    first call of each tile compiles, no other batch size of that tile does (with DECODE_TILES, and
+    the default ROW_TILES: 1,000 rows run a 64-column tile, the rows up to 65 the decode tile)."""
     monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
     w = randn(272 + decode_tiles, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]

@@ -1,7 +1,8 @@
 """Where the engine's throughput run spends its device time, batch-invariant mode off and on (issue 32):
 the workload of ``pagedflash bench serve --sections throughput`` (256 requests, prompts 100-1024,
-outputs 100-1024, random 1B Llama weights), run once untimed by the profiler for its wall time, then
-under ``torch.profiler`` with the kernels' self CUDA time grouped by kind (GEMM, attention, norms, ...).
+outputs 100-1024, random 1B Llama weights), run once outside the profiler for its wall time, then
+once more (other tokens) under ``torch.profiler`` with the kernels' self CUDA time grouped by kind
+(GEMM, attention, norms, ...).
 
     python tools/profile_throughput.py [--num-requests N] [--modes off,on] [--top 20]
     python tools/profile_throughput.py --smoke     # a tiny model on the CPU interpreter (checks the script)
@@ -33,7 +34,7 @@ KINDS = (
     ("attention", r"attention|combine|prefill|gluon|_attend"),
     ("norm", r"norm"),
     ("rope", r"rope"),
-    ("cache write", r"cache"),
+    ("cache write", r"cache|write_kv"),
     ("sampling", r"sampl|topk|sort|argmax|softmax|multinomial|exponential|scatter|gather"),
     ("activation", r"silu|act_|swiglu|gelu"),
 )
@@ -73,26 +74,35 @@ class StepTimes:
         """The steps since the last take: their count, median and slowest, as a line."""
         rows, self.rows = self.rows, []
         times = sorted(r[0] for r in rows) or [0.0]
+        slowest = ", ".join(f"({1e3 * t:.1f}, {p}, {n})" for t, p, n in sorted(rows, reverse=True)[:count])
         return (f"  {label}: {len(rows)} steps, median {1e3 * times[len(times) // 2]:.2f} ms; slowest (ms, prompt "
-                f"tokens, rows): " + ", ".join(f"({1e3 * t:.1f}, {p}, {n})" for t, p, n in sorted(rows, reverse=True)[:count]))
+                f"tokens, rows): {slowest}")
+
+
+def check(outputs) -> None:
+    """Every request ran (a refused one would make the run look fast)."""
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed: {failed[0]}")
 
 
 def run_mode(model, invariant: bool, timed, profiled, top: int) -> dict[str, float]:
     """Two workloads of the same sizes (other tokens: the second meets no cached prefix)."""
     llm = LLM(model, max_num_seqs=256, max_num_batched_tokens=8192, batch_invariant=invariant)
     rng = random.Random(1)
-    llm.generate([[rng.randrange(3, 1000) for _ in range(300)]] + [[5, 6, 7]] * 3,
-                 SamplingParams(max_tokens=4, ignore_eos=True))  # compile every shape class
+    warm = llm.generate([[rng.randrange(3, model["vocab_size"]) for _ in range(300)]] + [[5, 6, 7]] * 3,
+                        SamplingParams(max_tokens=4, ignore_eos=True))  # compile every shape class
+    check(warm)
     steps = StepTimes(llm)
     t0 = time.perf_counter()
-    llm.generate(*timed)
+    check(llm.generate(*timed))
     wall = time.perf_counter() - t0
     stats = dict(llm.last_stats)
     timed_steps = steps.take("timed run")
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        llm.generate(*profiled)
+        check(llm.generate(*profiled))
         if gpu:
             torch.cuda.synchronize()
         prof_wall = time.perf_counter() - t0
@@ -125,16 +135,19 @@ def run_mode(model, invariant: bool, timed, profiled, top: int) -> dict[str, flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--modes", default="off,on", help="comma-separated of off, on")
+    p.add_argument("--modes", default="off,on", type=lambda text: text.split(","),
+                   help="comma-separated of off, on")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="a tiny model, 3 short requests (CPU: ops' self CPU time)")
     args = p.parse_args()
+    if not args.modes or not set(args.modes) <= {"off", "on"}:
+        p.error(f"--modes: expected a comma-separated list of off and on, got {','.join(args.modes)!r}")
     model, n, sizes = (TINY_LLAMA, 3, (4, 12)) if args.smoke else (LLAMA_3_2_1B, args.num_requests, (100, 1024))
     timed, profiled = (workload(n, model["vocab_size"], seed, sizes) for seed in (0, 1))
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"{n} requests, {sum(map(len, timed[0]))} prompt tokens, {sum(s.max_tokens for s in timed[1])} output "
           f"tokens; {where}")
-    got = {m: run_mode(model, m == "on", timed, profiled, args.top) for m in args.modes.split(",")}
+    got = {m: run_mode(model, m == "on", timed, profiled, args.top) for m in args.modes}
     if len(got) == 2:
         off, on = got["off"], got["on"]
         print("\n== mode on - off, ms (and on / off) by kind")

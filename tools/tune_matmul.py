@@ -108,7 +108,8 @@ def fits(t: mm.Tile, n: int, k: int) -> bool:
 
 
 def name(t: mm.Tile) -> str:
-    return (f"bm{t.block_m} " if t.block_m != mm.BLOCK_M else "") + f"bn{t.block_n} bk{t.block_k} w{t.warps} s{t.stages}" + (f" chunks {t.chunk_k}" if t.chunk_k else "")
+    rows = f"bm{t.block_m} " if t.block_m != mm.BLOCK_M else ""
+    return rows + f"bn{t.block_n} bk{t.block_k} w{t.warps} s{t.stages}" + (f" chunks {t.chunk_k}" if t.chunk_k else "")
 
 
 def rule_form(t: mm.Tile) -> str:
@@ -144,7 +145,8 @@ def invariant(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def with_tile(t: mm.Tile | None, fn, *args):
-    """``fn(*args)`` with every M on tile ``t`` (decode tiles off: a candidate is timed as itself)."""
+    """``fn(*args)`` with every M on tile ``t`` (decode and row tiles off: a candidate is timed as
+    itself)."""
     saved, mm.TILE, mm.DECODE_TILES, mm.ROW_TILES = (mm.DECODE_TILES, mm.ROW_TILES), t, False, False
     try:
         return fn(*args)

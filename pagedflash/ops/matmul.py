@@ -27,21 +27,20 @@ summed in different orders, and greedy decoding then depends on what else is ser
 - ``M`` is not specialized (``do_not_specialize``): one compiled kernel a tile, whatever the batch
   size (a weight has up to six tiles over M = 1..8192; the engine's warm-up compiles them), no
   recompilation as a serving loop's batch changes. ``N`` and ``K`` are (they are fixed per layer).
-- with :data:`DECODE_TILES` (on by default), calls of at most ``BLOCK_M``
-  rows (decode) run :func:`decode_tile`: the same tile with fewer columns (and, at 16 columns, deeper
-  K steps), so that a narrow layer's column tiles fill the SMs at M = 1; with :data:`ROW_TILES`
-  (on by default), calls of more rows run :func:`rows_tile`: 128 rows of two warpgroups where
-  their tiles reach half the SMs, else the weight's tile narrowed as decode tiles are, for its row
-  tiles too. What orders a row's sum stays: the MMA instruction a warpgroup issues and the K
-  chunks. An MMA
+- with :data:`DECODE_TILES` (on by default), calls of at most ``BLOCK_M`` rows (decode) run
+  :func:`decode_tile`: the same tile with fewer columns (and, at 16 columns, deeper K steps), so
+  that a narrow layer's column tiles fill the SMs at M = 1; with :data:`ROW_TILES` (on by
+  default), calls of more rows run :func:`rows_tile`: 128 rows of two warpgroups where their tiles
+  reach half the SMs, else the weight's tile narrowed as decode tiles are, for its row tiles too.
+  What orders a row's sum stays: the MMA instruction a warpgroup issues and the K chunks. An MMA
   computes each output element from its row, its column and its accumulator alone, in 16-deep K
-  steps chained in increasing K through one accumulator, so neither the tile's width nor its
-  ``BLOCK_K`` (a multiple of 16) enters the element's bits; ``tools/tune_matmul.py`` checks that on
-  the device (every timed tile's output against the first's, bit for bit: on an H100 all 32 swept
-  tiles, 16-256 columns, 64-256-deep K steps, 4 and 8 warps, agreed on every weight,
+  steps chained in increasing K through one accumulator, so neither the tile's width, its rows nor
+  its ``BLOCK_K`` (a multiple of 16) enter the element's bits; ``tools/tune_matmul.py`` checks that
+  on the device (every timed tile's output against the first's, bit for bit: on an H100 all 32
+  swept tiles, 16-256 columns, 64-256-deep K steps, 4 and 8 warps, agreed on every weight,
   docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
-  across the tiles (under the
-  interpreter with a dot that chains 16-deep steps, :func:`pagedflash.testing.row_exact_interpreter_dot`).
+  across the tiles (under the interpreter with a dot that chains 16-deep steps,
+  :func:`pagedflash.testing.row_exact_interpreter_dot`).
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -175,8 +174,8 @@ def _fold_kernel(Part, Bias, Out, M, N, num_chunks, stride_om, HAS_BIAS: tl.cons
 
 
 class Tile(NamedTuple):
-    """The launch configuration of an ``[N, K]`` weight: every ``M`` runs it (with
-    :data:`DECODE_TILES`, every ``M`` above ``block_m``)."""
+    """The launch configuration of an ``[N, K]`` weight (:func:`tile`), and of a call's rows
+    (:func:`decode_tile`, :func:`rows_tile`: the same MMA instruction, other columns, K steps, rows)."""
 
     block_m: int
     block_n: int
@@ -187,7 +186,7 @@ class Tile(NamedTuple):
     chunk_k: int = 0  # K in fixed chunks of this many (a multiple of block_k), summed in order; 0: one
 
 
-BLOCK_M = 64  # every M: the smallest wgmma tile on sm90 (with 4 warps), so the instruction never changes
+BLOCK_M = 64  # a weight's tile: the smallest wgmma tile on sm90 (4 warps); row tiles stack two
 TILE: Tile | None = None  # forced tile (tests, tuning); part of every plan's key
 # K in fixed chunks where the column tiles alone leave SMs idle (chunk_k of tile()); off by default, as
 # measured (module doc; PAGEDFLASH_MATMUL_CHUNK_K=1, or tune_matmul.py --chunk-k); part of every plan's key
@@ -195,7 +194,7 @@ CHUNK_K = os.environ.get("PAGEDFLASH_MATMUL_CHUNK_K", "0") == "1"
 # calls of at most BLOCK_M rows run decode_tile()'s narrower columns (module doc); on by default
 # (PAGEDFLASH_MATMUL_DECODE_TILES=0 turns it off); part of every plan's key
 DECODE_TILES = os.environ.get("PAGEDFLASH_MATMUL_DECODE_TILES", "1") != "0"
-DECODE_TILE: Tile | None = None  # forced decode tile (tests, tuning); part of every plan's key
+DECODE_TILE: Tile | None = None  # forced decode tile (also rows_tile's narrowed one); part of every plan's key
 # calls of more than BLOCK_M rows run rows_tile() (module doc); on by default
 # (PAGEDFLASH_MATMUL_ROW_TILES=0 turns it off); part of every plan's key
 ROW_TILES = os.environ.get("PAGEDFLASH_MATMUL_ROW_TILES", "1") != "0"
@@ -292,7 +291,8 @@ def rows_tile(main: Tile, m: int, n: int, k: int, dtype: torch.dtype, device: to
 def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device, block_n: int = 256) -> Tile:
     """A tile for calls of many rows (:func:`rows_tile`): two warpgroups of ``main``'s 64-row wgmma
     stacked along M (128 rows, 8 warps), ``block_n`` columns (fewer where ``N`` needs fewer) by
-    64-deep K steps, as many stages (up to 4) as sm90's shared memory holds: a row's sum has the same
+    64-deep K steps (fewer where ``K`` needs fewer; ``main`` itself where they would cross its K
+    chunks), as many stages (up to 4) as sm90's shared memory holds: a row's sum has the same
     16-deep MMA steps in the same order as under ``main`` (module doc), with twice the rows a weight
     tile is read for. ``chunk_k`` and ``group_m`` are ``main``'s. Only on sm90 in 16-bit (elsewhere
     ``main``). :data:`TALL_TILE` overrides it."""
@@ -304,7 +304,10 @@ def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.devi
     capability = nvidia_capability(device)
     if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
         return main
-    block_m, block_n, block_k = 2 * main.block_m, max(16, min(block_n, next_pow2(n))), 64
+    block_m, block_n = 2 * main.block_m, max(16, min(block_n, next_pow2(n)))
+    block_k = max(16, min(64, next_pow2(k)))
+    if main.chunk_k % block_k:  # its K steps would cross the chunks
+        return main
     stages = min(4, SMEM_SM90 // ((block_m + block_n) * block_k * 2))
     return main._replace(block_m=block_m, block_n=block_n, block_k=block_k, warps=8, stages=stages)
 
@@ -389,7 +392,7 @@ _PLANS = PlanCache()
 def plan_key(x, weight, bias, out) -> tuple | None:
     """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
     return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
-                                                       TALL_TILE))
+                                                       TALL_TILE, TALL_FILL))
 
 
 def _launch(x, weight, bias, out) -> None:
