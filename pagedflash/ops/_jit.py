@@ -65,6 +65,22 @@ def online_softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
+def online_softmax_step_scaled(m_i, l_i, acc, s, scale):
+    """:func:`online_softmax_step` of the scores ``s * scale`` (``scale > 0``; masked entries of ``s``
+    ``-inf``), computed so that an entry's bits do not depend on the code around it: the row max of
+    ``s`` scaled once (rounding is monotonic, so it is the max of the scaled scores) and each
+    probability ``exp2(fma(s, scale, -max))``, one explicit fused multiply-add, which a compiler
+    neither splits nor forms differently in a masked and an unmasked tile."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
 def add_sink(m_i, l_i, acc, sink):
     """Fold one extra logit per row, ``sink`` ``[M]`` (log2 domain; ``-inf`` adds nothing), into the
     running state: it joins the softmax denominator and carries no value (attention sinks). A row

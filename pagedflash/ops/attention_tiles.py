@@ -77,6 +77,7 @@ def attend_range(
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, FP8_CVT: tl.constexpr,
+    EXACT: tl.constexpr = False,
 ):
     """Fold key tiles ``[lo, hi)`` (lo tile-aligned) into the running softmax state. K and V are
     pointers, or (``USE_TMA``) tensor descriptors: over this sequence's ``[seqlen_k, D]`` rows, whose
@@ -85,7 +86,12 @@ def attend_range(
     tiles zero the values of slots past the sequence (their keys are masked by the scores).
 
     ``page_bad`` (paged) accumulates whether a page id fetched was outside the pool (read as page 0
-    instead): a scalar, or ``[BLOCK_N]`` when tiles span pages; per tile one compare and one OR."""
+    instead): a scalar, or ``[BLOCK_N]`` when tiles span pages; per tile one compare and one OR.
+
+    ``EXACT`` (the batch-invariant mode): a visible key's probability gets the same bits from a masked
+    and an unmasked tile: the mask goes on the raw scores, the row max is scaled once after it (a
+    rounding is monotonic: the same max), and ``exp2(fma(s, scale, -max))`` is explicit, where the
+    compiler would otherwise fuse the unmasked tile's scale and subtraction but not the masked one's."""
     if PAGED:  # the table entries of the first tile; each step fetches the next tile's ahead of use
         blk_next, bad = pages(BlockTable, b, stride_tb, lo, seqlen_k, offs_n, num_blocks, PAGE_SIZE, BLOCK_N)
         page_bad = page_bad | bad
@@ -113,15 +119,26 @@ def attend_range(
             else:
                 k = tl.load(K + k_off[:, None] + offs_d[None, :])
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        if HAS_SOFTCAP:
-            s = _jit.soft_cap(s * sm_scale, softcap) * LOG2E
+        if EXACT:
+            scale = qk_scale
+            if HAS_SOFTCAP:
+                s = _jit.soft_cap(s * sm_scale, softcap)
+                scale = LOG2E
+            if MASKED:
+                ok = _jit.visible(q_pos[:, None], pos[None, :], seqlen_k, delta, window_left, window_right,
+                                  HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, NEG_INF)
+            m_i, l_i, acc, p = _jit.online_softmax_step_scaled(m_i, l_i, acc, s, scale)
         else:
-            s = s * qk_scale
-        if MASKED:
-            ok = _jit.visible(q_pos[:, None], pos[None, :], seqlen_k, delta, window_left, window_right,
-                              HAS_LEFT, HAS_RIGHT)
-            s = tl.where(ok, s, NEG_INF)
-        m_i, l_i, acc, p = _jit.online_softmax_step(m_i, l_i, acc, s)
+            if HAS_SOFTCAP:
+                s = _jit.soft_cap(s * sm_scale, softcap) * LOG2E
+            else:
+                s = s * qk_scale
+            if MASKED:
+                ok = _jit.visible(q_pos[:, None], pos[None, :], seqlen_k, delta, window_left, window_right,
+                                  HAS_LEFT, HAS_RIGHT)
+                s = tl.where(ok, s, NEG_INF)
+            m_i, l_i, acc, p = _jit.online_softmax_step(m_i, l_i, acc, s)
         if USE_TMA:
             v = V.load([row, 0])
             if PAGED and MASKED:  # slots of the last page past the sequence hold stale values

@@ -209,6 +209,11 @@ INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 # and bf16). A decode row fills a KV group's rows of a tile: 16 rows do a quarter of the 64-row tile's
 # softmax work, which pays where many programs share the SMs and costs where a few stream long rows
 # (one warp keeps too few loads in flight; docs/performance.md v48).
+# The mode's key tiles that every row of a program sees go through the attention loop's unmasked form
+# (PAGEDFLASH_INVARIANT_UNMASKED=1; off: every tile masked). Its scores are masked, scaled and exponentiated
+# so that a key gets the same bits from either form (attention_tiles.attend_range's EXACT): opt-in until
+# the compiled invariance tests and the mode's cost have run with it (docs/performance.md v48).
+INVARIANT_UNMASKED = os.environ.get("PAGEDFLASH_INVARIANT_UNMASKED", "0") == "1"
 INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
