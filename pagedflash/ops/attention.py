@@ -308,32 +308,18 @@ def _attention_kernel(
                 acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 c_lo = tl.maximum(lo, split_start(c, SPLIT_N, HEAD_N, HEAD_KEYS))
                 c_hi = tl.minimum(hi, split_start(c + 1, SPLIT_N, HEAD_N, HEAD_KEYS))
-                if INVARIANT == 2:  # the split's tiles visible to every row unmasked (the same bits: EXACT)
-                    mid_lo = tl.minimum(tl.maximum(full_lo, c_lo), c_hi)
-                    mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, c_hi))
-                else:  # every tile masked
-                    mid_lo = c_hi
-                    mid_hi = c_hi
-                acc_c, l_c, m_c, page_bad = attend_range(
-                    acc_c, l_c, m_c, page_bad, q, k_src, v_src, c_lo, mid_lo,
-                    b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-                    BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-                    d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N, DOT_PRECISION,
-                    USE_TMA, FP8_CVT, True,
-                )
-                if INVARIANT == 2:
+                # INVARIANT 2: [c_lo, mid_lo) masked, [mid_lo, mid_hi) (every row sees it) unmasked,
+                # [mid_hi, c_hi) masked; 1: [c_lo, c_hi) masked
+                mid_lo = tl.minimum(tl.maximum(full_lo, c_lo), c_hi)
+                mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, c_hi))
+                for part in tl.static_range(3 if INVARIANT == 2 else 1):
                     acc_c, l_c, m_c, page_bad = attend_range(
-                        acc_c, l_c, m_c, page_bad, q, k_src, v_src, mid_lo, mid_hi,
+                        acc_c, l_c, m_c, page_bad, q, k_src, v_src,
+                        c_lo if part == 0 else (mid_lo if part == 1 else mid_hi),
+                        (mid_lo if INVARIANT == 2 else c_hi) if part == 0 else (mid_hi if part == 1 else c_hi),
                         b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
                         BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-                        d_ok, False, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N,
-                        DOT_PRECISION, USE_TMA, FP8_CVT, True,
-                    )
-                    acc_c, l_c, m_c, page_bad = attend_range(
-                        acc_c, l_c, m_c, page_bad, q, k_src, v_src, mid_hi, c_hi,
-                        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-                        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-                        d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N,
+                        d_ok, part != 1, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N,
                         DOT_PRECISION, USE_TMA, FP8_CVT, True,
                     )
                 o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
