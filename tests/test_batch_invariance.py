@@ -547,6 +547,9 @@ def test_combine_merges_the_rows_count_of_splits():
     assert torch.equal(out[2:3], alone_out) and torch.equal(lse[:, 2:3], alone_lse)
     assert torch.isnan(out[3]).all() and torch.isnan(lse[:, 3]).all()
     assert torch.equal(out[0, 1], torch.zeros(d, device=DEVICE)) and lse[1, 0] == float("-inf")
+    unwritten = torch.full((tokens, heads), float("nan"), device=DEVICE)  # no count: NaN rows, not zeros
+    assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, unwritten))
+    assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, torch.zeros(tokens, heads, device=DEVICE)))
 
 
 def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():

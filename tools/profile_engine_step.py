@@ -5,9 +5,9 @@
 ``--batch-invariant``: the engine in batch-invariant mode (issue 32: which kernels make its step
 slower than the mode-off one; run both in one call to compare).
 """
+import argparse
 import random
 import statistics
-import sys
 import time
 
 import torch
@@ -16,17 +16,18 @@ from torch.profiler import ProfilerActivity, profile
 from pagedflash.bench.common import time_ms
 from pagedflash.engine import LLM, SamplingParams
 from pagedflash.engine.config import LLAMA_3_2_1B
+from pagedflash.engine.runner import GRAPH_BATCH_SIZES
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--batch-invariant"]
-    invariant = "--batch-invariant" in sys.argv[1:]
-    batch = 1
-    if "--batch" in args:
-        i = args.index("--batch")
-        batch = int(args[i + 1])
-        del args[i:i + 2]
-    ctx = int(args[0]) if args else 1024
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("context", type=int, nargs="?", default=1024, help="prompt tokens of each request")
+    p.add_argument("--batch", type=int, default=1, help=f"requests decoding together (1-{GRAPH_BATCH_SIZES[-1]})")
+    p.add_argument("--batch-invariant", action="store_true", help="the engine in batch-invariant mode")
+    args = p.parse_args()
+    if not 1 <= args.batch <= GRAPH_BATCH_SIZES[-1]:
+        p.error(f"--batch: expected 1 to {GRAPH_BATCH_SIZES[-1]} (the largest decode graph), got {args.batch}")
+    ctx, batch, invariant = args.context, args.batch, args.batch_invariant
     rng = random.Random(0)
     llm = LLM(LLAMA_3_2_1B, max_num_seqs=max(64, batch), batch_invariant=invariant)  # seeded random weights
     print(f"batch-invariant mode {'on' if invariant else 'off'}, batch {batch}")

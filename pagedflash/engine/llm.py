@@ -322,8 +322,8 @@ class LLM:
                 bar.close()
         elapsed = time.perf_counter() - start
         for out in outputs:
-            if self.tokenizer is not None and out.finish_reason != "error":
-                out.text = self.tokenizer.decode(out.token_ids)
+            if self.tokenizer is not None and out.finish_reason != "error":  # the ending stop id not written
+                out.text = self.tokenizer.decode(out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids)
         ok = [o for o in outputs if o.finish_reason != "error"]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in ok)
         output_tokens = sum(len(o.token_ids) for o in ok)

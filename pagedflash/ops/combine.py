@@ -57,8 +57,8 @@ def _combine_kernel(
     b = tok // tokens_per_batch
     t = tok % tokens_per_batch
     if INVARIANT:
-        used = tl.load(lse_base + tl.cast(num_splits, tl.int64) * stride_lps).to(tl.int32)  # the row's slots
-        used = tl.minimum(used, num_splits)
+        count = tl.load(lse_base + tl.cast(num_splits, tl.int64) * stride_lps)  # the row's slots, at least 1
+        used = tl.minimum(tl.where(count >= 1.0, count, 0.0).to(tl.int32), num_splits)
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
         for s in range(0, used):
@@ -67,6 +67,8 @@ def _combine_kernel(
             o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s64 * stride_ps + offs_d, mask=d_ok, other=0.0)
             w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
             out = tl.fma(out, w_a, o_s * w_b)
+        out = tl.where(used >= 1, out, float("nan"))  # no count written: a NaN, never a plausible 0
+        lse = tl.where(used >= 1, lse, float("nan"))
         tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
                  mask=d_ok)
         if WRITE_LSE:

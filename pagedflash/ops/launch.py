@@ -205,18 +205,17 @@ INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 # empty: the tile above for every call. Its keys and its rows a warp stay the tile's, its stages at most
 # the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's four warps issue a warpgroup's):
 # that both give a row the same bits is what the compiled invariance tests check
-# (test_rows_equal_with_a_decode_tile; on an H100 they passed with it on every decode launch, fp32, fp16
-# and bf16). A decode row fills a KV group's rows of a tile: 16 rows do a quarter of the 64-row tile's
-# softmax work, which pays where many programs share the SMs and costs where a few stream long rows
-# (one warp keeps too few loads in flight; docs/performance.md v48).
-# The mode's key tiles that every row of a program sees go through the attention loop's unmasked form
-# (PAGEDFLASH_INVARIANT_UNMASKED=1; off: every tile masked). Its scores are masked, scaled and exponentiated
-# so that a key gets the same bits from either form (attention_tiles.attend_range's EXACT): opt-in until
-# the compiled invariance tests and the mode's cost have run with it (docs/performance.md v48).
-INVARIANT_UNMASKED = os.environ.get("PAGEDFLASH_INVARIANT_UNMASKED", "0") == "1"
+# (test_rows_equal_with_a_decode_tile). A decode row fills a KV group's rows of a tile: 16 rows do a
+# quarter of the 64-row tile's softmax work, which pays where many programs share the SMs and costs where
+# a few stream long rows (one warp keeps too few loads in flight; docs/performance.md v48).
 INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
+# PAGEDFLASH_INVARIANT_UNMASKED=1: the mode's key tiles that every row of a program sees go through the
+# attention loop's unmasked form (off: every tile masked). The mode's scores are masked, scaled and
+# exponentiated so that a key gets the same bits from either form (attention_tiles.attend_range's EXACT);
+# off by default (docs/performance.md v48 says what it awaits).
+INVARIANT_UNMASKED = os.environ.get("PAGEDFLASH_INVARIANT_UNMASKED", "0") == "1"
 
 
 BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
@@ -327,8 +326,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     launch's sequences x KV heads; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES` x ``sms``
     on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
     :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
-    a warp than the tile's is refused on every decode call, taken or not (the default one is left
-    unused). Which of these runs a row never changes its bits, only its speed."""
+    a warp than the tile's is refused on every call that does not take the prefill tile, whether it
+    would take the decode tile or not (the default one is left unused). Which of these runs a row never changes its bits, only its speed."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     if prefill and INVARIANT_PREFILL_TILE:
         prefill_rows, prefill_warps, prefill_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_PREFILL_TILE",

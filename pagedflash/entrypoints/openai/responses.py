@@ -51,7 +51,8 @@ def chat_logprobs(tokenizer: TextTokenizer, entries, k: int) -> p.ChatLogprobs:
     """Chat's format: each token with its logprob and bytes, and the ``k`` most likely at its position.
     ``bytes``: the token's own (:meth:`.TextTokenizer.token_bytes`; a token holding part of a multi-byte
     character has that part's bytes, its ``token`` text U+FFFD), so the ``bytes`` of a reply's tokens
-    join into its content's UTF-8."""
+    join into its content's UTF-8, but for the tokens its text leaves out (the ending stop id, skipped
+    special tokens)."""
     def one(cls, token, logprob, **extra):
         return cls(token=tokenizer.token_text(token), logprob=logprob, bytes=list(tokenizer.token_bytes(token)),
                    **extra)

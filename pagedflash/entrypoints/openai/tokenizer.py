@@ -7,8 +7,9 @@ them (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``bos_t
 ``add_generation_prompt``).
 
 :class:`IncrementalDetokenizer` turns a stream of token ids into text deltas that never end inside a
-multi-byte character and whose concatenation equals ``decode`` of all the ids; it also cuts the text
-at the first ``stop`` string (the match is not returned).
+multi-byte character and whose concatenation equals ``decode`` of the ids written (an ending stop id
+is counted, not written; special tokens skipped or kept); it also cuts the text at the first ``stop``
+string (the match is not returned).
 """
 
 from __future__ import annotations
