@@ -171,7 +171,7 @@ def test_graph_split_bytes_are_the_capture_bodies_partials(monkeypatch):
     rule = SplitRule(*INTERPRET_SPLIT_RULE)
     splits = rule.count(CONFIG["max_position_embeddings"])
     assert splits == 10
-    assert sizes == {bs: splits * bs * heads * (dim + 1) * 4 for bs in sizes}
+    assert sizes == {bs: (splits * (dim + 1) + 1) * bs * heads * 4 for bs in sizes}  # + the rows' split counts
     assert graph_split_bytes(rank.model, spec, num_sms(spec.device)) == sum(sizes.values()) + max(sizes.values())
     for off in (dict(batch_invariant=False, cuda_graphs=True), dict(batch_invariant=True, cuda_graphs=False),
                 dict(batch_invariant=True, cuda_graphs=True, max_model_len=rule.head_split),  # one split

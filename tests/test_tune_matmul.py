@@ -86,7 +86,8 @@ def test_smoke_decode_objective_end_to_end(tmp_path, capsys):
     for line, label in zip(summary[1:6], ("qkv 128x64 x2", "o_proj 64x64 x2", "gate_up 256x64 x2",
                                           "down 64x128 x2", "lm_head 512x64 x1")):
         assert line.startswith(f"{label}: current bn64 bk64 w4 s2 ") and "; best bn" in line
-        assert line.count("[1:") == 2 and line.count(" | 70:") == 2  # decode rows, then the prefill row
+        assert line.count("[1:") == 3 and line.count(" | 70:") == 2  # decode rows, then the prefill row
+        assert "; rule [1:" in line and " 70:" in line.split("; rule ")[1]  # matmul's own choice per M
     assert summary[6].startswith("decode step us (weights x per step): M=1: cuBLAS ") and "M=8:" in summary[6]
     assert "M=70" not in summary[6]
     assert summary[7].startswith("suggested rule (llama-3.2-1b): ") and "Tile(64, " in summary[7]
