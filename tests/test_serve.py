@@ -230,6 +230,16 @@ def test_special_tokens_in_the_text(server):
     assert "".join(c.choices[0].text for c in streamed) == written
     out = client.completions.create(**body, extra_body={**keep, "stop_token_ids": [1]})
     assert (out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens) == ("", "stop", 1)
+    # vLLM's include_stop_str_in_output: the ending stop id written, a matched stop string kept
+    include = {**keep, "stop_token_ids": [1], "include_stop_str_in_output": True}
+    out = client.completions.create(**body, extra_body=include)
+    assert (out.choices[0].text, out.usage.completion_tokens) == (written[:len(written) // 3], 1)
+    base = client.completions.create(model=MODEL, prompt=[5, 17, 42], max_tokens=6, temperature=0).choices[0].text
+    stop = next((base[i:i + 2] for i in range(1, len(base) - 1) if "\ufffd" not in base[i:i + 2]), None)
+    if stop is not None:
+        out = client.completions.create(model=MODEL, prompt=[5, 17, 42], max_tokens=6, temperature=0, stop=[stop],
+                                        extra_body={"include_stop_str_in_output": True})
+        assert out.choices[0].text == base[:base.find(stop) + 2] and out.choices[0].finish_reason == "stop"
 
 
 def test_logprobs_completions_and_chat(server):

@@ -145,3 +145,17 @@ def test_special_tokens_are_left_out_or_written(tok):
     detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
     text = detok.push(ids) + detok.push([1, 2], ends_on_stop_id=True) + detok.finish()
     assert text == tok.decode(ids + [1], skip_special_tokens=False) and detok.num_tokens == len(ids) + 2
+
+
+def test_include_stop_keeps_the_match(tok):
+    """``include_stop`` (vLLM's ``include_stop_str_in_output``): the text runs to the end of the
+    first match, streamed or whole."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    cut = TEXT.index("wörld")
+    for stop, end in ((["wörld"], cut + 5), (["llo", "wörld"], TEXT.index("llo") + 3)):
+        for chunk in (1, 4):
+            detok = IncrementalDetokenizer(tok, stop, include_stop=True)
+            text = "".join(detok.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + detok.finish()
+            assert text == TEXT[:end] and detok.stopped, (stop, chunk, text)
+    _, deltas = stream(tok, ids, ["wörld"])
+    assert "".join(deltas) == TEXT[:cut]  # without it: cut before the match

@@ -256,7 +256,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         gen = serving.Generation(state, prompts, params, serving.stop_strings(body),
                                  keep_output=not serving.echo_only(body), structured_field=serving.structured_field(body),
                                  timeline=stamps and {**stamps, "stream": body.stream},
-                                 skip_special_tokens=body.skip_special_tokens)
+                                 skip_special_tokens=body.skip_special_tokens,
+                                 include_stop=body.include_stop_str_in_output)
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -279,7 +280,8 @@ def build_app(state: ServerState, *, api_key: str | None = None):
         gen = serving.Generation(state, [prompt], params, serving.stop_strings(body),
                                  structured_field="tools" if constraint else serving.structured_field(body),
                                  timeline=stamps and {**stamps, "stream": body.stream},
-                                 skip_special_tokens=body.skip_special_tokens and plan.mode != "auto")
+                                 skip_special_tokens=body.skip_special_tokens and plan.mode != "auto",
+                                 include_stop=body.include_stop_str_in_output)
         await gen.start()
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage

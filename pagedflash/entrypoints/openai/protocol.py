@@ -2,7 +2,7 @@
 
 Requests: the fields OpenAI defines plus vLLM's extensions that load generators send (``top_k``,
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``structured_outputs``).
+``include_stop_str_in_output``, ``structured_outputs``).
 Unknown fields are ignored, as OpenAI and vLLM do; fields the server cannot honour (``suffix``,
 ``best_of``) are listed by :func:`unsupported_field`, which the handlers turn into a 400 naming the
 field. Chat's ``tools`` and ``tool_choice``: :mod:`.tools`. ``response_format`` (``json_object``,
@@ -92,6 +92,7 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True  # vLLM's: special tokens (BOS, markers) left out of the text
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the matched stop string or ending stop id written
     n: StrictInt | None = None  # choices per prompt; None: 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

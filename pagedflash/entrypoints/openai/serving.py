@@ -320,19 +320,21 @@ class Generation:
     a timeline; :meth:`deltas` completes each choice's and writes them when it ends.
     structured_field: the request field whose constraint the engine compiles (its refusal names it).
     skip_special_tokens: special tokens' text left out of the choices' text (True) or written; the
-    EOS or stop id that ends a choice is never written (counted in its tokens)."""
+    EOS or stop id that ends a choice is counted in its tokens, not written but with ``include_stop``
+    (which also keeps a matched stop string)."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list[SamplingParams], stop: list[str], *,
                  keep_output: bool = True, timeline: dict | None = None, structured_field: str = "structured_outputs",
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.state, self.prompts, self.params, self.n = state, prompts, params[0], len(params)
         self.structured_field = structured_field
         self.keep_output = keep_output
         self.sequences = [ids for ids in prompts for _ in params]  # by choice index
         self.sequence_params = [one for _ in prompts for one in params]  # by choice index
         count = len(self.sequences)
-        self.detok = [IncrementalDetokenizer(state.tokenizer, stop, skip_special_tokens=skip_special_tokens)
-                      for _ in range(count)]
+        self.include_stop = include_stop
+        self.detok = [IncrementalDetokenizer(state.tokenizer, stop, skip_special_tokens=skip_special_tokens,
+                                             include_stop=include_stop) for _ in range(count)]
         self.finish_reason: list[str | None] = [None] * count
         self.num_cached = [0] * count
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -381,7 +383,8 @@ class Generation:
                 detok = self.detok[i]
                 self.num_cached[i] = num_cached
                 taken = detok.num_tokens
-                text = detok.push(new_ids, ends_on_stop_id=reason == "stop")  # the engine stops on ids only
+                # the engine stops on ids only: its "stop" ends on one
+                text = detok.push(new_ids, ends_on_stop_id=reason == "stop" and not self.include_stop)
                 taken = detok.num_tokens - taken  # fewer than new_ids when a stop string matched
                 logprobs = None if new_logprobs is None else list(zip(new_ids[:taken], new_logprobs[:taken]))
                 if detok.stopped:

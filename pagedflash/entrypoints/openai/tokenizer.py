@@ -229,15 +229,16 @@ class IncrementalDetokenizer:
     a window's first token cancels out), and returns the new characters unless they end in U+FFFD, the mark of a multi-byte
     character still incomplete; those are returned once its last byte arrives. :meth:`finish`
     returns what the full decode has beyond the deltas. ``stop`` strings: the text is cut before
-    the first match (``stopped`` is set), and while the request runs the last ``max(len) - 1``
-    characters are held back, as they may be the start of a match. ``skip_special_tokens``: special
-    tokens' text left out (True) or written (False).
+    the first match (after it with ``include_stop``; ``stopped`` is set), and while the request runs
+    the last ``max(len) - 1`` characters are held back, as they may be the start of a match.
+    ``skip_special_tokens``: special tokens' text left out (True) or written (False).
     """
 
     def __init__(self, tokenizer: TextTokenizer, stop: list[str] | tuple[str, ...] = (), *,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -282,9 +283,10 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         start = max(0, len(self.text) - self._hold)  # a match that uses the new characters starts here or later
         self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            first, minus_len = min(hits)  # the earliest match, the longest of those starting there
+            self.text = self.text[:first - minus_len if self.include_stop else first]
             self.stopped = True
 
     def _take(self, *, final: bool) -> str:
