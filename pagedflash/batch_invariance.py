@@ -9,9 +9,9 @@ decode launches and the opt-in prefill tile change how many rows and warps share
 row's layout), keys in splits at fixed absolute key positions (:class:`pagedflash.ops.launch.SplitRule`:
 a row's first 4,096 keys in splits of 256, then splits of 2,048), each split's state computed by the
 same masked loop (or, opt-in, its tiles every row sees by the unmasked one with the same bits), and
-the splits merged left to right in one order, by the kernel itself (one
-program per row) or by the combine (programs sharing a row's splits, a partial state each). The
-Hopper Gluon prefill is not used in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
+the splits merged left to right in one order, by the kernel itself (one program per row) or by the
+combine (programs sharing a row's splits, a partial state each). The Hopper Gluon prefill is not used
+in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
 
 The switch: an argument of each entry point (``batch_invariant=True``), else the process-wide
 default set here (:func:`set_batch_invariant`, the :func:`batch_invariant` context manager, or the

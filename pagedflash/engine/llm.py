@@ -323,7 +323,8 @@ class LLM:
         elapsed = time.perf_counter() - start
         for out in outputs:
             if self.tokenizer is not None and out.finish_reason != "error":  # the ending stop id not written
-                out.text = self.tokenizer.decode(out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids)
+                written = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+                out.text = self.tokenizer.decode(written)
         ok = [o for o in outputs if o.finish_reason != "error"]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in ok)
         output_tokens = sum(len(o.token_ids) for o in ok)

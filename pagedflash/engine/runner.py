@@ -291,8 +291,8 @@ class ModelRunner:
         forward per chunk length of ``lengths`` (powers of two to 8,192, which meet every tile of
         the 1B, 8B and Qwen3-1.7B shapes' projections; at most the step budget and the model
         length), split and not, then one of :data:`LONG_STEP` rows in chunks of :data:`LONG_ROWS`
-        (as many as the step budget and ``max_num_seqs`` allow). Their K/V writes go nowhere (slot -1) and their pages
-        are page 0, read only."""
+        (as many as the step budget and ``max_num_seqs`` allow). Their K/V writes go nowhere (slot
+        -1) and their pages are page 0, read only."""
         with validate.value_checks(False):
             for q_len in sorted({min(n, self.max_model_len, self.max_num_batched_tokens) for n in lengths}):
                 for splits in (1, 2):

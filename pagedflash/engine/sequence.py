@@ -76,8 +76,8 @@ class GenerationOutput:
     token_ids: generated ids only (no prompt). text (with a tokenizer): their text, the EOS or stop id
     that ended the request left out (as vLLM's). finish_reason: ``"stop"`` (EOS or a stop id, which is
     kept in token_ids), ``"length"`` (max_tokens or the model's maximum length) or ``"error"`` (then
-    ``error`` says why and nothing was generated). ttft: seconds from the ``generate`` call to the first token. itl:
-    seconds between consecutive tokens (``len(token_ids) - 1`` entries). num_cached_tokens: prompt
+    ``error`` says why and nothing was generated). ttft: seconds from the ``generate`` call to the
+    first token. itl: seconds between consecutive tokens (``len(token_ids) - 1`` entries). num_cached_tokens: prompt
     tokens served from the prefix cache at first admission (0 with ``prompt_logprobs``, whose
     prompt is computed whole).
 

@@ -327,7 +327,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
     :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
     a warp than the tile's is refused on every call that does not take the prefill tile, whether it
-    would take the decode tile or not (the default one is left unused). Which of these runs a row never changes its bits, only its speed."""
+    would take the decode tile or not (the default one is left unused). Which of these runs a row
+    never changes its bits, only its speed."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
     if prefill and INVARIANT_PREFILL_TILE:
         prefill_rows, prefill_warps, prefill_stages = _rows_warps_stages("PAGEDFLASH_INVARIANT_PREFILL_TILE",

@@ -246,6 +246,12 @@ def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
     return Tile(BLOCK_M, block_n, block_k, 4, stages, 8, chunk_k)
 
 
+def _sm90_wgmma(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``dtype`` on ``device`` runs the sm90 16-bit wgmma tiles that decode and row tiles vary."""
+    capability = nvidia_capability(device)
+    return dtype != torch.float32 and capability is not None and (9, 0) <= capability < (10, 0)
+
+
 def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device, m: int = 1) -> Tile:
     """The tile of calls with at most ``BLOCK_M`` rows under :data:`DECODE_TILES`: ``main`` (the
     :func:`tile` of the same weight) with its columns halved, down to :data:`DECODE_MIN_N`, while
@@ -262,8 +268,7 @@ def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.de
                              f"block_n, block_k and stages may differ: a row's sum must keep its order), "
                              f"got {DECODE_TILE}")
         return DECODE_TILE
-    capability = nvidia_capability(device)
-    if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
+    if not _sm90_wgmma(dtype, device):
         return main
     sms, block_n, block_k = num_sms(device), main.block_n, main.block_k
     while block_n > DECODE_MIN_N and 2 * cdiv(m, main.block_m) * cdiv(n, block_n) <= sms:
@@ -301,8 +306,7 @@ def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.devi
             raise ValueError(f"matmul.TALL_TILE: expected chunk_k {main.chunk_k} ({main}'s: a row's sum must "
                              f"keep its order), got {TALL_TILE}")
         return TALL_TILE
-    capability = nvidia_capability(device)
-    if dtype == torch.float32 or capability is None or not (9, 0) <= capability < (10, 0):
+    if not _sm90_wgmma(dtype, device):
         return main
     block_m, block_n = 2 * main.block_m, max(16, min(block_n, next_pow2(n)))
     block_k = max(16, min(64, next_pow2(k)))

@@ -332,7 +332,6 @@ class Generation:
         self.sequences = [ids for ids in prompts for _ in params]  # by choice index
         self.sequence_params = [one for _ in prompts for one in params]  # by choice index
         count = len(self.sequences)
-        self.include_stop = include_stop
         self.detok = [IncrementalDetokenizer(state.tokenizer, stop, skip_special_tokens=skip_special_tokens,
                                              include_stop=include_stop) for _ in range(count)]
         self.finish_reason: list[str | None] = [None] * count
@@ -384,7 +383,7 @@ class Generation:
                 self.num_cached[i] = num_cached
                 taken = detok.num_tokens
                 # the engine stops on ids only: its "stop" ends on one
-                text = detok.push(new_ids, ends_on_stop_id=reason == "stop" and not self.include_stop)
+                text = detok.push(new_ids, ends_on_stop_id=reason == "stop" and not detok.include_stop)
                 taken = detok.num_tokens - taken  # fewer than new_ids when a stop string matched
                 logprobs = None if new_logprobs is None else list(zip(new_ids[:taken], new_logprobs[:taken]))
                 if detok.stopped:
