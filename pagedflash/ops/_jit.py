@@ -70,8 +70,9 @@ def online_softmax_step_scaled(m_i, l_i, acc, s, scale):
     ``-inf``), computed so that an entry's bits do not depend on the code around it: the row max of
     ``s`` scaled once (rounding is monotonic, so it is the max of the scaled scores) and each
     probability ``exp2(fma(s, scale, -max))``, one explicit fused multiply-add, which a compiler
-    neither splits nor forms differently in a masked and an unmasked tile."""
-    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    neither splits nor forms differently in a masked and an unmasked tile. ``scale`` is a scalar or a
+    column ``[M, 1]`` (a scale per row)."""
+    m_new = tl.maximum(m_i, tl.max(tl.max(s, 1)[:, None] * scale, 1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
     p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
     alpha = tl.exp2(m_i - m_safe)
