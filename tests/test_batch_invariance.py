@@ -93,21 +93,6 @@ def test_rows_equal_with_a_prefill_tile(monkeypatch, case, dtype):
     assert rows == ({128, 64} if ON_GPU else {32, 16}), rows
 
 
-@pytest.mark.parametrize(("case", "dtype"), [("plain", DTYPES[-1]), ("mqa_window_softcap", DTYPES[-1]),
-                                             ("sinks", DTYPES[0])], ids=lambda v: ids(v))
-def test_rows_equal_with_unmasked_interiors(monkeypatch, case, dtype):
-    """PAGEDFLASH_INVARIANT_UNMASKED=1: the key tiles every row of a program sees run the unmasked loop
-    (EXACT arithmetic), the others the masked one, so that one row meets the same key tile masked in a
-    prefill tile and unmasked in decode: its output and LSE must keep their bits."""
-    monkeypatch.setattr(launch, "INVARIANT_UNMASKED", True)
-    attention.clear_plans()
-    try:
-        check_rows_equal(case, dtype)
-        assert {plan.consts["INVARIANT"] for plan in attention._PLANS.values() if plan.consts["INVARIANT"]} == {2}
-    finally:
-        attention.clear_plans()
-
-
 @pytest.mark.skipif(not ON_GPU, reason="the GPU's MMA instructions (the interpreter's tile has 16 rows)")
 @pytest.mark.parametrize(("case", "dtype"), [("plain", DTYPES[-1]), ("mqa_window_softcap", DTYPES[-1]),
                                              ("sinks", DTYPES[-1])], ids=lambda v: ids(v))

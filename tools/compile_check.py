@@ -170,10 +170,6 @@ def _attention_calls(cfg: dict):
     if window:
         yield "paged decode window", paged(1, 1, 16383, windowed=True)
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
-    yield "invariant decode 1x16K, unmasked interiors", _opted(launch_table, "INVARIANT_UNMASKED", True,
-                                                              paged(1, 1, 16383, invariant=True))
-    yield "invariant chunk 512/4K, unmasked interiors", _opted(launch_table, "INVARIANT_UNMASKED", True,
-                                                              paged(1, 512, 4096, invariant=True))
     for rows in (32, 256):  # a graph's split launch with its slot counts; the one-warp decode tile
         yield f"invariant graph decode {rows}x1024", paged(rows, 1, 1023, invariant=True, graph_len=GRAPH_LEN)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)

@@ -22,9 +22,8 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   batch-invariant mode by slot 0's split);
 - ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits at
   absolute positions (the first ``HEAD_KEYS`` in splits of ``HEAD_N``, then of ``SPLIT_N``), each split
-  from a fresh state through the masked loop (1; 2: its tiles visible to every row unmasked), merged
-  left to right (split programs share a row's splits, a partial each; the combine merges them in the
-  same order);
+  from a fresh state through the masked loop (EXACT arithmetic), merged left to right (split programs
+  share a row's splits, a partial each; the combine merges them in the same order);
 - ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
   dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
 
@@ -261,9 +260,8 @@ def _attention_kernel(
         page_bad = pid_q < 0
     if INVARIANT:
         # Batch-invariant mode: the keys in splits at fixed absolute positions (split_start), each from a
-        # fresh state through the masked loop (INVARIANT 1), or with the tiles every row of the program
-        # sees through the unmasked one (2; EXACT arithmetic gives a key the same bits either way),
-        # finalized and merged into the row's state left to right from the sink's (0, sink). Split
+        # fresh state through the masked loop with EXACT arithmetic (a masked and an unmasked tile would
+        # give a key the same bits), finalized and merged into the row's state left to right from the sink's (0, sink). Split
         # launches: program `split` of the grid's P on its third axis computes the tile's splits split,
         # split + P, ... (any P gives the same bits), each into its own slot of the partials, and program
         # 0 writes their count to the LSE partials' last plane: the combine merges that many slots in the
@@ -308,20 +306,13 @@ def _attention_kernel(
                 acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
                 c_lo = tl.maximum(lo, split_start(c, SPLIT_N, HEAD_N, HEAD_KEYS))
                 c_hi = tl.minimum(hi, split_start(c + 1, SPLIT_N, HEAD_N, HEAD_KEYS))
-                # INVARIANT 2: [c_lo, mid_lo) masked, [mid_lo, mid_hi) (every row sees it) unmasked,
-                # [mid_hi, c_hi) masked; 1: [c_lo, c_hi) masked
-                mid_lo = tl.minimum(tl.maximum(full_lo, c_lo), c_hi)
-                mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, c_hi))
-                for part in tl.static_range(3 if INVARIANT == 2 else 1):
-                    acc_c, l_c, m_c, page_bad = attend_range(
-                        acc_c, l_c, m_c, page_bad, q, k_src, v_src,
-                        c_lo if part == 0 else (mid_lo if part == 1 else mid_hi),
-                        (mid_lo if INVARIANT == 2 else c_hi) if part == 0 else (mid_hi if part == 1 else c_hi),
-                        b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
-                        BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
-                        d_ok, part != 1, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N,
-                        DOT_PRECISION, USE_TMA, FP8_CVT, True,
-                    )
+                acc_c, l_c, m_c, page_bad = attend_range(
+                    acc_c, l_c, m_c, page_bad, q, k_src, v_src, c_lo, c_hi,
+                    b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,
+                    BlockTable, stride_tb, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, offs_n, offs_d,
+                    d_ok, True, EVEN_D, PAGED, PAGE_SIZE, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, BLOCK_N,
+                    DOT_PRECISION, USE_TMA, FP8_CVT, True,
+                )
                 o_c, lse_c = _jit.finalize(m_c, l_c, acc_c)
                 if HAS_V_DESCALE:
                     o_c = o_c * v_descale

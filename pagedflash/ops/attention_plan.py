@@ -94,7 +94,7 @@ def _switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
                            launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
-                           launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_UNMASKED))
+                           launch_table.INVARIANT_DECODE_WAVES))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -224,7 +224,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
-        FP8_CVT=fp8_cvt, INVARIANT=invariant and (2 if launch_table.INVARIANT_UNMASKED else 1),
+        FP8_CVT=fp8_cvt, INVARIANT=invariant,
         SPLIT_N=rule.keys if rule else 1,
         HEAD_N=rule.head_split if rule else 1, HEAD_KEYS=rule.head_keys if rule else 0,
     )

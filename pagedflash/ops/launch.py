@@ -211,11 +211,6 @@ INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
-# PAGEDFLASH_INVARIANT_UNMASKED=1: the mode's key tiles that every row of a program sees go through the
-# attention loop's unmasked form (off: every tile masked). The mode's scores are masked, scaled and
-# exponentiated so that a key gets the same bits from either form (attention_tiles.attend_range's EXACT);
-# off by default (docs/performance.md v48 says what it awaits).
-INVARIANT_UNMASKED = os.environ.get("PAGEDFLASH_INVARIANT_UNMASKED", "0") == "1"
 
 
 BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
