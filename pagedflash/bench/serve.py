@@ -317,17 +317,32 @@ def bench_prefix(model, config, w, rng, engine_kw, summary) -> Table:
                  rows, note=f"targets: throughput >= {TARGETS['prefix_tps']}x, mean TTFT >= {TARGETS['prefix_ttft']}x lower")
 
 
+def _free_note() -> str:
+    """The GPU's free memory now (a pool sized next to memory another engine still holds is short)."""
+    if not torch.cuda.is_available():
+        return ""
+    free, total = torch.cuda.mem_get_info()
+    return f" ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free now)"
+
+
 def bench_itl(model, config, w, rng, engine_kw, summary, on_gpu, invariant=False) -> Table:
     weight_bytes, kv_bytes = bytes_read(config, engine_kw, on_gpu)
     rows = []
     for graphs, inv in itertools.product((True, False), engine_modes(invariant)):
         llm = LLM(model, cuda_graphs=graphs, batch_invariant=inv, **engine_kw)
+        print(f"itl: engine (graphs {graphs}, batch-invariant {inv}): a pool of {llm.num_blocks} pages"
+              f"{_free_note()}", flush=True)
         _warm(llm, config, rng)
         for batch in w["itl_batches"]:
             for ctx in w["itl_contexts"]:
                 if ctx + w["itl_tokens"] > llm.max_model_len:
                     print(f"itl: context {ctx} skipped (the model's maximum length is {llm.max_model_len})",
                           flush=True)
+                    continue
+                pages = batch * -(-(ctx + w["itl_tokens"]) // llm.page_size)
+                if pages > llm.num_blocks:  # the requests would decode in turns, not as one batch
+                    print(f"itl: batch {batch} at context {ctx} skipped: it needs {pages} pages, the pool has "
+                          f"{llm.num_blocks}{_free_note()}", flush=True)
                     continue
                 prompts = [_tokens(rng, config, ctx) for _ in range(batch)]
                 # prefill once, so that the timed run finds the prompts in the prefix cache: all
