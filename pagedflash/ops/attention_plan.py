@@ -100,13 +100,15 @@ def _switches(invariant: bool) -> tuple:
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
 
 
-def keep_checks(kept: PlanCache, key: tuple | None, checked: tuple, softmax_scale: float | None,
+def keep_checks(kept: PlanCache | None, key: tuple | None, checked: tuple, softmax_scale: float | None,
                 head_dim: int) -> tuple:
     """A public call's check outcome ``checked`` with the scale the kernel takes (``softmax_scale``
     or its default) and a :func:`checks_id`, kept in ``kept`` under ``key``; a None key (torch.compile
-    tracing, among others) never touches the cache, as a graph would guard on its contents: the
-    outcome then comes with None for both."""
-    if key is None:
+    tracing, among others) never touches the cache: the outcome then comes with None for both. Callers
+    pass None for ``kept`` with a None key, never naming their cache where torch.compile traces: Dynamo
+    (torch 2.11) guards on the length of a dict it is handed, and a later eager call that filled it
+    would recompile the graph."""
+    if kept is None or key is None:
         return (*checked, None, None)
     return kept.add(key, (*checked, validate.check_scale(softmax_scale, head_dim), checks_id()))
 

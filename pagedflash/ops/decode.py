@@ -127,7 +127,7 @@ def flash_attn_with_kvcache(
     if checked is None:
         seqlens, checked = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                                   window_size, softcap, num_splits, out, k_descale, v_descale, sinks)
-        checked = keep_checks(_CHECKED, key, checked, checked[1], q.shape[-1])
+        checked = keep_checks(None if key is None else _CHECKED, key, checked, checked[1], q.shape[-1])
     else:
         seqlens = cache_seqlens
     max_len, softmax_scale, left, right, softcap, scale, checks = checked

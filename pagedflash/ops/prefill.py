@@ -141,7 +141,7 @@ def flash_attn_func(
     checked = None if key is None else _CHECKED.find(key)
     if checked is None:
         checked = _check_dense(q, k, v, softmax_scale, causal, window_size, softcap, sinks)
-        checked = keep_checks(_CHECKED, key, checked, checked[0], q.shape[-1])
+        checked = keep_checks(None if key is None else _CHECKED, key, checked, checked[0], q.shape[-1])
     softmax_scale, left, right, softcap, scale, checks = checked
     invariant = batch_invariance.resolve(batch_invariant)
     # the checks' key covers the plan's where out is fresh
@@ -237,7 +237,7 @@ def flash_attn_varlen_func(
     if checked is None:
         checked = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                 window_size, softcap, block_table, num_splits, k_descale, v_descale, sinks)
-        checked = keep_checks(_CHECKED_VARLEN, key, checked, checked[0], q.shape[-1])
+        checked = keep_checks(None if key is None else _CHECKED_VARLEN, key, checked, checked[0], q.shape[-1])
     softmax_scale, left, right, softcap, scale, checks = checked
     # the checks' key covers the plan's where out is fresh
     fresh = key is not None and out is None
