@@ -99,8 +99,6 @@ PREFILL = [
     ("part=dtype bm=64 bn13=128 warps=4 stages=4", dict(part_fp32=False, bm=64, bn13=128, warps=4, stages=4)),
     ("part=dtype group_m=16", dict(part_fp32=False, group_m=16)),
     ("part=dtype group_m=1", dict(part_fp32=False, group_m=1)),
-    ("part=dtype group_m=4", dict(part_fp32=False, group_m=4)),
-    ("part=dtype group_m=8", dict(part_fp32=False, group_m=8)),
     # back toward the earlier prefill tiles (fp32 partials, 64 + 64 / 128 columns), against the current ones
     ("part=fp32", dict(part_fp32=True)),
     ("bn13=64 bn2=128", dict(bn13=64, bn2=128)),
