@@ -7,7 +7,9 @@ engine's tokens. Random weights with a wide init so that stale K/V changes the a
 CUDA graph does not call the Python layers, so these engines decode eagerly; a failing graph replay
 has its own case (runnable on the CPU through an eager stand-in for capture)."""
 
+import gc
 import types
+import weakref
 
 import pytest
 import torch
@@ -382,3 +384,27 @@ def test_a_closed_engine_refuses_every_call():
     for call in calls.values():
         with pytest.raises(RuntimeError, match=r"the engine is closed \(LLM.close\(\) was called\)"):
             call()
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_a_closed_engine_keeps_no_memory(invariant):
+    """``close()`` releases the KV pool, the weights and (on a GPU) the CUDA graphs while the closed LLM
+    is still referenced: an engine built next (as ``bench serve`` builds one before its name lets go
+    of the last) gets the memory. On a GPU the allocated bytes return to what they were before."""
+    on_gpu = torch.cuda.is_available()
+    gc.collect()
+    before = torch.cuda.memory_allocated() if on_gpu else 0
+    llm = LLM(MODEL, dtype=torch.bfloat16 if on_gpu else torch.float32, seed=0, num_blocks=64,
+              cuda_graphs=on_gpu, batch_invariant=invariant)
+    llm.generate([tokens(40, 1), tokens(7, 2)], SamplingParams(max_tokens=6, ignore_eos=True))
+    pool = weakref.ref(llm.kv_cache.kv)
+    weights = weakref.ref(llm.model.lm_head.weight)
+    llm.close()
+    gc.collect()
+    holders = [] if pool() is None else [type(r).__name__ for r in gc.get_referrers(pool())]
+    assert pool() is None and weights() is None, f"a closed engine's pool or weights are alive (held by {holders})"
+    if on_gpu:
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        assert held < 64 << 20, f"{held} bytes still allocated after close()"  # (kept launch buffers: KBs)
+    del llm
