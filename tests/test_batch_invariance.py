@@ -557,3 +557,21 @@ def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():
     assert bool(out[1].isnan().all()) and bool(lse[:, 1].isnan().all())
     with pytest.raises(ValueError, match=r"cu_seqlens_k: .*at most max_seqlen_k.* found sequence 1 invalid"):
         validate.raise_if_invalid()
+
+
+def test_a_score_scale_that_underflows_gives_no_nan():
+    """softmax_scale x k_descale below fp32's range (1e-17 x 1e-30) makes the kernel's score scale 0:
+    every visible key then weighs the same, in the mode (whose masked scores are scaled after the
+    mask: -inf x 0 would be NaN) as out of it."""
+    dtype = [d for d in DTYPES if d != torch.float32][0]
+    caches, table, q, _, opts = _setup("plain", dtype, fp8=True)
+    opts = dict(opts, k_descale=torch.full_like(opts["k_descale"], 1e-30), softmax_scale=1e-17)
+    lens = [LEN]
+    out, lse = _varlen(q, caches, table[:1], lens, lens, opts)
+    k_cache, v_cache = caches
+    want, want_lse = flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens(lens), cu_seqlens(lens), LEN, LEN,
+                                            causal=True, block_table=table[:1], return_lse=True,
+                                            batch_invariant=False, **opts)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_close(out.float(), want.float(), dtype, "out")
+    assert_close(lse, want_lse, torch.float32, "lse")

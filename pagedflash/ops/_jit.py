@@ -9,6 +9,7 @@ import triton.language as tl
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # ln(2):   log(x) == log2(x) * LN2
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
+FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # the least normal fp32
 # 2^23: for 0 <= y < 2^22, (y + 2^23) - 2^23 is y rounded to an integer, ties to even (fp32 spacing is 1 there)
 ROUND_TO_INT: tl.constexpr = tl.constexpr(8388608.0)
 

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from pagedflash.ops import _jit
-from pagedflash.ops._jit import LOG2E, NEG_INF
+from pagedflash.ops._jit import FLT_MIN, LOG2E, NEG_INF
 
 
 @triton.jit
@@ -119,8 +119,8 @@ def attend_range(
             else:
                 k = tl.load(K + k_off[:, None] + offs_d[None, :])
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        if EXACT:
-            scale = qk_scale
+        if EXACT:  # (a scale that underflowed to 0 would make the masked -inf scores NaN: the least normal)
+            scale = tl.maximum(qk_scale, FLT_MIN)
             if HAS_SOFTCAP:
                 s = _jit.soft_cap(s * sm_scale, softcap)
                 scale = LOG2E
