@@ -10,6 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 LN2 = gl.constexpr(0.6931471805599453)
+FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # the least normal fp32
 
 
 @gluon.jit
@@ -30,7 +31,11 @@ def _key_tiles(m0, Sq, Sk, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.conste
 def _softmax_step(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.constexpr, s_layout: gl.constexpr,
                   MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """Fold raw scores ``s`` (fp32 ``[rows, BN]``, keys from ``n0``) into the running max ``m_i``
-    (scaled, log2 domain) and sum ``l_i``; returns ``p``, the new state and O's rescale factor."""
+    (scaled, log2 domain) and sum ``l_i``; returns ``p``, the new state and O's rescale factor. A scale
+    that underflowed to 0 (x the key descale, x the fp8 shift) is taken as the least normal: masked
+    scores stay ``-inf`` (``-inf x 0`` is NaN). Clamped here, not where the callers' branch on the
+    scale (``_step``) reads it, which must stay a value the compiler cannot prove positive."""
+    qk_scale = gl.maximum(qk_scale, FLT_MIN)
     if MASK:
         cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         valid = cols[None, :] < Sk
