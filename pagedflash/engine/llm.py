@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import itertools
 import os
 import time
@@ -50,6 +51,7 @@ from pagedflash.engine.sequence import GenerationOutput, RequestOutput, Sequence
 from pagedflash.engine.structured import GrammarCompiler
 from pagedflash.engine.weights import read_kv_scales
 from pagedflash.engine.workers import WorkerError, Workers
+from pagedflash.ops import scratch
 from pagedflash.ops.utils import on_device
 from pagedflash.validate import check_int
 
@@ -467,13 +469,16 @@ class LLM:
 
     @_on_engine_device
     def close(self) -> None:
-        """Release the KV pool, CUDA graphs and weights (GPU memory comes back on the next empty_cache)
-        and stop the tensor-parallel workers. Calling it again does nothing."""
+        """Release the KV pool, CUDA graphs and weights, and this thread's reused launch buffers (their
+        memory back to the GPU at once, the garbage collected first), and stop the tensor-parallel
+        workers. Calling it again does nothing."""
         if self.runner is not None:
             self.runner.graphs.clear()
         self.runner = self.run_ahead = self.kv_cache = self.model = None
         if self.workers is not None:
             self.workers.close()
+        scratch.clear()
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
