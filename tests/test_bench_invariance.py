@@ -80,6 +80,13 @@ def test_serve_ratios_pair_rows_by_point():
             dict(system="transformers", tok_s=10.0)]
     throughput_summary(tput, summary)
     assert summary["throughput_invariant_x"] == pytest.approx(1.25) and "inv_x" not in tput[2]
+    # a point one mode skipped (its pool could not hold the batch) leaves its batch without a mean
+    skipped = [r for r in rows if not (r["invariant"] == "off" and r["batch"] == 1 and r["context"] == 48)]
+    for r in skipped:
+        r.pop("inv_x", None)
+    summary = {}
+    itl_summary(skipped, summary)
+    assert summary == {"itl_invariant_x_b32_eager": pytest.approx(1.2)}
 
 
 def test_invariance_quick_all_equal_with_the_mode_on(tmp_path, capsys):

@@ -52,10 +52,15 @@ def throughput_summary(rows: list[dict], summary: dict) -> None:
 
 def itl_summary(rows: list[dict], summary: dict) -> None:
     """``itl_invariant_x_b{B}``: the geometric mean over contexts of the ITL ratio at batch B with
-    CUDA graphs (``..._eager`` without)."""
+    CUDA graphs (``..._eager`` without); none where a context has no ratio (a point one mode skipped:
+    a mean over fewer contexts would read as the same figure)."""
     time_ratios(rows, lambda r: (r["graphs"], r["batch"], r["context"]), lambda r: r["itl_ms"])
     for graphs in ("on", "off"):
         for batch in sorted({r["batch"] for r in rows}):
-            x = geomean(r.get("inv_x") for r in rows if r["graphs"] == graphs and r["batch"] == batch)
+            cell = [r for r in rows if r["graphs"] == graphs and r["batch"] == batch]
+            on = {r["context"]: r.get("inv_x") for r in cell if r["invariant"] == "on"}
+            if set(on) != {r["context"] for r in cell} or None in on.values():
+                continue
+            x = geomean(on.values())
             if isinstance(x, float):
                 summary[f"itl_invariant_x_b{batch}" + ("" if graphs == "on" else "_eager")] = x
