@@ -108,10 +108,12 @@ def test_rows_equal_with_a_decode_tile(monkeypatch, case, dtype):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's rule; the GPU runs its default rule above")
-@pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16)], ids=["no_head", "head_48_of_16"])
+@pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16), (48, 32, 16, 64, 32), (32, 0, 32, 64, 16)],
+                         ids=["no_head", "head_48_of_16", "mid_to_64_of_32", "mid_of_16_no_head"])
 def test_rows_equal_under_another_split_rule(monkeypatch, rule):
     """Any split rule keeps the promise (no head: PAGEDFLASH_INVARIANT_HEAD_KEYS=0, long splits only; a
-    head that ends inside a long split's span): (keys, head keys, head split) as the interpreter's."""
+    head that ends inside a long split's span; a middle tier after a head, and without one): (keys, head
+    keys, head split[, middle tier's end, its split]) as the interpreter's."""
     monkeypatch.setattr(launch, "INTERPRET_SPLIT_RULE", rule)  # a plan switch: no other rule's plan is reused
     check_rows_equal("sinks", DTYPES[-1])
 
@@ -402,6 +404,11 @@ def test_split_rule():
     default = launch.SplitRule(2048, 4096, 256)  # the GPU's: 128K keys in 78 splits, the default cap ~1M keys
     assert [default.count(n) for n in (1024, 4096, 4097, 131072, 1019904, 1019905)] == [4, 16, 17, 78, 512, 513]
     assert launch.INVARIANT_MAX_SPLITS_DEFAULT == 512
+    mid = launch.SplitRule(keys=48, head_keys=32, head_split=16, mid_keys=96, mid_split=32)  # 0 16 32 64 96 144
+    assert [mid.count(n) for n in (0, 16, 17, 32, 33, 64, 65, 96, 97, 144, 145)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
+    assert [mid.start(s) for s in range(7)] == [0, 16, 32, 64, 96, 144, 192]
+    assert [default.start(s) for s in (0, 15, 16, 17)] == [0, 3840, 4096, 6144]
+    assert launch.SplitRule(32, mid_keys=64, mid_split=16).count(100) == 4 + 2  # no head: 16s to 64, then 32s
     for name, env, match in (("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "INVARIANT_SPLIT_KEYS", "positive multiple of 64"),
                              ("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "INVARIANT_HEAD_SPLIT_KEYS", "multiple of 64"),
                              ("PAGEDFLASH_INVARIANT_HEAD_KEYS", "INVARIANT_HEAD_KEYS", "multiple of")):
@@ -450,6 +457,22 @@ def test_split_switches_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"{name}: expected an integer {bound}, got '{bad}'"):
             fresh()
         monkeypatch.delenv(name)
+    mid_vars = ("PAGEDFLASH_INVARIANT_MID_KEYS", "PAGEDFLASH_INVARIANT_MID_SPLIT_KEYS")
+    for name in mid_vars:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_HEAD_KEYS", "4096")
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "256")
+    monkeypatch.setenv(mid_vars[0], "32768")  # the middle tier's splits: 1,024 keys by default
+    copy = fresh()
+    assert copy.invariant_split_rule(False, 64) == copy.SplitRule(2048, 4096, 256, 32768, 1024)
+    for name, bad, match in ((mid_vars[0], "5000", "plus a positive multiple of .*MID_SPLIT_KEYS \\(1024\\)"),
+                             (mid_vars[0], "4096", "plus a positive multiple"), (mid_vars[1], "100", "multiple of 64")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(name, bad)
+            with pytest.raises(ValueError, match=f"{name}: expected .*{match}.*got {bad}"):
+                fresh().invariant_split_rule(False, 64)
+    for name in (*mid_vars, *rule_vars):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_MAX_SPLITS", "512")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "65536")
     copy = fresh()

@@ -174,6 +174,8 @@ def _attention_calls(cfg: dict):
         yield f"invariant graph decode {rows}x1024", paged(rows, 1, 1023, invariant=True, graph_len=GRAPH_LEN)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
     yield "invariant decode fp8 1x16K", paged(1, 1, 16383, fp8=True, invariant=True)  # q scaled per row
+    yield "invariant decode 1x16K, a middle tier", _opted(launch_table, "INVARIANT_MID_KEYS", 32768,
+                                                         paged(1, 1, 16383, invariant=True))
     yield "invariant chunk fp8 512/4K", paged(1, 512, 4096, fp8=True, invariant=True)
     yield "invariant chunk, prefill tile", _opted(launch_table, "INVARIANT_PREFILL_TILE", "128:8:3",
                                                   paged(1, 512, 4096, invariant=True))

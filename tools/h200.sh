@@ -8,7 +8,8 @@
 # (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>],
 # profile:<context>[:--batch:B][:--batch-invariant] (tools/profile_engine_step.py: a 1B decode step's kernels),
 # splits[:VAR=VALUE...] (tools/invariant_splits.py under those environment variables: the batch-invariant
-# mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048); TUNE_ARGS
+# mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048; SPLITS_ARGS=--engine: the
+# engine's decode cells only); TUNE_ARGS
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
 # never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
@@ -51,7 +52,7 @@ for step in ${STEPS:-tests}; do
            log=$R/profile_$ctx${tag:+_$tag}.log
            timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
     splits) vars=; [ "$arg" != splits ] && vars=${arg//:/ }; log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}.log
-           env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py > $log 2>&1 ;;
+           env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py ${SPLITS_ARGS:-} > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac

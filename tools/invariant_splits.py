@@ -5,6 +5,7 @@ on in one process, printed as on/off time.
 The rule is read when pagedflash loads, so compare rules by running this once per environment:
     PYTHONPATH=. python3 tools/invariant_splits.py                                   # the default rule
     PAGEDFLASH_INVARIANT_HEAD_KEYS=0 PYTHONPATH=. python3 tools/invariant_splits.py  # 2048-key splits only
+    PAGEDFLASH_INVARIANT_MID_KEYS=32768 PYTHONPATH=. python3 tools/invariant_splits.py  # 1,024-key splits to 32K
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
 ``--engine``: the engine's decode cells only.
 """
@@ -63,7 +64,8 @@ def main() -> None:
         raise SystemExit("invariant_splits.py times GPU kernels: no CUDA device here")
     torch.manual_seed(0)
     rule = launch.invariant_split_rule(False, 128)
-    print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}, then {rule.keys} "
+    mid = f", to key {rule.mid_end} in splits of {rule.mid_split}" if rule.mid_end > rule.head_keys else ""
+    print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}{mid}, then {rule.keys} "
           f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')})")
     engine_only = "--engine" in sys.argv[1:]
     for b, h, n, d, causal in () if engine_only else PREFILL:

@@ -21,9 +21,10 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   in once per row at the end (under split-KV by split 0 only, so the combine counts it once; in
   batch-invariant mode by slot 0's split);
 - ``INVARIANT``: batch-invariant mode (:mod:`pagedflash.batch_invariance`): keys in splits at
-  absolute positions (the first ``HEAD_KEYS`` in splits of ``HEAD_N``, then of ``SPLIT_N``), each split
-  from a fresh state through the masked loop (EXACT arithmetic), merged left to right (split programs
-  share a row's splits, a partial each; the combine merges them in the same order);
+  absolute positions (the first ``HEAD_KEYS`` in splits of ``HEAD_N``, up to ``MID_KEYS`` in splits of
+  ``MID_N``, then of ``SPLIT_N``), each split from a fresh state through the masked loop (EXACT
+  arithmetic), merged left to right (split programs share a row's splits, a partial each; the combine
+  merges them in the same order);
 - ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
   dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
 
@@ -112,6 +113,7 @@ def _attention_kernel(
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr, FP8_CVT: tl.constexpr,
     INVARIANT: tl.constexpr, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr,
+    MID_N: tl.constexpr, MID_KEYS: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PACK  # query tokens per tile
     pid_q = tl.program_id(0)
@@ -267,8 +269,9 @@ def _attention_kernel(
         # 0 writes their count to the LSE partials' last plane: the combine merges that many slots in the
         # same order, and no program touches a slot past them (a graph sized for the longest row launches
         # slots for it).
-        s0 = split_of(lo, SPLIT_N, HEAD_N, HEAD_KEYS)
-        s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS) + 1, s0 + 1)
+        s0 = split_of(lo, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)
+        s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS) + 1,
+                         s0 + 1)
         out = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lse = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
         sink_lse = lse
@@ -304,8 +307,8 @@ def _attention_kernel(
                 m_c = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
                 l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
                 acc_c = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                c_lo = tl.maximum(lo, split_start(c, SPLIT_N, HEAD_N, HEAD_KEYS))
-                c_hi = tl.minimum(hi, split_start(c + 1, SPLIT_N, HEAD_N, HEAD_KEYS))
+                c_lo = tl.maximum(lo, split_start(c, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS))
+                c_hi = tl.minimum(hi, split_start(c + 1, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS))
                 acc_c, l_c, m_c, page_bad = attend_range(
                     acc_c, l_c, m_c, page_bad, q, k_src, v_src, c_lo, c_hi,
                     b, k_row0, seqlen_k, delta, q_pos, window_left, window_right, qk_scale, sm_scale, softcap,

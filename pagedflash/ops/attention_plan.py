@@ -90,7 +90,8 @@ def _switches(invariant: bool) -> tuple:
     """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
     return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
             invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INVARIANT_HEAD_KEYS,
-                           launch_table.INVARIANT_HEAD_SPLIT_KEYS, launch_table.INTERPRET_SPLIT_RULE,
+                           launch_table.INVARIANT_HEAD_SPLIT_KEYS, launch_table.INVARIANT_MID_KEYS,
+                           launch_table.INVARIANT_MID_SPLIT_KEYS, launch_table.INTERPRET_SPLIT_RULE,
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
                            launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
@@ -162,9 +163,10 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
                                          prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2),
                                          decode_programs=batch * hkv if max_seqlen_q <= 1 and sixteen_bit else 0,
                                          sms=num_sms(q.device))
-        if rule.keys % cfg.block_n or rule.head_split % cfg.block_n:
+        if rule.keys % cfg.block_n or rule.head_split % cfg.block_n or (rule.mid_end > rule.head_keys
+                                                                         and rule.mid_split % cfg.block_n):
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant splits "
-                             f"({rule.head_split} and {rule.keys} keys), got {cfg.block_n}")
+                             f"({rule.head_split}, {rule.mid_split} and {rule.keys} keys), got {cfg.block_n}")
     else:
         cfg = config or pick(long_kv=max_seqlen_k >= LONG_KV_KEYS)
     block_q = cfg.block_m // cfg.g_pack
@@ -229,6 +231,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         FP8_CVT=fp8_cvt, INVARIANT=invariant,
         SPLIT_N=rule.keys if rule else 1,
         HEAD_N=rule.head_split if rule else 1, HEAD_KEYS=rule.head_keys if rule else 0,
+        MID_N=rule.mid_split if rule else 1, MID_KEYS=rule.mid_end if rule else 0,
     )
     plan.fallback_key = (q.dtype, k.dtype, cfg, plan.tma_on, tuple(sorted(plan.consts.items())))
     plan.slot = fastlaunch.Slot()

@@ -156,18 +156,25 @@ def attend_range(
 
 
 @triton.jit
-def split_start(s, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr):
+def split_start(s, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr, MID_N: tl.constexpr,
+                MID_KEYS: tl.constexpr):
     """First key of split ``s`` under the batch-invariant rule (:class:`pagedflash.ops.launch.SplitRule`):
-    the first ``HEAD_KEYS`` keys in splits of ``HEAD_N``, the rest in splits of ``SPLIT_N``."""
+    the first ``HEAD_KEYS`` keys in splits of ``HEAD_N``, then up to key ``MID_KEYS`` (``HEAD_KEYS``:
+    none) in splits of ``MID_N``, the rest in splits of ``SPLIT_N``."""
     NH: tl.constexpr = HEAD_KEYS // HEAD_N
-    return tl.where(s < NH, s * HEAD_N, HEAD_KEYS + (s - NH) * SPLIT_N)
+    NM: tl.constexpr = NH + (MID_KEYS - HEAD_KEYS) // MID_N
+    return tl.where(s < NH, s * HEAD_N,
+                    tl.where(s < NM, HEAD_KEYS + (s - NH) * MID_N, MID_KEYS + (s - NM) * SPLIT_N))
 
 
 @triton.jit
-def split_of(pos, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr):
+def split_of(pos, SPLIT_N: tl.constexpr, HEAD_N: tl.constexpr, HEAD_KEYS: tl.constexpr, MID_N: tl.constexpr,
+             MID_KEYS: tl.constexpr):
     """The split (:func:`split_start`) holding key ``pos`` (``pos >= 0``)."""
     NH: tl.constexpr = HEAD_KEYS // HEAD_N
-    return tl.where(pos < HEAD_KEYS, pos // HEAD_N, NH + (pos - HEAD_KEYS) // SPLIT_N)
+    NM: tl.constexpr = NH + (MID_KEYS - HEAD_KEYS) // MID_N
+    return tl.where(pos < HEAD_KEYS, pos // HEAD_N,
+                    tl.where(pos < MID_KEYS, NH + (pos - HEAD_KEYS) // MID_N, NM + (pos - MID_KEYS) // SPLIT_N))
 
 
 @triton.jit

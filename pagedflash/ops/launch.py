@@ -170,6 +170,11 @@ def env_count(name: str, default: int | None, most: int | None = None, least: in
 INVARIANT_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_SPLIT_KEYS", 2048)
 INVARIANT_HEAD_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_KEYS", 4096, least=0)
 INVARIANT_HEAD_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", 256)
+# A middle tier (opt-in, none by default): the keys past the head up to INVARIANT_MID_KEYS (an
+# absolute position; 0: no middle tier) in splits of INVARIANT_MID_SPLIT_KEYS, so that rows long
+# enough to pass the head but not that position get more, shorter splits than the rest.
+INVARIANT_MID_KEYS = env_count("PAGEDFLASH_INVARIANT_MID_KEYS", 0, least=0)
+INVARIANT_MID_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_MID_SPLIT_KEYS", 1024)
 # the interpreter: 16-key tiles; four one-tile splits, then two tiles a split, so tests cross both
 INTERPRET_SPLIT_RULE = (32, 64, 16)
 MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (programs sharing a row's splits)
@@ -250,35 +255,69 @@ def _rows_warps_stages(name: str, text: str) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class SplitRule:
     """The batch-invariant mode's splits of a row's keys, at absolute positions: ``head_keys`` keys
-    in splits of ``head_split``, then splits of ``keys`` (``head_keys`` 0: splits of ``keys`` only)."""
+    in splits of ``head_split``, then up to key ``mid_keys`` splits of ``mid_split`` (none where
+    ``mid_keys`` is at most ``head_keys``), then splits of ``keys`` (``head_keys`` 0: no head)."""
 
     keys: int
     head_keys: int = 0
     head_split: int = 1
+    mid_keys: int = 0
+    mid_split: int = 1
+
+    @property
+    def mid_end(self) -> int:
+        """Where the splits of ``keys`` begin."""
+        return max(self.mid_keys, self.head_keys)
+
+    def _tiers(self) -> tuple[int, int]:
+        """Splits of the head, and of the head and the middle tier."""
+        head = self.head_keys // self.head_split
+        return head, head + (self.mid_end - self.head_keys) // self.mid_split
 
     def count(self, n: int) -> int:
         """Splits holding keys ``[0, n)`` (at least one)."""
         head = min(n, self.head_keys)
-        return max(1, cdiv(head, self.head_split) + cdiv(max(n - self.head_keys, 0), self.keys))
+        mid = min(max(n - self.head_keys, 0), self.mid_end - self.head_keys)
+        return max(1, cdiv(head, self.head_split) + cdiv(mid, self.mid_split)
+                   + cdiv(max(n - self.mid_end, 0), self.keys))
+
+    def start(self, s: int) -> int:
+        """The first key of split ``s`` (the kernels' ``split_start``)."""
+        head, before_tail = self._tiers()
+        if s < head:
+            return s * self.head_split
+        if s < before_tail:
+            return self.head_keys + (s - head) * self.mid_split
+        return self.mid_end + (s - before_tail) * self.keys
 
 
 def invariant_split_rule(interpreted: bool, head_dim: int) -> SplitRule:
     """The batch-invariant mode's :class:`SplitRule` (every size a multiple of the invariant tile's
     keys, the head a whole number of its splits), or a clear error naming the variable."""
-    keys, head_keys, head_split = INTERPRET_SPLIT_RULE if interpreted else (
-        INVARIANT_SPLIT_KEYS, INVARIANT_HEAD_KEYS, INVARIANT_HEAD_SPLIT_KEYS)
+    keys, head_keys, head_split, *mid = INTERPRET_SPLIT_RULE if interpreted else (
+        INVARIANT_SPLIT_KEYS, INVARIANT_HEAD_KEYS, INVARIANT_HEAD_SPLIT_KEYS, INVARIANT_MID_KEYS,
+        INVARIANT_MID_SPLIT_KEYS)
+    mid_keys, mid_split = mid or (0, 1)
     block_n = invariant_config(group=1, head_dim=head_dim, capability=None, interpreted=interpreted).block_n
     if keys <= 0 or keys % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_SPLIT_KEYS: expected a positive multiple of {block_n}, got {keys}")
     if head_keys == 0:  # no head: its split size is unused
-        return SplitRule(keys, 0, keys)
-    if head_split <= 0 or head_split % block_n:
+        head_split = keys
+    elif head_split <= 0 or head_split % block_n:
         raise ValueError(f"PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS: expected a positive multiple of {block_n}, "
                          f"got {head_split}")
-    if head_keys < 0 or head_keys % head_split:
+    elif head_keys < 0 or head_keys % head_split:
         raise ValueError(f"PAGEDFLASH_INVARIANT_HEAD_KEYS: expected 0 or a positive multiple of "
                          f"PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS ({head_split}), got {head_keys}")
-    return SplitRule(keys, head_keys, head_split)
+    if mid_keys == 0:  # no middle tier: its split size is unused
+        return SplitRule(keys, head_keys, head_split)
+    if mid_split <= 0 or mid_split % block_n:
+        raise ValueError(f"PAGEDFLASH_INVARIANT_MID_SPLIT_KEYS: expected a positive multiple of {block_n}, "
+                         f"got {mid_split}")
+    if mid_keys <= head_keys or (mid_keys - head_keys) % mid_split:
+        raise ValueError(f"PAGEDFLASH_INVARIANT_MID_KEYS: expected 0 or PAGEDFLASH_INVARIANT_HEAD_KEYS ({head_keys}) "
+                         f"plus a positive multiple of PAGEDFLASH_INVARIANT_MID_SPLIT_KEYS ({mid_split}), got {mid_keys}")
+    return SplitRule(keys, head_keys, head_split, mid_keys, mid_split)
 
 
 def invariant_num_splits(max_seqlen_k: int, rule: SplitRule, states_per_split: int) -> int:
