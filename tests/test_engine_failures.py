@@ -332,12 +332,12 @@ def test_a_graph_collected_during_a_capture_cannot_break_it(monkeypatch):
     """Before each of the engine's captures a captured graph is left in a reference cycle and the
     collector set to run at the next allocation: were it on, that graph would be destroyed mid-capture
     and the capture fail (and every later random draw in the process raise)."""
-    real, scratch = runner_mod.capture, torch.zeros(1, device="cuda")
+    real, buf = runner_mod.capture, torch.zeros(1, device="cuda")
 
     def capture(body, pool):
         dead = torch.cuda.CUDAGraph()
         with torch.cuda.graph(dead):
-            scratch.add_(1)
+            buf.add_(1)
         cycle = [dead]
         cycle.append(cycle)
         del cycle, dead

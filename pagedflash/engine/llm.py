@@ -472,15 +472,17 @@ class LLM:
         """Release the KV pool, CUDA graphs and weights, and this thread's reused launch buffers (their
         memory back to the GPU at once, the garbage collected first), and stop the tensor-parallel
         workers. Calling it again does nothing."""
-        if self.runner is not None:
+        released = self.runner is not None
+        if released:
             self.runner.graphs.clear()
         self.runner = self.run_ahead = self.kv_cache = self.model = None
         if self.workers is not None:
             self.workers.close()
-        scratch.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if released:
+            scratch.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self

@@ -186,7 +186,8 @@ MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (programs sharing a row
 # number at most INVARIANT_SPLIT_STATES (None: no limit), its programs sharing a row's splits
 # (invariant_split_programs); else, or where that leaves one program a row, one program folds a row's
 # splits. The budget bounds the partials' memory (a decode graph is sized for the model's longest row).
-# Defaults: 512 splits (the default rule's 1,019,904 keys; the programs do not grow with them), no budget.
+# Defaults: 512 splits (the default rule's 1,019,904 keys, fewer with a middle tier: 991,232 with
+# PAGEDFLASH_INVARIANT_MID_KEYS=32768; the programs do not grow with them), no budget.
 INVARIANT_MAX_SPLITS_DEFAULT = 512
 INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", INVARIANT_MAX_SPLITS_DEFAULT, MAX_GRID_SPLITS)
 INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
