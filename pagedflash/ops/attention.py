@@ -263,12 +263,12 @@ def _attention_kernel(
     if INVARIANT:
         # Batch-invariant mode: the keys in splits at fixed absolute positions (split_start), each from a
         # fresh state through the masked loop with EXACT arithmetic (a masked and an unmasked tile would
-        # give a key the same bits), finalized and merged into the row's state left to right from the sink's (0, sink). Split
-        # launches: program `split` of the grid's P on its third axis computes the tile's splits split,
-        # split + P, ... (any P gives the same bits), each into its own slot of the partials, and program
-        # 0 writes their count to the LSE partials' last plane: the combine merges that many slots in the
-        # same order, and no program touches a slot past them (a graph sized for the longest row launches
-        # slots for it).
+        # give a key the same bits), finalized and merged into the row's state left to right from the
+        # sink's (0, sink). Split launches: program `split` of the grid's P on its third axis computes the
+        # tile's splits split, split + P, ... (any P gives the same bits), each into its own slot of the
+        # partials, and program 0 writes their count to the LSE partials' last plane: the combine merges
+        # that many slots in the same order, and no program touches a slot past them (a graph sized for
+        # the longest row launches slots for it).
         s0 = split_of(lo, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)
         s_end = tl.where(hi > lo, split_of(tl.maximum(hi - 1, 0), SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS) + 1,
                          s0 + 1)
