@@ -10,6 +10,11 @@ overlaps the PV wgmma). Needs the Triton the kernel is written for (3.6), not a 
 
     /path/to/triton-3.6-venv/bin/python tools/gluon_compile_check.py
 
+or, beside a newer Triton (the CPU venv's), that wheel alone ahead of it on the path:
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36 KV=page64,page64:e4m3 python tools/gluon_compile_check.py
+
 Exit status 1 if any variant failed to compile.
 """
 
