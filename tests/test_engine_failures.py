@@ -378,6 +378,22 @@ def test_a_closed_engine_refuses_every_call():
             call()
 
 
+def _largest_blocks(count: int = 3) -> str:
+    """The GPU allocator's largest segments now: whether a live tensor holds each (its block's
+    allocation frames in pagedflash or its tests) or a CUDA graph's private pool keeps it."""
+    segments = sorted(torch.cuda.memory._snapshot().get("segments", []), key=lambda s: -s.get("total_size", 0))
+    lines = []
+    for seg in segments[:count]:
+        live = [b for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+        frames = [f"{f.get('filename', '?').rsplit('/', 2)[-1]}:{f.get('line')} {f.get('name')}"
+                  for b in live[:1] for f in b.get("frames", []) if "pagedflash" in f.get("filename", "")
+                  or "tests" in f.get("filename", "")][:6]
+        lines.append(f"\n  segment of {seg.get('total_size', 0)} bytes, pool {seg.get('segment_pool_id')}, "
+                     f"{len(live)} live blocks ({seg.get('active_size', 0)} bytes){': ' if frames else ''}"
+                     + " <- ".join(frames))
+    return "".join(lines)
+
+
 class _EagerGraph:
     """A captured graph's stand-in on the CPU: its replay runs the step eagerly."""
 
@@ -397,7 +413,7 @@ def _settled_memory() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
-def test_a_closed_engine_keeps_no_memory(monkeypatch, invariant):
+def test_a_closed_engine_keeps_no_memory(monkeypatch, request, invariant):
     """``close()`` releases the KV pool, the weights and the CUDA graphs (with the mode's split
     partials: a model length past the 4,096-key head) while the closed LLM is still referenced, as
     ``bench serve`` builds the next engine before its name lets go of the last: nothing of them stays
@@ -407,6 +423,9 @@ def test_a_closed_engine_keeps_no_memory(monkeypatch, invariant):
     if not on_gpu:
         monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (_EagerGraph(body), pool))
     before = _settled_memory() if on_gpu else None
+    if on_gpu:  # allocation stacks, for the message of a failure below
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        request.addfinalizer(lambda: torch.cuda.memory._record_memory_history(enabled=None))
     llm = LLM({**MODEL, "max_position_embeddings": 8192}, dtype=torch.bfloat16 if on_gpu else torch.float32,
               seed=0, num_blocks=65536 if on_gpu else 64, cuda_graphs=True, batch_invariant=invariant)
     if not on_gpu:
@@ -423,6 +442,6 @@ def test_a_closed_engine_keeps_no_memory(monkeypatch, invariant):
     if on_gpu:
         allocated, reserved = _settled_memory()
         slack = min(64 << 20, pool_bytes // 4)  # (the pool is 256 MB)
-        assert allocated - before[0] < slack, f"{allocated - before[0]} bytes still allocated after close()"
-        assert reserved - before[1] < slack, f"{reserved - before[1]} bytes still reserved after close()"
+        held = f"{allocated - before[0]} bytes allocated, {reserved - before[1]} reserved after close()"
+        assert allocated - before[0] < slack and reserved - before[1] < slack, held + _largest_blocks()
     del llm
