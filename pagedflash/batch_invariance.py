@@ -7,11 +7,10 @@ cache (one prefill, chunked-prefill chunks, decode steps): one key tile and one 
 its warp for every call (:func:`pagedflash.ops.launch.invariant_config`; the decode tile of wide
 decode launches and the opt-in prefill tile change how many rows and warps share a tile, never a
 row's layout), keys in splits at fixed absolute key positions (:class:`pagedflash.ops.launch.SplitRule`:
-a row's first 4,096 keys in splits of 256, then splits of 2,048), each split's state computed by the
-same masked loop (or, opt-in, its tiles every row sees by the unmasked one with the same bits), and
-the splits merged left to right in one order, by the kernel itself (one program per row) or by the
-combine (programs sharing a row's splits, a partial state each). The Hopper Gluon prefill is not used
-in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
+a row's first 4,096 keys in splits of 256, then splits of 2,048; opt-in, a middle tier of its own
+split size), each split's state computed by the same masked loop, and the splits merged left to
+right in one order, by the kernel itself (one program per row) or by the combine (programs sharing a
+row's splits, a partial state each). The Hopper Gluon prefill is not used in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
 
 The switch: an argument of each entry point (``batch_invariant=True``), else the process-wide
 default set here (:func:`set_batch_invariant`, the :func:`batch_invariant` context manager, or the

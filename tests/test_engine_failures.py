@@ -8,7 +8,6 @@ CUDA graph does not call the Python layers, so these engines decode eagerly; a f
 has its own case (runnable on the CPU through an eager stand-in for capture)."""
 
 import gc
-import types
 import weakref
 
 import pytest
@@ -28,6 +27,13 @@ def engine(**kwargs) -> LLM:
 
 def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class _EagerGraph:
+    """A captured graph's stand-in on the CPU: its replay runs the step eagerly."""
+
+    def __init__(self, body) -> None:
+        self.replay = body
 
 
 def fail_layer(llm: LLM, layer: int, at_call: int, exc=KeyboardInterrupt):
@@ -263,11 +269,7 @@ def test_failed_prompt_logits_then_requests_hit_only_written_pages(fresh):
 def test_failed_graph_replay_is_retried(fresh, monkeypatch):
     """A decode step whose graph replay raises: retried, the requests end with a fresh engine's tokens."""
     if not torch.cuda.is_available():  # capture stands in for a graph: replay reruns the captured body
-        class EagerReplay:
-            def __init__(self, body):
-                self.replay = body
-
-        monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (EagerReplay(body), pool))
+        monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (_EagerGraph(body), pool))
     llm = engine(**{**ENGINE, "cuda_graphs": True})
     if not llm.runner.graphs:
         llm.runner.capture_graphs()
@@ -311,7 +313,7 @@ def test_graphs_are_captured_after_a_collection_with_the_collector_paused(monkey
         events.append(("capture", gc.isenabled()))
         if torch.cuda.is_available():
             return real(body, pool)
-        return types.SimpleNamespace(replay=body), pool
+        return _EagerGraph(body), pool
 
     monkeypatch.setattr(runner_mod, "capture", capture)
     llm = engine(**{**ENGINE, "cuda_graphs": True})
@@ -392,13 +394,6 @@ def _largest_blocks(count: int = 3) -> str:
                      f"{len(live)} live blocks ({seg.get('active_size', 0)} bytes){': ' if frames else ''}"
                      + " <- ".join(frames))
     return "".join(lines)
-
-
-class _EagerGraph:
-    """A captured graph's stand-in on the CPU: its replay runs the step eagerly."""
-
-    def __init__(self, body) -> None:
-        self.replay = body
 
 
 def _settled_memory() -> tuple[int, int]:

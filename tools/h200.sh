@@ -53,7 +53,7 @@ for step in ${STEPS:-tests}; do
            timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
     splits) vars=; [ "$arg" != splits ] && vars=${arg//:/ }; sa=${SPLITS_ARGS:-}
            log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}${sa:+_${sa//[^A-Za-z0-9]/}}.log
-           env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py ${SPLITS_ARGS:-} > $log 2>&1 ;;
+           env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py $sa > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
            timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
