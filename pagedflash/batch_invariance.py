@@ -10,7 +10,10 @@ row's layout), keys in splits at fixed absolute key positions (:class:`pagedflas
 a row's first 4,096 keys in splits of 256, then splits of 2,048; opt-in, a middle tier of its own
 split size), each split's state computed by the same masked loop, and the splits merged left to
 right in one order, by the kernel itself (one program per row) or by the combine (programs sharing a
-row's splits, a partial state each). The Hopper Gluon prefill is not used in the mode. See README "Batch invariance" for what is guaranteed and what it costs.
+row's splits, a partial state each). On Hopper the Gluon prefill kernel takes the mode's 16-bit
+prefill calls in a variant of its own that gives a row the portable kernel's bits
+(:mod:`pagedflash.ops.prefill_hopper`). See README "Batch invariance" for what is guaranteed and what
+it costs.
 
 The switch: an argument of each entry point (``batch_invariant=True``), else the process-wide
 default set here (:func:`set_batch_invariant`, the :func:`batch_invariant` context manager, or the

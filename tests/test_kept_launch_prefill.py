@@ -111,7 +111,7 @@ def test_the_gluon_kernel_still_takes_a_call_whose_plan_is_kept(kept_calls, monk
     PAGEDFLASH_GLUON's switch off again, the kept plan runs."""
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, invariant=False):
         calls.append((sm_scale, causal, return_lse))
         out.zero_()
 
@@ -121,14 +121,15 @@ def test_the_gluon_kernel_still_takes_a_call_whose_plan_is_kept(kept_calls, monk
     assert kept_calls[0] == 1 and not calls
     monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
     if how == "refusal":
-        monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None)
-    else:  # every other refusal away, the switch decides
-        monkeypatch.setattr(prefill_hopper, "_refusal", lambda *args: None)
+        monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: "the mode" if args[-1] else None)
+    else:  # every other refusal away, the switches decide
+        monkeypatch.setattr(prefill_hopper, "_refusal", lambda *args, **kwargs: None)
         monkeypatch.setattr(prefill_hopper, "UNAVAILABLE", None)
         monkeypatch.setattr(prefill_hopper, "ENABLED", True)
     out = flash_attn_func(**case, causal=True, softmax_scale=0.5)
     assert calls == [(0.5, True, False)] and torch.equal(out, torch.zeros_like(out)) and kept_calls[0] == 1
-    # batch-invariant calls never take the Gluon kernel: the kept plan of theirs
+    # batch-invariant calls the Gluon kernel refuses (PAGEDFLASH_INVARIANT_GLUON=0): the kept plan of theirs
+    monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
     flash_attn_func(**case, causal=True, softmax_scale=0.5, batch_invariant=True)
     flash_attn_func(**case, causal=True, softmax_scale=0.5, batch_invariant=True)
     assert len(calls) == 1 and kept_calls[0] == 2
@@ -229,7 +230,8 @@ def test_the_gluon_kernel_still_takes_a_varlen_call_whose_plan_is_kept(kept_call
     answer, and the kept plan runs again once the Gluon kernel refuses."""
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, *, varlen, block_table, k_descale, v_descale):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, *, varlen, block_table, k_descale, v_descale,
+                     invariant=False):
         calls.append((sm_scale, causal, return_lse, varlen[2:], block_table is not None))
         out.zero_()
 
@@ -238,11 +240,11 @@ def test_the_gluon_kernel_still_takes_a_varlen_call_whose_plan_is_kept(kept_call
     flash_attn_varlen_func(**case)
     assert kept_calls[0] == 1 and not calls
     monkeypatch.setattr(prefill_hopper, "forward", fake_forward)
-    monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: None)
+    monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: "the mode" if args[-1] else None)
     out = flash_attn_varlen_func(**case)
     assert calls == [(0.5, True, False, (max(_LENS_Q), max(_LENS_K)), True)] and kept_calls[0] == 1
     assert torch.equal(out, torch.zeros_like(out))
-    flash_attn_varlen_func(**case, batch_invariant=True)  # never the Gluon kernel: the portable plan of its own
+    flash_attn_varlen_func(**case, batch_invariant=True)  # refused by the Gluon kernel: the portable plan of its own
     flash_attn_varlen_func(**case, batch_invariant=True)
     assert len(calls) == 1 and kept_calls[0] == 2
     monkeypatch.setattr(prefill_hopper, "refusal_varlen", lambda *args: "refused")

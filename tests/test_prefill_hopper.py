@@ -18,7 +18,7 @@ from prefill_hopper_checks import ON_SM90, empty_qkv
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
 from pagedflash.cache import cu_seqlens_tensor
-from pagedflash.ops import prefill_hopper
+from pagedflash.ops import launch, prefill_hopper
 
 hopper_here = checks.hopper_here  # the shared fixture, found by its name here
 
@@ -36,6 +36,23 @@ def test_dense_calls_never_take_fp8_kv(hopper_here):
     q, k, v = empty_qkv()
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     assert "fp8" in prefill_hopper.refusal(q, k8, v8, -1, 0, 0.0)
+
+
+def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
+    """The mode's calls take the kernel's invariant variant unless PAGEDFLASH_INVARIANT_GLUON=0, with
+    16-bit K/V and the mode's own tile (64-key tiles, 16 rows a warp of a warpgroup)."""
+    q, k, v = empty_qkv()
+    monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
+    assert "PAGEDFLASH_INVARIANT_GLUON" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)
+    assert prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, False) is None
+    monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", True)
+    assert prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True) is None
+    k8, v8 = k[0].to(torch.float8_e4m3fn), v[0].to(torch.float8_e4m3fn)
+    assert prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, False) is None
+    assert "fp8" in prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, True)
+    assert prefill_hopper.refusal_varlen(q[0], k[0], v[0], 1, 1024, 1024, None, -1, 0, 0.0, None, True) is None
+    monkeypatch.setattr(launch, "INVARIANT_TILE", "64:32:4:2")
+    assert "tile" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)
 
 
 def _strided(t, pad):
@@ -108,7 +125,7 @@ def test_the_fewest_work_items_by_head_dim(hopper_here, d, sq, routed):
 def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, invariant=False):
         calls.append((sm_scale, causal, return_lse))
         out.zero_()
         return torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device) if return_lse else None
@@ -128,7 +145,8 @@ def test_the_dense_entry_point_follows_the_routing(monkeypatch, routed):
 def test_the_varlen_entry_point_follows_the_routing(monkeypatch, routed):
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen, block_table, k_descale, v_descale):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, varlen, block_table, k_descale, v_descale,
+                     invariant=False):
         calls.append((sm_scale, causal, return_lse, varlen[2:], k_descale, v_descale))
         out.zero_()
         return torch.zeros(q.shape[1], q.shape[0], device=q.device) if return_lse else None
@@ -150,7 +168,7 @@ def test_a_compiled_call_follows_the_routing_too(monkeypatch):
     # the routing lives in the operator body, which torch.compile's graph calls
     calls = []
 
-    def fake_forward(q, k, v, out, sm_scale, causal, return_lse):
+    def fake_forward(q, k, v, out, sm_scale, causal, return_lse, invariant=False):
         calls.append(causal)
         out.fill_(1.0)
 

@@ -2,7 +2,8 @@
 
 Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense, varlen over packed
 K/V or over pages of 16, 32, 64, 128 or 384 rows, and fp8 K/V (``varlen:e4m3``, ``page64:e4m3``,
-``page128:e5m2``, ...); ``KV`` picks some: ``KV=dense,page64``) goes through
+``page128:e5m2``, ...); ``KV`` picks some: ``KV=dense,page64``; ``INVARIANT=1``: the batch-invariant
+mode's variants, 16-bit K/V, under the split rule of the environment) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills and whether the softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
@@ -31,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from pagedflash.ops import prefill_hopper, prefill_hopper_kernel  # noqa: E402
+from pagedflash.ops import launch, prefill_hopper, prefill_hopper_kernel  # noqa: E402
 from pagedflash.testing import cubin_resources  # noqa: E402
 
+INVARIANT = os.environ.get("INVARIANT", "0") == "1"  # the batch-invariant mode's variants instead
 KV_LAYOUTS = os.environ.get(
     "KV", "dense,varlen,page16,page32,page64,page128,page384,varlen:e4m3,page16:e4m3,page64:e4m3,page128:e5m2").split(",")
 
@@ -79,8 +81,11 @@ def main() -> int:
                         kv, _, fp8 = kv.partition(":")
                         varlen, page = kv != "dense", int(kv[4:]) if kv.startswith("page") else 0
                         tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} {kv}{' ' + fp8 if fp8 else ''}"
+                        if INVARIANT and fp8:
+                            continue  # the mode's fp8 calls take the portable kernel
                         consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper_kernel.kernel_config(
-                            d, causal, write_lse, dtype, varlen, page, FP8[fp8][0] if fp8 else None)
+                            d, causal, write_lse, dtype, varlen, page, FP8[fp8][0] if fp8 else None,
+                            launch.invariant_split_rule(False, d) if INVARIANT else None)
                         kv_short = FP8[fp8][1] if fp8 else short
                         kv_desc = f"tensordesc<{kv_short}{kv_block},{kv_layout!r}>"
                         if fp8:  # per-KV-head descales
@@ -108,6 +113,10 @@ def main() -> int:
                         except Exception as e:  # noqa: BLE001 - report every variant
                             failed += 1
                             print(f"{tag}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
+                            if os.environ.get("TRACE"):
+                                import traceback
+                                traceback.print_exc()
+                                return 1
                             continue
                         nreg = sorted({line.split()[-1].rstrip(";") for line in ck.asm["ptx"].splitlines()
                                        if "setmaxnreg" in line})

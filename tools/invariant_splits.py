@@ -6,6 +6,7 @@ The rule is read when pagedflash loads, so compare rules by running this once pe
     PYTHONPATH=. python3 tools/invariant_splits.py                                   # the default rule
     PAGEDFLASH_INVARIANT_HEAD_KEYS=0 PYTHONPATH=. python3 tools/invariant_splits.py  # 2048-key splits only
     PAGEDFLASH_INVARIANT_MID_KEYS=32768 PYTHONPATH=. python3 tools/invariant_splits.py  # 1,024-key splits to 32K
+    PAGEDFLASH_INVARIANT_GLUON=0 PYTHONPATH=. python3 tools/invariant_splits.py  # the mode's prefill portable
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
 ``--engine``: the engine's decode cells only.
 """
@@ -17,7 +18,7 @@ import torch
 
 import pagedflash as pf
 from pagedflash.bench.common import time_ms
-from pagedflash.ops import launch
+from pagedflash.ops import launch, prefill_hopper
 
 PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 128, True),
            (8, 32, 1024, 64, True), (2, 32, 8192, 64, True))  # B, H, N, D, causal
@@ -66,7 +67,8 @@ def main() -> None:
     rule = launch.invariant_split_rule(False, 128)
     mid = f", to key {rule.mid_end} in splits of {rule.mid_split}" if rule.mid_end > rule.head_keys else ""
     print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}{mid}, then {rule.keys} "
-          f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')})")
+          f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')}); the mode's prefill in the Gluon "
+          f"kernel: {prefill_hopper.INVARIANT_ENABLED} (PAGEDFLASH_INVARIANT_GLUON)")
     engine_only = "--engine" in sys.argv[1:]
     for b, h, n, d, causal in () if engine_only else PREFILL:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")

@@ -9,7 +9,7 @@
    Ratios are throughput ratios from the same run (>1: pagedflash faster).
 
 ``--batch-invariant`` times pagedflash dense and varlen of every cell of (2) again with
-``batch_invariant=True`` in the same run (the Hopper Gluon kernel is not used in the mode): TFLOP/s,
+``batch_invariant=True`` in the same run (on Hopper the Gluon kernel's invariant variant): TFLOP/s,
 the time over the default's per cell, and its geometric mean in the summary (issue 32's target:
 <= 1.15x). The default side is the mode off whatever ``PAGEDFLASH_BATCH_INVARIANT`` says.
 """

@@ -68,18 +68,26 @@ def online_softmax_step(m_i, l_i, acc, s):
 @triton.jit
 def online_softmax_step_scaled(m_i, l_i, acc, s, scale):
     """:func:`online_softmax_step` of the scores ``s * scale`` (``scale > 0``; masked entries of ``s``
-    ``-inf``), computed so that an entry's bits do not depend on the code around it: the row max of
-    ``s`` scaled once (rounding is monotonic, so it is the max of the scaled scores) and each
-    probability ``exp2(fma(s, scale, -max))``, one explicit fused multiply-add, which a compiler
-    neither splits nor forms differently in a masked and an unmasked tile. ``scale`` is a scalar or a
-    column ``[M, 1]`` (a scale per row)."""
+    ``-inf``), computed so that an entry's bits do not depend on the code around it
+    (:func:`softmax_probs_scaled`). ``scale`` is a scalar or a column ``[M, 1]`` (a scale per row)."""
+    m_new, l_i, alpha, p = softmax_probs_scaled(m_i, l_i, s, scale)
+    acc = acc * alpha[:, None]
+    return m_new, l_i, acc, p
+
+
+@triton.jit
+def softmax_probs_scaled(m_i, l_i, s, scale):
+    """:func:`online_softmax_step_scaled` but the accumulator's rescale, for a caller whose
+    accumulator is laid out apart from the scores (the Gluon prefill kernel): ``(m, l, alpha, p)``.
+    The row max of ``s`` is scaled once (rounding is monotonic, so it is the max of the scaled
+    scores) and each probability is ``exp2(fma(s, scale, -max))``, one explicit fused multiply-add,
+    which a compiler neither splits nor forms differently in a masked and an unmasked tile."""
     m_new = tl.maximum(m_i, tl.max(tl.max(s, 1)[:, None] * scale, 1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
     p = tl.exp2(tl.fma(s, scale, -m_safe[:, None]))
     alpha = tl.exp2(m_i - m_safe)
     l_i = tl.fma(l_i, alpha, tl.sum(p, 1))
-    acc = acc * alpha[:, None]
-    return m_new, l_i, acc, p
+    return m_new, l_i, alpha, p
 
 
 @triton.jit

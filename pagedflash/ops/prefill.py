@@ -50,11 +50,11 @@ def _launch_dense(q, k, v, out, softmax_scale, window_left, window_right, softca
         return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32) if return_lse else None
     scale = validate.check_scale(softmax_scale, q.shape[-1])
     if gluon is None:
-        gluon = not batch_invariant and prefill_hopper.refusal(q, k, v, window_left, window_right, softcap,
-                                                               sinks) is None
+        gluon = prefill_hopper.refusal(q, k, v, window_left, window_right, softcap, sinks, batch_invariant) is None
     if gluon:
         try:
-            return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse)
+            return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
+                                          invariant=batch_invariant)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
@@ -73,13 +73,14 @@ def _launch_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         return q.new_empty((q.shape[1], 0), dtype=torch.float32) if return_lse else None
     batch, scale = cu_seqlens_q.shape[0] - 1, validate.check_scale(softmax_scale, q.shape[-1])
     if gluon is None:
-        gluon = not batch_invariant and prefill_hopper.refusal_varlen(
-            q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left, window_right, softcap, sinks) is None
+        gluon = prefill_hopper.refusal_varlen(q, k, v, batch, max_seqlen_q, max_seqlen_k, block_table, window_left,
+                                              window_right, softcap, sinks, batch_invariant) is None
     if gluon:
         try:
             return prefill_hopper.forward(q, k, v, out, scale, window_right == 0, return_lse,
                                           varlen=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                                          block_table=block_table, k_descale=k_descale, v_descale=v_descale)
+                                          block_table=block_table, k_descale=k_descale, v_descale=v_descale,
+                                          invariant=batch_invariant)
         except prefill_hopper.Fallback:
             pass  # the kernel does not compile for this signature: the portable one below
     return attention_forward(
@@ -151,7 +152,7 @@ def flash_attn_func(
     if signature is not None and custom_ops.launches_here(q):
         # asked on every call, not kept with the checks: it reads module switches (ENABLED among them) their key
         # does not cover
-        gluon = not invariant and prefill_hopper.refusal(q, k, v, left, right, softcap, sinks) is None
+        gluon = prefill_hopper.refusal(q, k, v, left, right, softcap, sinks, invariant) is None
         if not gluon:  # the launcher's kept-plan path
             done = kept_forward(signature, q, k, v, out, return_lse, None, None, scale, softcap, left, right, sinks,
                                 None, None, invariant)
@@ -248,9 +249,9 @@ def flash_attn_varlen_func(
     gluon = None  # whether the Gluon kernel takes the call, where _varlen_op's launcher would run here
     if signature is not None and custom_ops.launches_here(q):
         # asked on every call, as flash_attn_func's: the routing reads module switches the checks' key does not cover
-        gluon = not invariant and prefill_hopper.refusal_varlen(
+        gluon = prefill_hopper.refusal_varlen(
             q, k, v, cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, block_table, left, right, softcap,
-            sinks) is None
+            sinks, invariant) is None
         if not gluon:  # the launcher's kept-plan path
             done = kept_forward(signature, q, k, v, out, return_lse, None, block_table, scale, softcap, left, right,
                                 sinks, k_descale, v_descale, invariant, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q))

@@ -11,6 +11,12 @@ operands. :func:`pagedflash.flash_attn_varlen_func` over packed K/V or a paged c
 which never changes a result. Everything else, and every call with ``PAGEDFLASH_GLUON=0``, takes
 the portable kernel, which stays the tested fallback.
 
+In the batch-invariant mode (:mod:`pagedflash.batch_invariance`) the kernel's own variant
+(``INVARIANT``: the mode's 64-key tiles and split rule, the portable kernel's EXACT softmax step,
+finalize and merge) takes the same calls, with 16-bit K/V: a row
+gets the portable kernel's bits, so which kernel runs a call never changes a row.
+``PAGEDFLASH_INVARIANT_GLUON=0`` sends the mode's calls to the portable kernel.
+
 A varlen launch is preceded by :func:`pagedflash.ops.metadata.varlen_bounds`, which checks the
 ``cu_seqlens`` and page ids on the device and hands the kernel each sequence's rows, none for an
 invalid sequence (NaN output, a recorded fault). A signature's launches after its first go through
@@ -23,21 +29,24 @@ fp16 dots for fp8 K/V, launches of fewer work items than SMs).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
 import torch
 
-from pagedflash.ops import fastlaunch, metadata
+from pagedflash.ops import fastlaunch, launch, metadata
 from pagedflash.ops import prefill_hopper_kernel as kernel
 from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention_launch import ensure_tma_allocator
-from pagedflash.ops.prefill_hopper_kernel import BLOCK_M, BLOCK_N, UNAVAILABLE
+from pagedflash.ops.prefill_hopper_kernel import BLOCK_M, BLOCK_N, INVARIANT_BLOCK_N, UNAVAILABLE
 from pagedflash.ops.utils import PlanCache, cdiv, descriptor_aligned, num_sms, nvidia_capability
 from pagedflash.validate import FP8_DTYPES
 
 # PAGEDFLASH_GLUON=0 sends every call to the portable kernel (tests flip this flag too).
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
+# PAGEDFLASH_INVARIANT_GLUON=0 sends the batch-invariant mode's calls to the portable kernel (the same bits)
+INVARIANT_ENABLED = os.environ.get("PAGEDFLASH_INVARIANT_GLUON", "1") != "0"
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
@@ -58,11 +67,13 @@ launches = 0  # Gluon launches so far (tests read it to see which path ran)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
-            softcap: float, sinks: torch.Tensor | None = None) -> str | None:
+            softcap: float, sinks: torch.Tensor | None = None, invariant: bool = False) -> str | None:
     """Why a validated dense call (:func:`pagedflash.flash_attn_func`'s operator arguments) does not
-    take the Gluon kernel, or None when it does."""
+    take the Gluon kernel, or None when it does; ``invariant``: in the batch-invariant mode."""
     if not ENABLED:
         return "PAGEDFLASH_GLUON=0"
+    if invariant and not INVARIANT_ENABLED:
+        return "batch-invariant mode, PAGEDFLASH_INVARIANT_GLUON=0"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
     batch, sq, hq, d = q.shape
@@ -70,12 +81,13 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int,
         return "causal with Sq > Sk (rows that see no key)"
     if k.dtype in FP8_DTYPES:
         return "fp8 K/V in a dense call (the kernel takes them in varlen and paged calls)"
-    return _refusal(q, k, v, batch, sq, k.shape[1], hq, k.shape[2], d, window_left, window_right, softcap, sinks)
+    return _refusal(q, k, v, batch, sq, k.shape[1], hq, k.shape[2], d, window_left, window_right, softcap, sinks,
+                    invariant=invariant)
 
 
 def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
                    max_seqlen_k: int, block_table: torch.Tensor | None, window_left: int, window_right: int,
-                   softcap: float, sinks: torch.Tensor | None = None) -> str | None:
+                   softcap: float, sinks: torch.Tensor | None = None, invariant: bool = False) -> str | None:
     """:func:`refusal` for a validated :func:`pagedflash.flash_attn_varlen_func` call, over packed K/V
     or (``block_table``) a paged cache of :data:`PAGE_SIZES`. The size rule takes the longest key
     length and, for the queries, the mean length of the sequences other than the longest: a serving
@@ -84,6 +96,8 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
     splits those rows."""
     if not ENABLED:
         return "PAGEDFLASH_GLUON=0"
+    if invariant and not INVARIANT_ENABLED:
+        return "batch-invariant mode, PAGEDFLASH_INVARIANT_GLUON=0"
     if UNAVAILABLE is not None:
         return UNAVAILABLE
     if block_table is not None:
@@ -92,11 +106,11 @@ def refusal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int
             return f"page size {page} (the kernel takes {PAGE_SIZES} or multiples of {BLOCK_N})"
     others = max(q.shape[0] - max_seqlen_q, 0) // (batch - 1) if batch > 1 else q.shape[0]
     return _refusal(q, k, v, batch, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[-2], q.shape[2], window_left,
-                    window_right, softcap, sinks, typical_q=others)
+                    window_right, softcap, sinks, typical_q=others, invariant=invariant)
 
 
 def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, window_left: int, window_right: int,
-             softcap: float, sinks, typical_q: int | None = None) -> str | None:
+             softcap: float, sinks, typical_q: int | None = None, invariant: bool = False) -> str | None:
     causal = window_right == 0
     min_len = MIN_SEQLEN.get((d, causal))
     if min_len is None:
@@ -122,11 +136,19 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
     if n_items < MIN_PROGRAMS_PER_SM[d] * sms:
         return f"{n_items} work items on {sms} SMs (the portable kernel splits the keys)"
-    if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, BLOCK_N) >= 2**31:
+    bn = INVARIANT_BLOCK_N if invariant else BLOCK_N
+    if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, bn) >= 2**31:
         return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms, or n_items)
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
         if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"
+    if invariant:
+        if k.dtype in FP8_DTYPES:
+            return "fp8 K/V in batch-invariant mode"
+        tile = launch.invariant_config(group=1, head_dim=d, capability=(9, 0), interpreted=False, prefill=True)
+        if tile.block_n != INVARIANT_BLOCK_N or tile.block_m != 16 * tile.num_warps or tile.num_warps % 4:
+            return (f"the batch-invariant tile ({tile.block_m} rows, {tile.block_n} keys, {tile.num_warps} warps): the "
+                    f"kernel's variant runs {INVARIANT_BLOCK_N}-key tiles, 16 rows a warp of a warpgroup")
     return None
 
 
@@ -172,10 +194,10 @@ _PLANS = PlanCache()
 
 
 def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | None, block_table, k_descale,
-               v_descale) -> _Plan:
+               v_descale, rule: launch.SplitRule | None) -> _Plan:
     page = 0 if block_table is None else k.shape[1]
     consts, options, q_block, kv_block, q_layout, kv_layout = kernel.kernel_config(
-        q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page, k.dtype)
+        q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page, k.dtype, rule)
     plan = _Plan()
     ints = dict.fromkeys(kernel.INT_ARGS, 0)  # the strides a launch kind does not use stay 0
     for name, scale in (("stride_kds", k_descale), ("stride_vds", v_descale)):  # per KV head, or one for all
@@ -213,6 +235,13 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     return plan
 
 
+@functools.lru_cache(maxsize=64)
+def _exact_score_scale(sm_scale: float) -> float:
+    """``sm_scale * log2(e)`` rounded as the portable kernel computes it (both fp32, one fp32 product),
+    for the batch-invariant variant, whose scores must scale to the same bits."""
+    return (torch.tensor(sm_scale, dtype=torch.float32) * torch.tensor(LOG2E.value, dtype=torch.float32)).item()
+
+
 def _descriptors(tensors, descs) -> list:
     """Host TMA descriptors over ``tensors`` from a plan's ``(shape, strides, block, layout)``."""
     return [kernel.TensorDescriptor(t, *desc) for t, desc in zip(tensors, descs)]
@@ -225,24 +254,28 @@ class Fallback(Exception):
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, sm_scale: float, causal: bool,
             return_lse: bool, varlen: tuple | None = None, block_table: torch.Tensor | None = None,
-            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> torch.Tensor | None:
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+            invariant: bool = False) -> torch.Tensor | None:
     """Attention of a call :func:`refusal` accepted, written into ``out``; returns the LSE
     ``[B, Hq, Sq]`` fp32 (natural log) with ``return_lse``, else None. ``varlen``: ``(cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` of a call :func:`refusal_varlen` accepted (q
     ``[total, H, D]``, LSE ``[Hq, total_q]``; k/v packed ``[total, H, D]``, or with ``block_table``
     the paged caches; fp8 K/V with their validated descales, fp32 ``[]``/``[1]``/``[Hkv]`` or None).
     Raises :class:`Fallback` where the kernel does not compile for the signature (the first time
-    with a warning)."""
+    with a warning). ``invariant``: the batch-invariant variant, for a call :func:`refusal` (or
+    :func:`refusal_varlen`) accepted with it."""
     global launches
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
+    rule = launch.invariant_split_rule(False, q.shape[-1]) if invariant else None
     # everything a launch specializes on (refusal() has made q, k, v 16-byte aligned), so that the
     # plan's fast handle (pagedflash.ops.fastlaunch) only relaunches the kernel compiled for it
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
            return_lse, sizes, out.data_ptr() % 16, None if block_table is None else
            (block_table.stride(), block_table.data_ptr() % 16),
-           *((None,) if t is None else (t.numel(), t.stride(), t.data_ptr() % 16) for t in (k_descale, v_descale)))
+           *((None,) if t is None else (t.numel(), t.stride(), t.data_ptr() % 16) for t in (k_descale, v_descale)),
+           rule)
     plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table,
-                                                         k_descale, v_descale))
+                                                         k_descale, v_descale, rule))
     if plan.failed:
         raise Fallback
     lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
@@ -261,7 +294,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *pairs)
     q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
     args = (q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q, cu_k, k_descale, v_descale,
-            sm_scale * LOG2E.value, *plan.int_values)
+            _exact_score_scale(sm_scale) if invariant else sm_scale * LOG2E.value, *plan.int_values)
     try:
         if not fastlaunch.run(plan.slot, kernel.prefill_kernel, plan.grid3, args):
             compiled = kernel.prefill_kernel[plan.grid](*args[:13], **plan.ints, **plan.consts, **plan.options)

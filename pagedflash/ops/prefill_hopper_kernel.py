@@ -44,7 +44,8 @@ async wgmma, warp specialization).
   with a contiguous last dim.
 
 The helpers every partition shares (the item schedule, one softmax step, the store, the loads) are
-in :mod:`pagedflash.ops.prefill_hopper_tiles`.
+in :mod:`pagedflash.ops.prefill_hopper_tiles`, the consumers' walk over an item's key tiles in
+:mod:`pagedflash.ops.prefill_hopper_attend`.
 
 Written against Triton 3.6's Gluon API, which is experimental and changes between releases (3.9
 renamed the TMA copies); on any other Triton, under the interpreter and off NVIDIA the module
@@ -57,10 +58,12 @@ from __future__ import annotations
 import torch
 import triton
 
+from pagedflash.ops.launch import SplitRule
 from pagedflash.ops.utils import interpreted
 
 BLOCK_M = 128  # query rows per program: two consumers of 64
 BLOCK_N = 128  # keys per K/V tile
+INVARIANT_BLOCK_N = 64  # in the batch-invariant mode: the mode's key tile (pagedflash.ops.launch.invariant_config)
 STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles, fp8 twice)
 NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the two loaders (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
@@ -100,14 +103,10 @@ if UNAVAILABLE is None:
         from triton.compiler.errors import CompilationError
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.language.nvidia.hopper import (
-            fence_async_shared,
-            mbarrier,
-            warpgroup_mma,
-            warpgroup_mma_wait,
-        )
+        from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401 - the launcher's
 
+        from pagedflash.ops.prefill_hopper_attend import _attend, _attend_invariant
         from pagedflash.ops.prefill_hopper_tiles import (
             _item,
             _key_tiles,
@@ -117,8 +116,8 @@ if UNAVAILABLE is None:
             _rows,
             _schedule,
             _sequence,
-            _softmax_step,
             _store,
+            _store_rows,
         )
     except ImportError as e:
         UNAVAILABLE = f"triton {triton.__version__} without the Gluon Hopper API ({e})"
@@ -240,102 +239,12 @@ if UNAVAILABLE is None:
             it += n_tiles
 
     @gluon.jit
-    def _qk(idx, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-            s_layout: gl.constexpr):
-        """Issue ``S = Q K^T`` (async) for the K tile of ring index ``idx`` once it has landed."""
-        slot = idx % STAGES
-        mbarrier.wait(k_ready.index(slot), (idx // STAGES) & 1)
-        return warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BN], gl.float32, s_layout),
-                             use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
-              causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tile j of the item whose tile 0 has ring index ``base``: ``S_j = Q K_j^T`` and
-        ``O += P_{j-1} V_{j-1}`` in flight together; the softmax of ``S_j`` runs while the PV wgmma
-        finishes."""
-        idx = base + j
-        s = _qk(idx, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-        prev = (idx - 1) % STAGES
-        mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
-        o = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T (issued first) is done, PV may still run
-        mbarrier.arrive(k_empty.index(idx % STAGES))
-        p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, j * BN, Sk, causal_off, BN, s_layout,
-                                               MASK, CAUSAL)
-        # Left alone, ptxas hoists the PV wait above the softmax (into the first shuffle's latency),
-        # which serializes them; a branch on a runtime value (never false: the scale is > 0) pins it.
-        if qk_scale > 0.0:
-            o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
-        else:
-            gl.thread_barrier()
-            o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
-        mbarrier.arrive(v_empty.index(prev))
-        o = o_done * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        return o, p16, m_new, l_new
-
-    @gluon.jit
-    def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
-        """A consumer's bf16 Q tile rewritten in place as fp16 for dots with fp16 (fp8) K/V: scaled by the
-        power of two ``2^-shift`` that brings its largest finite magnitude to 2^14 (exact; a tile with
-        an inf is not scaled; NaN is ignored by the max and stays NaN; ``shift`` held at -126 or above),
-        as the portable kernel does. Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``)."""
-        layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [ROWS // 16, 1], [1, 0])
-        x = q.load(layout).to(gl.float32)
-        amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
-        shift = gl.maximum(gl.ceil(gl.log2(amax)) - 14.0, -126.0)
-        shift = gl.where((amax > 0.0) & (amax < float("inf")), shift, 0.0)
-        gl.thread_barrier()  # every warp has read the tile before any overwrites it
-        q16 = q._reinterpret(gl.float16, [ROWS, HEAD_DIM], q.layout)
-        q16.store((x * gl.exp2(-shift)).to(gl.float16))
-        fence_async_shared()  # these generic-proxy stores before the wgmma (async proxy) reads
-        gl.thread_barrier()
-        return q16, shift
-
-    @gluon.jit
-    def _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o, m_i, l_i, qk_scale, rows,
-                base, nq, n_full, n_tiles, Sk, causal_off, C: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr,
-                STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                CAUSAL: gl.constexpr):
-        """Consumer ``C``'s rows of one work item over its ``n_tiles`` key tiles (ring indices from
-        ``base``; its Q is the ``nq``-th loaded). The Q slot is handed back after the item's last
-        ``Q K^T``, so the K loader fills it for the next item while this one's last ``P V`` runs."""
-        mbarrier.wait(q_ready.index(C), nq & 1)
-        if q.dtype != k_smem.dtype:  # bf16 q over fp8 K/V (converted to fp16): the dots run in fp16
-            q, shift = _q_to_fp16(q, ROWS, k_smem.shape[2])
-            qk_scale = qk_scale * gl.exp2(shift)
-        # tile 0 alone, always masked (right for any tile), then the overlapped steady state
-        s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        mbarrier.arrive(k_empty.index(base % STAGES))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Sk, causal_off, BN, s_layout, True,
-                                           CAUSAL)
-        p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-        for j in range(1, n_full):
-            o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
-                                     l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
-                                     p_layout, False, CAUSAL)
-        for j in range(gl.maximum(n_full, 1), n_tiles):
-            o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
-                                     l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
-                                     p_layout, True, CAUSAL)
-        mbarrier.arrive(q_empty.index(C))  # every Q K^T of the item has completed
-        last = base + n_tiles - 1
-        slot = last % STAGES
-        mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-        o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
-        o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
-        mbarrier.arrive(v_empty.index(slot))
-        return o, m_i, l_i
-
-    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, CuQ, CuK,
                   KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os, stride_oh, lse_b, lse_h,
                   stride_kds, stride_vds, C: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr):
+                  WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr, INVARIANT: gl.constexpr, SPLIT_N: gl.constexpr,
+                  HEAD_N: gl.constexpr, HEAD_KEYS: gl.constexpr, MID_N: gl.constexpr, MID_KEYS: gl.constexpr):
         """Consumer ``C``: for each work item, rows ``m0 + C * ROWS ..`` (:func:`_attend`), then the
         store. ``VARLEN``: an item past its sequence's rows is skipped, and one whose rows see no key
         stores 0 (LSE -inf) without waiting on the loaders, which (and the converter)
@@ -371,15 +280,28 @@ if UNAVAILABLE is None:
             if VARLEN:  # items past the sequence's rows are skipped; rows that see no key store 0 / -inf
                 rows_here = m0 < sq
                 busy = rows_here & (n_tiles > 0)
-            if busy:
-                o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o,
-                                      m_i, l_i, scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
-                                      BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
-                base += n_tiles
-                nq += 1
-            if rows_here:
-                _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b, lse_h,
-                       o_scale, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
+            if INVARIANT:  # rows that see no key: 0 / -inf, as the portable kernel's merge of no split gives
+                lse = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, o_layout))
+                if busy:
+                    o, lse = _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
+                                               v_empty, scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C,
+                                               ROWS, HEAD_DIM, BN, STAGES, s_layout, o_layout, p_layout, CAUSAL,
+                                               SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)
+                    base += n_tiles
+                    nq += 1
+                if rows_here:
+                    _store_rows(o, lse, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b,
+                                lse_h, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
+            else:
+                if busy:
+                    o, m_i, l_i = _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, o,
+                                          m_i, l_i, scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C, ROWS,
+                                          BN, STAGES, s_layout, o_layout, p_layout, CAUSAL)
+                    base += n_tiles
+                    nq += 1
+                if rows_here:
+                    _store(o, m_i, l_i, O, LSE, b, h, q_start, row0, sq, stride_ob, stride_os, stride_oh, lse_b,
+                           lse_h, o_scale, ROWS, HEAD_DIM, o_layout, WRITE_LSE)
 
     @gluon.jit(do_not_specialize=RUNTIME_INTS)
     def prefill_kernel(q_desc, k_desc, v_desc, Kc, Vc, BlockTable, O, LSE, CuQ, CuK, KDescale, VDescale, qk_scale, Sq,
@@ -388,7 +310,9 @@ if UNAVAILABLE is None:
                         stride_kds, stride_vds, HEAD_DIM: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr, VARLEN: gl.constexpr,
                         PAGE: gl.constexpr, CHUNK: gl.constexpr, KV8: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        LOADER_REGS: gl.constexpr, CONVERT_WARPS: gl.constexpr, CONVERT_REGS: gl.constexpr):
+                        LOADER_REGS: gl.constexpr, CONVERT_WARPS: gl.constexpr, CONVERT_REGS: gl.constexpr,
+                        INVARIANT: gl.constexpr, SPLIT_N: gl.constexpr, HEAD_N: gl.constexpr,
+                        HEAD_KEYS: gl.constexpr, MID_N: gl.constexpr, MID_KEYS: gl.constexpr):
         """Persistent: a grid of at most one program per SM, each looping over its work items
         (:func:`_schedule`). Dense: descriptors over ``[B, S, H, D]`` with ``[1, rows, 1, D]`` boxes
         (Q: ``BM // 2`` rows, K/V: ``BN``), ``Kc``/``Vc``/``BlockTable``/``CuQ``/``CuK`` None and the
@@ -457,11 +381,11 @@ if UNAVAILABLE is None:
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
-                             CAUSAL, WRITE_LSE, VARLEN)),
+                             CAUSAL, WRITE_LSE, VARLEN, INVARIANT, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
-                             CAUSAL, WRITE_LSE, VARLEN)),
+                             CAUSAL, WRITE_LSE, VARLEN, INVARIANT, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)),
                 (_loader, (q_desc, k_desc, Kc, BlockTable, q_smem, k8_smem, q_ready, q_empty, k8_ready,
                            k8_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_kb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
@@ -479,11 +403,11 @@ if UNAVAILABLE is None:
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 0, ROWS, HEAD_DIM, BM, BN, STAGES,
-                             CAUSAL, WRITE_LSE, VARLEN)),
+                             CAUSAL, WRITE_LSE, VARLEN, INVARIANT, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)),
                 (_consumer, (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                              CuQ, CuK, KDescale, VDescale, qk_scale, Sq, Sk, Hq, B, GROUP, stride_ob, stride_os,
                              stride_oh, lse_b, lse_h, stride_kds, stride_vds, 1, ROWS, HEAD_DIM, BM, BN, STAGES,
-                             CAUSAL, WRITE_LSE, VARLEN)),
+                             CAUSAL, WRITE_LSE, VARLEN, INVARIANT, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)),
                 (_loader, (q_desc, k_desc, Kc, BlockTable, q_smem, k_smem, q_ready, q_empty, k_ready,
                            k_empty, CuQ, CuK, Sq, Sk, Hq, B, GROUP, stride_qt, stride_qh, stride_kt, stride_kh,
                            stride_kb, stride_bt, stride_bp, ROWS, HEAD_DIM, BM, BN, STAGES, CAUSAL, VARLEN, PAGE,
@@ -496,19 +420,25 @@ if UNAVAILABLE is None:
 
 
 def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False,
-                  page: int = 0, kv_dtype: torch.dtype | None = None) -> tuple:
+                  page: int = 0, kv_dtype: torch.dtype | None = None, invariant: SplitRule | None = None) -> tuple:
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
     k/v layout)`` (the blocks and layouts of the host descriptors: dense Q/K/V, or the paged K/V
     caches with ``page``). ``kv_dtype``: K/V's dtype where it is not q's (fp8, with ``varlen`` or
-    ``page``). Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
-    chunk = min(page, BLOCK_N)
+    ``page``). ``invariant``: the batch-invariant mode's split rule (16-bit K/V): key tiles of
+    :data:`INVARIANT_BLOCK_N` (the mode's), in rings twice as deep (the same shared memory). Shared by
+    the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
+    bn = BLOCK_N if invariant is None else INVARIANT_BLOCK_N
+    chunk = min(page, bn)
     kv8 = kv_dtype is not None and kv_dtype != dtype
-    consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=BLOCK_N, STAGES=STAGES[head_dim], CAUSAL=causal,
+    rule = invariant or SplitRule(bn)  # (unused off the mode)
+    consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=bn, STAGES=STAGES[head_dim] * (BLOCK_N // bn), CAUSAL=causal,
                   WRITE_LSE=write_lse, VARLEN=varlen or page > 0, PAGE=page, CHUNK=chunk, KV8=kv8,
                   CONSUMER_REGS=FP8_CONSUMER_REGISTERS if kv8 else CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS,
-                  CONVERT_WARPS=CONVERT_WARPS, CONVERT_REGS=CONVERT_REGISTERS)
+                  CONVERT_WARPS=CONVERT_WARPS, CONVERT_REGS=CONVERT_REGISTERS, INVARIANT=invariant is not None,
+                  SPLIT_N=rule.keys, HEAD_N=rule.head_split, HEAD_KEYS=rule.head_keys, MID_N=rule.mid_split,
+                  MID_KEYS=rule.mid_end)
     options = dict(num_warps=NUM_WARPS, maxnreg=FP8_MAX_REGISTERS if kv8 else MAX_REGISTERS)
-    q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, chunk if page else BLOCK_N, 1, head_dim]
+    q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, chunk if page else bn, 1, head_dim]
     q_layout = gl.NVMMASharedLayout.get_default_for(q_block, GL_DTYPES[dtype])
     kv_layout = gl.NVMMASharedLayout.get_default_for(kv_block, GL_DTYPES[kv_dtype if kv8 else dtype])
     return consts, options, q_block, kv_block, q_layout, kv_layout

@@ -9,6 +9,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from pagedflash.ops import _jit
+
 LN2 = gl.constexpr(0.6931471805599453)
 FLT_MIN = gl.constexpr(1.1754943508222875e-38)  # the least normal fp32
 
@@ -37,11 +39,7 @@ def _softmax_step(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.conste
     scale (``_step``) reads it, which must stay a value the compiler cannot prove positive."""
     qk_scale = gl.maximum(qk_scale, FLT_MIN)
     if MASK:
-        cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-        valid = cols[None, :] < Sk
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
-        s = gl.where(valid, s, -float("inf"))
+        s = _mask(s, rows, n0, Sk, causal_off, BN, s_layout, CAUSAL)
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if MASK:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # no key yet: keep exp2 off (-inf) - (-inf)
@@ -53,15 +51,59 @@ def _softmax_step(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.conste
     return p, m_new, l_new, alpha
 
 @gluon.jit
+def _mask(s, rows, n0, Sk, causal_off, BN: gl.constexpr, s_layout: gl.constexpr, CAUSAL: gl.constexpr):
+    """Scores ``s`` (keys from ``n0``) with the keys past ``Sk`` and, ``CAUSAL``, those after each row's
+    diagonal set to ``-inf``."""
+    cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    valid = cols[None, :] < Sk
+    if CAUSAL:
+        valid = valid & (cols[None, :] <= rows[:, None] + causal_off)
+    return gl.where(valid, s, -float("inf"))
+
+@gluon.jit
+def _softmax_step_exact(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.constexpr,
+                        s_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """The batch-invariant mode's step, as the portable kernel's (``EXACT``) takes it: the raw scores
+    masked, then :func:`pagedflash.ops._jit.softmax_probs_scaled` (a scale that underflowed to 0 taken
+    as the least normal, as there). Returns ``(m, l, alpha, p)``; a visible key's probability has the
+    same bits masked or not."""
+    if MASK:
+        s = _mask(s, rows, n0, Sk, causal_off, BN, s_layout, CAUSAL)
+    return _jit.softmax_probs_scaled(m_i, l_i, s, gl.maximum(qk_scale, FLT_MIN))
+
+@gluon.jit
+def _fold(o, m_i, l_i, out, lse, o_layout: gl.constexpr):
+    """The batch-invariant mode's end of a split: its state (accumulator ``o``, running max and sum
+    in the scores' row layout) finalized and merged into the row's ``(out, lse)`` after the splits
+    before it, by the portable kernel's own :func:`pagedflash.ops._jit.finalize` and
+    :func:`pagedflash.ops._jit.merge_state`."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_c, lse_c = _jit.finalize(gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), o)
+    return _jit.merge_state(out, lse, o_c, lse_c)
+
+@gluon.jit
 def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h,
            o_scale, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
-    """Normalize, scale by ``o_scale`` (the value descale) and store rows ``row0 ..`` of head ``h`` of
-    sequence ``b`` (its rows start at token ``tok0``; rows from ``n_rows`` on are not stored); LSE in
-    natural log at ``b * lse_b + h * lse_h + tok0 + row``. A row that saw no key gets 0 (and -inf)."""
+    """Normalize, scale by ``o_scale`` (the value descale) and store (:func:`_store_rows`). A row that
+    saw no key gets 0 (and -inf)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_i, row_o)
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
     out = o * (o_scale / l_safe)[:, None]
+    lse = l_o
+    if WRITE_LSE:
+        m_o = gl.convert_layout(m_i, row_o)
+        lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
+    _store_rows(out, lse, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h, ROWS,
+                HEAD_DIM, o_layout, WRITE_LSE)
+
+@gluon.jit
+def _store_rows(out, lse, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, stride_oh, lse_b, lse_h,
+                ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr, WRITE_LSE: gl.constexpr):
+    """Store normalized rows ``row0 ..`` of head ``h`` of sequence ``b`` (its rows start at token
+    ``tok0``; rows from ``n_rows`` on are not stored); LSE (natural log, with ``WRITE_LSE``) at ``b *
+    lse_b + h * lse_h + tok0 + row``."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = row0 + gl.arange(0, ROWS, layout=row_o)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     row_ok = rows < n_rows
@@ -69,8 +111,6 @@ def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, 
     offs = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + toks[:, None] * stride_os + cols[None, :]
     gl.store(O + offs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < HEAD_DIM))
     if WRITE_LSE:
-        m_o = gl.convert_layout(m_i, row_o)
-        lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
         gl.store(LSE + b.to(gl.int64) * lse_b + h.to(gl.int64) * lse_h + toks, lse, mask=row_ok)
 
 @gluon.jit

@@ -1,0 +1,67 @@
+"""The Gluon prefill kernel's batch-invariant variant (sm90): a row's output and LSE bit for bit the
+portable kernel's in the mode (dense, varlen, paged over a NaN-poisoned pool, causal or not, through
+the split rule's 256-key head and past it into its 2,048-key splits), and so the decode step's of the
+same row; the switch (``PAGEDFLASH_INVARIANT_GLUON``) decides which kernel takes the mode's calls.
+Its routing on every machine: tests/test_prefill_hopper.py.
+"""
+
+import prefill_hopper_checks as checks
+import pytest
+import torch
+from helpers import cu_seqlens, ids, make_pool, randn
+
+from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from pagedflash.ops import prefill_hopper
+
+gluon = checks.gluon  # the shared fixture, found by its name here
+
+LENS_K = [5000, 700, 2100]  # keys a sequence: past the 4,096-key head, inside it, one long split in
+LENS_Q = [4500, 700, 300]  # the rows of a (last) chunk of each
+
+
+def _both(call):
+    """``call()`` through the Gluon kernel's variant (which must run) and through the portable
+    kernel: ``(gluon's, portable's)``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill_hopper, "INVARIANT_ENABLED", True)
+        before = prefill_hopper.launches
+        got = call()
+        assert prefill_hopper.launches == before + 1, "the Gluon kernel did not run"
+        mp.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
+        want = call()
+        assert prefill_hopper.launches == before + 1, "the Gluon kernel ran with its switch off"
+    return got, want
+
+
+CASES = [*((d, torch.bfloat16, True, layout) for d in (64, 128) for layout in ("dense", "varlen", "page16", "page64")),
+         (128, torch.float16, False, "dense"), (64, torch.float16, True, "page64"), (128, torch.bfloat16, False, "varlen")]
+
+
+@checks.sm90
+@pytest.mark.parametrize(("d", "dtype", "causal", "layout"), CASES, ids=ids)
+def test_rows_equal_the_portable_kernels(gluon, d, dtype, causal, layout):
+    hq, hkv = 4, 2
+    opts = dict(causal=causal, return_lse=True, batch_invariant=True)
+    if layout == "dense":
+        q = randn(2, LENS_Q[0], hq, d, dtype=dtype)
+        k, v = randn(2, LENS_K[0], hkv, d, dtype=dtype), randn(2, LENS_K[0], hkv, d, dtype=dtype)
+        (got, got_lse), (want, want_lse) = _both(lambda: flash_attn_func(q, k, v, **opts))
+    else:
+        lens_q = LENS_K if layout == "varlen" else LENS_Q
+        q = randn(sum(lens_q), hq, d, dtype=dtype)
+        if layout == "varlen":
+            k, v = randn(sum(LENS_K), hkv, d, dtype=dtype), randn(sum(LENS_K), hkv, d, dtype=dtype)
+            table = None
+        else:
+            k, v, table = make_pool(LENS_K, int(layout[4:]), hkv, d, dtype)
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(LENS_K)
+        (got, got_lse), (want, want_lse) = _both(lambda: flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(lens_q), max(LENS_K), block_table=table, **opts))
+        if table is not None:  # each sequence's last row as a decode step of its own, all in one batch
+            last = cu_q[1:].long() - 1
+            lens = torch.tensor(LENS_K, dtype=torch.int32, device=q.device)
+            step, step_lse = flash_attn_with_kvcache(q[last][:, None], k, v, cache_seqlens=lens, block_table=table,
+                                                     causal=causal, return_lse=True, batch_invariant=True)
+            assert torch.equal(step[:, 0], got[last]) and torch.equal(step_lse[:, :, 0], got_lse[:, last].T)
+    assert not got.isnan().any()
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
