@@ -8,7 +8,7 @@ The rule is read when pagedflash loads, so compare rules by running this once pe
     PAGEDFLASH_INVARIANT_MID_KEYS=32768 PYTHONPATH=. python3 tools/invariant_splits.py  # 1,024-key splits to 32K
     PAGEDFLASH_INVARIANT_GLUON=0 PYTHONPATH=. python3 tools/invariant_splits.py  # the mode's prefill portable
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
-``--engine``: the engine's decode cells only.
+``--engine``: the engine's decode cells only; ``--prefill``: the prefill cells only.
 """
 import functools
 import os
@@ -69,12 +69,12 @@ def main() -> None:
     print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}{mid}, then {rule.keys} "
           f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')}); the mode's prefill in the Gluon "
           f"kernel: {prefill_hopper.INVARIANT_ENABLED} (PAGEDFLASH_INVARIANT_GLUON)")
-    engine_only = "--engine" in sys.argv[1:]
+    engine_only, prefill_only = "--engine" in sys.argv[1:], "--prefill" in sys.argv[1:]
     for b, h, n, d, causal in () if engine_only else PREFILL:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")
-    for b, n, d in () if engine_only else DECODE:
+    for b, n, d in () if engine_only or prefill_only else DECODE:
         print(f"decode B={b} N={n} D={d}: {decode(b, n, d)}")
-    for b, lo, hi in ENGINE_DECODE:
+    for b, lo, hi in () if prefill_only else ENGINE_DECODE:
         print(f"engine decode B={b} N={lo}-{hi} D=64 pages 16: {engine_decode(b, lo, hi, 64)}")
 
 

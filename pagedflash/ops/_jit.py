@@ -101,11 +101,13 @@ def add_sink(m_i, l_i, acc, sink):
 
 @triton.jit
 def finalize(m_i, l_i, acc):
-    """Normalize the accumulator; return ``(out, lse)`` with lse in natural log.
+    """Normalize the accumulator; return ``(out, lse)`` with lse in natural log. One reciprocal a row,
+    a multiply an element (the batch-invariant mode finalizes every split so: a division an element
+    would cost as much as a tile's softmax).
 
     Rows that saw no key (``l == 0``) give out 0 and lse ``-inf``."""
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    out = acc * (1.0 / tl.where(empty, 1.0, l_i))[:, None]
     lse = tl.where(empty, NEG_INF, (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     return out, lse
 
