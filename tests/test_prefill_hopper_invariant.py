@@ -11,7 +11,7 @@ import torch
 from helpers import cu_seqlens, ids, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from pagedflash.ops import prefill_hopper
+from pagedflash.ops import launch, prefill_hopper
 
 gluon = checks.gluon  # the shared fixture, found by its name here
 
@@ -65,3 +65,31 @@ def test_rows_equal_the_portable_kernels(gluon, d, dtype, causal, layout):
             assert torch.equal(step[:, 0], got[last]) and torch.equal(step_lse[:, :, 0], got_lse[:, last].T)
     assert not got.isnan().any()
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+SETTINGS = {  # launch-table switches: split rules other than the default, the opt-in prefill tile
+    "one-tile head splits": dict(INVARIANT_HEAD_KEYS=1024, INVARIANT_HEAD_SPLIT_KEYS=64),
+    "no head": dict(INVARIANT_HEAD_KEYS=0),
+    "middle tier": dict(INVARIANT_MID_KEYS=6144, INVARIANT_MID_SPLIT_KEYS=1024),
+    "prefill tile": dict(INVARIANT_PREFILL_TILE="128:8:3"),
+}
+
+
+@checks.sm90
+@pytest.mark.parametrize("setting", SETTINGS, ids=str)
+def test_rows_equal_under_other_rules_and_tiles(gluon, monkeypatch, setting):
+    """Other rules and the opt-in prefill tile (whose rows a warp the variant shares), GQA groups of 4,
+    and rows that see no key: a sequence without keys, causal rows before a shorter key range."""
+    for name, value in SETTINGS[setting].items():
+        monkeypatch.setattr(launch, name, value)
+    hq, hkv, d, page = 8, 2, 64, 16
+    lens_q, lens_k = [300, 200, 50, 1000], [5000, 0, 30, 7000]
+    k, v, table = make_pool(lens_k, page, hkv, d, torch.bfloat16)
+    q = randn(sum(lens_q), hq, d, dtype=torch.bfloat16)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    (got, got_lse), (want, want_lse) = _both(lambda: flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), block_table=table, causal=True, return_lse=True,
+        batch_invariant=True))
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    empty = slice(lens_q[0], lens_q[0] + lens_q[1] + 20)  # sequence 1, and sequence 2's first 20 rows
+    assert not got[empty].any() and (got_lse[:, empty] == float("-inf")).all()

@@ -152,20 +152,21 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     return None
 
 
-def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int) -> int:
+def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int, bn: int = BLOCK_N) -> int:
     """Programs of a launch over ``n_items`` work items, ``n_m`` row blocks per head. Non-causal
     items cost the same: one program per SM. A causal item costs its row block's key tiles, and how
     evenly the alternating rounds share them depends on the program count: at Sq = Sk every
     program's items pair up to ``n_m + 1`` tiles when ``n_m`` divides twice the count, and 16K rows
     of 16 heads leave the busiest of 132 programs 1.5x the mean, of 128 the mean. So a causal launch
     takes, of the counts from ``sms`` down to 85 % of it, the one whose busiest program ends first
-    (the largest on a tie), stopping where even a perfect share of a smaller count could not."""
+    (the largest on a tie), stopping where even a perfect share of a smaller count could not.
+    ``bn``: the launch's key tile."""
     if n_items <= sms:
         return n_items
     if not causal:
         return sms
-    tiles = torch.clamp((torch.arange(1, n_m + 1, device="cpu") * BLOCK_M + sk - sq + BLOCK_N - 1) // BLOCK_N,
-                        min=0, max=cdiv(sk, BLOCK_N)).double()  # key tiles of row block m
+    tiles = torch.clamp((torch.arange(1, n_m + 1, device="cpu") * BLOCK_M + sk - sq + bn - 1) // bn,
+                        min=0, max=cdiv(sk, bn)).double()  # key tiles of row block m
     t = torch.arange(n_items, device="cpu")
     cost = tiles[n_m - 1 - t % n_m]  # item t's key tiles (the kernel's _item order)
     total = cost.sum().item()
@@ -194,7 +195,8 @@ _PLANS = PlanCache()
 
 
 def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | None, block_table, k_descale,
-               v_descale, rule: launch.SplitRule | None) -> _Plan:
+               v_descale, rule: launch.SplitRule | None = None) -> _Plan:
+    """The launch of one signature; ``rule``: the batch-invariant variant's split rule (None: mode off)."""
     page = 0 if block_table is None else k.shape[1]
     consts, options, q_block, kv_block, q_layout, kv_layout = kernel.kernel_config(
         q.shape[-1], causal, return_lse, q.dtype, varlen is not None, page, k.dtype, rule)
@@ -227,7 +229,8 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     plan.ints = ints
     plan.int_values = tuple(ints.values())  # the kernel's int parameters, in its order (INT_ARGS)
     n_m = cdiv(sq, BLOCK_M)
-    plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk),)
+    bn = BLOCK_N if rule is None else INVARIANT_BLOCK_N
+    plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk, bn),)
     plan.grid3 = (plan.grid[0], 1, 1)
     plan.slot = fastlaunch.Slot()
     plan.consts, plan.options = consts, options

@@ -42,6 +42,12 @@ async wgmma, warp specialization).
   descale the output's.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
+- Batch-invariant mode (``INVARIANT``, 16-bit K/V): the mode's 64-key tiles in rings twice as deep,
+  the softmax by the portable kernel's EXACT step, and at each split of the mode's rule (``SPLIT_N``,
+  ``HEAD_N``, ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``: :func:`pagedflash.ops.attention_tiles.split_start`)
+  a fresh state, the ended split finalized and merged into the row's by the portable kernel's own
+  functions: a row's output and LSE bit for bit the portable kernel's
+  (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`).
 
 The helpers every partition shares (the item schedule, one softmax step, the store, the loads) are
 in :mod:`pagedflash.ops.prefill_hopper_tiles`, the consumers' walk over an item's key tiles in
@@ -326,7 +332,9 @@ if UNAVAILABLE is None:
         ``VARLEN``): K/V are fp8; the loaders fill rings of fp8 tiles that the convert partition turns
         into the fp16 rings the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
-        and values."""
+        and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's 64 keys) under the split
+        rule of ``SPLIT_N`` .. ``MID_KEYS`` (:func:`pagedflash.ops.attention_tiles.split_start`'s);
+        ``qk_scale`` then the fp32 product the portable kernel forms."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
         if VARLEN:
@@ -420,22 +428,22 @@ if UNAVAILABLE is None:
 
 
 def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False,
-                  page: int = 0, kv_dtype: torch.dtype | None = None, invariant: SplitRule | None = None) -> tuple:
+                  page: int = 0, kv_dtype: torch.dtype | None = None, rule: SplitRule | None = None) -> tuple:
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
     k/v layout)`` (the blocks and layouts of the host descriptors: dense Q/K/V, or the paged K/V
     caches with ``page``). ``kv_dtype``: K/V's dtype where it is not q's (fp8, with ``varlen`` or
-    ``page``). ``invariant``: the batch-invariant mode's split rule (16-bit K/V): key tiles of
+    ``page``). ``rule``: the batch-invariant variant with this split rule (16-bit K/V): key tiles of
     :data:`INVARIANT_BLOCK_N` (the mode's), in rings twice as deep (the same shared memory). Shared by
     the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
-    bn = BLOCK_N if invariant is None else INVARIANT_BLOCK_N
+    bn = BLOCK_N if rule is None else INVARIANT_BLOCK_N
     chunk = min(page, bn)
     kv8 = kv_dtype is not None and kv_dtype != dtype
-    rule = invariant or SplitRule(bn)  # (unused off the mode)
     consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=bn, STAGES=STAGES[head_dim] * (BLOCK_N // bn), CAUSAL=causal,
                   WRITE_LSE=write_lse, VARLEN=varlen or page > 0, PAGE=page, CHUNK=chunk, KV8=kv8,
                   CONSUMER_REGS=FP8_CONSUMER_REGISTERS if kv8 else CONSUMER_REGISTERS, LOADER_REGS=LOADER_REGISTERS,
-                  CONVERT_WARPS=CONVERT_WARPS, CONVERT_REGS=CONVERT_REGISTERS, INVARIANT=invariant is not None,
-                  SPLIT_N=rule.keys, HEAD_N=rule.head_split, HEAD_KEYS=rule.head_keys, MID_N=rule.mid_split,
+                  CONVERT_WARPS=CONVERT_WARPS, CONVERT_REGS=CONVERT_REGISTERS, INVARIANT=rule is not None)
+    rule = rule or SplitRule(bn)  # (unused off the mode)
+    consts.update(SPLIT_N=rule.keys, HEAD_N=rule.head_split, HEAD_KEYS=rule.head_keys, MID_N=rule.mid_split,
                   MID_KEYS=rule.mid_end)
     options = dict(num_warps=NUM_WARPS, maxnreg=FP8_MAX_REGISTERS if kv8 else MAX_REGISTERS)
     q_block, kv_block = [1, BLOCK_M // 2, 1, head_dim], [1, chunk if page else bn, 1, head_dim]
