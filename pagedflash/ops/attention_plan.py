@@ -83,10 +83,10 @@ def plan_key(q, k, v, out, lse, device, batch, max_seqlen_q, max_seqlen_k, windo
             None if block_table is None else (block_table.dtype, block_table.stride(0), block_table.data_ptr() & 15),
             batch, max_seqlen_q, max_seqlen_k, window, softcap > 0, num_splits, config,
             None if sinks is None else _per_head(sinks), None if k_descale is None else _per_head(k_descale),
-            None if v_descale is None else _per_head(v_descale), _switches(invariant))
+            None if v_descale is None else _per_head(v_descale), launch_switches(invariant))
 
 
-def _switches(invariant: bool) -> tuple:
+def launch_switches(invariant: bool) -> tuple:
     """The launch table's switches a plan depends on (module constants that tests and tuning change)."""
     return (launch_table.TMA, launch_table.TMA_FP8, launch_table.INTERPRET_TMA,
             invariant and (launch_table.INVARIANT_SPLIT_KEYS, launch_table.INVARIANT_HEAD_KEYS,
@@ -125,7 +125,7 @@ def public_plan_key(entry: str, checks: int, return_lse: bool, invariant: bool) 
     :func:`~pagedflash.ops.attention.attention_forward` (or ``kept_forward``) as they were checked, and its sizes and
     window derived from the checked shapes and scalars alone. ``entry`` names the public function
     (a tag: two functions' keys never meet). The launch table's switches as in :func:`plan_key`."""
-    return entry, checks, return_lse, invariant, _switches(invariant)
+    return entry, checks, return_lse, invariant, launch_switches(invariant)
 
 
 def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, softcap, cu_seqlens_q,

@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from pagedflash.ops import fastlaunch, launch, metadata
+from pagedflash.ops import attention_plan, fastlaunch, launch, metadata
 from pagedflash.ops import prefill_hopper_kernel as kernel
 from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention_launch import ensure_tma_allocator
@@ -145,11 +145,26 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     if invariant:
         if k.dtype in FP8_DTYPES:
             return "fp8 K/V in batch-invariant mode"
-        tile = launch.invariant_config(group=1, head_dim=d, capability=(9, 0), interpreted=False, prefill=True)
-        if tile.block_n != INVARIANT_BLOCK_N or tile.block_m != 16 * tile.num_warps or tile.num_warps % 4:
-            return (f"the batch-invariant tile ({tile.block_m} rows, {tile.block_n} keys, {tile.num_warps} warps): the "
-                    f"kernel's variant runs {INVARIANT_BLOCK_N}-key tiles, 16 rows a warp of a warpgroup")
+        return _invariant_variant(d)[1]
     return None
+
+
+_VARIANTS: dict = {}  # _invariant_variant's answers by head dim and the launch table's switches
+
+
+def _invariant_variant(d: int) -> tuple[launch.SplitRule, str | None]:
+    """The batch-invariant mode's split rule at head dim ``d``, and why the mode's prefill tile refuses
+    the kernel's variant (None: it takes it), kept by the launch table's switches."""
+    key = (d, attention_plan.launch_switches(True))
+    known = _VARIANTS.get(key)
+    if known is None:
+        tile = launch.invariant_config(group=1, head_dim=d, capability=(9, 0), interpreted=False, prefill=True)
+        why = None
+        if tile.block_n != INVARIANT_BLOCK_N or tile.block_m != 16 * tile.num_warps or tile.num_warps % 4:
+            why = (f"the batch-invariant tile ({tile.block_m} rows, {tile.block_n} keys, {tile.num_warps} warps): the "
+                   f"kernel's variant runs {INVARIANT_BLOCK_N}-key tiles, 16 rows a warp of a warpgroup")
+        known = _VARIANTS[key] = (launch.invariant_split_rule(False, d), why)
+    return known
 
 
 def programs(n_items: int, n_m: int, causal: bool, sms: int, sq: int, sk: int, bn: int = BLOCK_N) -> int:
@@ -269,7 +284,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     :func:`refusal_varlen`) accepted with it."""
     global launches
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
-    rule = launch.invariant_split_rule(False, q.shape[-1]) if invariant else None
+    rule = _invariant_variant(q.shape[-1])[0] if invariant else None
     # everything a launch specializes on (refusal() has made q, k, v 16-byte aligned), so that the
     # plan's fast handle (pagedflash.ops.fastlaunch) only relaunches the kernel compiled for it
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
