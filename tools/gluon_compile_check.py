@@ -5,7 +5,8 @@ K/V or over pages of 16, 32, 64, 128 or 384 rows, and fp8 K/V (``varlen:e4m3``, 
 ``page128:e5m2``, ...); ``KV`` picks some: ``KV=dense,page64``; ``INVARIANT=1``: the batch-invariant
 mode's variants, 16-bit K/V, under the split rule of the environment) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
-memory, registers, spills and whether the softmax sits between the two wgmma waits of the
+memory, registers, spills (``spill_ops``: local-memory loads and stores in the SASS) and whether the
+softmax sits between the two wgmma waits of the
 steady-state loop (``ex2_between_waits``: 64 exp2 per tile and a few more means the softmax
 overlaps the PV wgmma). Needs the Triton the kernel is written for (3.6), not a GPU:
 
@@ -16,7 +17,8 @@ or, beside a newer Triton (the CPU venv's), that wheel alone ahead of it on the 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36 KV=page64,page64:e4m3 python tools/gluon_compile_check.py
 
-Exit status 1 if any variant failed to compile.
+Exit status 1 if any variant failed to compile (``TRACE=1``: stop at the first, with its whole traceback;
+the message alone shows only the kernel's outer call).
 """
 
 import os
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: the kernels must be defined for the compiler
@@ -47,6 +50,9 @@ def sass_summary(cubin: bytes) -> str:
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
     usage = [f"{k}:{v}" for k, v in cubin_resources(cubin).items() if k in ("REG", "LOCAL")]
+    # spills: local-memory loads and stores in the code (the cubin's LOCAL size misses a warp-specialized
+    # partition's spills: v50's deferred fold read LOCAL:0 with 1,244 of them in its consumers)
+    usage.append(f"spill_ops:{sum(' LDL' in line or ' STL' in line for line in sass)}")
     counts, n = [], None
     for line in sass:
         if "DEPBAR.LE gsb0, 0x1" in line:
@@ -113,8 +119,7 @@ def main() -> int:
                         except Exception as e:  # noqa: BLE001 - report every variant
                             failed += 1
                             print(f"{tag}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}", flush=True)
-                            if os.environ.get("TRACE"):
-                                import traceback
+                            if os.environ.get("TRACE") == "1":  # the whole chain, down to the failing line
                                 traceback.print_exc()
                                 return 1
                             continue
