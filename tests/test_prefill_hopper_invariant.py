@@ -8,7 +8,7 @@ Its routing on every machine: tests/test_prefill_hopper.py.
 import prefill_hopper_checks as checks
 import pytest
 import torch
-from helpers import cu_seqlens, ids, make_pool, randn
+from helpers import cu_seqlens, fp8_pool, ids, make_pool, randn
 
 from pagedflash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from pagedflash.ops import launch, prefill_hopper
@@ -93,3 +93,26 @@ def test_rows_equal_under_other_rules_and_tiles(gluon, monkeypatch, setting):
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
     empty = slice(lens_q[0], lens_q[0] + lens_q[1] + 20)  # sequence 1, and sequence 2's first 20 rows
     assert not got[empty].any() and (got_lse[:, empty] == float("-inf")).all()
+
+
+@checks.sm90
+@pytest.mark.parametrize(("d", "dtype"), [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)], ids=ids)
+def test_fp8_cache_rows_equal_the_portable_kernels(gluon, monkeypatch, d, dtype):
+    """fp8 K/V under 16-bit queries, per-KV-head descales (bf16 q scaled per row, the descales in the
+    portable kernel's order); the variant takes them only with INVARIANT_FP8 (on here)."""
+    monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", True)
+    hq, hkv, page = 8, 2, 64
+    k, v, table = fp8_pool(LENS_K, page, hkv, d)
+    q = randn(sum(LENS_Q), hq, d, dtype=dtype) * 3
+    kd, vd = torch.rand(2, hkv, device=q.device) + 0.5
+    cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    (got, got_lse), (want, want_lse) = _both(lambda: flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), block_table=table, causal=True, return_lse=True,
+        k_descale=kd, v_descale=vd, batch_invariant=True))
+    assert not got.isnan().any()
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    last = cu_q[1:].long() - 1
+    lens = torch.tensor(LENS_K, dtype=torch.int32, device=q.device)
+    step, step_lse = flash_attn_with_kvcache(q[last][:, None], k, v, cache_seqlens=lens, block_table=table,
+                                             k_descale=kd, v_descale=vd, return_lse=True, batch_invariant=True)
+    assert torch.equal(step[:, 0], got[last]) and torch.equal(step_lse[:, :, 0], got_lse[:, last].T)

@@ -3,7 +3,7 @@
 Every launch variant the library can make (fp16/bf16 x D 64/128 x causal x LSE x dense, varlen over packed
 K/V or over pages of 16, 32, 64, 128 or 384 rows, and fp8 K/V (``varlen:e4m3``, ``page64:e4m3``,
 ``page128:e5m2``, ...); ``KV`` picks some: ``KV=dense,page64``; ``INVARIANT=1``: the batch-invariant
-mode's variants, 16-bit K/V, under the split rule of the environment) goes through
+mode's variants, under the split rule of the environment) goes through
 Triton's whole pipeline down to a cubin, with the ptxas of the Triton wheel, and prints shared
 memory, registers, spills (``spill_ops``: local-memory loads and stores in the SASS) and whether the
 softmax sits between the two wgmma waits of the
@@ -87,8 +87,6 @@ def main() -> int:
                         kv, _, fp8 = kv.partition(":")
                         varlen, page = kv != "dense", int(kv[4:]) if kv.startswith("page") else 0
                         tag = f"{short} D={d} causal={int(causal)} lse={int(write_lse)} {kv}{' ' + fp8 if fp8 else ''}"
-                        if INVARIANT and fp8:
-                            continue  # the mode's fp8 calls take the portable kernel
                         consts, options, q_block, kv_block, q_layout, kv_layout = prefill_hopper_kernel.kernel_config(
                             d, causal, write_lse, dtype, varlen, page, FP8[fp8][0] if fp8 else None,
                             launch.invariant_split_rule(False, d) if INVARIANT else None)

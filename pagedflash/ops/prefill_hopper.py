@@ -29,7 +29,6 @@ fp16 dots for fp8 K/V, launches of fewer work items than SMs).
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -47,6 +46,10 @@ from pagedflash.validate import FP8_DTYPES
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 # PAGEDFLASH_INVARIANT_GLUON=0 sends the batch-invariant mode's calls to the portable kernel (the same bits)
 INVARIANT_ENABLED = os.environ.get("PAGEDFLASH_INVARIANT_GLUON", "1") != "0"
+# The variant over fp8 K/V (a q shift a row, the descales in the portable kernel's order) is compiled
+# (tools/gluon_compile_check.py) but its rows have not yet been compared with the portable kernel's on a
+# GPU (tests/test_prefill_hopper_invariant.py turns this on): until then the mode's fp8 calls stay portable.
+INVARIANT_FP8 = False
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a
@@ -143,8 +146,8 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
         if t.stride(-1) != 1 or min(t.stride()) <= 0 or not descriptor_aligned(t):
             return f"{name}: strides {t.stride()} / address not 16-byte multiples"
     if invariant:
-        if k.dtype in FP8_DTYPES:
-            return "fp8 K/V in batch-invariant mode"
+        if k.dtype in FP8_DTYPES and not INVARIANT_FP8:
+            return "fp8 K/V in batch-invariant mode (INVARIANT_FP8)"
         return _invariant_variant(d)[1]
     return None
 
@@ -253,13 +256,6 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     return plan
 
 
-@functools.lru_cache(maxsize=64)
-def _exact_score_scale(sm_scale: float) -> float:
-    """``sm_scale * log2(e)`` rounded as the portable kernel computes it (both fp32, one fp32 product),
-    for the batch-invariant variant, whose scores must scale to the same bits."""
-    return (torch.tensor(sm_scale, dtype=torch.float32) * torch.tensor(LOG2E.value, dtype=torch.float32)).item()
-
-
 def _descriptors(tensors, descs) -> list:
     """Host TMA descriptors over ``tensors`` from a plan's ``(shape, strides, block, layout)``."""
     return [kernel.TensorDescriptor(t, *desc) for t, desc in zip(tensors, descs)]
@@ -312,7 +308,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             operands = (q, *_descriptors((k, v), plan.descs), k, v, block_table, *pairs)
     q_t, k_t, v_t, k_c, v_c, table, cu_q, cu_k = operands
     args = (q_t, k_t, v_t, k_c, v_c, table, out, out if lse is None else lse, cu_q, cu_k, k_descale, v_descale,
-            _exact_score_scale(sm_scale) if invariant else sm_scale * LOG2E.value, *plan.int_values)
+            sm_scale if invariant else sm_scale * LOG2E.value, *plan.int_values)
     try:
         if not fastlaunch.run(plan.slot, kernel.prefill_kernel, plan.grid3, args):
             compiled = kernel.prefill_kernel[plan.grid](*args[:13], **plan.ints, **plan.consts, **plan.options)

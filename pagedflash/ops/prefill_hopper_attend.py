@@ -14,6 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from pagedflash.ops._jit import LOG2E
 from pagedflash.ops.attention_tiles import split_of, split_start
 from pagedflash.ops.prefill_hopper_tiles import _fold, _softmax_step, _softmax_step_exact
 
@@ -56,19 +57,25 @@ def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16
     return o, p16, m_new, l_new
 
 @gluon.jit
-def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, ROWWISE: gl.constexpr = False):
     """A consumer's bf16 Q tile rewritten in place as fp16 for dots with fp16 (fp8) K/V: scaled by the
     power of two ``2^-shift`` that brings its largest finite magnitude to 2^14 (exact; a tile with
     an inf is not scaled; NaN is ignored by the max and stays NaN; ``shift`` held at -126 or above),
-    as the portable kernel does. Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``)."""
+    as the portable kernel does. Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``).
+    ``ROWWISE`` (the batch-invariant mode, as the portable kernel's): a shift per row (``[ROWS]``)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [ROWS // 16, 1], [1, 0])
     x = q.load(layout).to(gl.float32)
-    amax = gl.max(gl.max(gl.abs(x), axis=1), axis=0)
+    amax = gl.max(gl.abs(x), axis=1)
+    if not ROWWISE:
+        amax = gl.max(amax, axis=0)
     shift = gl.maximum(gl.ceil(gl.log2(amax)) - 14.0, -126.0)
     shift = gl.where((amax > 0.0) & (amax < float("inf")), shift, 0.0)
     gl.thread_barrier()  # every warp has read the tile before any overwrites it
     q16 = q._reinterpret(gl.float16, [ROWS, HEAD_DIM], q.layout)
-    q16.store((x * gl.exp2(-shift)).to(gl.float16))
+    if ROWWISE:
+        q16.store((x * gl.exp2(-shift)[:, None]).to(gl.float16))
+    else:
+        q16.store((x * gl.exp2(-shift)).to(gl.float16))
     fence_async_shared()  # these generic-proxy stores before the wgmma (async proxy) reads
     gl.thread_barrier()
     return q16, shift
@@ -111,16 +118,17 @@ def _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_em
 
 @gluon.jit
 def _step_invariant(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, out, lse,
-                    qk_scale, rows, Sk, causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr,
-                    CAUSAL: gl.constexpr, SPLIT_N: gl.constexpr, HEAD_N: gl.constexpr, HEAD_KEYS: gl.constexpr,
-                    MID_N: gl.constexpr, MID_KEYS: gl.constexpr):
+                    qk_scale, pin, o_scale, rows, Sk, causal_off, ROWS: gl.constexpr, BN: gl.constexpr,
+                    STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                    MASK: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_N: gl.constexpr, HEAD_N: gl.constexpr,
+                    HEAD_KEYS: gl.constexpr, MID_N: gl.constexpr, MID_KEYS: gl.constexpr, V_SCALED: gl.constexpr):
     """:func:`_step` in the batch-invariant mode. Where key tile j starts a split of the rule
     (:func:`pagedflash.ops.attention_tiles.split_start`), the split before it, once ``P_{j-1}
     V_{j-1}`` has joined its accumulator, is folded into the row's ``(out, lse)`` (:func:`_fold`)
     and tile j's softmax starts from a fresh state; elsewhere the accumulator is rescaled as in the
     portable kernel (``acc * alpha_j``, then ``+ P_j V_j`` at the next step: its operations in its
-    order)."""
+    order). ``qk_scale``: a scalar or a column ``[ROWS, 1]``; ``pin``: a scalar > 0 (the PV wait's
+    pinning branch); ``o_scale``: the value descale (``V_SCALED``)."""
     idx = base + j
     n0 = j * BN
     fresh = split_start(split_of(n0, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS), SPLIT_N, HEAD_N, HEAD_KEYS,
@@ -133,14 +141,14 @@ def _step_invariant(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_emp
     mbarrier.arrive(k_empty.index(idx % STAGES))
     m_new, l_new, alpha, p = _softmax_step_exact(s, gl.where(fresh, -float("inf"), m_i), gl.where(fresh, 0.0, l_i),
                                                  qk_scale, rows, n0, Sk, causal_off, BN, s_layout, MASK, CAUSAL)
-    if qk_scale > 0.0:  # pins the PV wait after the softmax, as in _step
+    if pin > 0.0:  # pins the PV wait after the softmax, as in _step
         o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
     else:
         gl.thread_barrier()
         o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
     mbarrier.arrive(v_empty.index(prev))
     if fresh:
-        out, lse = _fold(o_done, m_i, l_i, out, lse, o_layout)
+        out, lse = _fold(o_done, m_i, l_i, out, lse, o_scale, o_layout, V_SCALED)
         o = gl.zeros_like(o_done)  # the portable kernel's fresh accumulator times alpha 0: +0
     else:
         o = o_done * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -148,16 +156,19 @@ def _step_invariant(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_emp
     return o, p16, m_new, l_new, out, lse
 
 @gluon.jit
-def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, qk_scale, rows,
-                      base, nq, n_full, n_tiles, Sk, causal_off, C: gl.constexpr, ROWS: gl.constexpr,
+def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, sm_scale, o_scale,
+                      rows, base, nq, n_full, n_tiles, Sk, causal_off, C: gl.constexpr, ROWS: gl.constexpr,
                       HEAD_DIM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
                       o_layout: gl.constexpr, p_layout: gl.constexpr, CAUSAL: gl.constexpr,
                       SPLIT_N: gl.constexpr, HEAD_N: gl.constexpr, HEAD_KEYS: gl.constexpr, MID_N: gl.constexpr,
-                      MID_KEYS: gl.constexpr):
+                      MID_KEYS: gl.constexpr, V_SCALED: gl.constexpr):
     """:func:`_attend` in the batch-invariant mode (:mod:`pagedflash.batch_invariance`): the row's
     key tiles (``BN`` = the mode's 64 keys) through the portable kernel's EXACT step, in splits at
     the rule's absolute key positions, each from a fresh state, finalized and merged left to right
-    (:func:`_step_invariant`): a row's output and LSE bit for bit the portable kernel's. Returns the
+    (:func:`_step_invariant`): a row's output and LSE bit for bit the portable kernel's. ``sm_scale``:
+    the softmax scale times the key descale (fp8 K/V), the portable kernel's first product; the score
+    scale follows as there (bf16 q over fp8 K/V: q scaled per row, its shift's power of two next; then
+    log2(e)). ``o_scale``: the value descale, applied to each split's output (``V_SCALED``). Returns the
     normalized ``(out, lse)`` (natural log)."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     out = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -165,6 +176,13 @@ def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.full([ROWS], 0.0, gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_ready.index(C), nq & 1)
+    if q.dtype != k_smem.dtype:  # bf16 q over fp8 K/V (converted to fp16): a shift a row, as the portable kernel
+        q, shift = _q_to_fp16(q, ROWS, HEAD_DIM, True)
+        qk_scale = gl.convert_layout((sm_scale * gl.exp2(shift)) * LOG2E, gl.SliceLayout(1, s_layout))[:, None]
+        pin = sm_scale
+    else:
+        qk_scale = sm_scale * LOG2E
+        pin = qk_scale  # the one scalar (a second one live through the loop spills at D = 128)
     s = _qk(base, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(base % STAGES))
@@ -175,13 +193,13 @@ def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     for j in range(1, n_full):
         o, p16, m_i, l_i, out, lse = _step_invariant(
             j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, out, lse, qk_scale,
-            rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout, False, CAUSAL, SPLIT_N, HEAD_N,
-            HEAD_KEYS, MID_N, MID_KEYS)
+            pin, o_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout, False, CAUSAL,
+            SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS, V_SCALED)
     for j in range(gl.maximum(n_full, 1), n_tiles):
         o, p16, m_i, l_i, out, lse = _step_invariant(
             j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, out, lse, qk_scale,
-            rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout, True, CAUSAL, SPLIT_N, HEAD_N,
-            HEAD_KEYS, MID_N, MID_KEYS)
+            pin, o_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout, True, CAUSAL,
+            SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS, V_SCALED)
     mbarrier.arrive(q_empty.index(C))
     last = base + n_tiles - 1
     slot = last % STAGES
@@ -189,4 +207,4 @@ def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
     o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
     o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
     mbarrier.arrive(v_empty.index(slot))
-    return _fold(o, m_i, l_i, out, lse, o_layout)
+    return _fold(o, m_i, l_i, out, lse, o_scale, o_layout, V_SCALED)

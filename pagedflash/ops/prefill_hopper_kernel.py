@@ -270,7 +270,7 @@ if UNAVAILABLE is None:
             b, h, m0 = _item(i, n_m, Hq, BM)
             q_start, sq, k_start, sk = _sequence(b, Sq, Sk, CuQ, CuK, VARLEN)
             n_full, n_tiles, causal_off = _key_tiles(m0, sq, sk, BM, BN, CAUSAL)
-            scale = qk_scale
+            scale = qk_scale  # the mode: the softmax scale itself (x the key descale, as the portable kernel)
             o_scale = 1.0
             if KDescale is not None:
                 scale = qk_scale * gl.load(KDescale + (h // GROUP) * stride_kds)
@@ -290,9 +290,10 @@ if UNAVAILABLE is None:
                 lse = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, o_layout))
                 if busy:
                     o, lse = _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty,
-                                               v_empty, scale, rows, base, nq, n_full, n_tiles, sk, causal_off, C,
-                                               ROWS, HEAD_DIM, BN, STAGES, s_layout, o_layout, p_layout, CAUSAL,
-                                               SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS)
+                                               v_empty, scale, o_scale, rows, base, nq, n_full, n_tiles, sk,
+                                               causal_off, C, ROWS, HEAD_DIM, BN, STAGES, s_layout, o_layout,
+                                               p_layout, CAUSAL, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS,
+                                               VDescale is not None)
                     base += n_tiles
                     nq += 1
                 if rows_here:
@@ -334,7 +335,7 @@ if UNAVAILABLE is None:
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
         and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's 64 keys) under the split
         rule of ``SPLIT_N`` .. ``MID_KEYS`` (:func:`pagedflash.ops.attention_tiles.split_start`'s);
-        ``qk_scale`` then the fp32 product the portable kernel forms."""
+        ``qk_scale`` is then the softmax scale itself (the kernel forms the portable kernel's products)."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
         if VARLEN:
@@ -432,7 +433,7 @@ def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dty
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
     k/v layout)`` (the blocks and layouts of the host descriptors: dense Q/K/V, or the paged K/V
     caches with ``page``). ``kv_dtype``: K/V's dtype where it is not q's (fp8, with ``varlen`` or
-    ``page``). ``rule``: the batch-invariant variant with this split rule (16-bit K/V): key tiles of
+    ``page``). ``rule``: the batch-invariant variant with this split rule: key tiles of
     :data:`INVARIANT_BLOCK_N` (the mode's), in rings twice as deep (the same shared memory). Shared by
     the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
     bn = BLOCK_N if rule is None else INVARIANT_BLOCK_N

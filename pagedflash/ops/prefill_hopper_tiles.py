@@ -72,13 +72,15 @@ def _softmax_step_exact(s, m_i, l_i, qk_scale, rows, n0, Sk, causal_off, BN: gl.
     return _jit.softmax_probs_scaled(m_i, l_i, s, gl.maximum(qk_scale, FLT_MIN))
 
 @gluon.jit
-def _fold(o, m_i, l_i, out, lse, o_layout: gl.constexpr):
+def _fold(o, m_i, l_i, out, lse, o_scale, o_layout: gl.constexpr, V_SCALED: gl.constexpr):
     """The batch-invariant mode's end of a split: its state (accumulator ``o``, running max and sum
-    in the scores' row layout) finalized and merged into the row's ``(out, lse)`` after the splits
-    before it, by the portable kernel's own :func:`pagedflash.ops._jit.finalize` and
-    :func:`pagedflash.ops._jit.merge_state`."""
+    in the scores' row layout) finalized, times the value descale ``o_scale`` (``V_SCALED``), and
+    merged into the row's ``(out, lse)`` after the splits before it, by the portable kernel's own
+    :func:`pagedflash.ops._jit.finalize` and :func:`pagedflash.ops._jit.merge_state`, in its order."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     o_c, lse_c = _jit.finalize(gl.convert_layout(m_i, row_o), gl.convert_layout(l_i, row_o), o)
+    if V_SCALED:
+        o_c = o_c * o_scale
     return _jit.merge_state(out, lse, o_c, lse_c)
 
 @gluon.jit
