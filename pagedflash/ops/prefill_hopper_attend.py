@@ -29,6 +29,19 @@ def _qk(idx, q, k_smem, k_ready, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: g
                          use_acc=False, is_async=True)
 
 @gluon.jit
+def _last_pv(o, p16, v_smem, v_ready, v_empty, q_empty, base, n_tiles, C: gl.constexpr, STAGES: gl.constexpr):
+    """An item's end: consumer ``C``'s Q slot handed back (every ``Q K^T`` of the item has completed,
+    so the K loader fills it for the next item meanwhile), then ``O += P V`` of the last key tile."""
+    mbarrier.arrive(q_empty.index(C))
+    last = base + n_tiles - 1
+    slot = last % STAGES
+    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+    o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
+    o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
+    mbarrier.arrive(v_empty.index(slot))
+    return o
+
+@gluon.jit
 def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
           causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
           o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
@@ -107,13 +120,7 @@ def _attend(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_em
         o, p16, m_i, l_i = _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i,
                                  l_i, qk_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout,
                                  p_layout, True, CAUSAL)
-    mbarrier.arrive(q_empty.index(C))  # every Q K^T of the item has completed
-    last = base + n_tiles - 1
-    slot = last % STAGES
-    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-    o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
-    o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
-    mbarrier.arrive(v_empty.index(slot))
+    o = _last_pv(o, p16, v_smem, v_ready, v_empty, q_empty, base, n_tiles, C, STAGES)
     return o, m_i, l_i
 
 @gluon.jit
@@ -200,11 +207,5 @@ def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
             j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, out, lse, qk_scale,
             pin, o_scale, rows, Sk, causal_off, ROWS, BN, STAGES, s_layout, o_layout, p_layout, True, CAUSAL,
             SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS, V_SCALED)
-    mbarrier.arrive(q_empty.index(C))
-    last = base + n_tiles - 1
-    slot = last % STAGES
-    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-    o = warpgroup_mma(p16, v_smem.index(slot), o, is_async=True)
-    o, p16 = warpgroup_mma_wait(0, deps=(o, p16))
-    mbarrier.arrive(v_empty.index(slot))
+    o = _last_pv(o, p16, v_smem, v_ready, v_empty, q_empty, base, n_tiles, C, STAGES)
     return _fold(o, m_i, l_i, out, lse, o_scale, o_layout, V_SCALED)
