@@ -1,7 +1,8 @@
 """The Gluon helpers every partition of :mod:`pagedflash.ops.prefill_hopper_kernel` shares: which work
 items a program takes and what each covers (:func:`_schedule`, :func:`_item`, :func:`_sequence`,
-:func:`_key_tiles`), one online-softmax step and the store, and the loads (through host or device
-descriptors, a paged tile's pages). Imported by that module only where its kernel is defined (Triton
+:func:`_key_tiles`), one online-softmax step and the store, the batch-invariant mode's exact step and
+split fold (:func:`_softmax_step_exact`, :func:`_fold`: the portable kernel's own arithmetic), and the
+loads (through host or device descriptors, a paged tile's pages). Imported by that module only where its kernel is defined (Triton
 3.6's Gluon, compiled, NVIDIA).
 """
 
@@ -92,7 +93,7 @@ def _store(o, m_i, l_i, O, LSE, b, h, tok0, row0, n_rows, stride_ob, stride_os, 
     l_o = gl.convert_layout(l_i, row_o)
     l_safe = gl.where(l_o == 0.0, 1.0, l_o)
     out = o * (o_scale / l_safe)[:, None]
-    lse = l_o
+    lse = l_o  # (a placeholder: not stored without WRITE_LSE)
     if WRITE_LSE:
         m_o = gl.convert_layout(m_i, row_o)
         lse = gl.where(l_o == 0.0, -float("inf"), (m_o + gl.log2(l_safe)) * LN2)
