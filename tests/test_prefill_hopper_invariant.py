@@ -1,7 +1,8 @@
 """The Gluon prefill kernel's batch-invariant variant (sm90): a row's output and LSE bit for bit the
 portable kernel's in the mode (dense, varlen, paged over a NaN-poisoned pool, causal or not, through
-the split rule's 256-key head and past it into its 2,048-key splits), and so the decode step's of the
-same row; the switch (``PAGEDFLASH_INVARIANT_GLUON``) decides which kernel takes the mode's calls.
+the split rule's 256-key head and past it into its 2,048-key splits; other rules and tiles; fp8 K/V
+with their descales), and so the decode step's of the same row; the switch
+(``PAGEDFLASH_INVARIANT_GLUON``) decides which kernel takes the mode's calls.
 Its routing on every machine: tests/test_prefill_hopper.py.
 """
 
@@ -41,7 +42,8 @@ CASES = [*((d, torch.bfloat16, True, layout) for d in (64, 128) for layout in ("
 @pytest.mark.parametrize(("d", "dtype", "causal", "layout"), CASES, ids=ids)
 def test_rows_equal_the_portable_kernels(gluon, d, dtype, causal, layout):
     hq, hkv = 4, 2
-    opts = dict(causal=causal, return_lse=True, batch_invariant=True)
+    # 0.09: sm_scale x log2(e) rounded once from double and as an fp32 product differ (the kernel forms the latter)
+    opts = dict(causal=causal, return_lse=True, batch_invariant=True, softmax_scale=0.09 if d == 128 else None)
     if layout == "dense":
         q = randn(2, LENS_Q[0], hq, d, dtype=dtype)
         k, v = randn(2, LENS_K[0], hkv, d, dtype=dtype), randn(2, LENS_K[0], hkv, d, dtype=dtype)
@@ -95,24 +97,46 @@ def test_rows_equal_under_other_rules_and_tiles(gluon, monkeypatch, setting):
     assert not got[empty].any() and (got_lse[:, empty] == float("-inf")).all()
 
 
+FP8_CASES = [  # head dim, q dtype, layout, fp8 dtype, descales (per KV head / per tensor), causal
+    (64, torch.bfloat16, "page64", torch.float8_e4m3fn, "head", True),
+    (128, torch.bfloat16, "page16", torch.float8_e5m2, "tensor", True),
+    (128, torch.float16, "varlen", torch.float8_e4m3fn, "head", True),
+    (128, torch.bfloat16, "varlen", torch.float8_e4m3fn, "tensor", False),
+]
+
+
 @checks.sm90
-@pytest.mark.parametrize(("d", "dtype"), [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)], ids=ids)
-def test_fp8_cache_rows_equal_the_portable_kernels(gluon, monkeypatch, d, dtype):
-    """fp8 K/V under 16-bit queries, per-KV-head descales (bf16 q scaled per row, the descales in the
-    portable kernel's order); the variant takes them only with INVARIANT_FP8 (on here)."""
+@pytest.mark.parametrize(("d", "dtype", "layout", "fp8", "descale", "causal"), FP8_CASES, ids=ids)
+def test_fp8_cache_rows_equal_the_portable_kernels(gluon, monkeypatch, d, dtype, layout, fp8, descale, causal):
+    """fp8 K/V under 16-bit queries (bf16 q scaled by a power of two a row, the descales in the portable
+    kernel's order, a softmax scale whose products round differently in another order); the variant takes
+    them only with INVARIANT_FP8 (on here). Under bf16, some tokens and some heads of a KV group are 2^24
+    times larger: a shift a tile, not a row, would move the others' bits."""
     monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", True)
-    hq, hkv, page = 8, 2, 64
-    k, v, table = fp8_pool(LENS_K, page, hkv, d)
-    q = randn(sum(LENS_Q), hq, d, dtype=dtype) * 3
-    kd, vd = torch.rand(2, hkv, device=q.device) + 0.5
+    hq, hkv = 8, 2
+    q = randn(sum(LENS_Q), hq, d) * 3
+    if dtype == torch.bfloat16:  # (fp16 q is not shifted, and would overflow)
+        q[::7] *= 2.0**24
+        q[:, 1::4] *= 2.0**24
+    q = q.to(dtype)
+    if layout == "varlen":  # packed fp8 K/V, NaN-free
+        k, v = (randn(sum(LENS_K), hkv, d).to(fp8) for _ in range(2))
+        table = None
+    else:
+        k, v, table = fp8_pool(LENS_K, int(layout[4:]), hkv, d, fp8)
+    if descale == "head":
+        kd, vd = torch.rand(2, hkv, device=q.device) + 0.5
+    else:
+        kd, vd = torch.tensor(0.7, device=q.device), torch.tensor([1.3], device=q.device)
     cu_q, cu_k = cu_seqlens(LENS_Q), cu_seqlens(LENS_K)
+    opts = dict(softmax_scale=0.09, k_descale=kd, v_descale=vd, return_lse=True, batch_invariant=True)
     (got, got_lse), (want, want_lse) = _both(lambda: flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), block_table=table, causal=True, return_lse=True,
-        k_descale=kd, v_descale=vd, batch_invariant=True))
+        q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), block_table=table, causal=causal, **opts))
     assert not got.isnan().any()
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-    last = cu_q[1:].long() - 1
-    lens = torch.tensor(LENS_K, dtype=torch.int32, device=q.device)
-    step, step_lse = flash_attn_with_kvcache(q[last][:, None], k, v, cache_seqlens=lens, block_table=table,
-                                             k_descale=kd, v_descale=vd, return_lse=True, batch_invariant=True)
-    assert torch.equal(step[:, 0], got[last]) and torch.equal(step_lse[:, :, 0], got_lse[:, last].T)
+    if table is not None:  # each sequence's last row as a decode step, all in one batch
+        last = cu_q[1:].long() - 1
+        lens = torch.tensor(LENS_K, dtype=torch.int32, device=q.device)
+        step, step_lse = flash_attn_with_kvcache(q[last][:, None], k, v, cache_seqlens=lens, block_table=table,
+                                                 causal=causal, **opts)
+        assert torch.equal(step[:, 0], got[last]) and torch.equal(step_lse[:, :, 0], got_lse[:, last].T)

@@ -75,7 +75,8 @@ def _q_to_fp16(q, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, ROWWISE: gl.conste
     power of two ``2^-shift`` that brings its largest finite magnitude to 2^14 (exact; a tile with
     an inf is not scaled; NaN is ignored by the max and stays NaN; ``shift`` held at -126 or above),
     as the portable kernel does. Returns the fp16 view and ``shift`` (the score scale takes ``2^shift``).
-    ``ROWWISE`` (the batch-invariant mode, as the portable kernel's): a shift per row (``[ROWS]``)."""
+    ``ROWWISE`` (the batch-invariant mode, as the portable kernel's): a shift per row (``[ROWS]``; a row
+    with an inf is not scaled)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8], [ROWS // 16, 1], [1, 0])
     x = q.load(layout).to(gl.float32)
     amax = gl.max(gl.abs(x), axis=1)

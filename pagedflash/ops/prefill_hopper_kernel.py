@@ -42,12 +42,14 @@ async wgmma, warp specialization).
   descale the output's.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
-- Batch-invariant mode (``INVARIANT``, 16-bit K/V): the mode's 64-key tiles in rings twice as deep,
-  the softmax by the portable kernel's EXACT step, and at each split of the mode's rule (``SPLIT_N``,
-  ``HEAD_N``, ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``: :func:`pagedflash.ops.attention_tiles.split_start`)
-  a fresh state, the ended split finalized and merged into the row's by the portable kernel's own
-  functions: a row's output and LSE bit for bit the portable kernel's
-  (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`).
+- Batch-invariant mode (``INVARIANT``): the mode's 64-key tiles in rings twice as deep, the softmax by
+  the portable kernel's EXACT step, and at each split of the mode's rule (``SPLIT_N``, ``HEAD_N``,
+  ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``: :func:`pagedflash.ops.attention_tiles.split_start`) a fresh
+  state, the ended split finalized and merged into the row's by the portable kernel's own functions: a
+  row's output and LSE bit for bit the portable kernel's
+  (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`). Over fp8 K/V as the portable kernel
+  does it in the mode: a bf16 Q tile scaled by a power of two a row, the value descale applied to each
+  split's output (the host admits these calls with ``prefill_hopper.INVARIANT_FP8``).
 
 The helpers every partition shares (the item schedule, one softmax step, the store, the loads) are
 in :mod:`pagedflash.ops.prefill_hopper_tiles`, the consumers' walk over an item's key tiles in
