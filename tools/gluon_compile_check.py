@@ -51,7 +51,7 @@ def sass_summary(cubin: bytes) -> str:
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout.splitlines()
     usage = [f"{k}:{v}" for k, v in cubin_resources(cubin).items() if k in ("REG", "LOCAL")]
     # spills: local-memory loads and stores in the code (the cubin's LOCAL size misses a warp-specialized
-    # partition's spills: v50's deferred fold read LOCAL:0 with 1,244 of them in its consumers)
+    # partition's spills)
     usage.append(f"spill_ops:{sum(' LDL' in line or ' STL' in line for line in sass)}")
     counts, n = [], None
     for line in sass:

@@ -42,6 +42,33 @@ def _last_pv(o, p16, v_smem, v_ready, v_empty, q_empty, base, n_tiles, C: gl.con
     return o
 
 @gluon.jit
+def _issue(idx, q, o, p16, k_smem, v_smem, k_ready, v_ready, k_empty, ROWS: gl.constexpr, BN: gl.constexpr,
+           STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """A steady step's wgmma: ``S = Q K^T`` of ring index ``idx`` and ``O += P V`` of the one before,
+    both issued; returns ``S`` once it is done (K's slot handed back) and the ``P V`` still in flight."""
+    s = _qk(idx, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
+    prev = (idx - 1) % STAGES
+    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
+    pv = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T (issued first) is done, PV may still run
+    mbarrier.arrive(k_empty.index(idx % STAGES))
+    return s, pv
+
+@gluon.jit
+def _pv_done(pv, p16, pin, v_empty, idx, STAGES: gl.constexpr):
+    """Wait for the ``P V`` of ring index ``idx - 1`` (after the softmax the caller ran meanwhile) and
+    hand its V slot back. Left alone, ptxas hoists this wait above the softmax (into the first
+    shuffle's latency), which serializes them; a branch on a runtime value the compiler cannot prove
+    positive (``pin``, never <= 0) pins it."""
+    if pin > 0.0:
+        o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
+    else:
+        gl.thread_barrier()
+        o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
+    mbarrier.arrive(v_empty.index((idx - 1) % STAGES))
+    return o_done
+
+@gluon.jit
 def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16, m_i, l_i, qk_scale, rows, Sk,
           causal_off, ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
           o_layout: gl.constexpr, p_layout: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
@@ -49,22 +76,10 @@ def _step(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, o, p16
     ``O += P_{j-1} V_{j-1}`` in flight together; the softmax of ``S_j`` runs while the PV wgmma
     finishes."""
     idx = base + j
-    s = _qk(idx, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-    prev = (idx - 1) % STAGES
-    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
-    o = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T (issued first) is done, PV may still run
-    mbarrier.arrive(k_empty.index(idx % STAGES))
+    s, pv = _issue(idx, q, o, p16, k_smem, v_smem, k_ready, v_ready, k_empty, ROWS, BN, STAGES, s_layout)
     p, m_new, l_new, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, j * BN, Sk, causal_off, BN, s_layout,
                                            MASK, CAUSAL)
-    # Left alone, ptxas hoists the PV wait above the softmax (into the first shuffle's latency),
-    # which serializes them; a branch on a runtime value (never false: the scale is > 0) pins it.
-    if qk_scale > 0.0:
-        o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
-    else:
-        gl.thread_barrier()
-        o_done, p_done = warpgroup_mma_wait(0, deps=(o, p16))
-    mbarrier.arrive(v_empty.index(prev))
+    o_done = _pv_done(pv, p16, qk_scale, v_empty, idx, STAGES)
     o = o_done * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p16 = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     return o, p16, m_new, l_new
@@ -135,26 +150,16 @@ def _step_invariant(j, base, q, k_smem, v_smem, k_ready, v_ready, k_empty, v_emp
     V_{j-1}`` has joined its accumulator, is folded into the row's ``(out, lse)`` (:func:`_fold`)
     and tile j's softmax starts from a fresh state; elsewhere the accumulator is rescaled as in the
     portable kernel (``acc * alpha_j``, then ``+ P_j V_j`` at the next step: its operations in its
-    order). ``qk_scale``: a scalar or a column ``[ROWS, 1]``; ``pin``: a scalar > 0 (the PV wait's
-    pinning branch); ``o_scale``: the value descale (``V_SCALED``)."""
+    order). ``qk_scale``: a scalar or a column ``[ROWS, 1]``; ``pin``: a scalar > 0 (:func:`_pv_done`);
+    ``o_scale``: the value descale (``V_SCALED``)."""
     idx = base + j
     n0 = j * BN
     fresh = split_start(split_of(n0, SPLIT_N, HEAD_N, HEAD_KEYS, MID_N, MID_KEYS), SPLIT_N, HEAD_N, HEAD_KEYS,
                         MID_N, MID_KEYS) == n0
-    s = _qk(idx, q, k_smem, k_ready, ROWS, BN, STAGES, s_layout)
-    prev = (idx - 1) % STAGES
-    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
-    pv = warpgroup_mma(p16, v_smem.index(prev), o, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s, ))
-    mbarrier.arrive(k_empty.index(idx % STAGES))
+    s, pv = _issue(idx, q, o, p16, k_smem, v_smem, k_ready, v_ready, k_empty, ROWS, BN, STAGES, s_layout)
     m_new, l_new, alpha, p = _softmax_step_exact(s, gl.where(fresh, -float("inf"), m_i), gl.where(fresh, 0.0, l_i),
                                                  qk_scale, rows, n0, Sk, causal_off, BN, s_layout, MASK, CAUSAL)
-    if pin > 0.0:  # pins the PV wait after the softmax, as in _step
-        o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
-    else:
-        gl.thread_barrier()
-        o_done, p_done = warpgroup_mma_wait(0, deps=(pv, p16))
-    mbarrier.arrive(v_empty.index(prev))
+    o_done = _pv_done(pv, p16, pin, v_empty, idx, STAGES)
     if fresh:
         out, lse = _fold(o_done, m_i, l_i, out, lse, o_scale, o_layout, V_SCALED)
         o = gl.zeros_like(o_done)  # the portable kernel's fresh accumulator times alpha 0: +0
