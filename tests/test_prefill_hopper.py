@@ -40,7 +40,7 @@ def test_dense_calls_never_take_fp8_kv(hopper_here):
 
 def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
     """The mode's calls take the kernel's invariant variant unless PAGEDFLASH_INVARIANT_GLUON=0, with
-    16-bit K/V (fp8 with INVARIANT_FP8) and the mode's own tile (64-key tiles, 16 rows a warp of a warpgroup)."""
+    16-bit or fp8 K/V (fp8 unless INVARIANT_FP8 is off) and the mode's own tile (64-key tiles, 16 rows a warp of a warpgroup)."""
     q, k, v = empty_qkv()
     monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
     assert "PAGEDFLASH_INVARIANT_GLUON" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)
@@ -49,9 +49,9 @@ def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
     assert prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True) is None
     k8, v8 = k[0].to(torch.float8_e4m3fn), v[0].to(torch.float8_e4m3fn)
     assert prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, False) is None
-    assert "fp8" in prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, True)
-    monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", True)  # once the compiled tests have compared its rows
     assert prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, True) is None
+    monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", False)
+    assert "fp8" in prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, True)
     assert prefill_hopper.refusal_varlen(q[0], k[0], v[0], 1, 1024, 1024, None, -1, 0, 0.0, None, True) is None
     monkeypatch.setattr(launch, "INVARIANT_TILE", "64:32:4:2")
     assert "tile" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)

@@ -13,7 +13,7 @@ the portable kernel, which stays the tested fallback.
 
 In the batch-invariant mode (:mod:`pagedflash.batch_invariance`) the kernel's own variant
 (``INVARIANT``: the mode's 64-key tiles and split rule, the portable kernel's EXACT softmax step,
-finalize and merge) takes the same calls, with 16-bit K/V (fp8 K/V once :data:`INVARIANT_FP8`): a row
+finalize and merge) takes the same calls, with 16-bit or fp8 K/V (fp8 unless :data:`INVARIANT_FP8` is off): a row
 gets the portable kernel's bits, so which kernel runs a call never changes a row.
 ``PAGEDFLASH_INVARIANT_GLUON=0`` sends the mode's calls to the portable kernel.
 
@@ -46,12 +46,11 @@ from pagedflash.validate import FP8_DTYPES
 ENABLED = os.environ.get("PAGEDFLASH_GLUON", "1") != "0"
 # PAGEDFLASH_INVARIANT_GLUON=0 sends the batch-invariant mode's calls to the portable kernel (the same bits)
 INVARIANT_ENABLED = os.environ.get("PAGEDFLASH_INVARIANT_GLUON", "1") != "0"
-# The variant over fp8 K/V (a q shift a row, the descales in the portable kernel's order) is compiled
-# (tools/gluon_compile_check.py) but its rows have not yet been compared with the portable kernel's on a
-# GPU (tests/test_prefill_hopper_invariant.py turns this on): until then the mode's fp8 calls stay portable.
-# Invalid input excepted: one head's bad descale makes the whole call NaN here (metadata.varlen_bounds), that
-# head's rows only in the portable kernel.
-INVARIANT_FP8 = False
+# The variant over fp8 K/V (a q shift a row, the descales in the portable kernel's order; rows bit for bit the
+# portable kernel's, tests/test_prefill_hopper_invariant.py). False sends the mode's fp8 calls to the portable
+# kernel. Invalid input excepted: one head's bad descale makes the whole call NaN here (metadata.varlen_bounds),
+# that head's rows only in the portable kernel.
+INVARIANT_FP8 = True
 
 # Where the Gluon kernel measured at least as fast as the portable kernel (docs/performance.md, v22:
 # bf16, B·S = 16K tokens with Sq = Sk = S in 256 .. 2K, Hq·D = 2048, at least 2048 work items a

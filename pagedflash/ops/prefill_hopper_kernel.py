@@ -49,7 +49,7 @@ async wgmma, warp specialization).
   row's output and LSE bit for bit the portable kernel's
   (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`). Over fp8 K/V as the portable kernel
   does it in the mode: a bf16 Q tile scaled by a power of two a row, the value descale applied to each
-  split's output (the host admits these calls with ``prefill_hopper.INVARIANT_FP8``).
+  split's output (``prefill_hopper.INVARIANT_FP8`` off sends these calls to the portable kernel).
 
 The helpers every partition shares (the item schedule, one softmax step, the store, the loads) are
 in :mod:`pagedflash.ops.prefill_hopper_tiles`, the consumers' walk over an item's key tiles in
