@@ -107,6 +107,24 @@ def test_rows_equal_with_a_decode_tile(monkeypatch, case, dtype):
     assert rows == {16, 64}, rows
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's MMA instructions (the interpreter's tile has 16 rows)")
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_fp8_rows_equal_with_a_decode_tile(monkeypatch, dtype):
+    """The decode tile over fp8 K/V for every decode launch: a decode step's row, alone and batched, as
+    the whole prefill's (the mode's 64-row tile), its K converted as the 16-bit layout's (bf16 q scaled
+    per row)."""
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_FP8", 0)
+    attention.clear_plans()
+    caches, table, q, q_others, opts = _setup("plain", dtype, fp8=True)
+    full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
+    for t in (5, 300, LEN - 1):
+        out, lse = _varlen(torch.cat([q_others[2][-1:], q[t:t + 1]]), caches, table[[3, 0]], [1, 1],
+                           [OTHERS[2], t + 1], opts)
+        assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"decode {t}"
+    rows = {plan.cfg.block_m for plan in attention._PLANS.values() if plan.consts.get("INVARIANT")}
+    assert rows == {16, 64}, rows
+
+
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's rule; the GPU runs its default rule above")
 @pytest.mark.parametrize("rule", [(32, 0, 32), (64, 48, 16), (48, 32, 16, 64, 32), (32, 0, 32, 64, 16)],
                          ids=["no_head", "head_48_of_16", "mid_to_64_of_32", "mid_of_16_no_head"])
@@ -286,6 +304,10 @@ def test_invariant_tile_setting(monkeypatch):
     for narrow in (dict(wide, decode_programs=8 * 132 - 1), dict(wide, decode_programs=0), dict(wide, prefill=True)):
         cfg = launch.invariant_config(group=4, head_dim=64, **narrow)
         assert (cfg.block_m, cfg.num_warps) == (64, 4)
+    # over fp8 K/V from half a wave (INVARIANT_DECODE_WAVES_FP8)
+    assert launch.INVARIANT_DECODE_WAVES_FP8 == 0.5
+    assert launch.invariant_config(group=4, head_dim=128, **dict(wide, decode_programs=66), fp8=True).block_m == 16
+    assert launch.invariant_config(group=4, head_dim=128, **dict(wide, decode_programs=65), fp8=True).block_m == 64
     cfg = launch.invariant_config(group=4, head_dim=64, capability=None, interpreted=True, decode_programs=10**6,
                                   sms=16)
     assert (cfg.block_m, cfg.num_warps, cfg.num_stages) == (16, 4, 1)  # the interpreter's tile

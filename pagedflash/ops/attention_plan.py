@@ -95,7 +95,7 @@ def launch_switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
                            launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
-                           launch_table.INVARIANT_DECODE_WAVES))
+                           launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_DECODE_WAVES_FP8))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -157,12 +157,13 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     rule = invariant_split_rule(interpreted(), d) if invariant else None
     if invariant:
-        sixteen_bit = q.element_size() == 2 and k.element_size() == 2
+        # decode tiles: 16-bit K/V, or fp8 converted by the instruction (attention_tiles.attend_range's EXACT), under 16-bit q
+        decode_tile_kv = q.element_size() == 2 and (k.element_size() == 2 or fp8_cvt)
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
                                          interpreted=interpreted(),
                                          prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2),
-                                         decode_programs=batch * hkv if max_seqlen_q <= 1 and sixteen_bit else 0,
-                                         sms=num_sms(q.device))
+                                         decode_programs=batch * hkv if max_seqlen_q <= 1 and decode_tile_kv else 0,
+                                         sms=num_sms(q.device), fp8=k.element_size() == 1)
         if rule.keys % cfg.block_n or rule.head_split % cfg.block_n or (rule.mid_end > rule.head_keys
                                                                          and rule.mid_split % cfg.block_n):
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant splits "

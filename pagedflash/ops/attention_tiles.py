@@ -91,7 +91,10 @@ def attend_range(
     ``EXACT`` (the batch-invariant mode): a visible key's probability gets the same bits from a masked
     and an unmasked tile: the mask goes on the raw scores, the row max is scaled once after it (a
     rounding is monotonic: the same max), and ``exp2(fma(s, scale, -max))`` is explicit, where the
-    compiler would otherwise fuse the unmasked tile's scale and subtraction but not the masked one's."""
+    compiler would otherwise fuse the unmasked tile's scale and subtraction but not the masked one's.
+    fp8 K is converted by the instruction (``FP8_CVT``) as V is: a plain cast lets the compiler give a
+    warp's MMA (the decode tile) the operand layout of the 8-bit source, whose order over the head dim
+    differs from the 16-bit one, and so its scores' bits from a warpgroup's (the mode's 64-row tile)."""
     if PAGED:  # the table entries of the first tile; each step fetches the next tile's ahead of use
         blk_next, bad = pages(BlockTable, b, stride_tb, lo, seqlen_k, offs_n, num_blocks, PAGE_SIZE, BLOCK_N)
         page_bad = page_bad | bad
@@ -118,6 +121,8 @@ def attend_range(
                 k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             else:
                 k = tl.load(K + k_off[:, None] + offs_d[None, :])
+        if FP8_CVT and EXACT:  # K converted first too (the docstring's EXACT)
+            k = _jit.fp8_to_f16(k)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         if EXACT:  # (a scale that underflowed to 0 would make the masked -inf scores NaN: the least normal)
             scale = tl.maximum(qk_scale, FLT_MIN)

@@ -144,19 +144,19 @@ def choose_config(*, head_dim: int, group: int, max_seqlen_q: int, causal: bool,
     return LaunchConfig(block_m=128, block_n=128, g_pack=1, num_warps=8, num_stages=3)
 
 
-def env_count(name: str, default: int | None, most: int | None = None, least: int = 1) -> int | None:
-    """The integer from ``least`` (default 1) to ``most`` that environment variable ``name`` holds,
-    ``default`` when it is unset or empty, or a clear error naming it."""
+def env_count(name: str, default: int | None, most: int | None = None, least: int = 1, number: type = int):
+    """The integer (or other ``number``) from ``least`` (default 1) to ``most`` that environment variable
+    ``name`` holds, ``default`` when it is unset or empty, or a clear error naming it."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
-        value = int(text)
+        value = number(text)
     except ValueError:
         value = least - 1
-    if value < least or (most is not None and value > most):
+    if not (value >= least and (most is None or value <= most)):  # (NaN too)
         bound = f"from {least} to {most}" if most is not None else f"of {least} or more"
-        raise ValueError(f"{name}: expected an integer {bound}, got {text!r}")
+        raise ValueError(f"{name}: expected {'an integer' if number is int else 'a number'} {bound}, got {text!r}")
     return value
 
 
@@ -217,6 +217,9 @@ INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
+# The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
+# 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
+INVARIANT_DECODE_WAVES_FP8 = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", 0.5, least=0, number=float)
 
 
 BIG_SHARED_MEMORY = ((8, 0), (8, 7), (9, 0), (10, 0))  # 164-227 KB a block; sm86/89/120: ~99 KB
@@ -343,7 +346,7 @@ def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
                      interpreted: bool, prefill: bool = False, decode_programs: int = 0,
-                     sms: int = 0) -> LaunchConfig:
+                     sms: int = 0, fp8: bool = False) -> LaunchConfig:
     """The tile of a launch in batch-invariant mode: a row's scores and its softmax sums are reduced
     by the same operations in the same order under one key tile and one layout of a row's elements
     in its warp (16 rows a warp: the MMA's accumulator layout, whether a warp's MMA or a warpgroup's
@@ -357,9 +360,9 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
 
     ``prefill`` (more than one query row a sequence): the rows, warps and stages of
     :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the tile's; the MMA kind kept
-    too), the same keys (under the interpreter its rows only). ``decode_programs`` (a 16-bit decode
-    launch's sequences x KV heads; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES` x ``sms``
-    on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
+    too), the same keys (under the interpreter its rows only). ``decode_programs`` (a decode launch's
+    sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries; 0 otherwise) of at least
+    :data:`INVARIANT_DECODE_WAVES` (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`) x ``sms`` on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
     :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
     a warp than the tile's is refused on every call that does not take the prefill tile, whether it
     would take the decode tile or not (the default one is left unused). Which of these runs a row
@@ -382,7 +385,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
         if not keeps_layout and INVARIANT_DECODE_TILE != INVARIANT_DECODE_TILE_DEFAULT:
             raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows "
                              f"a warp, got {INVARIANT_DECODE_TILE!r}")
-        if (keeps_layout and decode_programs > 0 and decode_programs >= INVARIANT_DECODE_WAVES * sms
+        waves = INVARIANT_DECODE_WAVES_FP8 if fp8 else INVARIANT_DECODE_WAVES
+        if (keeps_layout and decode_programs > 0 and decode_programs >= waves * sms
                 and decode_rows % group == 0):
             rows, warps, stages = decode_rows, decode_warps, min(decode_stages, stages)
     g_pack = group if rows % group == 0 else 1
