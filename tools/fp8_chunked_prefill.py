@@ -1,13 +1,16 @@
 """Chunked prefill over fp8 vs bf16 paged pools, each through the Gluon kernel and the portable one.
 
-    python tools/fp8_chunked_prefill.py [--both] [--dims 128,64] [--pages 16,32,64,256] [--cells 4x16384,...]
+    python tools/fp8_chunked_prefill.py [--both] [--batch-invariant] [--dims 128,64] [--pages 16,32,64,256]
+        [--cells 4x16384,...]
 
 512 new tokens a sequence over a cached prefix (cells ``BxP``: B sequences, P cached tokens), Hq/Hkv =
 32/8, bf16 q, causal bottom-right; pools in random page order; fp8 = ``float8_e4m3fn`` with per-KV-head
 scales (amax / 448). Prints TFLOP/s (exact causal FLOPs) per pool, kernel (G: the Gluon kernel ran, P:
 the portable one) and page size, the fp8÷bf16 speed ratio of the Gluon launches, and the max error of
 the fp8 launch against the fp32 reference over the dequantized pool (cells up to 16K cached tokens).
-``--both`` also times every launch with the Gluon kernel switched off (``prefill_hopper.ENABLED``).
+``--both`` also times every launch with the Gluon kernel switched off (``prefill_hopper.ENABLED``);
+``--batch-invariant`` also times it with ``batch_invariant=True`` and prints that time over the default's
+(``inv G 1.30x``: the kernel that ran in the mode, G or P).
 CUDA-graph replays, L2 flushed as the benchmarks do (``pagedflash.bench.common.time_ms``).
 """
 
@@ -33,7 +36,7 @@ def pools(x: torch.Tensor, page: int, table: torch.Tensor) -> torch.Tensor:
     return to_paged(raw, page, table).view(x.dtype)
 
 
-def cell(d: int, b: int, prefix: int, pages: list[int], both: bool) -> str:
+def cell(d: int, b: int, prefix: int, pages: list[int], both: bool, invariant: bool) -> str:
     sk = prefix + NEW
     q = torch.randn(b * NEW, HQ, d, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(b, sk, HKV, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -49,9 +52,9 @@ def cell(d: int, b: int, prefix: int, pages: list[int], both: bool) -> str:
         for name, kc, vc, scales in (("bf16", pools(k, page, table), pools(v, page, table), {}),
                                      ("fp8", pools(k8, page, table), pools(v8, page, table),
                                       dict(k_descale=kd, v_descale=vd))):
-            def call(kc=kc, vc=vc, table=table, scales=scales):
+            def call(kc=kc, vc=vc, table=table, scales=scales, mode=False):
                 return pf.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, NEW, sk, causal=True, block_table=table,
-                                                 **scales)
+                                                 batch_invariant=mode, **scales)
             out = None
             for gluon in (True, False) if both else (True,):
                 prefill_hopper.ENABLED = gluon
@@ -61,6 +64,11 @@ def cell(d: int, b: int, prefix: int, pages: list[int], both: bool) -> str:
                 kind = "G" if prefill_hopper.launches > before else "P"
                 ms[name, gluon] = time_ms(call)
                 line += f" p{page} {name} {kind} {flops / ms[name, gluon] / 1e9:.0f}"
+                if invariant:
+                    before = prefill_hopper.launches
+                    call(mode=True)
+                    kind = "G" if prefill_hopper.launches > before else "P"
+                    line += f" inv {kind} {time_ms(lambda: call(mode=True)) / ms[name, gluon]:.2f}x"
             prefill_hopper.ENABLED = True
             if name == "fp8" and prefix <= 16384:
                 want = ref.paged_varlen_attention_ref(q[:NEW], ref.dequantize_ref(kc, kd), ref.dequantize_ref(vc, vd),
@@ -73,6 +81,7 @@ def cell(d: int, b: int, prefix: int, pages: list[int], both: bool) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--both", action="store_true", help="also time the portable kernel")
+    p.add_argument("--batch-invariant", action="store_true", help="also time each launch in the batch-invariant mode")
     p.add_argument("--dims", default="128,64")
     p.add_argument("--pages", default="16,32,64,256")
     p.add_argument("--cells", default="4x16384", help="BxP, comma-separated")
@@ -81,7 +90,8 @@ def main() -> None:
     for d in map(int, args.dims.split(",")):
         for spec in args.cells.split(","):
             b, prefix = map(int, spec.split("x"))
-            print(cell(d, b, prefix, [int(x) for x in args.pages.split(",")], args.both), flush=True)
+            print(cell(d, b, prefix, [int(x) for x in args.pages.split(",")], args.both,
+                       args.batch_invariant), flush=True)
             torch.cuda.empty_cache()
 
 
