@@ -10,8 +10,8 @@ row's layout), keys in splits at fixed absolute key positions (:class:`pagedflas
 a row's first 4,096 keys in splits of 256, then splits of 2,048; opt-in, a middle tier of its own
 split size), each split's state computed by the same EXACT step (masked or not, a key's bits agree), and the splits merged left to
 right in one order, by the kernel itself (one program per row) or by the combine (programs sharing a
-row's splits, a partial state each). On Hopper the Gluon prefill kernel takes the mode's 16-bit
-prefill calls in a variant of its own that gives a row the portable kernel's bits
+row's splits, a partial state each). On Hopper the Gluon prefill kernel takes the mode's prefill
+calls (16-bit or fp8 K/V) in a variant of its own that gives a row the portable kernel's bits
 (:mod:`pagedflash.ops.prefill_hopper`). See README "Batch invariance" for what is guaranteed and what
 it costs.
 

@@ -22,7 +22,7 @@ from pagedflash.engine.executor import graph_split_bytes
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
 from pagedflash.ops import attention, attention_launch, attention_plan, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
-from pagedflash.ops.utils import interpreted, num_sms
+from pagedflash.ops.utils import fp8_cvt_device, interpreted, num_sms
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -107,7 +107,8 @@ def test_rows_equal_with_a_decode_tile(monkeypatch, case, dtype):
     assert rows == {16, 64}, rows
 
 
-@pytest.mark.skipif(not ON_GPU, reason="the GPU's MMA instructions (the interpreter's tile has 16 rows)")
+@pytest.mark.skipif(not (ON_GPU and fp8_cvt_device(torch.device(DEVICE))),
+                    reason="the GPU's MMA instructions and its fp8 conversion (NVIDIA sm_89+)")
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 def test_fp8_rows_equal_with_a_decode_tile(monkeypatch, dtype):
     """The decode tile over fp8 K/V for every decode launch: a decode step's row, alone and batched, as
@@ -118,9 +119,11 @@ def test_fp8_rows_equal_with_a_decode_tile(monkeypatch, dtype):
     caches, table, q, q_others, opts = _setup("plain", dtype, fp8=True)
     full, full_lse = _varlen(q, caches, table[:1], [LEN], [LEN], opts)
     for t in (5, 300, LEN - 1):
+        alone, alone_lse = _varlen(q[t:t + 1], caches, table[:1], [1], [t + 1], opts)
+        assert torch.equal(alone[0], full[t]) and torch.equal(alone_lse[:, 0], full_lse[:, t]), f"decode {t}"
         out, lse = _varlen(torch.cat([q_others[2][-1:], q[t:t + 1]]), caches, table[[3, 0]], [1, 1],
                            [OTHERS[2], t + 1], opts)
-        assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"decode {t}"
+        assert torch.equal(out[1], full[t]) and torch.equal(lse[:, 1], full_lse[:, t]), f"batched decode {t}"
     rows = {plan.cfg.block_m for plan in attention._PLANS.values() if plan.consts.get("INVARIANT")}
     assert rows == {16, 64}, rows
 
@@ -509,6 +512,41 @@ def test_split_switches_from_the_environment(monkeypatch):
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_SPLIT_STATES", "0")
     with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_SPLIT_STATES: expected an integer of 1 or more"):
         launch.env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
+    monkeypatch.delenv("PAGEDFLASH_INVARIANT_SPLIT_STATES")
+    monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS")
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", "0.25")  # a fraction of a wave
+    assert fresh().INVARIANT_DECODE_WAVES_FP8 == 0.25
+    for bad in ("-1", "nan", "x"):
+        monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", bad)
+        with pytest.raises(ValueError, match=f"PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8: expected a number of 0 or more, "
+                                             f"got '{bad}'"):
+            fresh()
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype", "converts", "rows"),
+                         [(torch.bfloat16, torch.bfloat16, False, 16), (torch.bfloat16, torch.float8_e4m3fn, True, 16),
+                          (torch.float16, torch.float8_e4m3fn, True, 16), (torch.bfloat16, torch.float8_e4m3fn, False, 64),
+                          (torch.float32, torch.float8_e4m3fn, True, 64)], ids=ids)
+def test_decode_tile_admission(monkeypatch, q_dtype, kv_dtype, converts, rows):
+    """The plan an sm90 GPU of 132 SMs would make for a wide decode launch in the mode: the one-warp
+    decode tile for 16-bit q over 16-bit K/V, and over fp8 K/V only where the GPU converts fp8 by
+    instruction (the mode's K conversion that keeps the warp's MMA in the 16-bit operand order);
+    fp32 q never (CPU tensors, nothing launched)."""
+    for module in (attention_plan, launch):
+        monkeypatch.setattr(module, "nvidia_capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+        monkeypatch.setattr(module, "interpreted", lambda: False)
+    monkeypatch.setattr(attention_plan, "fp8_cvt_device", lambda device: converts)
+    batch, hq, hkv, d, n = 64, 32, 8, 128, 1024  # 512 programs: past fp8's half wave, short of 16-bit's 8 waves
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES", 0)
+    q = torch.empty(batch, 1, hq, d, dtype=q_dtype)
+    cache = torch.empty(batch, n, hkv, d, dtype=kv_dtype)
+    plan = attention_plan.make_plan(
+        q, cache, cache, torch.empty_like(q, dtype=q_dtype), None, batch=batch, max_seqlen_q=1, max_seqlen_k=n,
+        window=(-1, 0), softcap=0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+        seqused_k=torch.full((batch,), n, dtype=torch.int32), block_table=None, num_splits=0, config=None,
+        invariant=True)
+    assert (plan.cfg.block_m, plan.cfg.num_warps) == ((16, 1) if rows == 16 else (64, 4))
 
 
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):

@@ -23,7 +23,7 @@ def test_engine_kernels_compile_for_sm90():
     for label in ("rope + q/k norm", "rms_norm + residual", "silu_mul_gemv down", "matmul qkv", "argmax",
                   "paged decode 1x1024", "paged chunk fp8 512/4K", "paged decode window", "invariant decode 1x16K",
                   "decode 64x1K", "prefill 2K", "graph decode 1x1024", "matmul down, K chunks", "merge states 512",
-                  "matmul qkv, wide tile", "invariant chunk, prefill tile"):
+                  "matmul qkv, wide tile", "invariant chunk, prefill tile", "invariant graph decode fp8 256x1024"):
         assert any(f" {label} " in x for x in lines), label
     assert all(" 0 B local" in x for x in lines[:-1] if " regs," in x), "a kernel spills"
     for kernel in ("_attention_kernel", "_combine_kernel", "_write_kv_kernel", "_rope_kernel", "_gemv_kernel",

@@ -172,6 +172,7 @@ def _attention_calls(cfg: dict):
     yield "invariant decode 1x16K", paged(1, 1, 16383, invariant=True)
     for rows in (32, 256):  # a graph's split launch with its slot counts; the one-warp decode tile
         yield f"invariant graph decode {rows}x1024", paged(rows, 1, 1023, invariant=True, graph_len=GRAPH_LEN)
+    yield "invariant graph decode fp8 256x1024", paged(256, 1, 1023, fp8=True, invariant=True, graph_len=GRAPH_LEN)
     yield "invariant chunk 512/4K", paged(1, 512, 4096, invariant=True)
     yield "invariant decode fp8 1x16K", paged(1, 1, 16383, fp8=True, invariant=True)  # q scaled per row
     yield "invariant decode 1x16K, a middle tier", _opted(launch_table, "INVARIANT_MID_KEYS", 32768,

@@ -9,8 +9,10 @@ scales (amax / 448). Prints TFLOP/s (exact causal FLOPs) per pool, kernel (G: th
 the portable one) and page size, the fp8÷bf16 speed ratio of the Gluon launches, and the max error of
 the fp8 launch against the fp32 reference over the dequantized pool (cells up to 16K cached tokens).
 ``--both`` also times every launch with the Gluon kernel switched off (``prefill_hopper.ENABLED``);
-``--batch-invariant`` also times it with ``batch_invariant=True`` and prints that time over the default's
-(``inv G 1.30x``: the kernel that ran in the mode, G or P).
+``--batch-invariant`` also times it with ``batch_invariant=True`` and prints that time over the same
+launch's with the mode off (``inv G 1.30x``: the kernel that ran in the mode, G or P; under ``--both``
+the portable line's is the portable kernel on over off: ``PAGEDFLASH_INVARIANT_GLUON=0`` without
+``--both`` gives the portable mode over the Gluon kernel off).
 CUDA-graph replays, L2 flushed as the benchmarks do (``pagedflash.bench.common.time_ms``).
 """
 

@@ -25,8 +25,9 @@ online softmax (FlashAttention-2). Constexpr switches select, at compile time on
   ``MID_N``, then of ``SPLIT_N``), each split from a fresh state through the masked loop (EXACT
   arithmetic), merged left to right (split programs share a row's splits, a partial each; the combine
   merges them in the same order);
-- ``FP8_CVT``: fp8 V tiles convert to fp16 by the GPU's instruction before they move into the
-  dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`; NVIDIA sm_89+).
+- ``FP8_CVT``: fp8 V tiles (and K tiles in the batch-invariant mode) convert to fp16 by the GPU's
+  instruction before they move into the dot's operand layout (:func:`pagedflash.ops._jit.fp8_to_f16`;
+  NVIDIA sm_89+).
 
 The KV range of a tile is walked in three stages: masked tiles at the start (left window edge),
 unmasked tiles in the middle (no mask arithmetic, no bounds on loads), masked tiles at the end (the

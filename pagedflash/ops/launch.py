@@ -207,8 +207,10 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 # do not change (the invariance tests pass with 128:8:3 on an H100). On a GPU it must keep the tile's rows
 # a warp and its MMA (warps a multiple of 4 with it). Opt-in: 128:8:3 runs slower than the default tile.
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
-# The mode's rows:warps:stages on NVIDIA GPUs for 16-bit calls with one query row a sequence (decode), at
-# least INVARIANT_DECODE_WAVES programs (sequences x KV heads) an SM and a KV group that divides its rows;
+# The mode's rows:warps:stages on NVIDIA GPUs for calls with one query row a sequence (decode) of 16-bit q
+# over 16-bit K/V, or over fp8 K/V where the GPU converts them by instruction (sm_89+), at least
+# INVARIANT_DECODE_WAVES (fp8: INVARIANT_DECODE_WAVES_FP8) programs (sequences x KV heads) an SM and a KV
+# group that divides its rows;
 # empty: the tile above for every call. Its keys and its rows a warp stay the tile's, its stages at most
 # the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's four warps issue a warpgroup's):
 # that both give a row the same bits is what the compiled invariance tests check
@@ -362,7 +364,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     ``prefill`` (more than one query row a sequence): the rows, warps and stages of
     :data:`INVARIANT_PREFILL_TILE` where it is set (stages at most the tile's; the MMA kind kept
     too), the same keys (under the interpreter its rows only). ``decode_programs`` (a decode launch's
-    sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries; 0 otherwise) of at least
+    sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries, fp8 only where the GPU converts it by
+    instruction, which the caller checks; 0 otherwise) of at least
     :data:`INVARIANT_DECODE_WAVES` (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`) x ``sms`` on an NVIDIA GPU: the rows, warps and stages (at most the tile's) of
     :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
     a warp than the tile's is refused on every call that does not take the prefill tile, whether it
