@@ -525,7 +525,8 @@ def test_split_switches_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize(("q_dtype", "kv_dtype", "converts", "rows"),
                          [(torch.bfloat16, torch.bfloat16, False, 16), (torch.bfloat16, torch.float8_e4m3fn, True, 16),
-                          (torch.float16, torch.float8_e4m3fn, True, 16), (torch.bfloat16, torch.float8_e4m3fn, False, 64),
+                          (torch.float16, torch.float8_e4m3fn, True, 16),
+                          (torch.bfloat16, torch.float8_e4m3fn, False, 64),
                           (torch.float32, torch.float8_e4m3fn, True, 64)], ids=ids)
 def test_decode_tile_admission(monkeypatch, q_dtype, kv_dtype, converts, rows):
     """The plan an sm90 GPU of 132 SMs would make for a wide decode launch in the mode: the one-warp

@@ -157,7 +157,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     # the tile of an unsplit program; its rows and heads per tile do not depend on the key count
     rule = invariant_split_rule(interpreted(), d) if invariant else None
     if invariant:
-        # decode tiles: 16-bit K/V, or fp8 converted by the instruction (attention_tiles.attend_range's EXACT), under 16-bit q
+        # decode tiles: 16-bit q over 16-bit K/V, or over fp8 converted by the instruction
+        # (attention_tiles.attend_range's EXACT)
         decode_tile_kv = q.element_size() == 2 and (k.element_size() == 2 or fp8_cvt)
         cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
                                          interpreted=interpreted(),
