@@ -40,7 +40,8 @@ def test_dense_calls_never_take_fp8_kv(hopper_here):
 
 def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
     """The mode's calls take the kernel's invariant variant unless PAGEDFLASH_INVARIANT_GLUON=0, with
-    16-bit or fp8 K/V (fp8 unless INVARIANT_FP8 is off) and the mode's own tile (64-key tiles, 16 rows a warp of a warpgroup)."""
+    16-bit or fp8 K/V (fp8 unless INVARIANT_FP8 is off) and the mode's own tile (64-key tiles, 16 rows a
+    warp of a warpgroup)."""
     q, k, v = empty_qkv()
     monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
     assert "PAGEDFLASH_INVARIANT_GLUON" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)

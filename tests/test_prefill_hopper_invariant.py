@@ -111,8 +111,9 @@ FP8_CASES = [  # head dim, q dtype, layout, fp8 dtype, descales (per KV head / p
 def test_fp8_cache_rows_equal_the_portable_kernels(gluon, monkeypatch, d, dtype, layout, fp8, descale, causal):
     """fp8 K/V under 16-bit queries (bf16 q scaled by a power of two a row, the descales in the portable
     kernel's order, a softmax scale whose products round differently in another order); the variant takes
-    them with INVARIANT_FP8 (on by default, and here). Under bf16, some tokens of one head and every token of another
-    head of a KV group are 2^24 times larger: a shift a tile, not a row, would move the others' bits."""
+    them with INVARIANT_FP8 (on by default, and here). Under bf16, some tokens of one head and every token
+    of another head of a KV group are 2^24 times larger: a shift a tile, not a row, would move the others'
+    bits."""
     monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", True)
     hq, hkv = 8, 2
     q = randn(sum(LENS_Q), hq, d) * 3

@@ -17,6 +17,7 @@ CUDA-graph replays, L2 flushed as the benchmarks do (``pagedflash.bench.common.t
 """
 
 import argparse
+import functools
 
 import torch
 
@@ -36,6 +37,13 @@ def pools(x: torch.Tensor, page: int, table: torch.Tensor) -> torch.Tensor:
     pad = table.shape[1] * page - x.shape[1]
     raw = torch.nn.functional.pad(x.view(torch.uint8) if x.element_size() == 1 else x, (0, 0, 0, 0, 0, pad))
     return to_paged(raw, page, table).view(x.dtype)
+
+
+def run_once(fn) -> tuple:
+    """``fn()``'s result and the kernel that ran it: G (the Gluon kernel) or P (the portable one)."""
+    before = prefill_hopper.launches
+    result = fn()
+    return result, "G" if prefill_hopper.launches > before else "P"
 
 
 def cell(d: int, b: int, prefix: int, pages: list[int], both: bool, invariant: bool) -> str:
@@ -60,17 +68,14 @@ def cell(d: int, b: int, prefix: int, pages: list[int], both: bool, invariant: b
             out = None
             for gluon in (True, False) if both else (True,):
                 prefill_hopper.ENABLED = gluon
-                before = prefill_hopper.launches
-                result = call()
+                result, kind = run_once(call)
                 out = result if gluon else out
-                kind = "G" if prefill_hopper.launches > before else "P"
                 ms[name, gluon] = time_ms(call)
                 line += f" p{page} {name} {kind} {flops / ms[name, gluon] / 1e9:.0f}"
                 if invariant:
-                    before = prefill_hopper.launches
-                    call(mode=True)
-                    kind = "G" if prefill_hopper.launches > before else "P"
-                    line += f" inv {kind} {time_ms(lambda: call(mode=True)) / ms[name, gluon]:.2f}x"
+                    in_mode = functools.partial(call, mode=True)
+                    _, kind = run_once(in_mode)
+                    line += f" inv {kind} {time_ms(in_mode) / ms[name, gluon]:.2f}x"
             prefill_hopper.ENABLED = True
             if name == "fp8" and prefix <= 16384:
                 want = ref.paged_varlen_attention_ref(q[:NEW], ref.dequantize_ref(kc, kd), ref.dequantize_ref(vc, vd),

@@ -367,8 +367,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries, fp8 only where the GPU converts it
     by instruction, which the caller checks; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES`
     (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`) x ``sms`` on an NVIDIA GPU: the rows, warps and stages
-    (at most the tile's) of :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode tile set to other rows
-    a warp than the tile's is refused on every call that does not take the prefill tile, whether it
+    (at most the tile's) of :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode
+    tile set to other rows a warp than the tile's is refused on every call that does not take the prefill tile, whether it
     would take the decode tile or not (the default one is left unused). Which of these runs a row
     never changes its bits, only its speed."""
     rows, keys, warps, stages = (16, 16, 4, 1) if interpreted else _invariant_tile(head_dim, capability)
