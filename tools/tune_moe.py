@@ -36,10 +36,10 @@ if __name__ == "__main__" and "--compile-check" in sys.argv:
 import torch
 
 from pagedflash.bench import moe as bench_moe
-from pagedflash.bench.common import free_memory, measure, ratio, tflops
+from pagedflash.bench.common import free_memory, measure, ratio, set_timing, tflops
 from pagedflash.bench.hbm import hbm_bandwidth
 from pagedflash.ops import moe
-from pagedflash.testing import check_close, compile_new, recorded_launches
+from pagedflash.testing import check_close, compile_new, cubin_resources, recorded_launches
 
 # (label, changes to the current tiles). Decode candidates keep the current rows per block; at T = 1
 # the fused sum's down GEMM has H / bn2 programs (Qwen3: 64 at bn2 = 32), the unfused one k times as many
@@ -81,6 +81,10 @@ GEMV = [
     ("gemv wide bn13=4 bn2=4 bk=1024 warps=8", dict(_GEMV, bn13=4, bn2=4, bk=1024, stages=3, warps=8, wide=True)),
     ("gemv wide bn13=16 bn2=8 bk=256", dict(_GEMV, bn13=16, bn2=8, bk=256, stages=3, wide=True)),
     ("gemv wide bn13=16 bn2=4 bk=256 stages=4", dict(_GEMV, bn13=16, bn2=4, bk=256, stages=4, wide=True)),
+    ("gemv wide bn13=2 bn2=8 bk=1024", dict(_GEMV, bn13=2, bn2=8, bk=1024, stages=3, wide=True)),
+    ("gemv wide bn13=4 bn2=8 bk=1024 warps=2", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, warps=2, wide=True)),
+    ("gemv wide bn13=4 bn2=8 bk=1024 stages=2", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=2, wide=True)),
+    ("gemv wide bn13=4 bn2=16 bk=512", dict(_GEMV, bn13=4, bn2=16, bk=512, stages=3, wide=True)),
     # the down-and-sum kernel as gate/up's programmatic dependent (sm90+), then also its weights asked in L2
     ("gemv wide bn13=4 bn2=8 bk=1024 pdl", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, wide=True, pdl=1)),
     ("gemv wide bn13=4 bn2=8 bk=1024 pdl+L2", dict(_GEMV, bn13=4, bn2=8, bk=1024, stages=3, wide=True, pdl=2)),
@@ -233,7 +237,7 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
 def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None) -> int:
     """Compile the current tiles' and every candidate's kernels for sm_90 (bf16, the real layer shapes,
     weights as zero-stride views: nothing is allocated but the activations) and print each distinct
-    kernel's shared memory and whether its loop is pipelined (asynchronous copies): what the H200 run
+    kernel's registers, spills, shared memory and whether its loop is pipelined (asynchronous copies): what the H200 run
     would compile, checked on any machine. Returns the number of kernels that failed to compile."""
     spec, seen, failed = bench_moe.FULL, set(), 0
     for name in shapes:
@@ -259,7 +263,9 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
                               f"{str(error)[:300]}", flush=True)
                         continue
                     copies = ck.asm["ttgir"].count("async_copy_global_to_local")  # none: loads not pipelined
-                    print(f"{name} T={T} {label:34s} {launch.kernel.__name__:17s} smem {ck.metadata.shared:6d} B, "
+                    usage = cubin_resources(ck.asm["cubin"])
+                    print(f"{name} T={T} {label:34s} {launch.kernel.__name__:17s} {usage['REG']:3d} regs, "
+                          f"{usage['LOCAL']:3d} B local (spills), smem {ck.metadata.shared:6d} B, "
                           f"{copies:2d} async copies, {seconds:.1f} s", flush=True)
     print(f"{len(seen)} kernels, {failed} failed")
     return failed
@@ -278,7 +284,10 @@ def main(argv: list[str] | None = None) -> int:
                              "memory and whether their loops are pipelined (run as a script)")
     parser.add_argument("--labels", nargs="*", help="only the candidates of these labels (as printed; none: only "
                                                     "the current tiles)")
+    parser.add_argument("--flush", choices=("zero", "read"), default="zero",
+                        help="L2 before each timed call, as `pagedflash bench --flush`: zeroed (left dirty) or read")
     args = parser.parse_args(argv)
+    set_timing(flush=args.flush)
     spec = bench_moe.QUICK if args.quick else bench_moe.FULL
     shapes = args.shapes or list(spec["shapes"])
     unknown = [s for s in shapes if s not in spec["shapes"]]
