@@ -7,6 +7,8 @@ column or an expert shows as NaN; outputs from NaN-poisoned ``torch.empty``. Com
 (``-m gpu``): bf16 at the same sizes and the Qwen3-30B-A3B / GPT-OSS-20B layer shapes.
 """
 
+import json
+
 import pytest
 import torch
 from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
@@ -335,7 +337,14 @@ def test_bench_quick(tmp_path):
     from pagedflash import cli
 
     assert cli.main(["bench", "moe", "--quick", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "moe.json").exists()
+    rows = json.loads((tmp_path / "moe.json").read_text())["tables"]["moe"]["rows"]
+    decode = [r for r in rows if r["T"] == 1]
+    assert decode and all(r["clean_ms"] > 0 and r["clean_pct_bound"] > 0 and r["clean_speedup"] > 0 for r in decode)
+    assert all("clean_ms" not in r for r in rows if r["T"] > 1)  # prefill sizes: no bound
+    # under a reading flush the run's own columns are the clean-L2 ones: not timed twice
+    assert cli.main(["bench", "moe", "--quick", "--flush", "read", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "moe.json").read_text())["tables"]["moe"]["rows"]
+    assert all("clean_ms" not in r for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -80,6 +80,11 @@ def set_timing(*, warmup_ms: int = 25, rep_ms: int = 100, graphs: bool = True, f
     _TIMING.update(warmup=warmup_ms, rep=rep_ms, graphs=graphs, flush=flush)
 
 
+def timing_flush() -> str:
+    """The L2 flush :func:`time_ms` uses by default (:func:`set_timing`): ``"zero"`` or ``"read"``."""
+    return _TIMING["flush"]
+
+
 def timing_description() -> str:
     """How :func:`time_ms` times by default, as the result files record it."""
     if not has_gpu():
