@@ -4,7 +4,8 @@ GPT-OSS-20B layer, bf16) at T = 1, 4, 16, 64 and 8192 tokens.
 
 Per case, the current tiles and each candidate are run once and checked against the fp32 reference
 (a wrong or failing candidate is reported and skipped), then timed as ``pagedflash bench moe``
-times (``bench.common.measure``: CUDA-graph replays, L2 flushed before each call). Candidates are
+times (``bench.common.measure``: CUDA-graph replays, L2 zeroed before each call, or read with ``--flush
+read``: left clean, as a decode step finds it). Candidates are
 changes to the current tiles (labels name the changes):
 
 - decode sizes (T <= 64): the fused sum (down GEMM and sum over k in one kernel), narrower column
@@ -189,11 +190,11 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
             break
         got = timed(tiles, label)
         if not got.ok:
-            print(f"  {label:34s} {got.status}: {(got.note or 'wrong result')[:100]} (skipped)", flush=True)
+            print(f"  {label:40s} {got.status}: {(got.note or 'wrong result')[:100]} (skipped)", flush=True)
             continue
         speedup = base.ms / got.ms
         speedups.setdefault((regime(T, spec["decode_max"]), label), []).append(speedup)
-        print(f"  {label:34s} {got.ms:.4f} ms  x{speedup:.3f}  {figure(got.ms)}", flush=True)
+        print(f"  {label:40s} {got.ms:.4f} ms  x{speedup:.3f}  {figure(got.ms)}", flush=True)
         if got.ms < row["best_ms"]:
             row.update(best=tiles, best_label=label, best_ms=got.ms)
     return row
@@ -228,7 +229,7 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
                          if g == reg), reverse=True)
         print(f"  {reg}:")
         for score, n, label in ranked[:5]:
-            print(f"    {label:34s} x{score:.3f}  ({n}/{cases[reg]})")
+            print(f"    {label:40s} x{score:.3f}  ({n}/{cases[reg]})")
     print("\nSuggested tiles() per case (the best measured; 'current' where no candidate beat it):")
     for r in rows:
         print(f"  {r['shape']} T={r['T']}: {r['best'] or r['current']}")
@@ -264,7 +265,7 @@ def compile_check(shapes: list[str], tokens: list[int], labels: list[str] | None
                         continue
                     copies = ck.asm["ttgir"].count("async_copy_global_to_local")  # none: loads not pipelined
                     usage = cubin_resources(ck.asm["cubin"])
-                    print(f"{name} T={T} {label:34s} {launch.kernel.__name__:17s} {usage['REG']:3d} regs, "
+                    print(f"{name} T={T} {label:40s} {launch.kernel.__name__:17s} {usage['REG']:3d} regs, "
                           f"{usage['LOCAL']:3d} B local (spills), smem {ck.metadata.shared:6d} B, "
                           f"{copies:2d} async copies, {seconds:.1f} s", flush=True)
     print(f"{len(seen)} kernels, {failed} failed")
@@ -280,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="stop timing candidates after this many seconds (the summary still prints)")
     parser.add_argument("--compile-check", action="store_true",
-                        help="no timing, no GPU: compile every candidate's kernels for sm_90 and print their shared "
-                             "memory and whether their loops are pipelined (run as a script)")
+                        help="no timing, no GPU: compile every candidate's kernels for sm_90 and print their registers, "
+                             "spills, shared memory and whether their loops are pipelined (run as a script)")
     parser.add_argument("--labels", nargs="*", help="only the candidates of these labels (as printed; none: only "
                                                     "the current tiles)")
     parser.add_argument("--flush", choices=("zero", "read"), default="zero",

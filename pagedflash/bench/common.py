@@ -252,8 +252,9 @@ def _first(out):
 
 
 def measure(fn: Callable[[], object], check: Callable[[object], tuple[float, bool]] | None = None,
-            *, label: str = "") -> Measured:
-    """Run ``fn`` once, check its output (``check(out) -> (max_err, ok)``), then time it."""
+            *, label: str = "", flush: str | None = _AS_SET) -> Measured:
+    """Run ``fn`` once, check its output (``check(out) -> (max_err, ok)``), then time it
+    (:func:`time_ms`, ``flush`` as there)."""
     err = None
     try:
         if check is not None:
@@ -262,7 +263,7 @@ def measure(fn: Callable[[], object], check: Callable[[object], tuple[float, boo
                 print(f"  FAIL {label}: error {err:.3g} x max|ref| is outside the tolerance rule; not timed",
                       file=sys.stderr)
                 return Measured(status=FAIL, err=err)
-        return Measured(ms=time_ms(fn), err=err)
+        return Measured(ms=time_ms(fn, flush=flush), err=err)
     except _OOM_ERRORS:
         free_memory()
         return Measured(status=OOM, err=err)
