@@ -156,10 +156,49 @@ def test_grouping_layout(monkeypatch):
     x, w13, w2, _ = randn(3, 16), *make_layer(4, 16, 8, torch.float32, "silu")
     plan = moe._plan(x, w13, w2, torch.ones(3, 2, device=DEVICE), ids_, None, None, moe.SILU, None)
     assert plan.num_blocks == 6  # cdiv(P + min(E + 1, P) * (BM - 1), BM): E runs and one of invalid ids
-    sorted_ids, block_expert = moe._group(plan, ids_, 6, 4, 2, *ids_.stride())
+    sorted_ids, block_expert, block_start, block_slots = moe._group(plan, ids_, 6, 4, 2, *ids_.stride())
     assert block_expert.tolist() == [0, 2, 2, 4, -1, -1]
-    runs = [sorted(sorted_ids[a:b].tolist()) for a, b in [(0, 2), (2, 6), (6, 8), (8, 12)]]
-    assert runs == [[1, 6], [0, 2, 5, 6], [3, 4], [6] * 4]
+    assert block_start.tolist()[:4] == [0, 2, 4, 6] and block_slots.tolist()[:4] == [2, 2, 2, 2]
+    runs = [sorted(sorted_ids[a:b].tolist()) for a, b in [(0, 2), (2, 6), (6, 8)]]
+    assert runs == [[1, 6], [0, 2, 5, 6], [3, 4]]  # slots past the last run are never read
+
+
+def test_grouping_layout_with_half_tails(monkeypatch):
+    """Half tails: runs padded to half a block; a run's last block holds half a block's slots where
+    they hold its pairs; blocks start where their run's previous block ends."""
+    monkeypatch.setattr(moe, "TILES", moe.Tiles(False, 32, 32, 32, 32, 4, 2, 1, half=True))
+    counts = {0: 16, 1: 0, 2: 17, 3: 40, 4: 33}  # expert -> pairs; 4 = E: invalid ids (-1)
+    flat = [e if e < 4 else -1 for e, c in counts.items() for _ in range(c)]
+    ids_ = torch.tensor(flat, dtype=torch.int32, device=DEVICE).view(-1, 2)  # P = 106, k = 2
+    P = ids_.numel()
+    x, w13, w2, _ = randn(P // 2, 16), *make_layer(4, 16, 8, torch.float32, "silu")
+    plan = moe._plan(x, w13, w2, torch.ones(P // 2, 2, device=DEVICE), ids_, None, None, moe.SILU, None)
+    sorted_ids, block_expert, block_start, block_slots = moe._group(plan, ids_, P, 4, 2, *ids_.stride())
+    used = int((block_expert >= 0).sum())
+    # runs padded to 16: 16, 0, 32, 48, 48 slots; blocks of 32 (16 for a run's odd tail)
+    assert block_expert.tolist()[:used] == [0, 2, 3, 3, 4, 4] and set(block_expert.tolist()[used:]) <= {-1}
+    assert block_start.tolist()[:used] == [0, 16, 48, 80, 96, 128]
+    assert block_slots.tolist()[:used] == [16, 32, 32, 16, 32, 16]
+    for e, (a, b) in zip([0, 2, 3, 4], [(0, 16), (16, 48), (48, 96), (96, 144)]):
+        got = sorted_ids[a:b].tolist()
+        pairs = sorted(i for i in got if i < P)
+        assert pairs == [i for i, v in enumerate(flat) if (v if v >= 0 else 4) == e]
+        assert got.count(P) == (b - a) - counts[e]
+
+
+@pytest.mark.parametrize("T", [1, 23, 64])
+def test_half_tails_agree_with_whole_blocks(monkeypatch, T):
+    """The same call with half tails and without: equal to the reference, and the rows of each form
+    equal to each other (a pair's sums do not depend on its block's height)."""
+    E, k = 6, 2
+    x, (w13, w2, biases), (weights, ids_) = randn(T, H), make_layer(E, H, I, torch.float32, "swigluoai"), \
+        make_ids(T, E, k, "routed")
+    got = []
+    for half in (False, True):
+        monkeypatch.setattr(moe, "TILES", moe.Tiles(False, 32, 32, 32, 32, 4, 2, 2, half=half))
+        got.append(moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases))
+    assert_close(got[1], ref.fused_moe_ref(x, w13, w2, weights, ids_, activation="swigluoai", **biases), torch.float32)
+    assert torch.equal(*got)
 
 
 FUSED_SUM = moe.Tiles(True, 16, 16, 32, 64, 4, 2, 1, fused_sum=True)

@@ -36,7 +36,9 @@ Grouping (which pairs a block of rows holds) has two forms, chosen on the host f
   expert's run padded to a multiple of ``BM``; block ``m`` holds ``BM`` slots of one expert (pad
   slots hold the sentinel ``P``). The padded length is bounded on the host by ``P + min(E + 1, P) *
   (BM - 1)``; blocks past the device's true end have expert ``-1`` and their programs return at once, so empty experts
-  cost one early exit per program slot.
+  cost one early exit per program slot. With ``Tiles.half`` runs are padded to ``BM / 2``: a run's
+  last block may hold ``BM / 2`` slots, and its programs run a tile of ``BM / 2`` rows (the kernels
+  hold both tiles; the grouping writes each block's first slot and slots).
 
 Invalid expert ids (outside ``[0, E)``, possible only with value checks off: the debug mode
 :func:`pagedflash.validate.value_checks` refuses them on the host) read no weight: their pair's
@@ -95,6 +97,9 @@ class Tiles(NamedTuple):
     # launch and start overlap gate/up's tail); 2: it also asks for its first experts' weights in L2
     # before it waits (PDL_L2_BYTES of them)
     pdl: int = 0
+    # sorted: a run's last block of bm // 2 slots (where they hold its pairs) runs a tile of bm // 2
+    # rows, so each expert's rows are padded to bm // 2, not bm
+    half: bool = False
 
 
 TILES: Tiles | None = None  # forced tiles (tests, tuning)
@@ -243,6 +248,8 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
         raise ValueError(f"moe.TILES: wide=True goes with gemv=True, got {t}")
     if t.pdl and not t.fused_sum:
         raise ValueError(f"moe.TILES: pdl goes with fused_sum=True, got {t}")
+    if t.half and (t.direct or t.bm < 32):
+        raise ValueError(f"moe.TILES: half=True goes with sorted grouping and bm >= 32 (the half tile a tl.dot), got {t}")
     if t.fused_sum and not t.part_fp32:
         raise ValueError(f"moe.TILES: part_fp32=False has no partials to keep with fused_sum=True, got {t}")
     pdl = t.pdl if pdl_allowed(hidden.device) else 0
@@ -250,7 +257,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
     num_blocks = P if t.direct else moe_routing.sorted_blocks(P, E, t.bm)
     consts = dict(HAS_BIAS=w13_bias is not None, DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
                   BM=t.bm, BK=t.bk)
-    grouped = dict(SORTED=not t.direct, GROUP_M=t.group_m)
+    grouped = dict(SORTED=not t.direct, GROUP_M=t.group_m, HALF=t.half)
     opts = dict(num_warps=t.warps, num_stages=t.stages)
     nothing = T == 0
     gate_up = Launch(_gate_up_kernel, None if nothing else (num_blocks * cdiv(I, t.bn13),),
@@ -268,7 +275,7 @@ def _plan(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation
                       dict(down_consts, **grouped), **opts)
     block_h = min(1024, next_pow2(H))
     sum_k = Launch(_sum_k_kernel, None if nothing or t.fused_sum else (T, cdiv(H, block_h)), dict(BLOCK_H=block_h))
-    grouping = moe_routing.plan_grouping(P, E, t.bm, num_blocks, launch=not (nothing or t.direct))
+    grouping = moe_routing.plan_grouping(P, E, t.bm, num_blocks, launch=not (nothing or t.direct), half=t.half)
     return _Plan(t, grouping, gate_up, down, sum_k)
 
 
@@ -291,14 +298,14 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
     t = plan.tiles
     id0, id1 = topk_ids.stride()
     if t.direct:
-        sorted_ids = block_expert = topk_ids  # unread
+        grouped = (topk_ids,) * 4  # unread
     else:
-        sorted_ids, block_expert = _group(plan, topk_ids, P, E, k, id0, id1)
+        grouped = _group(plan, topk_ids, P, E, k, id0, id1)
     inter = torch.empty((P, I), dtype=hidden.dtype, device=hidden.device)
     faults = validate.fault_buffer(hidden.device)  # before gate/up: a first call's fill launches here
     b13 = w13 if w13_bias is None else w13_bias
     b2 = w2 if w2_bias is None else w2_bias
-    plan.gate_up(hidden, w13, b13, sorted_ids, block_expert, topk_ids, inter,
+    plan.gate_up(hidden, w13, b13, *grouped, topk_ids, inter,
                  P, H, I, E, k, plan.num_blocks,
                  hidden.stride(0), w13.stride(0), w13.stride(1), b13.stride(0), id0, id1, alpha, limit)
     w2_strides = (w2.stride(0), w2.stride(1), b2.stride(0), topk_weights.stride(0), topk_weights.stride(1), id0, id1)
@@ -306,12 +313,12 @@ def _launch(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activati
         plan.down(inter, w2, b2, topk_weights, topk_ids, out, faults, T, H, I, E, k, out.stride(0), *w2_strides)
         return
     part = torch.empty((P, H), dtype=torch.float32 if t.part_fp32 else hidden.dtype, device=hidden.device)
-    plan.down(inter, w2, b2, topk_weights, sorted_ids, block_expert, topk_ids, part, faults,
+    plan.down(inter, w2, b2, topk_weights, *grouped, topk_ids, part, faults,
               P, H, I, E, k, plan.num_blocks, *w2_strides)
     plan.sum_k(part, out, H, k, out.stride(0))
 
 
-def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group(plan: _Plan, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> moe_routing.Grouped:
     """The plan's pairs grouped by expert (:func:`.moe_routing.group`)."""
     return moe_routing.group(plan.grouping, topk_ids, P, E, k, id0, id1)
 

@@ -30,51 +30,40 @@ from pagedflash.ops._jit import (
 
 
 @triton.jit
-def _block(pid, SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, P, top_k,
-           SORTED: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
-    """Program ``pid`` -> ``(pid_n, e, rows)``: its column block, its block's expert (sorted: ``-1``
-    past the end, ``E`` for invalid ids; direct: the raw id) and its ``BM`` pair ids (``P`` = pad).
-    Programs are ordered in groups of ``GROUP_M`` row blocks sharing column blocks (L2 reuse)."""
+def _block(pid, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, top_k, SORTED: tl.constexpr,
+           GROUP_M: tl.constexpr):
+    """Program ``pid`` -> ``(pid_n, pid_m, e)``: its column block, its row block and that block's
+    expert (sorted: ``-1`` past the end, ``E`` for invalid ids; direct: the raw id). Programs are
+    ordered in groups of ``GROUP_M`` row blocks sharing column blocks (L2 reuse)."""
     per_group = GROUP_M * num_n
     first_m = (pid // per_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % size_m
     pid_n = (pid % per_group) // size_m
-    offs = tl.arange(0, BM)
     if SORTED:
         e = tl.load(BlockExpert + pid_m).to(tl.int64)
-        rows = tl.load(SortedIds + pid_m * BM + offs)
     else:
         e = tl.load(Ids + (pid_m // top_k) * stride_id0 + (pid_m % top_k) * stride_id1).to(tl.int64)
-        rows = tl.where(offs == 0, pid_m, P)
-    return pid_n, e, rows
+    return pid_n, pid_m, e
 
 
-@triton.jit(do_not_specialize=["alpha", "limit"])
-def _gate_up_kernel(
-    X,  # [T, H] hidden, row stride stride_x
-    W13,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
-    B13,  # [E, 2I] (HAS_BIAS)
-    SortedIds,  # [NB * BM] pair ids grouped by expert (SORTED)
-    BlockExpert,  # [NB] each row block's expert (SORTED)
-    Ids,  # [T, k] expert ids (direct)
-    Inter,  # [P, I] act(gate, up), row stride I
-    P, H, I, E, top_k, num_m,
-    stride_x, stride_we, stride_wn, stride_be, stride_id0, stride_id1,
-    alpha, limit,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
-    WIDE: tl.constexpr,  # CUDA-core products into [BK, BN] accumulators, reduced along K after the loop
-    PDL: tl.constexpr,  # the down kernel is this one's programmatic dependent: let it launch at once
-):
-    if PDL:
-        launch_dependents()
-    num_n = tl.cdiv(I, BN)
-    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
-                            P, top_k, SORTED, BM, GROUP_M)
-    if (e < 0) | (e >= E):  # past the end, or an invalid id (the down kernel writes its NaN)
-        return
+@triton.jit
+def _rows(SortedIds, start, pid_m, P, SORTED: tl.constexpr, BM: tl.constexpr):
+    """A block's ``BM`` pair ids (``P``: a pad slot): sorted, the slots from ``start``; direct,
+    pair ``pid_m`` alone."""
+    offs = tl.arange(0, BM)
+    if SORTED:
+        return tl.load(SortedIds + start + offs)
+    else:
+        return tl.where(offs == 0, pid_m, P)
+
+
+@triton.jit
+def _gate_up_block(X, W13, B13, Inter, rows, e, pid_n, P, H, I, top_k, stride_x, stride_we, stride_wn, stride_be,
+                   alpha, limit, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr, WIDE: tl.constexpr):
+    """:func:`_gate_up_kernel`'s product for one block of ``BM`` pairs ``rows`` of (valid) expert ``e``."""
     row_ok = rows < P
     tok = tl.where(row_ok, rows // top_k, 0).to(tl.int64)  # pad rows read row 0, never stored
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -117,6 +106,48 @@ def _gate_up_kernel(
     tl.store(p_i, h.to(Inter.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["alpha", "limit"])
+def _gate_up_kernel(
+    X,  # [T, H] hidden, row stride stride_x
+    W13,  # [E, 2I, H]: gate rows 0..I-1, up rows I..2I-1
+    B13,  # [E, 2I] (HAS_BIAS)
+    SortedIds,  # [NB * BM] pair ids grouped by expert (SORTED)
+    BlockExpert, BlockStart, BlockSlots,  # [NB] each row block's expert, first slot and slots (SORTED)
+    Ids,  # [T, k] expert ids (direct)
+    Inter,  # [P, I] act(gate, up), row stride I
+    P, H, I, E, top_k, num_m,
+    stride_x, stride_we, stride_wn, stride_be, stride_id0, stride_id1,
+    alpha, limit,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WIDE: tl.constexpr,  # CUDA-core products into [BK, BN] accumulators, reduced along K after the loop
+    PDL: tl.constexpr,  # the down kernel is this one's programmatic dependent: let it launch at once
+    HALF: tl.constexpr,  # half tails (SORTED): a block of BM // 2 slots runs a tile of BM // 2 rows
+):
+    if PDL:
+        launch_dependents()
+    num_n = tl.cdiv(I, BN)
+    pid_n, pid_m, e = _block(tl.program_id(0), BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, top_k,
+                             SORTED, GROUP_M)
+    if (e < 0) | (e >= E):  # past the end, or an invalid id (the down kernel writes its NaN)
+        return
+    if HALF:
+        start = tl.load(BlockStart + pid_m)
+        if tl.load(BlockSlots + pid_m) < BM:  # a half tail
+            _gate_up_block(X, W13, B13, Inter, _rows(SortedIds, start, pid_m, P, SORTED, BM // 2), e, pid_n, P, H,
+                           I, top_k, stride_x, stride_we, stride_wn, stride_be, alpha, limit, ACT, HAS_BIAS, EVEN_K,
+                           DOT_PRECISION, BM // 2, BN, BK, USE_DOT, NUM_STAGES, WIDE)
+        else:
+            _gate_up_block(X, W13, B13, Inter, _rows(SortedIds, start, pid_m, P, SORTED, BM), e, pid_n, P, H, I,
+                           top_k, stride_x, stride_we, stride_wn, stride_be, alpha, limit, ACT, HAS_BIAS, EVEN_K,
+                           DOT_PRECISION, BM, BN, BK, USE_DOT, NUM_STAGES, WIDE)
+    else:
+        _gate_up_block(X, W13, B13, Inter, _rows(SortedIds, pid_m * BM, pid_m, P, SORTED, BM), e, pid_n, P, H, I,
+                       top_k, stride_x, stride_we, stride_wn, stride_be, alpha, limit, ACT, HAS_BIAS, EVEN_K,
+                       DOT_PRECISION, BM, BN, BK, USE_DOT, NUM_STAGES, WIDE)
+
+
 @triton.jit
 def _weighted(acc, B2, TopkW, e, pairs, w_n, top_k, stride_be, stride_tw0, stride_tw1, HAS_BIAS: tl.constexpr):
     """An expert's down product ``acc`` ``[BM, BN]`` plus its bias (columns ``w_n`` of expert ``e``)
@@ -146,26 +177,11 @@ def _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
 
 
 @triton.jit
-def _down_kernel(
-    Inter,  # [P, I] from _gate_up_kernel
-    W2,  # [E, H, I]
-    B2,  # [E, H] (HAS_BIAS)
-    TopkW,  # [T, k] fp32 routing weights
-    SortedIds, BlockExpert, Ids,  # as in _gate_up_kernel
-    Part,  # [P, H] fp32 or the input dtype: each pair's weighted expert output
-    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT: the code)
-    P, H, I, E, top_k, num_m,
-    stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
-    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    num_n = tl.cdiv(H, BN)
-    pid_n, e, rows = _block(tl.program_id(0), SortedIds, BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n,
-                            P, top_k, SORTED, BM, GROUP_M)
-    if SORTED:
-        if e < 0:  # past the end of the grouped rows
-            return
+def _down_block(Inter, W2, B2, TopkW, Part, Faults, rows, e, pid_n, P, H, I, E, top_k,
+                stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
+                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """:func:`_down_kernel`'s partials for one block of ``BM`` pairs ``rows`` of expert ``e``."""
     row_ok = rows < P
     offs_n = pid_n * BN + tl.arange(0, BN)
     p_out = Part + rows.to(tl.int64)[:, None] * H + offs_n[None, :]
@@ -174,11 +190,48 @@ def _down_kernel(
         tl.store(p_out, tl.full([BM, BN], float("nan"), tl.float32).to(Part.dtype.element_ty), mask=out_mask)
         if pid_n == 0:
             report_fault(Faults, FAULT, rows // top_k, row_ok)  # the token
-        return
-    acc = _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
-                       stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
-                       HAS_BIAS, EVEN_K, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
-    tl.store(p_out, acc.to(Part.dtype.element_ty), mask=out_mask)
+    else:
+        acc = _expert_down(Inter, W2, B2, TopkW, rows, row_ok, e, offs_n, H, I, top_k,
+                           stride_we, stride_wn, stride_be, stride_tw0, stride_tw1,
+                           HAS_BIAS, EVEN_K, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
+        tl.store(p_out, acc.to(Part.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _down_kernel(
+    Inter,  # [P, I] from _gate_up_kernel
+    W2,  # [E, H, I]
+    B2,  # [E, H] (HAS_BIAS)
+    TopkW,  # [T, k] fp32 routing weights
+    SortedIds, BlockExpert, BlockStart, BlockSlots, Ids,  # as in _gate_up_kernel
+    Part,  # [P, H] fp32 or the input dtype: each pair's weighted expert output
+    Faults,  # int32 [NUM_FAULTS]: pagedflash.validate's fault buffer (FAULT: the code)
+    P, H, I, E, top_k, num_m,
+    stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, stride_id0, stride_id1,
+    HAS_BIAS: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, FAULT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr, HALF: tl.constexpr,
+):
+    num_n = tl.cdiv(H, BN)
+    pid_n, pid_m, e = _block(tl.program_id(0), BlockExpert, Ids, stride_id0, stride_id1, num_m, num_n, top_k,
+                             SORTED, GROUP_M)
+    if SORTED:
+        if e < 0:  # past the end of the grouped rows
+            return
+    if HALF:
+        start = tl.load(BlockStart + pid_m)
+        if tl.load(BlockSlots + pid_m) < BM:  # a half tail
+            _down_block(Inter, W2, B2, TopkW, Part, Faults, _rows(SortedIds, start, pid_m, P, SORTED, BM // 2), e,
+                        pid_n, P, H, I, E, top_k, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, HAS_BIAS,
+                        EVEN_K, FAULT, DOT_PRECISION, BM // 2, BN, BK, NUM_STAGES)
+        else:
+            _down_block(Inter, W2, B2, TopkW, Part, Faults, _rows(SortedIds, start, pid_m, P, SORTED, BM), e, pid_n,
+                        P, H, I, E, top_k, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, HAS_BIAS, EVEN_K,
+                        FAULT, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
+    else:
+        _down_block(Inter, W2, B2, TopkW, Part, Faults, _rows(SortedIds, pid_m * BM, pid_m, P, SORTED, BM), e, pid_n,
+                    P, H, I, E, top_k, stride_we, stride_wn, stride_be, stride_tw0, stride_tw1, HAS_BIAS, EVEN_K,
+                    FAULT, DOT_PRECISION, BM, BN, BK, NUM_STAGES)
 
 
 @triton.jit

@@ -16,10 +16,13 @@ the fast approximate instructions: weights within ~1e-6 relative of torch's.
 Grouping, on the device with no host sync (CUDA-graph safe): expert ``e``'s pairs fill a run of
 slots padded to a multiple of ``BM`` (in any order within it); ids outside ``[0, E)`` form one more
 run, expert ``E``; pad slots hold the sentinel ``P``; blocks past the last run have expert ``-1``.
-Three small kernels and a memset: ``_count_kernel`` (pairs per run), ``_offsets_kernel`` (one
-program: run starts, each block's run, the pad slots) and ``_scatter_kernel`` (each pair into a
-slot of its run). The padded length is bounded on the host by ``P + min(E + 1, P) * (BM - 1)``
-(:func:`sorted_blocks`), never read back.
+With half tails (``Grouping.half``) runs are padded to ``BM / 2`` only, and a run's last block
+holds ``BM / 2`` slots where its count needs no more (the expert GEMMs then run that block with a
+half-height tile: less padding in the matrix products). Each block's run, first slot and slot
+count are written out. Three small kernels and a memset: ``_count_kernel`` (pairs per run),
+``_offsets_kernel`` (one program: run starts, each block's run, first slot and slots, the pad
+slots) and ``_scatter_kernel`` (each pair into a slot of its run). The padded length is bounded on
+the host by ``P + min(E + 1, P) * (BM - 1)`` (:func:`sorted_blocks`), never read back.
 """
 
 from __future__ import annotations
@@ -67,28 +70,38 @@ def _offsets_kernel(
     Cursor,  # [BLOCK_E] int32: each run's first slot (for _scatter_kernel)
     SortedIds,  # [num_blocks * BM]: pad slots written here (P)
     BlockExpert,  # [num_blocks] int32: each block's run, -1 past the last
+    BlockStart,  # [num_blocks] int32: each block's first slot
+    BlockSlots,  # [num_blocks] int32: each block's slots, BM or (HALF, a run's last) BM // 2
     P, E, num_blocks,
-    BM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    BM: tl.constexpr, HALF: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """One program: runs padded to BM, each block's run, and the pad slots (disjoint from the slots
-    _scatter_kernel fills, so the two need no ordering)."""
+    """One program: runs padded to BM (HALF: to BM // 2), each block's run, first slot and slots,
+    and the pad slots (disjoint from the slots _scatter_kernel fills, so the two need no ordering)."""
+    UNIT: tl.constexpr = BM // 2 if HALF else BM
     e = tl.arange(0, BLOCK_E)
     counts = tl.load(Counts + e)
-    padded = (counts + (BM - 1)) // BM * BM
+    padded = (counts + (UNIT - 1)) // UNIT * UNIT
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     tl.store(Cursor + e, starts)
+    blocks = (padded + (BM - 1)) // BM  # of each run
+    block_ends = tl.cumsum(blocks, 0)
     for b0 in range(0, num_blocks, BLOCK_B):
         blk = b0 + tl.arange(0, BLOCK_B)
         blk_ok = blk < num_blocks
-        s0 = blk * BM
-        run = tl.sum((ends[None, :] <= s0[:, None]).to(tl.int32), 1)  # empty runs end where the next starts
+        run = tl.sum((block_ends[None, :] <= blk[:, None]).to(tl.int32), 1)  # empty runs own no block
         in_run = e[None, :] == run[:, None]
         start = tl.sum(tl.where(in_run, starts[None, :], 0), 1)
+        end = tl.sum(tl.where(in_run, ends[None, :], 0), 1)
         count = tl.sum(tl.where(in_run, counts[None, :], 0), 1)
+        first = tl.sum(tl.where(in_run, (block_ends - blocks)[None, :], 0), 1)
+        s0 = start + (blk - first) * BM
+        slots = tl.minimum(end - s0, BM)
         tl.store(BlockExpert + blk, tl.where(run <= E, run, -1), mask=blk_ok)
+        tl.store(BlockStart + blk, s0, mask=blk_ok)
+        tl.store(BlockSlots + blk, slots, mask=blk_ok)
         slot = s0[:, None] + tl.arange(0, BM)[None, :]
-        pad = slot - start[:, None] >= count[:, None]
+        pad = (slot - start[:, None] >= count[:, None]) & (slot - s0[:, None] < slots[:, None])
         tl.store(SortedIds + slot, tl.full([BLOCK_B, BM], 0, tl.int32) + P, mask=pad & blk_ok[:, None])
 
 
@@ -112,6 +125,7 @@ class Grouping(NamedTuple):
     """The grouping launches of one call signature (grids None: nothing to group)."""
 
     bm: int  # slots per row block
+    half: bool  # a run's last block BM // 2 slots where that holds its pairs
     num_blocks: int  # row blocks: the padded bound / bm
     block_e: int  # lanes of the kernels' per-run vectors (E + 1 runs)
     count: Launch
@@ -121,34 +135,46 @@ class Grouping(NamedTuple):
 
 def sorted_blocks(P: int, E: int, bm: int) -> int:
     """Row blocks of ``bm`` slots that ``P`` pairs grouped by expert can take: each of the ``E``
-    runs and the run of invalid ids padded to ``bm``, at most ``min(E + 1, P)`` of them non-empty."""
+    runs and the run of invalid ids padded to ``bm``, at most ``min(E + 1, P)`` of them non-empty
+    (half tails take no more blocks: a run of ``c`` pairs takes ``cdiv(c, bm)`` either way)."""
     return cdiv(P + min(E + 1, P) * (bm - 1), bm)
 
 
-def plan_grouping(P: int, E: int, bm: int, num_blocks: int, *, launch: bool) -> Grouping:
-    """The grouping launches for ``P`` pairs over ``E`` experts in ``num_blocks`` blocks of ``bm``;
-    ``launch`` False: none (direct form, or no token)."""
+def plan_grouping(P: int, E: int, bm: int, num_blocks: int, *, launch: bool, half: bool = False) -> Grouping:
+    """The grouping launches for ``P`` pairs over ``E`` experts in ``num_blocks`` blocks of ``bm``
+    (``half``: half tails); ``launch`` False: none (direct form, or no token)."""
+    if half and bm % 2:
+        raise ValueError(f"half tails need an even block height, got bm={bm}")
     block_p = min(1024, next_pow2(P))
     block_e = max(4, next_pow2(E + 1))
     count = Launch(_count_kernel, (cdiv(P, block_p),) if launch else None, dict(BLOCK=block_p))
     offsets = Launch(_offsets_kernel, (1,) if launch else None,
-                     dict(BM=bm, BLOCK_E=block_e, BLOCK_B=max(1, min(32, 4096 // block_e))))
+                     dict(BM=bm, HALF=half, BLOCK_E=block_e, BLOCK_B=max(1, min(32, 4096 // block_e))))
     scatter = Launch(_scatter_kernel, (cdiv(P, block_p),) if launch else None, dict(BLOCK=block_p))
-    return Grouping(bm, num_blocks, block_e, count, offsets, scatter)
+    return Grouping(bm, half, num_blocks, block_e, count, offsets, scatter)
 
 
-def group(g: Grouping, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Grouped(NamedTuple):
+    """:func:`group`'s layout, int32 tensors on the ids' device."""
+
+    sorted_ids: torch.Tensor  # [num_blocks * BM]: pair ids by run, pad slots P
+    block_expert: torch.Tensor  # [num_blocks]: each block's run (E: invalid ids), -1 past the last
+    block_start: torch.Tensor  # [num_blocks]: each block's first slot
+    block_slots: torch.Tensor  # [num_blocks]: each block's slots (BM, or BM // 2 for a half tail)
+
+
+def group(g: Grouping, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> Grouped:
     """Pairs grouped by expert (the module's layout), from ``topk_ids`` ``[T, k]`` of strides
-    ``(id0, id1)``: ``(sorted_ids int32 [num_blocks * BM], block_expert int32 [num_blocks])``."""
+    ``(id0, id1)``."""
     dev = topk_ids.device
     counts = torch.zeros(2 * g.block_e, dtype=torch.int32, device=dev)
     cursor = counts[g.block_e:]
     sorted_ids = torch.empty(g.num_blocks * g.bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(g.num_blocks, dtype=torch.int32, device=dev)
+    block_expert, block_start, block_slots = torch.empty(3, g.num_blocks, dtype=torch.int32, device=dev)
     g.count(topk_ids, counts, P, E, k, id0, id1)
-    g.offsets(counts, cursor, sorted_ids, block_expert, P, E, g.num_blocks)
+    g.offsets(counts, cursor, sorted_ids, block_expert, block_start, block_slots, P, E, g.num_blocks)
     g.scatter(topk_ids, cursor, sorted_ids, P, E, k, id0, id1)
-    return sorted_ids, block_expert
+    return Grouped(sorted_ids, block_expert, block_start, block_slots)
 
 
 # ---------------------------------------------------------------- routing kernel
