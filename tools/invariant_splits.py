@@ -8,7 +8,8 @@ The rule is read when pagedflash loads, so compare rules by running this once pe
     PAGEDFLASH_INVARIANT_MID_KEYS=32768 PYTHONPATH=. python3 tools/invariant_splits.py  # 1,024-key splits to 32K
     PAGEDFLASH_INVARIANT_GLUON=0 PYTHONPATH=. python3 tools/invariant_splits.py  # the mode's prefill portable
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
-``--engine``: the engine's decode cells only; ``--prefill``: the prefill cells only.
+``--engine``: the engine's decode cells only; ``--prefill``: the prefill cells only; ``--fp8``: contiguous
+decode over fp8 (e4m3) caches only, the cells where the split programs' count matters most.
 """
 import functools
 import os
@@ -24,6 +25,8 @@ PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 1
            (8, 32, 1024, 64, True), (2, 32, 8192, 64, True))  # B, H, N, D, causal
 DECODE = ((1, 1024, 128), (1, 4096, 128), (1, 32768, 64), (1, 65536, 128), (1, 131072, 64), (16, 16384, 128),
           (64, 4096, 128), (64, 16384, 128), (4, 32768, 64))  # B, N, D
+DECODE_FP8 = ((1, 32768), (4, 16384), (4, 65536), (4, 131072), (16, 16384), (16, 65536), (16, 131072),
+              (64, 16384))  # B, N; D = 128
 # B, keys from, to: the 1B engine's decode steps (the last three also `bench serve --sections itl` cells)
 ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (32, 1024, 1024), (1, 1024, 1024), (1, 32768, 32768))
 
@@ -44,6 +47,15 @@ def decode(b, n, d) -> str:
     k, v = (torch.randn(b, n, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
     return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, batch_invariant=mode))
+
+
+def decode_fp8(b, n, d=128) -> str:
+    q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, n, 8, d, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn) for _ in range(2))
+    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    scale = torch.full((8,), 0.5, device="cuda")
+    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, k_descale=scale,
+                                                          v_descale=scale, batch_invariant=mode))
 
 
 def engine_decode(b, lo, hi, d, page=16) -> str:
@@ -70,6 +82,10 @@ def main() -> None:
           f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')}); the mode's prefill in the Gluon "
           f"kernel: {prefill_hopper.INVARIANT_ENABLED} (PAGEDFLASH_INVARIANT_GLUON)")
     engine_only, prefill_only = "--engine" in sys.argv[1:], "--prefill" in sys.argv[1:]
+    if "--fp8" in sys.argv[1:]:
+        for b, n in DECODE_FP8:
+            print(f"decode fp8 B={b} N={n} D=128: {decode_fp8(b, n)}")
+        return
     for b, h, n, d, causal in () if engine_only else PREFILL:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")
     for b, n, d in () if engine_only or prefill_only else DECODE:
