@@ -122,11 +122,12 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
       weight over many programs, 128-deep reduction steps, 4 stages to keep weight bytes in flight;
     - prefill: 64-row blocks (128 from 256 rows per expert), 64-deep steps, per-pair partials in the
       input dtype (half the traffic of fp32); on the 128-row tiles 8 warps, 4 stages, 128 gate + 128
-      up columns and 256 down columns, else 3 stages, 64 + 64 and 128; programs grouped 8 row blocks
-      at a time over the column blocks (L2 reuse of the rows).
+      up columns and 256 down columns and half tails (an expert's last 64 rows in a 64-row tile),
+      else 3 stages, 64 + 64 and 128; programs grouped 8 row blocks at a time over the column blocks
+      (L2 reuse of the rows).
     Stages are then cut to what the GPU's shared memory holds (:func:`fit_stages`).
     ``tools/tune_moe.py`` times candidate tiles against these (the measurements behind each choice:
-    docs/performance.md v38, v42, v44); :data:`TILES` is the override.
+    docs/performance.md v38, v42, v44, v53); :data:`TILES` is the override.
 
     ``invariant`` (batch-invariant mode): one tile for every ``T``, so that a pair's sums run in the
     same order whatever the other tokens (the grouping moves a pair between blocks and rows, which
@@ -142,7 +143,7 @@ def tiles(T: int, top_k: int, E: int, invariant: bool = False) -> Tiles:
     if T <= DECODE_MAX_TOKENS or rows <= 16:
         return decode_tiles(direct)
     if rows >= 256:
-        return Tiles(False, 128, 128, 256, 64, 8, 4, 8, part_fp32=False)
+        return Tiles(False, 128, 128, 256, 64, 8, 4, 8, part_fp32=False, half=True)
     return Tiles(False, 64, 64, 128, 64, 4, 3, 8, part_fp32=False)
 
 
