@@ -192,9 +192,10 @@ INVARIANT_MAX_SPLITS_DEFAULT = 512
 INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", INVARIANT_MAX_SPLITS_DEFAULT, MAX_GRID_SPLITS)
 INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
 # Programs an SM a split launch aims at (invariant_split_programs): its programs share a row's splits.
-# 8 keeps a few long rows' splits spread over the SMs, and enough programs in flight over gathered pages
-# to hide their block-table reads (docs/performance.md v47 measures 2, 4 and 8 contiguous, v51 8 over pages).
-INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 8)
+# 7 keeps a few long rows' splits spread over the SMs, and enough programs in flight over gathered pages
+# to hide their block-table reads, without a second round of one-warp decode programs at 128 row-heads
+# (docs/performance.md v47 measures 2, 4 and 8 contiguous, v51 8 over pages, v53 7 against 8).
+INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 7)
 # The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
 # (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
