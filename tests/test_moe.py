@@ -186,17 +186,27 @@ def test_grouping_layout_with_half_tails(monkeypatch):
         assert got.count(P) == (b - a) - counts[e]
 
 
-@pytest.mark.parametrize("T", [1, 23, 64])
-def test_half_tails_agree_with_whole_blocks(monkeypatch, T):
-    """The same call with half tails and without: equal to the reference, and the rows of each form
-    equal to each other (a pair's sums do not depend on its block's height)."""
-    E, k = 6, 2
-    x, (w13, w2, biases), (weights, ids_) = randn(T, H), make_layer(E, H, I, torch.float32, "swigluoai"), \
-        make_ids(T, E, k, "routed")
+HALF = moe.Tiles(False, 32, 32, 32, 32, 4, 2, 2, half=True)
+
+
+def test_half_tails_agree_with_whole_blocks(monkeypatch):
+    """The same call with half tails and without: equal to the reference, and each form's rows equal
+    to the other's (a pair's sums do not depend on its block's height). The routing gives runs of 40,
+    17, 9 and 0 pairs: a whole block then a half tail, a whole block, a half block alone, none."""
+    E, k, T = 4, 2, 33
+    counts = [40, 17, 9, 0]
+    flat = torch.tensor([e for e, c in enumerate(counts) for _ in range(c)], dtype=torch.int32)
+    ids_ = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(3))].view(T, k).to(DEVICE)
+    x, (w13, w2, biases) = randn(T, H), make_layer(E, H, I, torch.float32, "swigluoai")
+    weights = torch.softmax(randn(T, k), dim=-1)
     got = []
     for half in (False, True):
-        monkeypatch.setattr(moe, "TILES", moe.Tiles(False, 32, 32, 32, 32, 4, 2, 2, half=half))
+        monkeypatch.setattr(moe, "TILES", HALF._replace(half=half))
         got.append(moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases))
+    plan = moe._plan(x, w13, w2, weights, ids_, *biases.values(), moe.SWIGLUOAI, None)
+    _, block_expert, _, block_slots = moe._group(plan, ids_, T * k, E, k, *ids_.stride())
+    used = block_expert >= 0
+    assert block_expert[used].tolist() == [0, 0, 1, 2] and block_slots[used].tolist() == [32, 16, 32, 16]
     assert_close(got[1], ref.fused_moe_ref(x, w13, w2, weights, ids_, activation="swigluoai", **biases), torch.float32)
     assert torch.equal(*got)
 
@@ -222,8 +232,8 @@ def test_gemv_needs_its_form(monkeypatch):
         moe.fused_moe(x, w13, w2, weights, ids_)
 
 
-@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV), (17, GEMV_WIDE)],
-                         ids=["direct", "sorted", "fused_sum", "gemv", "gemv_wide"])
+@pytest.mark.parametrize("T,tiles", [(1, None), (17, None), (17, FUSED_SUM), (17, GEMV), (17, GEMV_WIDE), (17, HALF)],
+                         ids=["direct", "sorted", "fused_sum", "gemv", "gemv_wide", "half_tails"])
 def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
     """Value checks off: an id outside [0, E) reads no weight (the next expert in memory is NaN, and
     so would be a read past it), its token's row is NaN and every other row is right; the debug mode
@@ -244,7 +254,8 @@ def test_invalid_ids_give_nan_rows(monkeypatch, T, tiles):
         moe.fused_moe(x, w13, w2, weights, ids_, activation="swigluoai", **biases)
 
 
-@pytest.mark.parametrize("tiles", [None, FUSED_SUM, GEMV, GEMV_WIDE], ids=["default", "fused_sum", "gemv", "gemv_wide"])
+@pytest.mark.parametrize("tiles", [None, FUSED_SUM, GEMV, GEMV_WIDE, HALF],
+                         ids=["default", "fused_sum", "gemv", "gemv_wide", "half_tails"])
 def test_invalid_ids_are_recorded(monkeypatch, tiles):
     """The last token with an expert id outside [0, E) is recorded; raise_if_invalid names topk_ids
     and clears the record."""

@@ -12,7 +12,7 @@ changes to the current tiles (labels name the changes):
   blocks, deeper reduction steps, stages and warps; at T <= 16 also the other grouping form and
   one-row matrix-vector products (``gemv``: no ``tl.dot``);
 - T = 8192: per-pair partials in the input dtype (``part=dtype``) and prefill row, column and
-  reduction blocks, warps, stages and program grouping, and half tails (``half``).
+  reduction blocks, warps, stages and program grouping, and whole blocks (no half tails: ``whole blocks``).
 
 Printed: per case the current ms, the best candidate, their ratio and the issue's figures (current
 tiles -> best): % of the bandwidth bound (``bench.moe.bound_ms``) and the per-expert PyTorch loop's
@@ -107,8 +107,8 @@ PREFILL = [
     # back toward the earlier prefill tiles (fp32 partials, 64 + 64 / 128 columns), against the current ones
     ("part=fp32", dict(part_fp32=True)),
     ("bn13=64 bn2=128", dict(bn13=64, bn2=128)),
-    # half tails: an expert's last block of half the rows runs a half-height tile (less padding)
-    ("half", dict(half=True)),
+    # whole blocks: every expert's run padded to the 128-row block, no half-height tails (before v53)
+    ("whole blocks", dict(half=False)),
     ("half group_m=1", dict(half=True, group_m=1)),
 ]
 

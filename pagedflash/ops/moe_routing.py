@@ -157,10 +157,10 @@ def plan_grouping(P: int, E: int, bm: int, num_blocks: int, *, launch: bool, hal
 class Grouped(NamedTuple):
     """:func:`group`'s layout, int32 tensors on the ids' device."""
 
-    sorted_ids: torch.Tensor  # [num_blocks * BM]: pair ids by run, pad slots P
+    sorted_ids: torch.Tensor  # [num_blocks * BM]: pair ids by run, pad slots P (slots past the last run unwritten)
     block_expert: torch.Tensor  # [num_blocks]: each block's run (E: invalid ids), -1 past the last
-    block_start: torch.Tensor  # [num_blocks]: each block's first slot
-    block_slots: torch.Tensor  # [num_blocks]: each block's slots (BM, or BM // 2 for a half tail)
+    block_start: torch.Tensor  # [num_blocks]: each block's first slot (undefined past the last run)
+    block_slots: torch.Tensor  # [num_blocks]: each block's slots, BM or BM // 2 for a half tail (likewise)
 
 
 def group(g: Grouping, topk_ids, P: int, E: int, k: int, id0: int, id1: int) -> Grouped:
