@@ -42,20 +42,18 @@ def prefill(b, h, n, d, causal) -> str:
     return on_off(lambda mode: pf.flash_attn_func(q, k, v, causal=causal, batch_invariant=mode))
 
 
-def decode(b, n, d) -> str:
+def decode(b, n, d, fp8: bool = False) -> str:
+    """Contiguous decode, 32 query / 8 KV heads; ``fp8``: e4m3 K/V with per-head descales."""
     q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, n, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scales = {}
+    if fp8:
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scale = torch.full((8,), 0.5, device="cuda")
+        scales = dict(k_descale=scale, v_descale=scale)
     lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, batch_invariant=mode))
-
-
-def decode_fp8(b, n, d=128) -> str:
-    q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, n, 8, d, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn) for _ in range(2))
-    lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    scale = torch.full((8,), 0.5, device="cuda")
-    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, k_descale=scale,
-                                                          v_descale=scale, batch_invariant=mode))
+    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, batch_invariant=mode,
+                                                          **scales))
 
 
 def engine_decode(b, lo, hi, d, page=16) -> str:
@@ -84,7 +82,7 @@ def main() -> None:
     engine_only, prefill_only = "--engine" in sys.argv[1:], "--prefill" in sys.argv[1:]
     if "--fp8" in sys.argv[1:]:
         for b, n in DECODE_FP8:
-            print(f"decode fp8 B={b} N={n} D=128: {decode_fp8(b, n)}")
+            print(f"decode fp8 B={b} N={n} D=128: {decode(b, n, 128, fp8=True)}")
         return
     for b, h, n, d, causal in () if engine_only else PREFILL:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")

@@ -107,7 +107,7 @@ PREFILL = [
     # back toward the earlier prefill tiles (fp32 partials, 64 + 64 / 128 columns), against the current ones
     ("part=fp32", dict(part_fp32=True)),
     ("bn13=64 bn2=128", dict(bn13=64, bn2=128)),
-    # whole blocks: every expert's run padded to the 128-row block, no half-height tails (before v53)
+    # whole blocks: every expert's run padded to the 128-row block, no half-height tail tile
     ("whole blocks", dict(half=False)),
     ("half group_m=1", dict(half=True, group_m=1)),
 ]
