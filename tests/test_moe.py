@@ -385,7 +385,7 @@ def test_input_validation(case):
 def test_bench_quick(monkeypatch, tmp_path):
     """``pagedflash bench moe --quick``: the benchmark's plumbing on tiny shapes (checked; wall-clock
     times, no figures): the decode rows' clean-L2 columns where the run zeroes L2, none under ``--flush
-    read``, whose own columns are the clean-L2 ones."""
+    read``, whose own columns are the clean-L2 ones; the decode rows' stacked-layer columns in both."""
     from pagedflash import cli
     from pagedflash.bench import common
 
@@ -395,10 +395,12 @@ def test_bench_quick(monkeypatch, tmp_path):
     rows = json.loads((tmp_path / "moe.json").read_text())["tables"]["moe"]["rows"]
     decode = [r for r in rows if r["T"] == 1]
     assert decode and all(r["clean_ms"] > 0 and r["clean_pct_bound"] > 0 and r["clean_speedup"] > 0 for r in decode)
-    assert all("clean_ms" not in r for r in rows if r["T"] > 1)  # prefill sizes: no bound
+    assert decode and all(r["stack_ms"] > 0 and r["stack_pct_bound"] > 0 for r in decode)
+    assert all("clean_ms" not in r and "stack_ms" not in r for r in rows if r["T"] > 1)  # prefill sizes: no bound
     assert cli.main(["bench", "moe", "--quick", "--flush", "read", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "moe.json").read_text())
     assert all("clean_ms" not in r for r in doc["tables"]["moe"]["rows"])
+    assert all(r["stack_ms"] > 0 for r in doc["tables"]["moe"]["rows"] if r["T"] == 1)
     assert "clean L2" not in doc["tables"]["moe"]["note"]
 
 
