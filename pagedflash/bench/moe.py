@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from pagedflash.bench.common import (
+    OOM,
     Config,
     Measured,
     device,
@@ -150,6 +151,17 @@ def stack_fn(case: dict, layers: int = STACK):
     return fn
 
 
+def measure_stack(case: dict, label: str) -> Measured:
+    """:func:`stack_fn` timed back to back (its layers stream past L2 by themselves); ``OOM`` where the
+    copies do not fit."""
+    try:
+        fn = stack_fn(case)
+    except torch.OutOfMemoryError:
+        free_memory()
+        return Measured(status=OOM)
+    return measure(fn, label=label, flush=None)
+
+
 def dense_fn(case: dict):
     """``fn()``: a dense GEMM of the case's FLOPs, ``[T*k, H] @ [H, 3I]``."""
     x, w2 = case["hidden"], case["weights"]["w2"]
@@ -188,8 +200,8 @@ def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
         bound = bound_ms(weights, topk_ids, c["hidden"])
         row.update(active_mb=active_bytes(weights, topk_ids, c["hidden"]) / 1e6, bound_ms=bound,
                    pct_bound=ours.show(lambda ms: 100 * bound / ms))
-        if ours.ok:  # checked above: timed only (flush None: back to back, the stack itself streams past L2)
-            stacked = measure(stack_fn(c), label=f"ours {label} in a stack of {STACK}", flush=None)
+        if ours.ok:  # checked above: timed only
+            stacked = measure_stack(c, f"ours {label} in a stack of {STACK}")
             row.update(stack_ms=stacked.show(lambda ms: ms / STACK),
                        stack_pct_bound=stacked.show(lambda ms: 100 * bound * STACK / ms))
             free_memory()
@@ -217,7 +229,8 @@ def main(cfg: Config) -> int:
          "dense_tflops": "dense TFLOP/s", "vs_dense": "ours÷dense"},
         note=f"bound = bytes of the picked experts' weights (once each) + tokens in and out at {hbm_bandwidth()} "
              f"(decode sizes){clean_note}; in {STACK}: per layer, {STACK} layers (each its own copy of the weights) "
-             f"replayed back to back in one CUDA graph, as a decode step runs them. FLOPs = 6*T*k*H*I; dense = one [T*k, H] @ [H, 3I] GEMM of the same FLOPs. "
+             "replayed back to back in one CUDA graph, as a decode step runs them. FLOPs = 6*T*k*H*I; "
+             "dense = one [T*k, H] @ [H, 3I] GEMM of the same FLOPs. "
              "Ratios: throughput, same run (>1: ours faster). Every case checked against the fp32 reference "
              "first; FAIL = wrong result, not timed.",
     )
