@@ -26,6 +26,16 @@ def test_quick(capsys):
     assert moe.TILES is None
 
 
+def test_quick_stack(capsys):
+    """``--stack``: the decode case timed per layer of the bench's stack (checked as the single call is);
+    the prefill case as without it."""
+    assert tune_moe.main(["--quick", "--stack", "--shapes", "tiny_silu", "--labels", "tensor cores"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "ERROR" not in out and "skipped" not in out and "tensor cores" in out
+    assert "| tiny_silu | 1 |" in out and "| tiny_silu | 70 |" in out
+    assert moe.TILES is None
+
+
 def test_candidates_are_distinct_tiles():
     """Every candidate of the full run changes the current tiles, none twice; the other grouping form
     only where T <= 16."""

@@ -5,7 +5,8 @@ GPT-OSS-20B layer, bf16) at T = 1, 4, 16, 64 and 8192 tokens.
 Per case, the current tiles and each candidate are run once and checked against the fp32 reference
 (a wrong or failing candidate is reported and skipped), then timed as ``pagedflash bench moe``
 times (``bench.common.measure``: CUDA-graph replays, L2 zeroed before each call, or read with ``--flush
-read``: left clean, as a decode step finds it). Candidates are
+read``: left clean, as a decode step finds it; with ``--stack`` the decode sizes per layer of the bench's
+stack of layers, each its own weights, back to back in one graph, as a decode step runs them). Candidates are
 changes to the current tiles (labels name the changes):
 
 - decode sizes (T <= 64): the fused sum (down GEMM and sum over k in one kernel), narrower column
@@ -26,6 +27,7 @@ into ``moe.tiles()``.
     python tools/tune_moe.py --compile-check # every candidate compiled for sm_90, no GPU (~2-4 min on a CPU)
 """
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -147,11 +149,14 @@ def regime(T: int, decode_max: int) -> str:
 
 
 def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedups: dict,
-             labels: list[str] | None = None) -> dict:
+             labels: list[str] | None = None, stack: bool = False) -> dict:
     """Time the current tiles and the candidates on one case; record each candidate's speedup over the
-    current tiles in ``speedups[(regime, label)]``; return the case's summary row."""
+    current tiles in ``speedups[(regime, label)]``; return the case's summary row. ``stack``: decode
+    sizes timed per layer of ``bench.moe``'s stack (its layers back to back in one graph)."""
     c = bench_moe.inputs(name, T, spec)
     decode = T <= spec["decode_max"]
+    stacked = bench_moe.stack_fn(c) if stack and decode else None  # its weight copies made once a case
+    per_call = bench_moe.STACK if stacked else 1
     current = moe.tiles(T, c["k"], c["E"])
 
     def check(got):
@@ -160,7 +165,10 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
     def timed(tiles: moe.Tiles | None, label: str):
         moe.TILES = tiles
         try:
-            return measure(bench_moe.ours_fn(c), check, label=f"{name} T={T} {label}")
+            if stacked is None:
+                return measure(bench_moe.ours_fn(c), check, label=f"{name} T={T} {label}")
+            got = measure(stacked, check, label=f"{name} T={T} {label} in a stack", flush=None)
+            return got if not got.ok else dataclasses.replace(got, ms=got.ms / per_call)
         finally:
             moe.TILES = None
 
@@ -288,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                              "spills, shared memory and whether their loops are pipelined (run as a script)")
     parser.add_argument("--labels", nargs="*", help="only the candidates of these labels (as printed; none: only "
                                                     "the current tiles)")
+    parser.add_argument("--stack", action="store_true",
+                        help="decode sizes timed per layer in bench moe's stack of layers (each its own weights, "
+                             "back to back in one CUDA graph, as a decode step runs them); --flush then applies to "
+                             "the per-expert loop alone")
     parser.add_argument("--flush", choices=("zero", "read"), default="zero",
                         help="L2 before each timed call, as `pagedflash bench --flush`: zeroed (left dirty) or read")
     args = parser.parse_args(argv)
@@ -309,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, speedups = [], {}
     for T in tokens:  # should the budget run out, T = 1 and the prefill size are timed on every shape
         for name in shapes:
-            rows.append(run_case(name, T, spec, args.quick, deadline, speedups, args.labels))
+            rows.append(run_case(name, T, spec, args.quick, deadline, speedups, args.labels, args.stack))
             free_memory()
     report(sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["T"])), speedups, spec)
     print(f"\n{time.monotonic() - start:.0f} s")
