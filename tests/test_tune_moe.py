@@ -26,13 +26,17 @@ def test_quick(capsys):
     assert moe.TILES is None
 
 
-def test_quick_stack(capsys):
-    """``--stack``: the decode case timed per layer of the bench's stack (checked as the single call is);
-    the prefill case as without it."""
+def test_quick_stack(monkeypatch, capsys):
+    """``--stack``: the decode case timed per layer of the bench's stack (its copies made once, checked
+    as the single call is); the prefill case as without it."""
+    made = []
+    stack_fn = tune_moe.bench_moe.stack_fn
+    monkeypatch.setattr(tune_moe.bench_moe, "stack_fn", lambda case, layers: made.append(layers) or stack_fn(case, layers))
     assert tune_moe.main(["--quick", "--stack", "--shapes", "tiny_silu", "--labels", "tensor cores"]) == 0
     out = capsys.readouterr().out
     assert "FAIL" not in out and "ERROR" not in out and "skipped" not in out and "tensor cores" in out
-    assert "| tiny_silu | 1 |" in out and "| tiny_silu | 70 |" in out
+    assert "| tiny_silu | 1 |" in out and "| tiny_silu | 70 |" in out and "--stack: ours at decode sizes" in out
+    assert made == [tune_moe.bench_moe.STACK]  # the decode case only
     assert moe.TILES is None
 
 

@@ -155,8 +155,13 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
     sizes timed per layer of ``bench.moe``'s stack (its layers back to back in one graph)."""
     c = bench_moe.inputs(name, T, spec)
     decode = T <= spec["decode_max"]
-    stacked = bench_moe.stack_fn(c) if stack and decode else None  # its weight copies made once a case
-    per_call = bench_moe.STACK if stacked else 1
+    layers, stacked = bench_moe.STACK, None
+    if stack and decode:  # the weight copies made once a case
+        try:
+            stacked = bench_moe.stack_fn(c, layers)
+        except torch.OutOfMemoryError:
+            free_memory()
+            print(f"{name} T={T}: the stack's weight copies do not fit: timed as single calls", flush=True)
     current = moe.tiles(T, c["k"], c["E"])
 
     def check(got):
@@ -168,7 +173,7 @@ def run_case(name: str, T: int, spec: dict, quick: bool, deadline: float, speedu
             if stacked is None:
                 return measure(bench_moe.ours_fn(c), check, label=f"{name} T={T} {label}")
             got = measure(stacked, check, label=f"{name} T={T} {label} in a stack", flush=None)
-            return got if not got.ok else dataclasses.replace(got, ms=got.ms / per_call)
+            return got if not got.ok else dataclasses.replace(got, ms=got.ms / layers)
         finally:
             moe.TILES = None
 
@@ -218,7 +223,7 @@ def _change(row: dict, other_ms: float | None, scale: float = 1.0) -> str:
     return f"{scale * other_ms / row['current_ms']:.2f} → {scale * other_ms / row['best_ms']:.2f}"
 
 
-def report(rows: list[dict], speedups: dict, spec: dict) -> None:
+def report(rows: list[dict], speedups: dict, spec: dict, stack: bool = False) -> None:
     print("\n| shape | T | current ms | best | best ms | current÷best | % of bound | loop÷ours | ours÷dense |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -230,6 +235,8 @@ def report(rows: list[dict], speedups: dict, spec: dict) -> None:
         print(f"| {r['shape']} | {r['T']} | {r['current_ms']:.4f} | {r['best_label']} | {r['best_ms']:.4f} | "
               f"{r['current_ms'] / r['best_ms']:.3f} | {' | '.join(figures)} |")
     print(f"\n% of bound: the picked experts' bytes at {hbm_bandwidth()}")
+    if stack:
+        print(f"--stack: ours at decode sizes per layer of a stack of {bench_moe.STACK} (loop÷ours: the loop timed alone)")
     print("\nPer regime, variants by geometric-mean speedup over the current tiles (cases timed / cases):")
     cases = {}
     for r in rows:
@@ -297,9 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labels", nargs="*", help="only the candidates of these labels (as printed; none: only "
                                                     "the current tiles)")
     parser.add_argument("--stack", action="store_true",
-                        help="decode sizes timed per layer in bench moe's stack of layers (each its own weights, "
-                             "back to back in one CUDA graph, as a decode step runs them); --flush then applies to "
-                             "the per-expert loop alone")
+                        help="ours at decode sizes timed per layer in bench moe's stack of layers (each its own "
+                             "weights, back to back in one CUDA graph, as a decode step runs them); --flush then "
+                             "applies to the per-expert loop and the prefill sizes")
     parser.add_argument("--flush", choices=("zero", "read"), default="zero",
                         help="L2 before each timed call, as `pagedflash bench --flush`: zeroed (left dirty) or read")
     args = parser.parse_args(argv)
@@ -323,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in shapes:
             rows.append(run_case(name, T, spec, args.quick, deadline, speedups, args.labels, args.stack))
             free_memory()
-    report(sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["T"])), speedups, spec)
+    report(sorted(rows, key=lambda r: (shapes.index(r["shape"]), r["T"])), speedups, spec, args.stack)
     print(f"\n{time.monotonic() - start:.0f} s")
     return 1 if any(r["current_ms"] is None for r in rows) else 0
 

@@ -15,8 +15,9 @@ Per case, each checked against :func:`pagedflash.reference.fused_moe_ref` before
   leaves ~50 MB of dirty lines that the timed call writes back as it reads, traffic the bound does not
   count, and a decode step's layer finds L2 close to clean (the layers before it read weights and
   write little); and ours per layer in a stack of :data:`STACK` layers (each its own copy of the
-  weights) replayed back to back in one CUDA graph, as a decode step's graph runs its layers: each
-  layer's weights long gone from L2, no per-call graph launch, the kernels' own gaps counted;
+  weights) run back to back, one CUDA graph a stack (unless ``--eager``), as a decode step's graph
+  runs its layers: each layer's weights long gone from L2, no graph launch a layer, the kernels' own
+  gaps counted;
 - every size: TFLOP/s (6 * T * k * H * I FLOPs) and a dense bf16 GEMM of the same FLOPs
   (``[T*k, H] @ [H, 3I]``) for comparison.
 """
@@ -51,7 +52,7 @@ SHAPES = {
 FULL = {"shapes": SHAPES, "tokens": (1, 4, 16, 64, 8192), "decode_max": 64, "dtype": torch.bfloat16}
 QUICK = {"shapes": {"tiny_silu": (40, 24, 8, 2, "silu"), "tiny_swiglu": (40, 24, 8, 2, "swigluoai")},
          "tokens": (1, 70), "decode_max": 4, "dtype": torch.float32}
-STACK = 8  # layers in the stacked timing (Qwen3-30B-A3B: 9.7 GB of weights, GPT-OSS-20B: 12.7 GB)
+STACK = 8  # layers in the stacked timing: the case's weights and 7 copies (Qwen3-30B-A3B: 8.5 GB more, GPT-OSS-20B: 11.1 GB)
 
 
 def layer(h: int, i: int, E: int, activation: str, dtype, dev) -> dict:
@@ -229,7 +230,8 @@ def main(cfg: Config) -> int:
          "dense_tflops": "dense TFLOP/s", "vs_dense": "ours÷dense"},
         note=f"bound = bytes of the picked experts' weights (once each) + tokens in and out at {hbm_bandwidth()} "
              f"(decode sizes){clean_note}; in {STACK}: per layer, {STACK} layers (each its own copy of the weights) "
-             "replayed back to back in one CUDA graph, as a decode step runs them. FLOPs = 6*T*k*H*I; "
+             "back to back (one CUDA graph a stack; eager calls under --eager), as a decode step runs them. "
+             "FLOPs = 6*T*k*H*I; "
              "dense = one [T*k, H] @ [H, 3I] GEMM of the same FLOPs. "
              "Ratios: throughput, same run (>1: ours faster). Every case checked against the fp32 reference "
              "first; FAIL = wrong result, not timed.",
