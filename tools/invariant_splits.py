@@ -27,8 +27,9 @@ DECODE = ((1, 1024, 128), (1, 4096, 128), (1, 32768, 64), (1, 65536, 128), (1, 1
           (64, 4096, 128), (64, 16384, 128), (4, 32768, 64))  # B, N, D
 DECODE_FP8 = ((1, 32768), (4, 16384), (4, 65536), (4, 131072), (16, 16384), (16, 65536), (16, 131072),
               (64, 16384))  # B, N; D = 128
-# B, keys from, to: the 1B engine's decode steps (the last three also `bench serve --sections itl` cells)
-ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (32, 1024, 1024), (1, 1024, 1024), (1, 32768, 32768))
+# B, keys from, to: the 1B engine's decode steps (the last four also `bench serve --sections itl` cells)
+ENGINE_DECODE = ((256, 200, 2000), (64, 200, 2000), (32, 1024, 1024), (32, 32768, 32768), (1, 1024, 1024),
+                 (1, 32768, 32768))
 
 
 def on_off(call) -> str:
