@@ -211,3 +211,106 @@ def test_an_engine_that_closed_itself_makes_the_loop_unhealthy(loop_and_engine):
     events = asyncio.run(run())
     assert all(e[-1][0] == "error" and "rank 1 died" in e[-1][2] for e in events)
     assert not engine.alive and not engine.accepting
+
+
+class CompilingLLM(StandInLLM):
+    """A stand-in whose grammar compile waits for ``gate`` (and raises where a schema says ``"bad"``);
+    its add_request refuses a structured request whose grammar it did not compile, as the engine's
+    would recompile it on the loop thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.started, self.compiled, self.threads = threading.Event(), threading.Event(), set(), set()
+
+    def compile_grammar(self, params):
+        self.threads.add(threading.current_thread().name)
+        self.started.set()
+        assert self.gate.wait(30)
+        if params.structured_outputs.json == {"bad": 1}:
+            raise ValueError("structured_outputs.json: xgrammar cannot compile it: bad")
+        self.compiled.add(id(params))
+
+    def add_request(self, ids, params):
+        if params.structured_outputs is not None:
+            if params.structured_outputs.json == {"bad": 1}:
+                raise ValueError("structured_outputs.json: xgrammar cannot compile it: bad")
+            assert id(params) in self.compiled, "compiled on the loop thread"
+        return super().add_request(ids, params)
+
+
+def structured(schema, max_tokens=3):
+    from pagedflash.engine.structured import StructuredOutputsParams
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def test_a_grammar_compiles_off_the_loop():
+    """A structured submission's grammar compiles on the grammar thread while the loop goes on stepping
+    the requests already running; it is then admitted, counted as unfinished meanwhile."""
+    llm = CompilingLLM()
+    engine = EngineLoop(llm)
+    engine.start()
+    try:
+        async def run():
+            running = asyncio.Queue()
+            ids = await engine.submit([[1]], SamplingParams(max_tokens=10_000), running)
+            await asyncio.wait_for(running.get(), 30)
+            queue = asyncio.Queue()
+            admitted = asyncio.ensure_future(engine.submit([[2], [3]], structured({"type": "object"}), queue))
+            while not llm.started.is_set():
+                await asyncio.sleep(0.01)
+            steps, deadline = llm.steps, time.monotonic() + 30
+            while llm.steps < steps + 20:  # the running request keeps stepping while the grammar compiles
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert not admitted.done()
+            assert engine.num_unfinished == 3  # the running one and the two compiling
+            llm.gate.set()
+            await asyncio.wait_for(admitted, 30)
+            events = await drain(queue, until_finished=2)
+            engine.abort(ids)
+            return events
+
+        events = asyncio.run(run())
+        assert sum(len(e[2]) for e in events) == 6
+        assert len(llm.threads) == 1 and next(iter(llm.threads)).startswith("pagedflash-grammar")
+    finally:
+        llm.gate.set()
+        engine.stop()
+
+
+def test_a_grammar_the_compiler_refuses_rejects_the_submission():
+    llm = CompilingLLM()
+    llm.gate.set()
+    engine = EngineLoop(llm)
+    engine.start()
+    try:
+        async def run():
+            with pytest.raises(RequestRejected, match="structured_outputs.json: xgrammar cannot compile it") as info:
+                await engine.submit([[1], [2]], [SamplingParams(max_tokens=2), structured({"bad": 1})], asyncio.Queue())
+            assert info.value.index == 1 and not llm.requests  # all or nothing, as for any refused prompt
+
+        asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+def test_stop_while_a_grammar_compiles():
+    from pagedflash.entrypoints.openai.engine_loop import EngineClosedError
+
+    llm = CompilingLLM()
+    engine = EngineLoop(llm)
+    engine.start()
+    try:
+        async def run():
+            admitted = asyncio.ensure_future(engine.submit([[1]], structured({"type": "object"}), asyncio.Queue()))
+            while not llm.started.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            with pytest.raises(EngineClosedError, match="shut down"):
+                await asyncio.wait_for(admitted, 30)
+
+        asyncio.run(run())
+        assert not engine.alive and not llm.requests
+    finally:
+        llm.gate.set()
+        engine.stop()

@@ -31,6 +31,7 @@ import functools
 import gc
 import itertools
 import os
+import threading
 import time
 import weakref
 
@@ -157,6 +158,7 @@ class LLM:
         self.batch_invariant = batch_invariant
         self.tokenizer = _load_tokenizer(tokenizer, path)
         self._grammars: GrammarCompiler | None = None  # built on the first request with structured_outputs
+        self._grammars_lock = threading.Lock()  # its construction, from compile_grammar's threads too
         self.eos_ids = set(self.config.eos_token_ids)
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -388,13 +390,24 @@ class LLM:
                 return ids, e
         return ids, None
 
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` (nothing without one) into the engine's grammar cache, so
+        that :meth:`add_request` with it finds the compiled grammar there; raises the ``ValueError``
+        that ``add_request`` would for a grammar it refuses. Unlike the rest of the engine, safe to call
+        from another thread while the engine runs (it touches only the grammar compiler, which
+        compiles outside the GIL): the server compiles a request's grammar on a thread of its own, so
+        that a new schema does not stall the steps of the requests already running."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            self._grammar_compiler().check(params.structured_outputs)
+
     def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the engine's tokenizer (its vocabulary's text), but it has "
-                                 "none: pass LLM(..., tokenizer=...) or a model directory with a tokenizer.json")
-            self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the engine's tokenizer (its vocabulary's text), but it "
+                                     "has none: pass LLM(..., tokenizer=...) or a model directory with a tokenizer.json")
+                self._grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+            return self._grammars
 
     def _check_prompt(self, prompt) -> tuple[list[int] | None, Exception | None]:
         """Token ids of a prompt (a string goes through the tokenizer), each in the vocabulary, at

@@ -19,6 +19,11 @@ Events put on a queue (each a tuple):
   ``tokens`` event: the engine side's stamps of :mod:`.timeline` (``submit`` through
   ``first_token``, ``steps_waiting``, ``steps_to_first_token``).
 
+A submission with ``structured_outputs`` first has its grammars compiled on a thread of the loop's
+(:meth:`~pagedflash.engine.LLM.compile_grammar`, outside the GIL), while this thread goes on
+stepping the requests already running; it is then admitted like any other, its grammars found in
+the compiler's cache (a grammar the compiler refuses is refused by ``add_request`` as before).
+
 A step that raises fails the requests it was running (their pages go back to the pool through
 ``abort_request``); the loop goes on with the others and with new ones. Admission errors
 (``add_request`` raising ``TypeError``/``ValueError``) come back to the submitter as
@@ -28,6 +33,7 @@ A step that raises fails the requests it was running (their pages go back to the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -68,6 +74,13 @@ class _Submission:
     future: asyncio.Future
     arrival: float = field(default_factory=time.perf_counter)
     stamps: dict | None = None  # with a timeline: the stamps taken before the loop picked it
+    compiled: bool = False  # its grammars compiled (or none to compile)
+    closed: bool = False  # told the server shut down while its grammars compiled
+
+    def needs_grammar(self) -> bool:
+        """Some prompt's params have ``structured_outputs`` not yet compiled."""
+        params = self.params if isinstance(self.params, list) else [self.params]
+        return not self.compiled and any(getattr(p, "structured_outputs", None) is not None for p in params)
 
 
 @dataclass
@@ -128,6 +141,8 @@ class EngineLoop:
         self.max_queue = max_queue
         self._cond = threading.Condition()
         self._pending: list[_Submission] = []
+        self._compiling: list[_Submission] = []  # handed to the grammar thread (under _cond)
+        self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first grammar
         self._aborts: list[tuple[int, str]] = []
         self._accepting = True
         self.engine_failure: str | None = None  # why the engine closed itself (a WorkerError); None: it did not
@@ -163,6 +178,8 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def abort(self, request_ids, reason: str = "abort") -> None:
         """Abort requests (counted as finished for ``reason``: ``"abort"``, or ``"stop"`` when the
@@ -175,7 +192,7 @@ class EngineLoop:
     def num_unfinished(self) -> int:
         """Requests submitted and not finished, as of the loop's last visit plus those not yet handed over."""
         with self._cond:
-            return self._num_unfinished + sum(len(s.prompts) for s in self._pending)
+            return self._num_unfinished + sum(len(s.prompts) for s in (*self._pending, *self._compiling))
 
     @property
     def accepting(self) -> bool:
@@ -205,7 +222,7 @@ class EngineLoop:
         with self._cond:
             if self.engine_failure is not None:
                 raise EngineClosedError(f"the engine failed: {self.engine_failure}")
-            waiting = self._num_waiting + sum(len(s.prompts) for s in self._pending)
+            waiting = self._num_waiting + sum(len(s.prompts) for s in (*self._pending, *self._compiling))
             check_admission(self._accepting, waiting, len(sub.prompts), self.max_queue)
             self._pending.append(sub)
             self._cond.notify()
@@ -227,15 +244,20 @@ class EngineLoop:
             if self.timeline and pending:
                 picked = time.perf_counter()
                 for sub in pending:
-                    sub.stamps = {**(sub.stamps or {}), "submit": sub.arrival, "picked": picked}
+                    sub.stamps = {"submit": sub.arrival, "picked": picked, **(sub.stamps or {})}  # the first pick
             try:
                 self._apply_aborts(aborts)
                 if stopping:
                     self._fail(list(self._live), "the server shut down before the request finished", "abort")
-                    for sub in pending:
+                    with self._cond:  # and those whose grammars compiled since the pick, or still compile
+                        late, self._pending, compiling, self._compiling = self._pending, [], self._compiling, []
+                        for sub in compiling:
+                            sub.closed = True
+                    for sub in (*pending, *late, *compiling):
                         self._call(sub.loop, self._resolve, sub.future, None, EngineClosedError("the server shut down"))
                     self._publish()
                     return
+                pending = self._compile_first(pending)
                 outcomes = [self._admit(sub) for sub in pending]  # never raises
                 try:
                     if pending:  # first: a submitter told "admitted" must find itself counted
@@ -252,6 +274,39 @@ class EngineLoop:
                 self._publish()
             except Exception:
                 logger.exception("engine loop: publishing the counts failed")
+
+    def _compile_first(self, pending: list[_Submission]) -> list[_Submission]:
+        """Hand the submissions with grammars to compile to the grammar thread; the others, to admit now."""
+        if not any(sub.needs_grammar() for sub in pending):
+            return pending
+        if self._grammar_pool is None:
+            self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedflash-grammar")
+        now = []
+        for sub in pending:
+            if sub.needs_grammar():
+                with self._cond:
+                    self._compiling.append(sub)
+                self._grammar_pool.submit(self._compile_grammars, sub)
+            else:
+                now.append(sub)
+        return now
+
+    def _compile_grammars(self, sub: _Submission) -> None:
+        """On the grammar thread: compile ``sub``'s grammars, then queue it for admission (whose
+        ``add_request`` reports a grammar the compiler refused)."""
+        params = sub.params if isinstance(sub.params, list) else [sub.params]
+        try:
+            for one in {id(p): p for p in params}.values():  # each params object once
+                self.llm.compile_grammar(one)
+        except Exception:  # add_request raises it again, on the loop thread, as for any bad request
+            pass
+        finally:
+            with self._cond:
+                if not sub.closed:
+                    self._compiling.remove(sub)
+                    sub.compiled = True
+                    self._pending.append(sub)
+                    self._cond.notify()
 
     def _has_work(self) -> bool:
         try:
