@@ -6,13 +6,17 @@ token, over a synthetic byte-level vocabulary of ``--vocab`` tokens (Llama 3's s
 
 Each row decodes greedily from random logits under its JSON-schema mask (``mask_logits``, the
 sampler's own call), so the matchers walk real states; a row whose grammar ends starts again. Prints the medians of 3 runs.
+``--beside``: instead, how much a Python loop on the main thread is held up while a second thread
+starts the compiler and compiles three new schemas (the server's grammar thread beside its engine loop).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
+import threading
 import time
 
 import torch
@@ -50,8 +54,11 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--beside", action="store_true", help="time a Python loop beside compiles on another thread")
     args = ap.parse_args()
     tok, eos = byte_level_tokenizer(args.vocab)
+    if args.beside:
+        return beside(tok, eos, args.vocab)
     t = time.perf_counter()
     compiler = GrammarCompiler(tok, args.vocab, [eos])
     print(f"vocab {args.vocab}: compiler start {1e3 * (time.perf_counter() - t):.0f} ms")
@@ -83,6 +90,37 @@ def main() -> None:
         fill, step_time = (statistics.median(r[i] for r in runs) for i in (0, 1))
         print(f"{rows:3d} rows: mask fill {1e3 * fill:.2f} ms a step ({1e6 * fill / rows:.0f} us a row); "
               f"the sampler's whole share on {args.device} (fill, copy, apply, argmax, accept) {1e3 * step_time:.2f} ms")
+
+
+def beside(tok, eos: int, vocab: int) -> None:
+    """Each job on a thread of its own while the main thread runs a Python loop: the job's time and
+    the loop's longest gap between two iterations (the GIL held elsewhere)."""
+    def job(name, fn):
+        done, took = threading.Event(), []
+
+        def work():
+            t = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - t)
+            done.set()
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        last, longest, held = time.perf_counter(), 0.0, 0.0
+        while not done.is_set():
+            sum(range(1000))
+            now = time.perf_counter()
+            gap, last = now - last, now
+            longest, held = max(longest, gap), held + (gap if gap > 1e-3 else 0.0)
+        thread.join()
+        print(f"{name}: {1e3 * took[0]:.0f} ms on its thread; the loop's longest gap {1e3 * longest:.1f} ms, "
+              f"gaps over 1 ms {1e3 * held:.0f} ms in all")
+
+    made = []
+    job("compiler start", lambda: made.append(GrammarCompiler(tok, vocab, [eos])))
+    for i in range(3):  # a new schema each (no cache hit)
+        schema = {**SCHEMA, "properties": {**SCHEMA["properties"], f"f{i}": {"type": "string", "pattern": "[a-z]{3,9}"}}}
+        job(f"schema {i}: first compile and check", functools.partial(made[0].check, StructuredOutputsParams(json=schema)))
 
 
 if __name__ == "__main__":
