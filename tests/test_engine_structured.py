@@ -202,3 +202,30 @@ def test_an_engine_without_a_tokenizer_says_so():
     with pytest.raises(ValueError, match="structured_outputs needs the engine's tokenizer"):
         llm.add_request([1, 2, 3], SamplingParams(structured_outputs=S(json_object=True)))
     assert not llm.has_unfinished_requests()
+
+
+def test_compile_grammar_on_another_thread():
+    """``compile_grammar`` (the server's grammar thread) fills the cache ``add_request`` then finds, and
+    raises what ``add_request`` would; ``grammar_compiled`` says which grammars it compiled lately."""
+    import threading
+
+    llm = make_llm()
+    params = SamplingParams(max_tokens=8, structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+    same = SamplingParams(max_tokens=8, structured_outputs=S(json=json.loads(json.dumps(SCHEMA)),
+                                                             disable_any_whitespace=True))
+    assert not llm.grammar_compiled(params)
+    errors = []
+    threads = [threading.Thread(target=lambda: errors.append(llm.compile_grammar(params))) for _ in range(2)]
+    for t in threads:  # two at once: the compiler is built once, under its lock
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [None, None] and llm.grammar_compiled(params) and llm.grammar_compiled(same)
+    assert not llm.grammar_compiled(SamplingParams(structured_outputs=S(json=SCHEMA)))  # any whitespace: another
+    assert not llm.grammar_compiled(SamplingParams())
+    llm.compile_grammar(SamplingParams())  # nothing to compile
+    out = llm.generate([PROMPTS[0]], same)[0]
+    check_accepted(llm, same.structured_outputs, out)
+    with pytest.raises(ValueError, match="structured_outputs.regex: xgrammar cannot compile"):
+        llm.compile_grammar(SamplingParams(structured_outputs=S(regex="(ab")))
+    assert not llm.grammar_compiled(SamplingParams(structured_outputs=S(regex="(ab")))

@@ -221,20 +221,25 @@ class CompilingLLM(StandInLLM):
     def __init__(self):
         super().__init__()
         self.gate, self.started, self.compiled, self.threads = threading.Event(), threading.Event(), set(), set()
+        self.compiles = 0
 
     def compile_grammar(self, params):
         self.threads.add(threading.current_thread().name)
+        self.compiles += 1
         self.started.set()
         assert self.gate.wait(30)
         if params.structured_outputs.json == {"bad": 1}:
             raise ValueError("structured_outputs.json: xgrammar cannot compile it: bad")
-        self.compiled.add(id(params))
+        self.compiled.add(repr(params.structured_outputs))
+
+    def grammar_compiled(self, params):
+        return repr(params.structured_outputs) in self.compiled
 
     def add_request(self, ids, params):
         if params.structured_outputs is not None:
             if params.structured_outputs.json == {"bad": 1}:
                 raise ValueError("structured_outputs.json: xgrammar cannot compile it: bad")
-            assert id(params) in self.compiled, "compiled on the loop thread"
+            assert self.grammar_compiled(params), "compiled on the loop thread"
         return super().add_request(ids, params)
 
 
@@ -273,6 +278,14 @@ def test_a_grammar_compiles_off_the_loop():
         events = asyncio.run(run())
         assert sum(len(e[2]) for e in events) == 6
         assert len(llm.threads) == 1 and next(iter(llm.threads)).startswith("pagedflash-grammar")
+        assert llm.compiles == 1  # one params object for both prompts: compiled once
+
+        async def again():  # the same grammar (another params object): admitted at once, no compile
+            queue = asyncio.Queue()
+            await engine.submit([[4]], structured({"type": "object"}, max_tokens=2), queue)
+            return await drain(queue)
+
+        assert sum(len(e[2]) for e in asyncio.run(again())) == 2 and llm.compiles == 1
     finally:
         llm.gate.set()
         engine.stop()
@@ -288,9 +301,30 @@ def test_a_grammar_the_compiler_refuses_rejects_the_submission():
             with pytest.raises(RequestRejected, match="structured_outputs.json: xgrammar cannot compile it") as info:
                 await engine.submit([[1], [2]], [SamplingParams(max_tokens=2), structured({"bad": 1})], asyncio.Queue())
             assert info.value.index == 1 and not llm.requests  # all or nothing, as for any refused prompt
+            assert llm.compiles == 1  # on the grammar thread; add_request refused it again
 
         asyncio.run(run())
     finally:
+        engine.stop()
+
+
+def test_max_queue_counts_the_submissions_compiling():
+    llm = CompilingLLM()
+    engine = EngineLoop(llm, max_queue=2)
+    engine.start()
+    try:
+        async def run():
+            admitted = asyncio.ensure_future(engine.submit([[1], [2]], structured({"type": "object"}), asyncio.Queue()))
+            while not llm.started.is_set():
+                await asyncio.sleep(0.01)
+            with pytest.raises(QueueFullError, match="2 requests are waiting"):
+                await engine.submit([[3]], SamplingParams(max_tokens=1), asyncio.Queue())
+            llm.gate.set()
+            return await asyncio.wait_for(admitted, 30)
+
+        assert len(asyncio.run(run())) == 2
+    finally:
+        llm.gate.set()
         engine.stop()
 
 

@@ -397,8 +397,16 @@ class LLM:
         from another thread while the engine runs (it touches only the grammar compiler, which
         compiles outside the GIL): the server compiles a request's grammar on a thread of its own, so
         that a new schema does not stall the steps of the requests already running."""
-        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None and not params.problem():
             self._grammar_compiler().check(params.structured_outputs)
+
+    def grammar_compiled(self, params: SamplingParams) -> bool:
+        """Whether ``params.structured_outputs`` is one of the grammars this engine compiled last (so
+        :meth:`add_request` with it likely finds it in the cache); thread-safe as :meth:`compile_grammar`."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        return grammars is not None and params.structured_outputs is not None and \
+            grammars.compiled_before(params.structured_outputs)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         with self._grammars_lock:

@@ -13,8 +13,10 @@ logits.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +28,7 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65536  # a schema's JSON text, a regex, a grammar, all choices together
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays
 MAX_CHOICES = 1024
+MAX_KNOWN_GRAMMARS = 4096  # grammars a compiler remembers compiling (GrammarCompiler.compiled_before)
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -100,6 +103,16 @@ def _schema_problem(schema) -> str | None:
     return None
 
 
+def _key(params: StructuredOutputsParams) -> tuple:
+    """What a compiled grammar depends on, hashable."""
+    spec = getattr(params, params.kind)
+    if isinstance(spec, dict):
+        spec = json.dumps(spec)
+    elif isinstance(spec, list):
+        spec = tuple(spec)
+    return params.kind, spec, params.disable_any_whitespace
+
+
 def _depth(value) -> int:
     children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return 1 + max(map(_depth, children), default=0) if isinstance(value, (dict, list)) else 0
@@ -139,6 +152,8 @@ class GrammarCompiler:
         self.stop_ids = sorted(stop_ids)
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=4, cache_limit_bytes=cache_bytes)
+        self._compiled: collections.OrderedDict = collections.OrderedDict()  # keys of the last grammars compiled
+        self._compiled_lock = threading.Lock()
         self.batch = xgr.BatchGrammarMatcher()  # fills the rows' masks on half the host's cores
         stop = torch.tensor(self.stop_ids)
         self.stop_mask = torch.zeros(-(-vocab_size // 32), dtype=torch.int32)  # a row allowing the stop tokens only
@@ -150,10 +165,22 @@ class GrammarCompiler:
         xgrammar refuses it."""
         kind = params.kind
         try:
-            return self._compile(params, kind)
+            compiled = self._compile(params, kind)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[-1]) if str(e).strip() else type(e).__name__
             raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
+        with self._compiled_lock:
+            self._compiled[_key(params)] = None
+            self._compiled.move_to_end(_key(params))
+            while len(self._compiled) > MAX_KNOWN_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def compiled_before(self, params: StructuredOutputsParams) -> bool:
+        """Whether one of the last :data:`MAX_KNOWN_GRAMMARS` grammars compiled was this one (then likely
+        a hit of xgrammar's cache, unless it was evicted there)."""
+        with self._compiled_lock:
+            return _key(params) in self._compiled
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Compile ``params``; ``ValueError`` naming the field when that fails or when no token of the

@@ -77,10 +77,9 @@ class _Submission:
     compiled: bool = False  # its grammars compiled (or none to compile)
     closed: bool = False  # told the server shut down while its grammars compiled
 
-    def needs_grammar(self) -> bool:
-        """Some prompt's params have ``structured_outputs`` not yet compiled."""
-        params = self.params if isinstance(self.params, list) else [self.params]
-        return not self.compiled and any(getattr(p, "structured_outputs", None) is not None for p in params)
+    def unique_params(self) -> list:
+        """Its params, each object once."""
+        return list({id(p): p for p in (self.params if isinstance(self.params, list) else [self.params])}.values())
 
 
 @dataclass
@@ -275,28 +274,37 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine loop: publishing the counts failed")
 
+    def _needs_compile(self, sub: _Submission) -> bool:
+        """Some prompt's params have ``structured_outputs`` the engine did not compile lately."""
+        return not sub.compiled and self.engine_failure is None and any(
+            getattr(p, "structured_outputs", None) is not None and not self.llm.grammar_compiled(p)
+            for p in sub.unique_params())
+
     def _compile_first(self, pending: list[_Submission]) -> list[_Submission]:
-        """Hand the submissions with grammars to compile to the grammar thread; the others, to admit now."""
-        if not any(sub.needs_grammar() for sub in pending):
-            return pending
-        if self._grammar_pool is None:
-            self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedflash-grammar")
+        """Hand the submissions with grammars to compile to the grammar thread; the others (and any the
+        thread cannot take: then compiled by ``add_request``, on this thread), to admit now."""
         now = []
         for sub in pending:
-            if sub.needs_grammar():
-                with self._cond:
-                    self._compiling.append(sub)
+            if not self._needs_compile(sub):
+                now.append(sub)
+                continue
+            with self._cond:
+                self._compiling.append(sub)
+            try:
+                if self._grammar_pool is None:
+                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedflash-grammar")
                 self._grammar_pool.submit(self._compile_grammars, sub)
-            else:
+            except RuntimeError:  # no thread (shut down by a stop that timed out, or none to start)
+                with self._cond:
+                    self._compiling.remove(sub)
                 now.append(sub)
         return now
 
     def _compile_grammars(self, sub: _Submission) -> None:
         """On the grammar thread: compile ``sub``'s grammars, then queue it for admission (whose
         ``add_request`` reports a grammar the compiler refused)."""
-        params = sub.params if isinstance(sub.params, list) else [sub.params]
         try:
-            for one in {id(p): p for p in params}.values():  # each params object once
+            for one in sub.unique_params():
                 self.llm.compile_grammar(one)
         except Exception:  # add_request raises it again, on the loop thread, as for any bad request
             pass
@@ -305,6 +313,8 @@ class EngineLoop:
                 if not sub.closed:
                     self._compiling.remove(sub)
                     sub.compiled = True
+                    if sub.stamps is not None:
+                        sub.stamps["compiled"] = time.perf_counter()
                     self._pending.append(sub)
                     self._cond.notify()
 

@@ -14,6 +14,8 @@ http       the handler began (headers read; the body not yet parsed)
 submit     validated and tokenized: handed to the engine loop (``submit``)
 received   ``--engine-process`` only: the engine process read the submission from the pipe
 picked     the engine loop took it, between two steps
+compiled   ``structured_outputs`` whose grammar the engine did not compile lately only: the loop's
+           grammar thread compiled it (the loop takes it again at its next visit)
 added      ``LLM.add_request`` returned
 scheduled  the ``LLM.step`` call that first ran the request began (its first prefill chunk)
 first_token  the ``LLM.step`` call that returned the request's first token returned
@@ -39,7 +41,7 @@ import json
 import threading
 import time
 
-PHASES = ("http", "submit", "received", "picked", "added", "scheduled", "first_token", "reader", "handler",
+PHASES = ("http", "submit", "received", "picked", "compiled", "added", "scheduled", "first_token", "reader", "handler",
           "sent", "finished")
 
 
