@@ -456,21 +456,6 @@ def test_split_cap_and_budget(monkeypatch):
     assert launch.invariant_num_splits(32 * 512, rule, 8) == 512 and launch.invariant_num_splits(32 * 512 + 1, rule, 8) == 1
 
 
-def test_split_programs_by_warps(monkeypatch):
-    """About INVARIANT_SPLIT_WAVES programs an SM, at most one a split; counted in four-warp programs with
-    INVARIANT_SPLIT_BY_WARPS (a one-warp decode tile's launch gets four times as many)."""
-    monkeypatch.setattr(launch, "INVARIANT_SPLIT_WAVES", 7)
-    monkeypatch.setattr(launch, "INVARIANT_SPLIT_BY_WARPS", 0)
-    assert launch.invariant_split_programs(30, 256, 132) == 4  # cdiv(7 x 132, 256)
-    assert launch.invariant_split_programs(30, 256, 132, warps=1) == 4  # warps ignored
-    assert launch.invariant_split_programs(3, 8, 132) == 3 and launch.invariant_split_programs(30, 2048, 132) == 1
-    monkeypatch.setattr(launch, "INVARIANT_SPLIT_BY_WARPS", 1)
-    assert launch.invariant_split_programs(30, 256, 132, warps=1) == 15  # cdiv(28 x 132, 256)
-    assert launch.invariant_split_programs(30, 256, 132, warps=2) == 8
-    assert launch.invariant_split_programs(30, 256, 132) == 4 and launch.invariant_split_programs(30, 256, 132, warps=8) == 4
-    assert launch.invariant_split_programs(30, 2048, 132, warps=1) == 2 and launch.invariant_split_programs(3, 8, 132, warps=1) == 3
-
-
 def test_split_switches_from_the_environment(monkeypatch):
     """Read when the module loads (a fresh copy of it, so that the module every other test uses keeps
     its values); a bad value is an error naming its variable."""

@@ -178,9 +178,7 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     sets = []  # bytes of each graph's set of partials
     for bs in sizes:
         splits = invariant_num_splits(spec.max_model_len, rule, bs * heads)
-        # warps=1: the one-warp decode tile's count, the most any tile of this launch gets
-        if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * programs_a_row, sms,
-                                                                                warps=1) > 1:
+        if graph_num_splits(bs, kv_heads, sms) > 1 and invariant_split_programs(splits, bs * programs_a_row, sms) > 1:
             sets.append((splits * (spec.config.head_dim + 1) + 1) * bs * heads * 4)  # + the rows' split counts
     return sum(sets) + max(sets, default=0)
 

@@ -94,8 +94,7 @@ def launch_switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_MID_SPLIT_KEYS, launch_table.INTERPRET_SPLIT_RULE,
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
-                           launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_SPLIT_BY_WARPS,
-                           launch_table.INVARIANT_DECODE_TILE,
+                           launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
                            launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_DECODE_WAVES_FP8))
 
 
@@ -183,8 +182,7 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     if invariant and num_splits > 1:  # the mode's own cap and budget (invariant_num_splits), not MAX_SPLITS
         num_splits = invariant_num_splits(max_seqlen_k, rule, tokens * hq)
         split_programs = invariant_split_programs(
-            num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), num_sms(q.device),
-            cfg.num_warps)
+            num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), num_sms(q.device))
         if split_programs == 1:  # one program a row: it folds the splits itself, the same bits
             num_splits = 1
     else:

@@ -196,9 +196,6 @@ INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
 # to hide their block-table reads, without a second round of one-warp decode programs at 128 row-heads
 # (docs/performance.md v47 measures 2, 4 and 8 contiguous, v51 8 over pages, v53 7 against 8).
 INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 7)
-# 1: the waves above count warps, four a program (the mode's tile): a launch of one-warp decode-tile programs
-# gets four times as many split programs, each folding fewer of a row's splits. 0: programs whatever their warps.
-INVARIANT_SPLIT_BY_WARPS = env_count("PAGEDFLASH_INVARIANT_SPLIT_BY_WARPS", 0, most=1, least=0)
 # The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
 # (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
@@ -341,16 +338,14 @@ def invariant_num_splits(max_seqlen_k: int, rule: SplitRule, states_per_split: i
     return splits if splits <= INVARIANT_MAX_SPLITS and within else 1
 
 
-def invariant_split_programs(num_splits: int, programs: int, sms: int, warps: int = 4) -> int:
+def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
     """Programs a row's ``num_splits`` splits share in a batch-invariant split launch (each computes
     every P-th split; no bit depends on P): about :data:`INVARIANT_SPLIT_WAVES` programs on each of
-    ``sms`` SMs over the launch's ``programs`` (rows x KV heads), at most one a split; with
-    :data:`INVARIANT_SPLIT_BY_WARPS`, programs of ``warps`` warps count ``warps / 4`` of one. Fewer
-    programs than splits keep a graph sized for a long model length from launching one program per
-    split of it at small batch (those past a short row's splits would do nothing). 1: the launch
+    ``sms`` SMs over the launch's ``programs`` (rows x KV heads), at most one a split. Fewer programs
+    than splits keep a graph sized for a long model length from launching one program per split of
+    it at small batch (those past a short row's splits would do nothing). 1: the launch
     does not split (one program folds a row's splits: no partials, no combine)."""
-    per_sm = INVARIANT_SPLIT_WAVES * (4 // min(max(warps, 1), 4) if INVARIANT_SPLIT_BY_WARPS else 1)
-    return max(1, min(num_splits, cdiv(per_sm * sms, max(programs, 1))))
+    return max(1, min(num_splits, cdiv(INVARIANT_SPLIT_WAVES * sms, max(programs, 1))))
 
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
