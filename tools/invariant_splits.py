@@ -10,6 +10,9 @@ The rule is read when pagedflash loads, so compare rules by running this once pe
 (a shorter cut than `pagedflash bench decode|prefill --batch-invariant`; docs/performance.md v43).
 ``--engine``: the engine's decode cells only; ``--prefill``: the prefill cells only; ``--fp8``: contiguous
 decode over fp8 (e4m3) caches only, the cells where the split programs' count matters most.
+``--engine-cells B:LO:HI,...``: the engine's decode cells given (B rows of LO-HI keys) instead of its own,
+e.g. a batch sweep for the decode tile's admission (``PAGEDFLASH_INVARIANT_DECODE_WAVES``):
+    PYTHONPATH=. python3 tools/invariant_splits.py --engine-cells 16:1024:1024,32:1024:1024,64:1024:1024,64:32768:32768
 """
 import functools
 import os
@@ -72,6 +75,17 @@ def engine_decode(b, lo, hi, d, page=16) -> str:
 
 
 def main() -> None:
+    args = sys.argv[1:]
+    engine_only, prefill_only = "--engine" in args, "--prefill" in args
+    cells = ENGINE_DECODE
+    if "--engine-cells" in args:
+        engine_only = True
+        try:
+            cells = [tuple(int(x) for x in cell.split(":")) for cell in args[args.index("--engine-cells") + 1].split(",")]
+        except (IndexError, ValueError):
+            cells = []
+        if not cells or any(len(c) != 3 or not 1 <= c[1] <= c[2] or c[0] < 1 for c in cells):
+            raise SystemExit("--engine-cells: expected B:LO:HI[,B:LO:HI...] (B >= 1, 1 <= LO <= HI)")
     if not torch.cuda.is_available():
         raise SystemExit("invariant_splits.py times GPU kernels: no CUDA device here")
     torch.manual_seed(0)
@@ -80,8 +94,7 @@ def main() -> None:
     print(f"== split rule: the first {rule.head_keys} keys in splits of {rule.head_split}{mid}, then {rule.keys} "
           f"({os.environ.get('PAGEDFLASH_INVARIANT_HEAD_KEYS', 'default head')}); the mode's prefill in the Gluon "
           f"kernel: {prefill_hopper.INVARIANT_ENABLED} (PAGEDFLASH_INVARIANT_GLUON)")
-    engine_only, prefill_only = "--engine" in sys.argv[1:], "--prefill" in sys.argv[1:]
-    if "--fp8" in sys.argv[1:]:
+    if "--fp8" in args:
         for b, n in DECODE_FP8:
             print(f"decode fp8 B={b} N={n} D=128: {decode(b, n, 128, fp8=True)}")
         return
@@ -89,7 +102,7 @@ def main() -> None:
         print(f"prefill B={b} N={n} D={d} causal={causal}: {prefill(b, h, n, d, causal)}")
     for b, n, d in () if engine_only or prefill_only else DECODE:
         print(f"decode B={b} N={n} D={d}: {decode(b, n, d)}")
-    for b, lo, hi in () if prefill_only else ENGINE_DECODE:
+    for b, lo, hi in () if prefill_only else cells:
         print(f"engine decode B={b} N={lo}-{hi} D=64 pages 16: {engine_decode(b, lo, hi, 64)}")
 
 
