@@ -22,7 +22,7 @@ from pagedflash.engine.executor import graph_split_bytes
 from pagedflash.engine.runner import graph_num_splits, graph_sizes
 from pagedflash.ops import attention, attention_launch, attention_plan, launch, moe
 from pagedflash.ops.combine import launch_combine, plan_combine
-from pagedflash.ops.utils import fp8_cvt_device, interpreted, num_sms
+from pagedflash.ops.utils import cdiv, fp8_cvt_device, interpreted, num_sms
 from pagedflash.reference import paged_varlen_attention_ref
 from pagedflash.testing import row_exact_interpreter_dot
 
@@ -548,6 +548,40 @@ def test_decode_tile_admission(monkeypatch, q_dtype, kv_dtype, converts, rows):
         seqused_k=torch.full((batch,), n, dtype=torch.int32), block_table=None, num_splits=0, config=None,
         invariant=True)
     assert (plan.cfg.block_m, plan.cfg.num_warps) == ((16, 1) if rows == 16 else (64, 4))
+
+
+def test_decode_tile_admission_of_split_launches(monkeypatch):
+    """PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT: a decode launch that splits its rows' keys takes the
+    one-warp tile from that many waves of sequences x KV heads (its split programs fill the SMs); an
+    unsplit launch keeps INVARIANT_DECODE_WAVES. The plans an sm90 GPU of 132 SMs would make (CPU
+    tensors, nothing launched); the grid counts the tile's query rows."""
+    for module in (attention_plan, launch):
+        monkeypatch.setattr(module, "nvidia_capability", lambda device: (9, 0))
+        monkeypatch.setattr(module, "num_sms", lambda device: 132)
+        monkeypatch.setattr(module, "interpreted", lambda: False)
+    hq, hkv, d, page = 32, 8, 64, 16
+
+    def plan(batch, n):  # the engine's decode launch: varlen q, 16-row pages
+        q = torch.empty(batch, hq, d, dtype=torch.bfloat16)
+        cache = torch.empty(batch * cdiv(n, page), page, hkv, d, dtype=torch.bfloat16)
+        table = torch.arange(batch * cdiv(n, page), dtype=torch.int32).view(batch, -1)
+        cu_q = torch.arange(batch + 1, dtype=torch.int32)
+        return attention_plan.make_plan(
+            q, cache, cache, torch.empty_like(q), None, batch=batch, max_seqlen_q=1, max_seqlen_k=n, window=(-1, 0),
+            softcap=0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q * n, seqused_k=None, block_table=table, num_splits=0,
+            config=None, invariant=True)
+
+    assert launch.INVARIANT_DECODE_WAVES_SPLIT is None  # unset: INVARIANT_DECODE_WAVES for every launch
+    for batch, n in ((32, 1024), (64, 1024), (256, 1024), (1, 32768)):
+        p = plan(batch, n)
+        assert (p.cfg.block_m, p.num_splits > 1) == ((16, False) if batch == 256 else (64, True) if batch != 64
+                                                     else (64, False)), (batch, n)
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", 1)
+    split = plan(32, 1024)  # 256 row-heads, split: the one-warp tile, 4 rows a program, the same splits
+    assert (split.cfg.block_m, split.cfg.num_warps, split.num_splits) == (16, 1, 4)
+    assert split.grid == (32 // 4 + 32, 8, 4)
+    assert plan(64, 1024).cfg.block_m == 64  # unsplit: 512 row-heads under 8 waves
+    assert plan(1, 32768).cfg.block_m == 64  # split, but 8 row-heads under a wave
 
 
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):

@@ -95,7 +95,8 @@ def launch_switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_TILE, launch_table.INVARIANT_PREFILL_TILE,
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
                            launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
-                           launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_DECODE_WAVES_FP8))
+                           launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_DECODE_WAVES_FP8,
+                           launch_table.INVARIANT_DECODE_WAVES_SPLIT))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)
@@ -160,11 +161,12 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         # decode tiles: 16-bit q over 16-bit K/V, or over fp8 converted by the instruction
         # (attention_tiles.attend_range's EXACT)
         decode_tile_kv = q.element_size() == 2 and (k.element_size() == 2 or fp8_cvt)
-        cfg = config or invariant_config(group=group, head_dim=d, capability=nvidia_capability(q.device),
-                                         interpreted=interpreted(),
-                                         prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2),
-                                         decode_programs=batch * hkv if max_seqlen_q <= 1 and decode_tile_kv else 0,
-                                         sms=num_sms(q.device), fp8=k.element_size() == 1)
+        tile = functools.partial(invariant_config, group=group, head_dim=d, capability=nvidia_capability(q.device),
+                                 interpreted=interpreted(),
+                                 prefill=max_seqlen_q > 1 and (interpreted() or q.element_size() == 2),
+                                 decode_programs=batch * hkv if max_seqlen_q <= 1 and decode_tile_kv else 0,
+                                 sms=num_sms(q.device), fp8=k.element_size() == 1)
+        cfg = config or tile()
         if rule.keys % cfg.block_n or rule.head_split % cfg.block_n or (rule.mid_end > rule.head_keys
                                                                          and rule.mid_split % cfg.block_n):
             raise ValueError(f"config.block_n: expected a divisor of the batch-invariant splits "
@@ -185,6 +187,10 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
             num_splits, batch * cdiv(max(max_seqlen_q, 1), block_q) * hkv * (group // cfg.g_pack), num_sms(q.device))
         if split_programs == 1:  # one program a row: it folds the splits itself, the same bits
             num_splits = 1
+        elif config is None and max_seqlen_q <= 1:  # a split decode launch may take the decode tile from fewer rows
+            split_cfg = tile(split=True)
+            if split_cfg.g_pack == cfg.g_pack and split_cfg.block_n == cfg.block_n:  # the same programs and splits
+                cfg, block_q = split_cfg, split_cfg.block_m // split_cfg.g_pack
     else:
         num_splits = split_programs = min(num_splits, MAX_SPLITS)
         if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile

@@ -221,6 +221,11 @@ INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a tile of other rows a warp)
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
+# The same for decode launches that split a row's keys (several programs a row-head, so a launch of
+# sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs);
+# unset: INVARIANT_DECODE_WAVES. Opt-in while measured (docs/performance.md v55: at 1, batch 32's split
+# cells 1.18 -> 1.01x and 1.17 -> 1.06x on an H100, where an unsplit batch 64 lost with the tile).
+INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", None, least=0)
 # The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
 # 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
 INVARIANT_DECODE_WAVES_FP8 = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", 0.5, least=0, number=float)
@@ -350,7 +355,7 @@ def invariant_split_programs(num_splits: int, programs: int, sms: int) -> int:
 
 def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] | None,
                      interpreted: bool, prefill: bool = False, decode_programs: int = 0,
-                     sms: int = 0, fp8: bool = False) -> LaunchConfig:
+                     sms: int = 0, fp8: bool = False, split: bool = False) -> LaunchConfig:
     """The tile of a launch in batch-invariant mode: a row's scores and its softmax sums are reduced
     by the same operations in the same order under one key tile and one layout of a row's elements
     in its warp (16 rows a warp: the MMA's accumulator layout, whether a warp's MMA or a warpgroup's
@@ -367,7 +372,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     too), the same keys (under the interpreter its rows only). ``decode_programs`` (a decode launch's
     sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries, fp8 only where the GPU converts it
     by instruction, which the caller checks; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES`
-    (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`) x ``sms`` on an NVIDIA GPU: the rows, warps and stages
+    (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`; a launch that ``split`` s a row's keys, 16-bit:
+    :data:`INVARIANT_DECODE_WAVES_SPLIT` where set) x ``sms`` on an NVIDIA GPU: the rows, warps and stages
     (at most the tile's) of :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode
     tile set to other rows a warp than the tile's is refused on every call that does not take the prefill tile, whether it
     would take the decode tile or not (the default one is left unused). Which of these runs a row
@@ -390,7 +396,8 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
         if not keeps_layout and INVARIANT_DECODE_TILE != INVARIANT_DECODE_TILE_DEFAULT:
             raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows "
                              f"a warp, got {INVARIANT_DECODE_TILE!r}")
-        waves = INVARIANT_DECODE_WAVES_FP8 if fp8 else INVARIANT_DECODE_WAVES
+        waves = INVARIANT_DECODE_WAVES_FP8 if fp8 else INVARIANT_DECODE_WAVES_SPLIT \
+            if split and INVARIANT_DECODE_WAVES_SPLIT is not None else INVARIANT_DECODE_WAVES
         if (keeps_layout and decode_programs > 0 and decode_programs >= waves * sms
                 and decode_rows % group == 0):
             rows, warps, stages = decode_rows, decode_warps, min(decode_stages, stages)
