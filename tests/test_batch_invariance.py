@@ -514,6 +514,12 @@ def test_split_switches_from_the_environment(monkeypatch):
         launch.env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_SPLIT_STATES")
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS")
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "1")
+    assert fresh().INVARIANT_DECODE_WAVES_SPLIT == 1
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "0.5")  # whole waves, as INVARIANT_DECODE_WAVES
+    with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT: expected an integer of 0 or more"):
+        fresh()
+    monkeypatch.delenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", "0.25")  # a fraction of a wave
     assert fresh().INVARIANT_DECODE_WAVES_FP8 == 0.25
     for bad in ("-1", "nan", "x"):
@@ -571,7 +577,7 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
             softcap=0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q * n, seqused_k=None, block_table=table, num_splits=0,
             config=None, invariant=True)
 
-    assert launch.INVARIANT_DECODE_WAVES_SPLIT is None  # unset: INVARIANT_DECODE_WAVES for every launch
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", None)  # unset: INVARIANT_DECODE_WAVES for every launch
     for batch, n in ((32, 1024), (64, 1024), (256, 1024), (1, 32768)):
         p = plan(batch, n)
         assert (p.cfg.block_m, p.num_splits > 1) == ((16, False) if batch == 256 else (64, True) if batch != 64

@@ -138,7 +138,8 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     unless ``config`` is given, and either no split (one program folds a row's splits) or a partial
     state per split of the longest row under the mode's :class:`~pagedflash.ops.launch.SplitRule`
     (any other count would merge partials in another order), programs sharing a row's splits
-    (:func:`~pagedflash.ops.launch.invariant_split_programs`)."""
+    (:func:`~pagedflash.ops.launch.invariant_split_programs`); a decode launch that splits asks for its
+    tile again with ``split=True`` (:data:`~pagedflash.ops.launch.INVARIANT_DECODE_WAVES_SPLIT`)."""
     varlen_q = cu_seqlens_q is not None
     paged = block_table is not None
     hq, d = q.shape[-2], q.shape[-1]

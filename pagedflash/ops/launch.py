@@ -210,8 +210,8 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 # The mode's rows:warps:stages on NVIDIA GPUs for calls with one query row a sequence (decode) of 16-bit q
 # over 16-bit K/V, or over fp8 K/V where the GPU converts them by instruction (sm_89+), at least
-# INVARIANT_DECODE_WAVES (fp8: INVARIANT_DECODE_WAVES_FP8) programs (sequences x KV heads) an SM and a KV
-# group that divides its rows;
+# INVARIANT_DECODE_WAVES (fp8: INVARIANT_DECODE_WAVES_FP8; a launch that splits: INVARIANT_DECODE_WAVES_SPLIT
+# where set) programs (sequences x KV heads) an SM and a KV group that divides its rows;
 # empty: the tile above for every call. Its keys and its rows a warp stay the tile's, its stages at most
 # the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's four warps issue a warpgroup's):
 # that both give a row the same bits is what the compiled invariance tests check
@@ -222,9 +222,10 @@ INVARIANT_DECODE_TILE_DEFAULT = "16:1:2"  # (left unused, not refused, under a t
 INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVARIANT_DECODE_TILE_DEFAULT)
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 # The same for decode launches that split a row's keys (several programs a row-head, so a launch of
-# sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs);
-# unset: INVARIANT_DECODE_WAVES. Opt-in while measured (docs/performance.md v55: at 1, batch 32's split
-# cells 1.18 -> 1.01x and 1.17 -> 1.06x on an H100, where an unsplit batch 64 lost with the tile).
+# sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs), 16-bit
+# K/V only; unset: INVARIANT_DECODE_WAVES. Opt-in while measured (docs/performance.md v55: the plans it
+# makes at 1, timed through INVARIANT_DECODE_WAVES=1, took batch 32's split cells 1.18 -> 1.01x and 1.17 ->
+# 1.06x on an H100, where an unsplit batch 64 lost with the tile).
 INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", None, least=0)
 # The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
 # 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
