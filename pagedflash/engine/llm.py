@@ -402,9 +402,9 @@ class LLM:
 
     def grammar_compiled(self, params: SamplingParams) -> bool:
         """Whether ``params.structured_outputs`` is one of the grammars this engine compiled last (so
-        :meth:`add_request` with it likely finds it in the cache); thread-safe as :meth:`compile_grammar`."""
-        with self._grammars_lock:
-            grammars = self._grammars
+        :meth:`add_request` with it likely finds it in the cache); thread-safe as :meth:`compile_grammar`,
+        and never waits for the compiler's construction (which holds its lock for seconds)."""
+        grammars = self._grammars  # (one read of the reference: none until constructed)
         return grammars is not None and params.structured_outputs is not None and \
             grammars.compiled_before(params.structured_outputs)
 
