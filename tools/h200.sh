@@ -10,7 +10,10 @@
 # splits[:VAR=VALUE...] (tools/invariant_splits.py under those environment variables: the batch-invariant
 # mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048; SPLITS_ARGS=--engine: the
 # engine's decode cells only); TUNE_ARGS
-# adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files.
+# adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files. Any step may run under
+# environment variables of its own: VAR=VALUE[:VAR=VALUE...]@<step> (its log named after them, its results in
+# $R/<their letters and digits>/), e.g. the same serve section with and without an opt-in, in one call:
+#   SERVE_ARGS="--no-hf --batch-invariant" STEPS="serve:itl PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT=1@serve:itl"
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
 # never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
 #   SERVE_ARGS="--no-hf --batch-invariant" T_bench=400 T_serve=300 STEPS="bench:decode:--batch-invariant
@@ -28,38 +31,40 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 R=${R:-bench_results}; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt
 for step in ${STEPS:-tests}; do
+  vars=; case $step in *@*) vars=${step%%@*}; vars=${vars//:/ }; step=${step#*@} ;; esac
+  vt=${vars:+_${vars//[^A-Za-z0-9]/}}; out=$R${vars:+/${vars//[^A-Za-z0-9]/}}; mkdir -p $out
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
-    tests) log=$R/test_gpu.log
-           timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
+    tests) log=$R/test_gpu$vt.log
+           env $vars timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
     bench) name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
-           log=$R/bench_$name${tag:+_$tag}.log
-           timeout ${T_bench:-170} python3 -m pagedflash bench $name --out $R --rep-ms ${REP:-60} --warmup-ms 10 \
+           log=$R/bench_$name${tag:+_$tag}$vt.log
+           env $vars timeout ${T_bench:-170} python3 -m pagedflash bench $name --out $out --rep-ms ${REP:-60} --warmup-ms 10 \
              ${opts//:/ } > $log 2>&1 ;;
-    tune)  name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; log=$R/tune_$name.log
+    tune)  name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; log=$R/tune_$name$vt.log
            if [ "$name" = matmul ]; then
-             timeout ${T_tune:-170} python3 tools/tune_matmul.py ${opts//:/ } > $log 2>&1
+             env $vars timeout ${T_tune:-170} python3 tools/tune_matmul.py ${opts//:/ } > $log 2>&1
            else
-             timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $R ${TUNE_ARGS:-} > $log 2>&1
+             env $vars timeout ${T_tune:-170} python3 -m pagedflash bench tune --only $arg --out $out ${TUNE_ARGS:-} > $log 2>&1
            fi ;;
-    sanitize) log=$R/sanitize.log  # memcheck over the invalid-metadata tests (no caching allocator: every
+    sanitize) log=$R/sanitize$vt.log  # memcheck over the invalid-metadata tests (no caching allocator: every
            # tensor its own allocation, so a read past one is seen)
-           PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${T_sanitize:-240} compute-sanitizer --tool memcheck \
+           env $vars PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${T_sanitize:-240} compute-sanitizer --tool memcheck \
              --error-exitcode 9 --print-limit 20 python3 -m pytest -p no:xdist -q -p no:cacheprovider \
              ${SANITIZE_TESTS:-tests/test_metadata_faults.py tests/test_write_faults.py tests/test_varlen_bounds.py} \
              > $log 2>&1 ;;
     profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
-           log=$R/profile_$ctx${tag:+_$tag}.log
-           timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
-    splits) vars=; [ "$arg" != splits ] && vars=${arg//:/ }; sa=${SPLITS_ARGS:-}
+           log=$R/profile_$ctx${tag:+_$tag}$vt.log
+           env $vars timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
+    splits) [ "$arg" != splits ] && vars="$vars ${arg//:/ }"; sa=${SPLITS_ARGS:-}
            log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}${sa:+_${sa//[^A-Za-z0-9]/}}.log
            env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py $sa > $log 2>&1 ;;
-    serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}.log
-           timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $R --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
+    serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}$vt.log
+           env $vars timeout ${T_serve:-150} python3 -m pagedflash bench serve --out $out --sections $sec ${n:+--num-requests $n} ${SERVE_ARGS:-} > $log 2>&1 ;;
   esac
   rc=$?
   grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests|graph replay|on/off" $log | tail -${TAIL:-14}
-  echo "== $step rc=$rc $((SECONDS - t0)) s"
+  echo "== ${vars:+$vars @ }$step rc=$rc $((SECONDS - t0)) s"
 done
 [ "$R" = bench_results ] && a=results || a=$R
 tar czf $OUT/$a.tgz $R
