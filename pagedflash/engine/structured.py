@@ -169,9 +169,10 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             reason = _XGRAMMAR_PREFIX.sub("", str(e).strip().splitlines()[-1]) if str(e).strip() else type(e).__name__
             raise ValueError(f"structured_outputs.{kind}: xgrammar cannot compile it: {reason}") from None
+        key = _key(params)
         with self._compiled_lock:
-            self._compiled[_key(params)] = None
-            self._compiled.move_to_end(_key(params))
+            self._compiled[key] = None
+            self._compiled.move_to_end(key)
             while len(self._compiled) > MAX_KNOWN_GRAMMARS:
                 self._compiled.popitem(last=False)
         return compiled
