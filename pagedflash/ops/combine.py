@@ -61,10 +61,18 @@ def _combine_kernel(
         used = tl.minimum(tl.where(count >= 1.0, count, 0.0).to(tl.int32), num_splits)
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
+        o_base = OutPart + tok * stride_pt + head * stride_ph + offs_d
+        # split s + 1 is loaded before split s is folded: its memory round trip overlaps the fold
+        # (the fold's order and arithmetic, and so its bits, are those of a load-then-fold loop)
+        lse_next = tl.load(lse_base, mask=used >= 1, other=float("-inf"))
+        o_next = tl.load(o_base, mask=offs_d < tl.where(used >= 1, HEAD_DIM, 0), other=0.0)
         for s in range(0, used):
-            s64 = tl.cast(s, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
-            lse_s = tl.load(lse_base + s64 * stride_lps)
-            o_s = tl.load(OutPart + tok * stride_pt + head * stride_ph + s64 * stride_ps + offs_d, mask=d_ok, other=0.0)
+            lse_s = lse_next
+            o_s = o_next
+            s1 = tl.cast(s + 1, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+            more = s + 1 < used
+            lse_next = tl.load(lse_base + s1 * stride_lps, mask=more, other=float("-inf"))
+            o_next = tl.load(o_base + s1 * stride_ps, mask=offs_d < tl.where(more, HEAD_DIM, 0), other=0.0)
             w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
             out = tl.fma(out, w_a, o_s * w_b)
         out = tl.where(used >= 1, out, float("nan"))  # no count written: a NaN, never a plausible 0
