@@ -218,16 +218,18 @@ class CompilingLLM(StandInLLM):
     its add_request refuses a structured request whose grammar it did not compile, as the engine's
     would recompile it on the loop thread."""
 
-    def __init__(self):
+    def __init__(self, slow=None):
         super().__init__()
         self.gate, self.started, self.compiled, self.threads = threading.Event(), threading.Event(), set(), set()
         self.compiles = 0
+        self.slow = slow  # the one schema that waits for the gate (None: every one)
 
     def compile_grammar(self, params):
         self.threads.add(threading.current_thread().name)
         self.compiles += 1
-        self.started.set()
-        assert self.gate.wait(30)
+        if self.slow is None or params.structured_outputs.json == self.slow:
+            self.started.set()
+            assert self.gate.wait(30)
         if params.structured_outputs.json == {"bad": 1}:
             raise ValueError("structured_outputs.json: xgrammar cannot compile it: bad")
         self.compiled.add(repr(params.structured_outputs))
@@ -286,6 +288,32 @@ def test_a_grammar_compiles_off_the_loop():
             return await drain(queue)
 
         assert sum(len(e[2]) for e in asyncio.run(again())) == 2 and llm.compiles == 1
+    finally:
+        llm.gate.set()
+        engine.stop()
+
+
+def test_a_slow_grammar_holds_up_no_other():
+    """A grammar that compiles for long holds one of the grammar threads: a structured submission after
+    it, with another schema, is compiled, admitted and served meanwhile."""
+    llm = CompilingLLM(slow={"type": "array"})
+    engine = EngineLoop(llm)
+    engine.start()
+    try:
+        async def run():
+            slow = asyncio.ensure_future(engine.submit([[1]], structured({"type": "array"}), asyncio.Queue()))
+            while not llm.started.is_set():
+                await asyncio.sleep(0.01)
+            queue = asyncio.Queue()
+            await asyncio.wait_for(engine.submit([[2]], structured({"type": "object"}), queue), 30)
+            events = await drain(queue)
+            assert not slow.done()  # still compiling
+            llm.gate.set()
+            await asyncio.wait_for(slow, 30)
+            return events
+
+        assert sum(len(e[2]) for e in asyncio.run(run())) == 3
+        assert len(llm.threads) == 2 and llm.compiles == 2
     finally:
         llm.gate.set()
         engine.stop()

@@ -42,6 +42,10 @@ from dataclasses import dataclass, field
 from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.workers import WorkerError
 
+# Submissions whose grammars compile at once (xgrammar compiles outside the GIL): a grammar that takes
+# seconds holds one of them, not every structured request behind it.
+GRAMMAR_THREADS = 4
+
 logger = logging.getLogger("pagedflash.serve")
 
 
@@ -140,7 +144,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self._cond = threading.Condition()
         self._pending: list[_Submission] = []
-        self._compiling: list[_Submission] = []  # handed to the grammar thread (under _cond)
+        self._compiling: list[_Submission] = []  # handed to the grammar threads (under _cond)
         self._grammar_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first grammar
         self._aborts: list[tuple[int, str]] = []
         self._accepting = True
@@ -281,7 +285,7 @@ class EngineLoop:
             for p in sub.unique_params())
 
     def _compile_first(self, pending: list[_Submission]) -> list[_Submission]:
-        """Hand the submissions with grammars to compile to the grammar thread; the others (and any the
+        """Hand the submissions with grammars to compile to the grammar threads; the others (and any the
         thread cannot take: then compiled by ``add_request``, on this thread), to admit now."""
         now = []
         for sub in pending:
@@ -292,7 +296,8 @@ class EngineLoop:
                 self._compiling.append(sub)
             try:
                 if self._grammar_pool is None:
-                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedflash-grammar")
+                    self._grammar_pool = concurrent.futures.ThreadPoolExecutor(
+                        GRAMMAR_THREADS, thread_name_prefix="pagedflash-grammar")
                 self._grammar_pool.submit(self._compile_grammars, sub)
             except RuntimeError:  # no thread (shut down by a stop that timed out, or none to start)
                 with self._cond:
@@ -301,7 +306,7 @@ class EngineLoop:
         return now
 
     def _compile_grammars(self, sub: _Submission) -> None:
-        """On the grammar thread: compile ``sub``'s grammars, then queue it for admission (whose
+        """On a grammar thread: compile ``sub``'s grammars, then queue it for admission (whose
         ``add_request`` reports a grammar the compiler refused)."""
         try:
             for one in sub.unique_params():
