@@ -385,7 +385,8 @@ def test_input_validation(case):
 def test_bench_quick(monkeypatch, tmp_path):
     """``pagedflash bench moe --quick``: the benchmark's plumbing on tiny shapes (checked; wall-clock
     times, no figures): the decode rows' clean-L2 columns where the run zeroes L2, none under ``--flush
-    read``, whose own columns are the clean-L2 ones; the decode rows' stacked-layer columns in both."""
+    read``, whose own columns are the clean-L2 ones; the decode rows' stacked-layer columns in both; the
+    prefill rows' ratio to dense timed in turn."""
     from pagedflash import cli
     from pagedflash.bench import common
 
@@ -397,6 +398,10 @@ def test_bench_quick(monkeypatch, tmp_path):
     assert decode and all(r["clean_ms"] > 0 and r["clean_pct_bound"] > 0 and r["clean_speedup"] > 0 for r in decode)
     assert decode and all(r["stack_ms"] > 0 and r["stack_pct_bound"] > 0 for r in decode)
     assert all("clean_ms" not in r and "stack_ms" not in r for r in rows if r["T"] > 1)  # prefill sizes: no bound
+    prefill = [r for r in rows if r["T"] > 4]  # QUICK's decode_max
+    assert prefill and all(r["vs_dense_rounds"] > 0 and "-" in r["vs_dense_spread"] for r in prefill)
+    summary = json.loads((tmp_path / "moe.json").read_text())["summary"]
+    assert all(summary[f"{name}_vs_dense_largest_T_rounds"] > 0 for name in ("tiny_silu", "tiny_swiglu"))
     assert cli.main(["bench", "moe", "--quick", "--flush", "read", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "moe.json").read_text())
     assert all("clean_ms" not in r for r in doc["tables"]["moe"]["rows"])

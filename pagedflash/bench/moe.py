@@ -20,8 +20,8 @@ Per case, each checked against :func:`pagedflash.reference.fused_moe_ref` before
   gaps counted;
 - every size: TFLOP/s (6 * T * k * H * I FLOPs) and a dense bf16 GEMM of the same FLOPs
   (``[T*k, H] @ [H, 3I]``) for comparison; at prefill sizes both also timed in turn :data:`ROUNDS`
-  times, ours÷dense their median and range, so that a clock change between the two cases does not
-  make the ratio.
+  times (which one first alternating), ours÷dense their median and range, so that a clock change
+  between the two cases does not make the ratio.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from pagedflash.bench.common import (
     measure,
     ratio,
     tflops,
-    time_ms,
     timing_flush,
 )
 from pagedflash.bench.hbm import hbm_bandwidth
@@ -182,6 +181,19 @@ def flops(case: dict) -> int:
     return 6 * case["hidden"].shape[0] * case["k"] * w2.shape[1] * w2.shape[2]
 
 
+def in_turn(run, gemm, label: str) -> list[float]:
+    """ours÷dense (throughput) over :data:`ROUNDS` rounds, each timing both, which one first alternating;
+    sorted. Empty if a round failed (out of memory, say)."""
+    ratios = []
+    for i in range(ROUNDS):
+        order = ((run, "ours"), (gemm, "dense GEMM")) if i % 2 == 0 else ((gemm, "dense GEMM"), (run, "ours"))
+        timed = {who: measure(fn, label=f"{who} {label}, round {i + 1}") for fn, who in order}
+        if not all(m.ok for m in timed.values()):
+            return []
+        ratios.append(timed["dense GEMM"].ms / timed["ours"].ms)
+    return sorted(ratios)
+
+
 def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
     c = inputs(name, T, spec)
     dtype, topk_ids, weights = spec["dtype"], c["topk_ids"], c["weights"]
@@ -204,9 +216,9 @@ def case(name: str, T: int, spec: dict) -> tuple[dict, list[Measured]]:
            "speedup": ratio(ours, loop), "tflops": ours.show(lambda ms: tflops(n, ms)),
            "dense_tflops": dense.show(lambda ms: tflops(n, ms)), "vs_dense": ratio(ours, dense)}
     if T > spec["decode_max"] and ours.ok and dense.ok:  # checked above: timed only
-        rounds = sorted(dense_ms / ours_ms for ours_ms, dense_ms in
-                        ((time_ms(run), time_ms(gemm)) for _ in range(ROUNDS)))
-        row.update(vs_dense_rounds=rounds[len(rounds) // 2], vs_dense_spread=f"{rounds[0]:.3f}-{rounds[-1]:.3f}")
+        rounds = in_turn(run, gemm, label)
+        if rounds:
+            row.update(vs_dense_rounds=rounds[len(rounds) // 2], vs_dense_spread=f"{rounds[0]:.3f}-{rounds[-1]:.3f}")
     if T <= spec["decode_max"]:
         bound = bound_ms(weights, topk_ids, c["hidden"])
         row.update(active_mb=active_bytes(weights, topk_ids, c["hidden"]) / 1e6, bound_ms=bound,
@@ -244,7 +256,7 @@ def main(cfg: Config) -> int:
              "back to back (one CUDA graph a stack; eager calls under --eager), as a decode step runs them. "
              "FLOPs = 6*T*k*H*I; "
              f"dense = one [T*k, H] @ [H, 3I] GEMM of the same FLOPs; prefill sizes: ours and dense also timed in "
-             f"turn {ROUNDS} times, the median ratio and its range (the GPU's clock moves between cases). "
+             f"turn {ROUNDS} times (which first alternating), the median ratio and its range. "
              "Ratios: throughput, same run (>1: ours faster). Every case checked against the fp32 reference "
              "first; FAIL = wrong result, not timed.",
     )
