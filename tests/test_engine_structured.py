@@ -205,7 +205,7 @@ def test_an_engine_without_a_tokenizer_says_so():
 
 
 def test_compile_grammar_on_another_thread():
-    """``compile_grammar`` (the server's grammar thread) fills the cache ``add_request`` then finds, and
+    """``compile_grammar`` (the server's grammar threads) fills the cache ``add_request`` then finds, and
     raises what ``add_request`` would; ``grammar_compiled`` says which grammars it compiled lately."""
     import threading
 

@@ -251,7 +251,7 @@ def structured(schema, max_tokens=3):
 
 
 def test_a_grammar_compiles_off_the_loop():
-    """A structured submission's grammar compiles on the grammar thread while the loop goes on stepping
+    """A structured submission's grammar compiles on a grammar thread while the loop goes on stepping
     the requests already running; it is then admitted, counted as unfinished meanwhile."""
     llm = CompilingLLM()
     engine = EngineLoop(llm)

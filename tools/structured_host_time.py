@@ -7,7 +7,7 @@ token, over a synthetic byte-level vocabulary of ``--vocab`` tokens (Llama 3's s
 Each row decodes greedily from random logits under its JSON-schema mask (``mask_logits``, the
 sampler's own call), so the matchers walk real states; a row whose grammar ends starts again. Prints the medians of 3 runs.
 ``--beside``: instead, how much a Python loop on the main thread is held up while a second thread
-starts the compiler and compiles three new schemas (the server's grammar thread beside its engine loop).
+starts the compiler and compiles three new schemas (a server's grammar thread beside its engine loop).
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
-# Bounds on what a request may ask to compile: a grammar compiles on one thread (the server's grammar
-# thread, else the caller of add_request or generate), where it holds up every structured request behind
-# it, and a schema nested hundreds deep takes seconds to minutes (64 deep: ~15 ms on a 512-token vocabulary)
+# Bounds on what a request may ask to compile: a grammar compiles on one thread (one of the server's
+# grammar threads, else the caller of add_request or generate), which it holds until done, and a schema
+# nested hundreds deep takes seconds to minutes (64 deep: ~15 ms on a 512-token vocabulary)
 MAX_SPEC_CHARS = 65536  # a schema's JSON text, a regex, a grammar, all choices together
 MAX_SCHEMA_DEPTH = 64  # nesting of a schema's objects and arrays
 MAX_CHOICES = 1024

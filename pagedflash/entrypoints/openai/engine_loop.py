@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ from pagedflash.engine.sampling import SamplingParams
 from pagedflash.engine.workers import WorkerError
 
 # Submissions whose grammars compile at once (xgrammar compiles outside the GIL): a grammar that takes
-# seconds holds one of them, not every structured request behind it.
-GRAMMAR_THREADS = 4
+# seconds holds one of them, not every structured request behind it; 2 to 4, a quarter of the host's
+# cores, so that compiles leave the engine loop's thread a core.
+GRAMMAR_THREADS = min(4, max(2, (os.cpu_count() or 1) // 4))
 
 logger = logging.getLogger("pagedflash.serve")
 
