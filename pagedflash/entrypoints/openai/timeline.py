@@ -15,7 +15,7 @@ submit     validated and tokenized: handed to the engine loop (``submit``)
 received   ``--engine-process`` only: the engine process read the submission from the pipe
 picked     the engine loop took it, between two steps
 compiled   ``structured_outputs`` whose grammar the engine did not compile lately only: the loop's
-           grammar threads compiled it (the loop takes it again at its next visit)
+           grammar threads (one of them) compiled it (the loop takes it again at its next visit)
 added      ``LLM.add_request`` returned
 scheduled  the ``LLM.step`` call that first ran the request began (its first prefill chunk)
 first_token  the ``LLM.step`` call that returned the request's first token returned
