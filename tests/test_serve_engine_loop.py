@@ -245,6 +245,14 @@ class CompilingLLM(StandInLLM):
         return super().add_request(ids, params)
 
 
+async def compile_started(llm, timeout=30):
+    """Until the stand-in's first gated compile began (at most ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not llm.started.is_set():
+        assert time.monotonic() < deadline, "no grammar compile started"
+        await asyncio.sleep(0.01)
+
+
 def structured(schema, max_tokens=3):
     from pagedflash.engine.structured import StructuredOutputsParams
     return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=schema))
@@ -263,8 +271,7 @@ def test_a_grammar_compiles_off_the_loop():
             await asyncio.wait_for(running.get(), 30)
             queue = asyncio.Queue()
             admitted = asyncio.ensure_future(engine.submit([[2], [3]], structured({"type": "object"}), queue))
-            while not llm.started.is_set():
-                await asyncio.sleep(0.01)
+            await compile_started(llm)
             steps, deadline = llm.steps, time.monotonic() + 30
             while llm.steps < steps + 20:  # the running request keeps stepping while the grammar compiles
                 assert time.monotonic() < deadline
@@ -302,8 +309,7 @@ def test_a_slow_grammar_holds_up_no_other():
     try:
         async def run():
             slow = asyncio.ensure_future(engine.submit([[1]], structured({"type": "array"}), asyncio.Queue()))
-            while not llm.started.is_set():
-                await asyncio.sleep(0.01)
+            await compile_started(llm)
             queue = asyncio.Queue()
             await asyncio.wait_for(engine.submit([[2]], structured({"type": "object"}), queue), 30)
             events = await drain(queue)
@@ -343,8 +349,7 @@ def test_max_queue_counts_the_submissions_compiling():
     try:
         async def run():
             admitted = asyncio.ensure_future(engine.submit([[1], [2]], structured({"type": "object"}), asyncio.Queue()))
-            while not llm.started.is_set():
-                await asyncio.sleep(0.01)
+            await compile_started(llm)
             with pytest.raises(QueueFullError, match="2 requests are waiting"):
                 await engine.submit([[3]], SamplingParams(max_tokens=1), asyncio.Queue())
             llm.gate.set()
@@ -365,8 +370,7 @@ def test_stop_while_a_grammar_compiles():
     try:
         async def run():
             admitted = asyncio.ensure_future(engine.submit([[1]], structured({"type": "object"}), asyncio.Queue()))
-            while not llm.started.is_set():
-                await asyncio.sleep(0.01)
+            await compile_started(llm)
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
             with pytest.raises(EngineClosedError, match="shut down"):
                 await asyncio.wait_for(admitted, 30)
