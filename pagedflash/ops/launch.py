@@ -223,9 +223,7 @@ INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVAR
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 # The same for decode launches that split a row's keys (several programs a row-head, so a launch of
 # sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs), 16-bit
-# K/V only; unset: INVARIANT_DECODE_WAVES. Opt-in while measured (docs/performance.md v55: the plans it
-# makes at 1, timed through INVARIANT_DECODE_WAVES=1, took batch 32's split cells 1.18 -> 1.01x and 1.17 ->
-# 1.06x on an H100, where an unsplit batch 64 lost with the tile).
+# K/V only; unset: INVARIANT_DECODE_WAVES. Opt-in until its sweep has run (docs/performance.md, After v56).
 INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", None, least=0)
 # The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
 # 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
