@@ -49,3 +49,13 @@ def test_bad_arguments_are_refused():
         run = subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, timeout=120,
                              env=child_env())
         assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_moe_host_time_runs_on_the_sm90_plans():
+    """``tools/moe_host_time.py``, which borrows this tool's sm90 answers: the MoE ops planned and their
+    launches recorded (2 for the decode layer, 1 for the route), a time per call printed."""
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "moe_host_time.py"), "--tokens", "1", "--calls", "5"],
+                         capture_output=True, text=True, env=child_env(interpret=False), timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [x for x in run.stdout.splitlines() if " T=1: " in x]
+    assert len(lines) == 2 and all("(2 launches)" in x and "(1 launch)" in x for x in lines), run.stdout
