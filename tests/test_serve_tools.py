@@ -1,12 +1,13 @@
-"""Chat tool calling (:mod:`pagedflash.entrypoints.openai.tools`): the hermes parser and the streamed
-hold-back without a server; then over HTTP, with a tool-rendering template on the tiny model: a named
-function (arguments constrained to its schema), ``"required"`` (a JSON array of calls), ``"auto"``
-(the hermes parser; the tiny random model is made to write a call with ``structured_outputs``),
+"""Chat tool calling (:mod:`pagedflash.entrypoints.openai.tools`): the hermes, llama3_json and mistral
+parsers and the streamed hold-back without a server; then over HTTP, with a tool-rendering template on
+the tiny model: a named function (arguments constrained to its schema), ``"required"`` (a JSON array of
+calls), ``"auto"`` (each parser; the tiny random model is made to write a call with ``structured_outputs``),
 ``"none"``, the template's view of tools and of earlier calls, streamed as not, and the 400s.
 """
 
 import json
 import random
+import re
 
 import pytest
 from test_serve import MODEL, LiveServer, assert_400
@@ -55,6 +56,38 @@ def test_hermes_parser():
     assert content == "Hi " and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("f", {"a": 1})]
 
 
+def calls_of(parsed):
+    return parsed[0], [(c.function.name, json.loads(c.function.arguments)) for c in parsed[1]]
+
+
+def test_llama3_json_parser():
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}'
+    oslo = ("get_weather", {"city": "Oslo", "unit": "C"})
+    for text in (call, "<|python_tag|>" + call, " \n" + call, call + "; " + call, call + "\n" + call,
+                 "<|python_tag|>" + call + ";" + call.replace("parameters", "arguments")):
+        content, found = calls_of(tools.parse_llama3_json(text))
+        assert content is None and found == [oslo] * len(found) and len(found) == text.count("get_weather"), text
+    _, found = calls_of(tools.parse_llama3_json('{"name": "f", "arguments": "{\\"a\\": 1}"}'))
+    assert found == [("f", {"a": 1})]  # arguments may be JSON text
+    for text in ("plain text", "Sure: " + call, call + " and some text", '{"name": 1, "parameters": {}}',
+                 '{"x": 1}', "[1]", '{"name": "f", "parameters": "hello"}', call + "; {bad", "{", "", "<|python_tag|>"):
+        assert tools.parse_llama3_json(text) == (text or None, []), text
+
+
+def test_mistral_parser():
+    oslo, paris = ("get_weather", {"city": "Oslo", "unit": "C"}), ("get_weather", {"city": "Paris", "unit": "C"})
+    array = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}, ' \
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}]'
+    assert calls_of(tools.parse_mistral("Let me look. " + array)) == ("Let me look. ", [oslo, paris])
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "C"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}'
+    assert calls_of(tools.parse_mistral(v11)) == (None, [oslo, paris])
+    ids = [c.id for c in tools.parse_mistral(array)[1]]
+    assert len(set(ids)) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)  # what Mistral's templates require
+    for text in ("plain text", "[TOOL_CALLS]", "[TOOL_CALLS] [{bad", '[TOOL_CALLS] [{"x": 1}]', "[TOOL_CALLS]f[ARGS]{",
+                 '[TOOL_CALLS]f[ARGS]"text"', '[TOOL_CALLS] [{"name": "f", "arguments": {}}] trailing', "[TOOL_CALLS] []"):
+        assert tools.parse_mistral(text) == (text, []), text
+
+
 def test_finish_reasons_and_parallel_calls():
     two = HERMES_CALL + HERMES_CALL.replace("Oslo", "Paris")
     auto = tools.ToolPlan("auto", parser="hermes")
@@ -68,10 +101,20 @@ def test_finish_reasons_and_parallel_calls():
     assert tools.finish(required, '[{"name": "get_time"', "length") == ('[{"name": "get_time"', [], "length")
 
 
-@pytest.mark.parametrize("text", ["Sure: " + HERMES_CALL, "no call at all <tool", "<tool_call>{bad}</tool_call>",
-                                  HERMES_CALL + " trailing"])
-def test_streamed_auto_equals_the_whole_text(text):
-    plan = tools.ToolPlan("auto", parser="hermes")
+LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}'
+MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}]'
+STREAMED = [("hermes", t) for t in ("Sure: " + HERMES_CALL, "no call at all <tool", "<tool_call>{bad}</tool_call>",
+                                    HERMES_CALL + " trailing")] + \
+    [("llama3_json", t) for t in (LLAMA3_CALL, " <|python_tag|>" + LLAMA3_CALL + "; " + LLAMA3_CALL, "Text then " + LLAMA3_CALL,
+                                  "<|python", LLAMA3_CALL + " trailing", "  ")] + \
+    [("mistral", t) for t in ("Sure: " + MISTRAL_CALL, "no call [TOOL", MISTRAL_CALL + " trailing",
+                              "[TOOL_CALLS]get_weather[ARGS]{}")]
+
+
+@pytest.mark.parametrize("parser, text", STREAMED, ids=[f"{p}-{i}" for i, (p, _) in enumerate(STREAMED)])
+def test_streamed_auto_equals_the_whole_text(parser, text):
+    plan = tools.ToolPlan("auto", parser=parser)
+    start = {"hermes": tools.HERMES_START, "llama3_json": "{", "mistral": tools.MISTRAL_START}[parser]
     whole_content, whole_calls, whole_reason = tools.finish(plan, text, "stop")
     rng = random.Random(0)
     for _ in range(20):
@@ -79,7 +122,7 @@ def test_streamed_auto_equals_the_whole_text(text):
         while cut < len(text):
             step = rng.randint(0, 5)
             sent += stream.push(text[cut : cut + step])
-            assert not (sent and tools.HERMES_START in sent and whole_calls), sent
+            assert not (whole_calls and start in sent), sent  # no part of a call is sent as text
             cut += step
         rest, calls, reason = stream.finish("stop")
         sent += rest
@@ -170,6 +213,24 @@ def test_auto_parses_hermes_calls(server, stream):
     # the default tool_choice with tools is "auto"; a reply without a call is content
     content, calls, reason = create(server, stream, max_tokens=8)
     assert calls == [] and reason in ("stop", "length") and content is not None
+
+
+PARSER_OUTPUTS = {"llama3_json": ("", '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}'),
+                  "mistral": ("Ok ", 'Ok [TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]')}
+
+
+@pytest.mark.parametrize("parser", sorted(PARSER_OUTPUTS))
+def test_auto_with_each_parser(parser):
+    content, output = PARSER_OUTPUTS[parser]
+    s = LiveServer("--max-num-seqs", "2", "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
+                   "--tool-call-parser", parser)
+    try:
+        forced = {"structured_outputs": {"regex": re.escape(output)}}
+        got, calls, reason = create(s, parser == "mistral", extra_body=forced, max_tokens=100)  # one streamed
+        assert reason == "tool_calls" and (got or "") == content, got
+        assert [(n, json.loads(a)) for n, a in calls] == [("get_time", {"zone": "UTC"})]
+    finally:
+        s.stop()
 
 
 def test_none_renders_the_tools_and_returns_text(server):

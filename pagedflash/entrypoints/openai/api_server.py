@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='chat tool_choice "auto": parse the model\'s tool calls (needs --tool-call-parser)')
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(tools.PARSERS),
-                    help="the format the model writes its tool calls in (hermes: Qwen 2.5/3, Hermes)")
+                    help="the format the model writes its tool calls in (hermes: Qwen 2.5/3, Hermes; llama3_json: "
+                         "Llama 3.1-3.3; mistral: Mistral 7B v0.3, Nemo, Small)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     ap.add_argument("--max-queue", type=int, default=None,
                     help="requests waiting for admission at most; more get 503 (default: no limit)")

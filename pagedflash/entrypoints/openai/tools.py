@@ -10,10 +10,10 @@ their ``arguments`` as dicts (what tool-use templates expect). ``tool_choice``:
 - ``"required"``: the output is constrained to a JSON array of ``{"name", "parameters"}`` objects,
   one of the tools each, and returned as that many tool calls (``"tool_calls"``);
 - ``"auto"`` (the default with tools): the model decides; its text is parsed for calls by the
-  server's ``--tool-call-parser`` (:data:`PARSERS`; ``hermes``: ``<tool_call>{"name", "arguments"}
-  </tool_call>`` blocks, the format of Qwen 2.5/3 and Hermes models), ``"tool_calls"`` when it made one;
-  its text keeps special tokens (``skip_special_tokens`` false, as vLLM's parsers ask: some models'
-  ``<tool_call>`` is one).
+  server's ``--tool-call-parser`` (:data:`PARSERS`: ``hermes`` for Qwen 2.5/3 and Hermes models,
+  ``llama3_json`` for Llama 3.1-3.3, ``mistral`` for Mistral's), ``"tool_calls"`` when it made one;
+  its text keeps special tokens (``skip_special_tokens`` false, as vLLM's parsers ask: the markers
+  ``<tool_call>``, ``<|python_tag|>`` and ``[TOOL_CALLS]`` are special tokens in some vocabularies).
 
 ``parallel_tool_calls: false`` keeps one call (``"required"``: an array of one). A reply cut short by
 ``max_tokens`` keeps ``"length"``. Streamed, a named call's arguments stream as they come;
@@ -24,8 +24,11 @@ output has ended, then the finish reason in a chunk of its own.
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedflash.engine.structured import StructuredOutputsParams
@@ -156,7 +159,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[p.ToolCall]]:
     the whole output is text."""
     calls = []
     for block in _HERMES.finditer(text):
-        call = _hermes_call(block.group(1) if block.group(1) is not None else block.group(2))
+        call = _json_call(block.group(1) if block.group(1) is not None else block.group(2))
         if call is None:
             return text or None, []
         calls.append(call)
@@ -165,22 +168,110 @@ def parse_hermes(text: str) -> tuple[str | None, list[p.ToolCall]]:
     return text[: text.index(HERMES_START)] or None, calls
 
 
-def _hermes_call(block: str) -> p.ToolCall | None:
+LLAMA3_START = "<|python_tag|>"
+_SEPARATOR = re.compile(r"\s*;?\s*")
+
+
+def parse_llama3_json(text: str) -> tuple[str | None, list[p.ToolCall]]:
+    """(None, the calls) of an output that is only calls in Llama 3.1-3.3's JSON format: after optional
+    whitespace and ``<|python_tag|>``, one or more ``{"name": <a string>, "arguments"`` (or
+    ``"parameters"``) ``: <an object, or its JSON text>}`` objects, separated by ``;`` and whitespace.
+    Anything else (text first, a call that is not such JSON, text after the calls) is all text."""
+    body = text.lstrip()
+    body = body[len(LLAMA3_START) :] if body.startswith(LLAMA3_START) else body
+    calls, at, decoder = [], _SEPARATOR.match(body).end(), json.JSONDecoder()
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return text or None, []
+        call = _call(value, ("arguments", "parameters"))
+        if call is None:
+            return text or None, []
+        calls.append(call)
+        at = _SEPARATOR.match(body, at).end()
+    return (None, calls) if calls else (text or None, [])
+
+
+def _llama3_sendable(text: str) -> int:
+    body = text.lstrip()
+    if not body or body.startswith("{") or body.startswith(LLAMA3_START) or LLAMA3_START.startswith(body):
+        return 0  # may be a call: held back whole
+    return len(text)
+
+
+MISTRAL_START = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def parse_mistral(text: str) -> tuple[str | None, list[p.ToolCall]]:
+    """(the text before the first call, or None when empty; the calls) of a Mistral-format output:
+    ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (Mistral 7B v0.3, Nemo), or
+    ``[TOOL_CALLS]<name>[ARGS]<JSON object>`` once per call (the v11 tokenizers'). Calls get the
+    9-character alphanumeric ids Mistral's chat templates require of earlier calls. If what follows
+    the marker is neither, the whole output is text."""
+    start = text.find(MISTRAL_START)
+    if start < 0:
+        return text or None, []
+    calls = []
+    for part in text[start:].split(MISTRAL_START)[1:]:
+        name, arguments = part.split(MISTRAL_ARGS, 1) if MISTRAL_ARGS in part else (None, part)
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError:
+            return text, []
+        values = [{"name": name.strip(), "arguments": value}] if name is not None else \
+            value if isinstance(value, list) else [value]
+        found = [_call(v) for v in values]
+        if not found or None in found:
+            return text, []
+        calls += [c.model_copy(update={"id": "".join(random.choices(_ID_CHARS, k=9))}) for c in found]
+    return text[:start] or None, calls
+
+
+def _json_call(block: str) -> p.ToolCall | None:
     try:
         value = json.loads(block)
-        if not isinstance(value, dict):
-            return None
-        arguments = value.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value.get("name"), str) or not isinstance(arguments, dict):
+    return _call(value)
+
+
+def _call(value, keys: tuple[str, ...] = ("arguments",)) -> p.ToolCall | None:
+    """The call of ``{"name": <a string>, <one of keys>: <an object, or its JSON text>}``, else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return tool_call(value["name"], arguments)
+    arguments = next((value[k] for k in keys if k in value), {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return tool_call(value["name"], arguments) if isinstance(arguments, dict) else None
 
 
-PARSERS = {"hermes": parse_hermes}
+def _marker_sendable(marker: str):
+    def sendable(text: str) -> int:
+        start = text.find(marker)
+        return start if start >= 0 else _safe_end(text, marker)
+    return sendable
+
+
+@dataclass(frozen=True)
+class Parser:
+    """A tool-call format: ``parse`` gives a finished output's (content, calls); ``sendable`` how much
+    of an unfinished output is content whatever follows (what a stream may send)."""
+
+    parse: Callable[[str], tuple[str | None, list[p.ToolCall]]]
+    sendable: Callable[[str], int]
+
+
+PARSERS = {
+    "hermes": Parser(parse_hermes, _marker_sendable(HERMES_START)),  # Qwen 2.5 / 3, Hermes
+    "llama3_json": Parser(parse_llama3_json, _llama3_sendable),  # Llama 3.1 / 3.2 / 3.3
+    "mistral": Parser(parse_mistral, _marker_sendable(MISTRAL_START)),  # Mistral 7B v0.3, Nemo, Small
+}
 
 
 def finish(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[p.ToolCall], str | None]:
@@ -194,7 +285,7 @@ def finish(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | 
         if calls is None:
             return text, [], finish_reason
     elif plan.mode == "auto":
-        content, calls = PARSERS[plan.parser](text)
+        content, calls = PARSERS[plan.parser].parse(text)
         if not calls:
             return text, [], finish_reason
     else:
@@ -215,8 +306,7 @@ class ToolStream:
         self.text += delta
         if self.plan.mode != "auto":
             return ""
-        start = self.text.find(HERMES_START)
-        end = start if start >= 0 else _safe_end(self.text, HERMES_START)
+        end = PARSERS[self.plan.parser].sendable(self.text)
         out = self.text[self.sent : max(end, self.sent)]
         self.sent = max(end, self.sent)
         return out
