@@ -82,18 +82,19 @@ def test_n_echo_and_logit_bias(server):
     client = server.client()
     tok = server.state.tokenizer
     ids = tok.encode("The quick brown fox")
+    echo = tok.decode(ids, skip_special_tokens=False)  # ids echo with their special tokens (the BOS)
     asked = dict(model=MODEL, prompt=ids, max_tokens=2, n=3, seed=21, echo=True, logprobs=1, **SAMPLED)
     whole = client.completions.create(**asked)
     assert [c.index for c in whole.choices] == [0, 1, 2] and len({c.text for c in whole.choices}) > 1
     assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == 6
     for c in whole.choices:
-        assert c.text.startswith(tok.decode(ids)) and len(c.logprobs.tokens) == len(ids) + 2
+        assert c.text.startswith(echo) and len(c.logprobs.tokens) == len(ids) + 2
         assert c.logprobs.token_logprobs[0] is None and all(x <= 0 for x in c.logprobs.token_logprobs[1:])
     chunks = list(client.completions.create(**asked, stream=True))
     assert streamed_texts(chunks) == {c.index: c.text for c in whole.choices}
     assert finish_reasons(chunks) == {i: ["length"] for i in range(3)}
     alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, seed=22, **SAMPLED)
-    assert whole.choices[1].text == tok.decode(ids) + alone.choices[0].text
+    assert whole.choices[1].text == echo + alone.choices[0].text
 
     biased = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, logit_bias={"42": 100}, **GREEDY)
     assert biased.choices[0].text == tok.decode([42] * 3)

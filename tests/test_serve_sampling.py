@@ -235,7 +235,8 @@ def test_echo_with_n_and_a_batch_and_without_generation(server):
     client = server.client()
     tok = server.state.tokenizer
     prompts = [[1, 300, 301], [7, 8, 9]]
-    texts = [tok.decode(ids) for ids in prompts]  # token ids echo as their decoded text
+    texts = [tok.decode(ids, skip_special_tokens=False) for ids in prompts]  # token ids echo as their text,
+    assert texts[0] != tok.decode(prompts[0])  # special tokens (here a BOS) included
     out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, n=2, echo=True, seed=9, **SAMPLED)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     for c in out.choices:

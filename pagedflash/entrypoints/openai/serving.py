@@ -251,8 +251,9 @@ def completion_prompts(state: ServerState, request: p.CompletionRequest) -> list
 
 
 def echo_texts(state: ServerState, request: p.CompletionRequest, prompts: list[list[int]]) -> list[str]:
-    """Each prompt's text for ``echo``: a string as given, token ids decoded."""
-    return [item if isinstance(item, str) else state.tokenizer.decode(ids)
+    """Each prompt's text for ``echo``: a string as given, token ids decoded with their special tokens
+    (vLLM's: the ids are what the model saw)."""
+    return [item if isinstance(item, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
             for item, ids in zip(prompt_batch(request), prompts)]
 
 
