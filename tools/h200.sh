@@ -13,7 +13,7 @@
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files. Any step may run under
 # environment variables of its own: VAR=VALUE[:VAR=VALUE...]@<step> (its log named after them, its results in
 # $R/<their letters and digits>/), e.g. the same serve section with and without an opt-in, in one call:
-#   SERVE_ARGS="--no-hf --batch-invariant" STEPS="serve:itl PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT=1@serve:itl"
+#   SERVE_ARGS="--no-hf --batch-invariant" STEPS="serve:itl PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT=8@serve:itl"
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
 # never measured: past the device's 10-minute limit per command, run bench:invariance in a call of its own):
 #   SERVE_ARGS="--no-hf --batch-invariant" T_bench=400 T_serve=300 STEPS="bench:decode:--batch-invariant

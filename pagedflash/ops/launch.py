@@ -210,8 +210,8 @@ INVARIANT_TILE = os.environ.get("PAGEDFLASH_INVARIANT_TILE", "")
 INVARIANT_PREFILL_TILE = os.environ.get("PAGEDFLASH_INVARIANT_PREFILL_TILE", "")
 # The mode's rows:warps:stages on NVIDIA GPUs for calls with one query row a sequence (decode) of 16-bit q
 # over 16-bit K/V, or over fp8 K/V where the GPU converts them by instruction (sm_89+), at least
-# INVARIANT_DECODE_WAVES (fp8: INVARIANT_DECODE_WAVES_FP8; a launch that splits: INVARIANT_DECODE_WAVES_SPLIT
-# where set) programs (sequences x KV heads) an SM and a KV group that divides its rows;
+# INVARIANT_DECODE_WAVES (fp8: INVARIANT_DECODE_WAVES_FP8; a launch that splits: INVARIANT_DECODE_WAVES_SPLIT)
+# programs (sequences x KV heads) an SM and a KV group that divides its rows;
 # empty: the tile above for every call. Its keys and its rows a warp stay the tile's, its stages at most
 # the tile's; its MMA may differ (16:1, one warp's MMA, where the tile's four warps issue a warpgroup's):
 # that both give a row the same bits is what the compiled invariance tests check
@@ -223,8 +223,8 @@ INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVAR
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 # The same for decode launches that split a row's keys (several programs a row-head, so a launch of
 # sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs), 16-bit
-# K/V only; unset: INVARIANT_DECODE_WAVES. Opt-in until its sweep has run (docs/performance.md, After v56).
-INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", None, least=0)
+# K/V only: from one wave (docs/performance.md v57).
+INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", 1, least=0)
 # The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
 # 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
 INVARIANT_DECODE_WAVES_FP8 = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", 0.5, least=0, number=float)
@@ -372,7 +372,7 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
     sequences x KV heads, 16-bit or ``fp8`` K/V under 16-bit queries, fp8 only where the GPU converts it
     by instruction, which the caller checks; 0 otherwise) of at least :data:`INVARIANT_DECODE_WAVES`
     (``fp8``: :data:`INVARIANT_DECODE_WAVES_FP8`; a launch that ``split`` s a row's keys, 16-bit:
-    :data:`INVARIANT_DECODE_WAVES_SPLIT` where set) x ``sms`` on an NVIDIA GPU: the rows, warps and stages
+    :data:`INVARIANT_DECODE_WAVES_SPLIT`) x ``sms`` on an NVIDIA GPU: the rows, warps and stages
     (at most the tile's) of :data:`INVARIANT_DECODE_TILE`, where a KV group divides its rows; a decode
     tile set to other rows a warp than the tile's is refused on every call that does not take the prefill tile, whether it
     would take the decode tile or not (the default one is left unused). Which of these runs a row
@@ -395,8 +395,7 @@ def invariant_config(*, group: int, head_dim: int, capability: tuple[int, int] |
         if not keeps_layout and INVARIANT_DECODE_TILE != INVARIANT_DECODE_TILE_DEFAULT:
             raise ValueError(f"PAGEDFLASH_INVARIANT_DECODE_TILE: expected the mode's tile's {rows // warps} rows "
                              f"a warp, got {INVARIANT_DECODE_TILE!r}")
-        waves = INVARIANT_DECODE_WAVES_FP8 if fp8 else INVARIANT_DECODE_WAVES_SPLIT \
-            if split and INVARIANT_DECODE_WAVES_SPLIT is not None else INVARIANT_DECODE_WAVES
+        waves = INVARIANT_DECODE_WAVES_FP8 if fp8 else INVARIANT_DECODE_WAVES_SPLIT if split else INVARIANT_DECODE_WAVES
         if (keeps_layout and decode_programs > 0 and decode_programs >= waves * sms
                 and decode_rows % group == 0):
             rows, warps, stages = decode_rows, decode_warps, min(decode_stages, stages)
