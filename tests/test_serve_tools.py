@@ -40,6 +40,12 @@ HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", 
 
 
 # ------------------------------------------------------------------ without a server
+def UNSERIALIZABLE(form):  # noqa: N802 -- calls no parser may raise on or return: the output is text
+    return [form.format(x) for x in ('{"a": ' + "9" * 5000 + "}", "[" * 5000, '{"a": "\\ud800"}', '{"a": NaN}',
+                                     '{"a": 1e999}')] + [form.format("{}").replace('"f"', name) for name in ('""', '"a b"')
+                                                         if '"f"' in form]
+
+
 def test_hermes_parser():
     content, calls = tools.parse_hermes("Let me look.\n" + HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Paris"))
     assert content == "Let me look.\n"
@@ -49,7 +55,8 @@ def test_hermes_parser():
     assert tools.parse_hermes(HERMES_CALL)[0] is None
     for text in ("plain text", "<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": 1", '<tool_call>{"x": 1}</tool_call>',
                  '<tool_call>{"name": 1, "arguments": {}}</tool_call>', '<tool_call>[1]</tool_call>',
-                 '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', HERMES_CALL + "<tool_call>{bad"):
+                 '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', HERMES_CALL + "<tool_call>{bad",
+                 *UNSERIALIZABLE('<tool_call>{{"name": "f", "arguments": {}}}</tool_call>')):
         assert tools.parse_hermes(text) == (text, []), text
     # the last block may end unclosed (the model stopped after its JSON); arguments may be JSON text
     content, calls = tools.parse_hermes('Hi <tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}')
@@ -70,7 +77,8 @@ def test_llama3_json_parser():
     _, found = calls_of(tools.parse_llama3_json('{"name": "f", "arguments": "{\\"a\\": 1}"}'))
     assert found == [("f", {"a": 1})]  # arguments may be JSON text
     for text in ("plain text", "Sure: " + call, call + " and some text", '{"name": 1, "parameters": {}}',
-                 '{"x": 1}', "[1]", '{"name": "f", "parameters": "hello"}', call + "; {bad", "{", "", "<|python_tag|>"):
+                 '{"x": 1}', "[1]", '{"name": "f", "parameters": "hello"}', call + "; {bad", "{", "", "<|python_tag|>",
+                 ";" + call, *UNSERIALIZABLE("{{\"name\": \"f\", \"parameters\": {}}}")):
         assert tools.parse_llama3_json(text) == (text or None, []), text
 
 
@@ -83,9 +91,29 @@ def test_mistral_parser():
     assert calls_of(tools.parse_mistral(v11)) == (None, [oslo, paris])
     ids = [c.id for c in tools.parse_mistral(array)[1]]
     assert len(set(ids)) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)  # what Mistral's templates require
+    # markers inside the JSON are text; a [CALL_ID] after the name is dropped
+    inner = '[TOOL_CALLS] [{"name": "f", "arguments": {"q": "[ARGS] [TOOL_CALLS]"}}]'
+    assert calls_of(tools.parse_mistral(inner)) == (None, [("f", {"q": "[ARGS] [TOOL_CALLS]"})])
+    assert calls_of(tools.parse_mistral('[TOOL_CALLS]f[CALL_ID]a1b2c3d4e[ARGS]{"a": 1}')) == (None, [("f", {"a": 1})])
     for text in ("plain text", "[TOOL_CALLS]", "[TOOL_CALLS] [{bad", '[TOOL_CALLS] [{"x": 1}]', "[TOOL_CALLS]f[ARGS]{",
-                 '[TOOL_CALLS]f[ARGS]"text"', '[TOOL_CALLS] [{"name": "f", "arguments": {}}] trailing', "[TOOL_CALLS] []"):
+                 '[TOOL_CALLS]f[ARGS]"text"', '[TOOL_CALLS] [{"name": "f", "arguments": {}}] trailing', "[TOOL_CALLS] []",
+                 "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS]" + "9" * 5000, *UNSERIALIZABLE("[TOOL_CALLS]f[ARGS]{}"),
+                 *UNSERIALIZABLE('[TOOL_CALLS] [{{"name": "f", "arguments": {}}}]')):
         assert tools.parse_mistral(text) == (text, []), text
+
+
+def test_every_call_takes_the_parsers_id_form():
+    """With the mistral parser, named and "required" calls get its 9-character ids too (a Mistral
+    template refuses a history holding other ids); other parsers keep OpenAI's form."""
+    def ids(parser, choice, text):
+        request = p.ChatCompletionRequest.model_validate({"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                                          "tool_choice": choice})
+        return [c.id for c in tools.finish(tools.plan(request, parser), text, "stop")[1]]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    required = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_time", "parameters": {"zone": "CET"}}]'
+    for choice, text in ((named, '{"zone": "UTC"}'), ("required", required)):
+        assert all(len(i) == 9 and i.isalnum() for i in ids("mistral", choice, text))
+        assert all(i.startswith("chatcmpl-tool-") for i in ids("hermes", choice, text) + ids(None, choice, text))
 
 
 def test_finish_reasons_and_parallel_calls():
@@ -106,7 +134,7 @@ MISTRAL_CALL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Osl
 STREAMED = [("hermes", t) for t in ("Sure: " + HERMES_CALL, "no call at all <tool", "<tool_call>{bad}</tool_call>",
                                     HERMES_CALL + " trailing")] + \
     [("llama3_json", t) for t in (LLAMA3_CALL, " <|python_tag|>" + LLAMA3_CALL + "; " + LLAMA3_CALL, "Text then " + LLAMA3_CALL,
-                                  "<|python", LLAMA3_CALL + " trailing", "  ")] + \
+                                  "<|python", LLAMA3_CALL + " trailing", "  ", ";" + LLAMA3_CALL)] + \
     [("mistral", t) for t in ("Sure: " + MISTRAL_CALL, "no call [TOOL", MISTRAL_CALL + " trailing",
                               "[TOOL_CALLS]get_weather[ARGS]{}")]
 
@@ -139,6 +167,7 @@ def test_required_schema_and_parse():
     calls = tools.parse_required('[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
     assert tools.parse_required('[{"name": "get_time", "param') is None
+    assert tools.parse_required('[{"name": "get_time", "parameters": {"zone": "\\ud800"}}]') is None  # not UTF-8
 
 
 # ------------------------------------------------------------------ over HTTP

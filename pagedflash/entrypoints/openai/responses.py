@@ -152,7 +152,7 @@ async def chat_stream(gen: Generation, model: str, include_usage: bool, plan: to
                     calls = [p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments=d.text))]
                 else:
                     named_started.add(d.index)
-                    calls = [call_delta(0, tools.tool_call(plan.name, d.text))]
+                    calls = [call_delta(0, tools.tool_call(plan.name, d.text, plan.call_id))]
                 delta = p.DeltaMessage.model_construct(tool_calls=calls)
             elif held is not None:
                 content, calls = held[d.index].push(d.text), None

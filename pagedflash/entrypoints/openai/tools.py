@@ -47,6 +47,11 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def mistral_call_id() -> str:
+    """9 letters and digits: what Mistral's chat templates require of an earlier call's id."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
 @dataclass
 class ToolPlan:
     """What a chat request's ``tool_choice`` asks of the engine and of its response."""
@@ -55,6 +60,7 @@ class ToolPlan:
     name: str | None = None  # the named function's
     parser: str | None = None  # "auto": the server's --tool-call-parser
     parallel: bool = True  # several calls allowed
+    call_id: Callable[[], str] = new_call_id  # the server's parser's id form, whatever the mode
 
     def constraint(self, tools: list[p.Tool]) -> StructuredOutputsParams | None:
         if self.mode == "named":
@@ -97,6 +103,8 @@ def plan(request: p.ChatCompletionRequest, parser: str | None) -> ToolPlan:
         raise ToolError(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} constrains "
                         "the output already: give it or response_format / structured_outputs, not both", "tool_choice")
     found.parallel = request.parallel_tool_calls
+    if parser is not None:
+        found.call_id = PARSERS[parser].call_id
     return found
 
 
@@ -123,7 +131,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 text = call["function"]["arguments"]
                 try:
                     arguments = json.loads(text) if text.strip() else {}
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:
                     arguments = e
                 if not isinstance(arguments, dict):
                     field = f"messages[{i}].tool_calls[{j}].function.arguments"
@@ -135,18 +143,19 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the model's output
-def tool_call(name: str, arguments) -> p.ToolCall:
+def tool_call(name: str, arguments, call_id: Callable[[], str] = new_call_id) -> p.ToolCall:
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return p.ToolCall(id=new_call_id(), function=p.FunctionCall(name=name, arguments=text))
+    return p.ToolCall(id=call_id(), function=p.FunctionCall(name=name, arguments=text))
 
 
-def parse_required(text: str) -> list[p.ToolCall] | None:
-    """The calls of a ``"required"`` output (a JSON array), or None where it is incomplete."""
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
+def parse_required(text: str, call_id: Callable[[], str] = new_call_id) -> list[p.ToolCall] | None:
+    """The calls of a ``"required"`` output (a JSON array), or None where it is incomplete (or its
+    arguments would not make valid JSON text again)."""
+    values = _loads(text)
+    if not isinstance(values, list):
         return None
-    return [tool_call(c["name"], c["parameters"]) for c in calls]
+    calls = [_call(c, ("parameters",), call_id) for c in values]
+    return None if not calls or None in calls else calls
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)  # the last may end unclosed
@@ -159,7 +168,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[p.ToolCall]]:
     the whole output is text."""
     calls = []
     for block in _HERMES.finditer(text):
-        call = _json_call(block.group(1) if block.group(1) is not None else block.group(2))
+        call = _call(_loads(block.group(1) if block.group(1) is not None else block.group(2)))
         if call is None:
             return text or None, []
         calls.append(call)
@@ -178,18 +187,15 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[p.ToolCall]]:
     ``"parameters"``) ``: <an object, or its JSON text>}`` objects, separated by ``;`` and whitespace.
     Anything else (text first, a call that is not such JSON, text after the calls) is all text."""
     body = text.lstrip()
-    body = body[len(LLAMA3_START) :] if body.startswith(LLAMA3_START) else body
-    calls, at, decoder = [], _SEPARATOR.match(body).end(), json.JSONDecoder()
+    body = body[len(LLAMA3_START) :].lstrip() if body.startswith(LLAMA3_START) else body
+    calls, at = [], 0
     while at < len(body):
-        try:
-            value, at = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
-            return text or None, []
-        call = _call(value, ("arguments", "parameters"))
+        decoded = _raw_json(body, at)
+        call = None if decoded is None else _call(decoded[0], ("arguments", "parameters"))
         if call is None:
             return text or None, []
         calls.append(call)
-        at = _SEPARATOR.match(body, at).end()
+        at = _SEPARATOR.match(body, decoded[1]).end()
     return (None, calls) if calls else (text or None, [])
 
 
@@ -202,53 +208,77 @@ def _llama3_sendable(text: str) -> int:
 
 MISTRAL_START = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
-_ID_CHARS = string.ascii_letters + string.digits
+MISTRAL_CALL_ID = "[CALL_ID]"
+_SPACE = re.compile(r"\s*")
 
 
 def parse_mistral(text: str) -> tuple[str | None, list[p.ToolCall]]:
     """(the text before the first call, or None when empty; the calls) of a Mistral-format output:
     ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects (Mistral 7B v0.3, Nemo), or
-    ``[TOOL_CALLS]<name>[ARGS]<JSON object>`` once per call (the v11 tokenizers'). Calls get the
-    9-character alphanumeric ids Mistral's chat templates require of earlier calls. If what follows
-    the marker is neither, the whole output is text."""
+    ``[TOOL_CALLS]<name>[ARGS]<JSON object>`` once per call (the v11 tokenizers'; a ``[CALL_ID]<id>``
+    after the name is dropped). Calls get the 9-character alphanumeric ids Mistral's chat templates
+    require of earlier calls. If what follows the marker is neither, the whole output is text."""
     start = text.find(MISTRAL_START)
     if start < 0:
         return text or None, []
-    calls = []
-    for part in text[start:].split(MISTRAL_START)[1:]:
-        name, arguments = part.split(MISTRAL_ARGS, 1) if MISTRAL_ARGS in part else (None, part)
-        try:
-            value = json.loads(arguments)
-        except json.JSONDecodeError:
+    calls, at = [], start
+    while at < len(text):
+        if not text.startswith(MISTRAL_START, at):
             return text, []
-        values = [{"name": name.strip(), "arguments": value}] if name is not None else \
-            value if isinstance(value, list) else [value]
-        found = [_call(v) for v in values]
+        at = _SPACE.match(text, at + len(MISTRAL_START)).end()
+        if text.startswith(("[", "{"), at):  # a JSON array (or object) of calls
+            decoded = _raw_json(text, at)
+            values = [] if decoded is None else decoded[0] if isinstance(decoded[0], list) else [decoded[0]]
+        else:  # name[ARGS]{...}
+            args = text.find(MISTRAL_ARGS, at)
+            decoded = None if args < 0 else _raw_json(text, _SPACE.match(text, args + len(MISTRAL_ARGS)).end())
+            values = [] if decoded is None else \
+                [{"name": text[at:args].split(MISTRAL_CALL_ID)[0].strip(), "arguments": decoded[0]}]
+        found = [_call(v, call_id=mistral_call_id) for v in values]
         if not found or None in found:
             return text, []
-        calls += [c.model_copy(update={"id": "".join(random.choices(_ID_CHARS, k=9))}) for c in found]
+        calls += found
+        at = _SPACE.match(text, decoded[1]).end()
     return text[:start] or None, calls
 
 
-def _json_call(block: str) -> p.ToolCall | None:
+_BAD = object()
+_DECODER = json.JSONDecoder()
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # what a request's tool names may be
+
+
+def _loads(text: str):
+    """The JSON value of ``text``, or ``_BAD`` (not JSON, or past Python's digit or nesting limits)."""
     try:
-        value = json.loads(block)
-    except json.JSONDecodeError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return _BAD
+
+
+def _raw_json(text: str, at: int) -> tuple[object, int] | None:
+    """(the JSON value starting at ``at``, where it ends), or None as :func:`_loads`."""
+    try:
+        return _DECODER.raw_decode(text, at)
+    except (ValueError, RecursionError):
         return None
-    return _call(value)
 
 
-def _call(value, keys: tuple[str, ...] = ("arguments",)) -> p.ToolCall | None:
-    """The call of ``{"name": <a string>, <one of keys>: <an object, or its JSON text>}``, else None."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+def _call(value, keys: tuple[str, ...] = ("arguments",), call_id: Callable[[], str] = new_call_id) -> p.ToolCall | None:
+    """The call of ``{"name": <a tool name>, <one of keys>: <an object, or its JSON text>}``, else None
+    (also for arguments that do not make valid JSON text again: NaN, a lone surrogate)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _NAME.fullmatch(value["name"]):
         return None
     arguments = next((value[k] for k in keys if k in value), {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    return tool_call(value["name"], arguments) if isinstance(arguments, dict) else None
+        arguments = _loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode()
+    except (ValueError, RecursionError):
+        return None
+    return tool_call(value["name"], text, call_id)
 
 
 def _marker_sendable(marker: str):
@@ -265,12 +295,13 @@ class Parser:
 
     parse: Callable[[str], tuple[str | None, list[p.ToolCall]]]
     sendable: Callable[[str], int]
+    call_id: Callable[[], str] = new_call_id  # also the named and "required" calls' ids
 
 
 PARSERS = {
     "hermes": Parser(parse_hermes, _marker_sendable(HERMES_START)),  # Qwen 2.5 / 3, Hermes
     "llama3_json": Parser(parse_llama3_json, _llama3_sendable),  # Llama 3.1 / 3.2 / 3.3
-    "mistral": Parser(parse_mistral, _marker_sendable(MISTRAL_START)),  # Mistral 7B v0.3, Nemo, Small
+    "mistral": Parser(parse_mistral, _marker_sendable(MISTRAL_START), mistral_call_id),  # Mistral 7B v0.3, Nemo, Small
 }
 
 
@@ -279,9 +310,9 @@ def finish(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | 
     and ``"auto"`` give ``"tool_calls"`` when the output made calls and ended by itself; an output
     that made none is text."""
     if plan.mode == "named":
-        return None, [tool_call(plan.name, text)], finish_reason
+        return None, [tool_call(plan.name, text, plan.call_id)], finish_reason
     if plan.mode == "required":
-        content, calls = None, parse_required(text)
+        content, calls = None, parse_required(text, plan.call_id)
         if calls is None:
             return text, [], finish_reason
     elif plan.mode == "auto":
