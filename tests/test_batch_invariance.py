@@ -572,15 +572,16 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
         monkeypatch.setattr(module, "interpreted", lambda: False)
     hq, hkv, d, page = 32, 8, 64, 16
 
-    def plan(batch, n):  # the engine's decode launch: varlen q, 16-row pages
+    def plan(batch, n, width=None, num_splits=0):  # the engine's decode launch: varlen q, 16-row pages;
+        width = width or n  # a graph's: a table of max_model_len keys, graph_num_splits
         q = torch.empty(batch, hq, d, dtype=torch.bfloat16)
-        cache = torch.empty(batch * cdiv(n, page), page, hkv, d, dtype=torch.bfloat16)
-        table = torch.arange(batch * cdiv(n, page), dtype=torch.int32).view(batch, -1)
+        cache = torch.empty(batch * cdiv(width, page), page, hkv, d, dtype=torch.bfloat16)
+        table = torch.arange(batch * cdiv(width, page), dtype=torch.int32).view(batch, -1)
         cu_q = torch.arange(batch + 1, dtype=torch.int32)
         return attention_plan.make_plan(
-            q, cache, cache, torch.empty_like(q), None, batch=batch, max_seqlen_q=1, max_seqlen_k=n, window=(-1, 0),
-            softcap=0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q * n, seqused_k=None, block_table=table, num_splits=0,
-            config=None, invariant=True)
+            q, cache, cache, torch.empty_like(q), None, batch=batch, max_seqlen_q=1, max_seqlen_k=width,
+            window=(-1, 0), softcap=0.0, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q * n, seqused_k=None, block_table=table,
+            num_splits=num_splits, config=None, invariant=True)
 
     monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", launch.INVARIANT_DECODE_WAVES)  # one threshold
     for batch, n in ((32, 1024), (64, 1024), (256, 1024), (1, 32768)):
@@ -593,6 +594,10 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
     assert split.grid == (32 // 4 + 32, 8, 4)
     assert plan(64, 1024).cfg.block_m == 64  # unsplit: 512 row-heads under 8 waves
     assert plan(1, 32768).cfg.block_m == 64  # split, but 8 row-heads under a wave
+    for batch in (1, 16, 24, 32, 64):  # the 1B engine's decode graphs (131,072 keys) plan as their launches do
+        graph = plan(batch, 32768, width=131072, num_splits=graph_num_splits(batch, hkv, 132))
+        assert (graph.cfg.block_m, graph.num_splits > 1) == ((16, True) if batch in (24, 32) else
+                                                             (64, batch < 64)), batch
 
 
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
