@@ -521,8 +521,10 @@ def test_split_switches_from_the_environment(monkeypatch):
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_MAX_SPLITS")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "1")
     assert fresh().INVARIANT_DECODE_WAVES_SPLIT == 1
-    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "0.5")  # whole waves, as INVARIANT_DECODE_WAVES
-    with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT: expected an integer of 0 or more"):
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "0.9")  # a fraction of a wave, as fp8's
+    assert fresh().INVARIANT_DECODE_WAVES_SPLIT == 0.9
+    monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", "-1")
+    with pytest.raises(ValueError, match="PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT: expected a number of 0 or more"):
         fresh()
     monkeypatch.delenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT")
     monkeypatch.setenv("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", "0.25")  # a fraction of a wave
@@ -598,6 +600,8 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
         graph = plan(batch, 32768, width=131072, num_splits=graph_num_splits(batch, hkv, 132))
         assert (graph.cfg.block_m, graph.num_splits > 1) == ((16, True) if batch in (24, 32) else
                                                              (64, batch < 64)), batch
+    monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", 0.9)  # batch 16's 128 row-heads from 0.97 waves
+    assert plan(16, 32768, width=131072, num_splits=graph_num_splits(16, hkv, 132)).cfg.block_m == 16
 
 
 def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):

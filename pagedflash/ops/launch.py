@@ -223,8 +223,8 @@ INVARIANT_DECODE_TILE = os.environ.get("PAGEDFLASH_INVARIANT_DECODE_TILE", INVAR
 INVARIANT_DECODE_WAVES = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES", 8, least=0)
 # The same for decode launches that split a row's keys (several programs a row-head, so a launch of
 # sequences x KV heads under INVARIANT_DECODE_WAVES may still fill the SMs with one-warp programs), 16-bit
-# K/V only: from one wave (docs/performance.md v57).
-INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", 1, least=0)
+# K/V only: from one wave (docs/performance.md v57; a fraction of a wave may be given, as for fp8).
+INVARIANT_DECODE_WAVES_SPLIT = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT", 1, least=0, number=float)
 # The same over fp8 K/V (on GPUs with the fp8 conversion instruction): from half a wave of programs, where the
 # 64-row tile's softmax and conversions, not its bytes, bound it (docs/performance.md v51).
 INVARIANT_DECODE_WAVES_FP8 = env_count("PAGEDFLASH_INVARIANT_DECODE_WAVES_FP8", 0.5, least=0, number=float)
