@@ -9,7 +9,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # before pagedflash: launches recorded, not interpreted
@@ -19,6 +18,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compile_check  # noqa: E402  (tools/: the sm90 answers)
 
+from pagedflash.bench.common import host_wall_us  # noqa: E402
 from pagedflash.bench.moe import SHAPES  # noqa: E402
 from pagedflash.ops import moe  # noqa: E402
 from pagedflash.testing import recorded_launches  # noqa: E402
@@ -26,13 +26,9 @@ from pagedflash.testing import recorded_launches  # noqa: E402
 
 def per_call(fn, calls: int, launches: list) -> tuple[float, int]:
     """µs a call of ``fn`` (after 10 untimed) and the launches a call recorded."""
-    for _ in range(10):
-        fn()
     launches.clear()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6, len(launches) // calls
+    us = host_wall_us(fn, calls=calls, warmup=10)[0]
+    return us, len(launches) // (calls + 10)
 
 
 def main() -> None:

@@ -143,9 +143,9 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the model's output
-def tool_call(name: str, arguments, call_id: Callable[[], str] = new_call_id) -> p.ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return p.ToolCall(id=call_id(), function=p.FunctionCall(name=name, arguments=text))
+def tool_call(name: str, arguments: str, call_id: Callable[[], str] = new_call_id) -> p.ToolCall:
+    """A call of ``name`` with ``arguments`` (JSON text) under a new id."""
+    return p.ToolCall(id=call_id(), function=p.FunctionCall(name=name, arguments=arguments))
 
 
 def parse_required(text: str, call_id: Callable[[], str] = new_call_id) -> list[p.ToolCall] | None:
@@ -242,17 +242,17 @@ def parse_mistral(text: str) -> tuple[str | None, list[p.ToolCall]]:
     return text[:start] or None, calls
 
 
-_BAD = object()
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # what a request's tool names may be
 
 
 def _loads(text: str):
-    """The JSON value of ``text``, or ``_BAD`` (not JSON, or past Python's digit or nesting limits)."""
+    """The JSON value of ``text``, or None (also for text that is not JSON, or past Python's digit or
+    nesting limits: no caller takes a null)."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
-        return _BAD
+        return None
 
 
 def _raw_json(text: str, at: int) -> tuple[object, int] | None:
