@@ -593,7 +593,7 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
     monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", 1)  # the default
     split = plan(32, 1024)  # 256 row-heads, split: the one-warp tile, 4 rows a program, the same splits
     assert (split.cfg.block_m, split.cfg.num_warps, split.num_splits) == (16, 1, 4)
-    assert split.grid == (32 // 4 + 32, 8, 4)
+    assert split.grid == (32, 8, 4)  # a program a sequence of one row
     assert plan(64, 1024).cfg.block_m == 64  # unsplit: 512 row-heads under 8 waves
     assert plan(1, 32768).cfg.block_m == 64  # split, but 8 row-heads under a wave
     for batch in (1, 16, 24, 32, 64):  # the 1B engine's decode graphs (131,072 keys) plan as their launches do

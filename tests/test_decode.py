@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from helpers import DTYPES, ON_GPU, assert_close, ids, randn
+from helpers import DTYPES, ON_GPU, assert_close, cu_seqlens, ids, make_pool, randn
 
-from pagedflash import flash_attn_with_kvcache, merge_attn_states
+from pagedflash import flash_attn_varlen_func, flash_attn_with_kvcache, merge_attn_states
 from pagedflash import reference as ref
+from pagedflash.ops import attention
 from pagedflash.testing import capture_graph
 
 SPLITS = [1, 3, 8, 40, 0]  # 40: more splits than KV tiles (empty splits) and a multi-chunk combine
@@ -238,3 +239,31 @@ def test_zero_query_heads_are_refused_by_name():
     q, k_cache = randn(1, 1, 0, 32), randn(1, 8, 2, 32)
     with pytest.raises(ValueError, match="heads: .*got Hq=0, Hkv=2"):
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=3)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_one_query_row_has_no_right_edge_to_mask(batch_invariant):
+    """A sequence of one query row sees every key below its length under any right window (bottom-right
+    aligned): causal, a right window and none give the same bits, and the launch masks no right edge;
+    with two rows it does. Either launch runs one program a sequence (one query tile each)."""
+    hq, hkv, d, page, lens = 4, 2, 32, 16, [70, 3, 41]
+    dtype = DTYPES[-1]
+    k_cache, v_cache, table = make_pool(lens, page, hkv, d, dtype)
+    q = randn(len(lens) + 1, hq, d, dtype=dtype)
+
+    def run(lens_q, **opts):
+        attention.clear_plans()
+        out = flash_attn_varlen_func(q[:sum(lens_q)], k_cache, v_cache, cu_seqlens(lens_q), cu_seqlens(lens),
+                                     max(lens_q), max(lens), block_table=table, num_splits=2,
+                                     batch_invariant=batch_invariant, **opts)
+        (plan,) = attention._PLANS.values()
+        assert plan.grid[0] == len(lens)  # a program a sequence: none has more rows than a tile
+        return out, plan.consts["HAS_RIGHT"]
+
+    ones = [1] * len(lens)
+    full, masked = run(ones)
+    assert not masked
+    for opts in (dict(causal=True), dict(window_size=(-1, 3))):
+        out, masked = run(ones, **opts)
+        assert not masked and torch.equal(out, full), opts
+    assert run([2, 1, 1], causal=True)[1]

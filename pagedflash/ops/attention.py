@@ -127,10 +127,15 @@ def _attention_kernel(
     if VARLEN_Q:
         q_fault = offsets_fault(CuSeqlensQ, batch, total_q, max_seqlen_q, _CU_CHUNK)
         q_ok = q_fault < 0
-        b = tl.where(q_ok, find_seq(CuSeqlensQ, pid_q, batch, BLOCK_Q), 0)
-        q_start = tl.where(q_ok, tl.load(CuSeqlensQ + b), 0)
+        if num_q_tiles == 1:  # no sequence longer than a tile (decode): program b is sequence b's one tile
+            b = tl.where(q_ok, pid_q, 0)
+            q_start = tl.where(q_ok, tl.load(CuSeqlensQ + b), 0)
+            tile = tl.where(q_ok, 0, pid_q)
+        else:
+            b = tl.where(q_ok, find_seq(CuSeqlensQ, pid_q, batch, BLOCK_Q), 0)
+            q_start = tl.where(q_ok, tl.load(CuSeqlensQ + b), 0)
+            tile = tl.where(q_ok, pid_q - (q_start // BLOCK_Q + b), pid_q)
         seqlen_q = tl.where(q_ok, tl.load(CuSeqlensQ + b + 1), total_q) - q_start
-        tile = tl.where(q_ok, pid_q - (q_start // BLOCK_Q + b), pid_q)
         tok_base = q_start
         _jit.report_fault(Faults, _FAULT_Q, q_fault, (q_fault >= 0) & (pid_q == 0) & (pid_h == 0) & (split == 0))
     else:

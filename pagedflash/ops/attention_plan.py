@@ -197,8 +197,11 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
         if config is None and num_splits > 1:  # a split streams fewer keys: maybe a shorter tile
             cfg = pick(long_kv=cdiv(max_seqlen_k, num_splits) >= LONG_KV_KEYS)
     if varlen_q:
-        num_q_tiles = 0
-        grid_q = tokens // block_q + batch
+        # a program a sequence where none has more rows than a tile (decode); else the tiles of
+        # attention_tiles.find_seq. Either grid covers every row (invalid cu_seqlens_q: all NaN)
+        one_tile = max_seqlen_q <= block_q
+        num_q_tiles = 1 if one_tile else 0
+        grid_q = max(batch, cdiv(tokens, block_q)) if one_tile else tokens // block_q + batch
     else:
         num_q_tiles = cdiv(q.shape[1], block_q)
         grid_q = batch * num_q_tiles
@@ -229,11 +232,13 @@ def make_plan(q, k, v, out, lse, *, batch, max_seqlen_q, max_seqlen_k, window, s
     )
     plan.head_strides = (head_stride(sinks), head_stride(k_descale), head_stride(v_descale))
     plan.window = window
+    # a sequence of at most one query row sees every key below its length under any right window
+    # (bottom-right aligned): no right edge to mask, the same bits (masking is a select)
     plan.consts = dict(
         GROUP=group, G_PACK=cfg.g_pack, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_M=cfg.block_m, PAGE_SIZE=page_size or 1,
         SPLIT_KV=split, VARLEN_Q=varlen_q, VARLEN_K=cu_seqlens_k is not None,
-        HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0,
+        HAS_SEQUSED=seqused_k is not None, PAGED=paged, HAS_LEFT=window[0] >= 0, HAS_RIGHT=window[1] >= 0 and max_seqlen_q > 1,
         HAS_SOFTCAP=softcap > 0, WRITE_LSE=lse is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         HAS_K_DESCALE=k_descale is not None, HAS_V_DESCALE=v_descale is not None,
