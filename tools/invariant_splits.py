@@ -1,6 +1,7 @@
 """Issue 32: what the batch-invariant mode's split rule costs each kernel, on a few prefill and decode
-cells (bf16; decode 32 query / 8 KV heads; the 1B engine's decode steps over 16-row pages), mode off and
-on in one process, printed as on/off time.
+cells (bf16; decode 32 query / 8 KV heads; the 1B engine's decode-graph launches over 16-row pages, as the
+graph makes them since v58: packed one-row queries, causal, the graph's split count and 131,072-key
+length), mode off and on in one process, printed as on/off time.
 
 The rule is read when pagedflash loads, so compare rules by running this once per environment:
     PYTHONPATH=. python3 tools/invariant_splits.py                                   # the default rule
@@ -22,6 +23,7 @@ import torch
 
 import pagedflash as pf
 from pagedflash.bench.common import time_ms
+from pagedflash.engine.runner import graph_num_splits
 from pagedflash.ops import launch, prefill_hopper
 
 PREFILL = ((4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 32, 16384, 128, True),
@@ -60,18 +62,24 @@ def decode(b, n, d, fp8: bool = False) -> str:
                                                           **scales))
 
 
-def engine_decode(b, lo, hi, d, page=16) -> str:
-    """The 1B engine's decode step: ``b`` rows of ``lo``-``hi`` random keys over ``page``-row pages
-    (scattered), 32 query / 8 KV heads."""
+def engine_decode(b, lo, hi, d, page=16, graph_keys=131072) -> str:
+    """The 1B engine's decode step as its CUDA graph launches it: ``b`` rows of ``lo``-``hi`` random
+    keys over ``page``-row pages (scattered), 32 query / 8 KV heads, one query row a sequence packed
+    (varlen, causal), the graph's ``max_seqlen_k`` (``graph_keys``, the model length: table columns
+    past a row's pages point at page 0) and split count (``graph_num_splits``)."""
     gen = torch.Generator().manual_seed(b)
     lens = torch.randint(lo, hi + 1, (b,), generator=gen, dtype=torch.int32)
-    per_row = -(-hi // page)
-    table = torch.randperm(b * per_row, generator=gen).to(torch.int32).view(b, per_row).cuda()
+    per_row, width = -(-hi // page), -(-max(hi, graph_keys) // page)
+    table = torch.zeros(b, width, dtype=torch.int32)
+    table[:, :per_row] = torch.randperm(b * per_row, generator=gen).to(torch.int32).view(b, per_row)
     k, v = (torch.randn(b * per_row, page, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    q = torch.randn(b, 1, 32, d, device="cuda", dtype=torch.bfloat16)
-    lens = lens.cuda()
-    return on_off(lambda mode: pf.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
-                                                          batch_invariant=mode))
+    q = torch.randn(b, 32, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    splits = graph_num_splits(b, 8, torch.cuda.get_device_properties(0).multi_processor_count)
+    table = table.cuda()
+    return on_off(lambda mode: pf.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, width * page, causal=True,
+                                                         block_table=table, num_splits=splits, batch_invariant=mode))
 
 
 def main() -> None:
