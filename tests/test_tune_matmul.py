@@ -110,3 +110,12 @@ def test_bad_arguments_name_the_argument(capsys, argv, message):
     with pytest.raises(SystemExit):
         tm.main(["--smoke", *argv])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(ON_GPU, reason="--smoke runs the interpreter's CPU tensors; on a GPU the tool times cuda ones")
+def test_smoke_warp_sweep_times_16_row_tiles(tmp_path):
+    out = tmp_path / "tune.log"
+    tm.main(["--smoke", "--shape", "llama-3.2-1b", "--objective", "decode", "--rows", "1,3", "--warp-sweep",
+             "--out", str(out)])
+    log = out.read_text()
+    assert sum(" bm16 bn16 bk64 w1 s2 " in line and "refused" not in line for line in log.splitlines()) >= 5  # ranked

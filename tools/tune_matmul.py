@@ -22,6 +22,8 @@ rows' ratios shown beside).
 128 for 132 SMs at M = 1); ``--prefill-sweep`` :data:`PREFILL_SWEEP` (128 rows, 8 warps:
 ``matmul.ROW_TILES``' form; time them at prefill rows, ``--rows 256,1024,2048,8192``); a candidate
 that matmul or Triton refuses is skipped with its reason.
+``--warp-sweep`` :data:`WARP_SWEEP` (16 rows, one or two warps: the warp's MMA instead of the
+warpgroup's; time them at decode rows, ``--rows 1,4,16``, and read the bit-for-bit line).
 ``--chunk-k``: also each timed tile with K in fixed chunks (:func:`chunked`, ``matmul.CHUNK_K``'s rule).
 Each weight's log also says which timed unchunked tiles give, bit for bit, the first one's whole
 output: every unchunked tile sums K in the same 16-deep MMA steps in the same order, so where the
@@ -69,6 +71,13 @@ SMOKE_SWEEP = [mm.Tile(mm.BLOCK_M, bn, 64, 4, 2, 8) for bn in (16, 32)]
 PREFILL_SWEEP = [mm.Tile(2 * mm.BLOCK_M, bn, bk, 8, st, 8) for (bn, bk), st in itertools.product(
     ((128, 64), (128, 128), (256, 64)), (3, 4, 5)) if st * (2 * mm.BLOCK_M + bn) * bk * 2 <= SMEM]
 SMOKE_PREFILL_SWEEP = [mm.Tile(2 * mm.BLOCK_M, 32, 64, 8, 2, 8)]
+# --warp-sweep: 16-row tiles of one or two warps, each issuing the warp's MMA (mma.sync m16n8k16) rather
+# than a warpgroup's wgmma: batch-1 decode wastes 63 of the 64-row tile's rows. A row tile of another MMA
+# instruction keeps a row's bits only where the device rounds both alike (the attention decode tile's
+# premise, shown on an H100 by tests/test_batch_invariance.py): the log's bit-for-bit line says
+WARP_SWEEP = [mm.Tile(16, bn, bk, w, st, 8) for bn, bk, w, st in itertools.product(
+    (16, 32, 64), (128, 256), (1, 2), (3, 4)) if st * (16 + bn) * bk * 2 <= SMEM]
+SMOKE_WARP_SWEEP = [mm.Tile(16, 16, 64, 1, 2, 8)]
 
 
 def projections(name: str, *, small: bool = False) -> dict[str, tuple[int, int, int]]:
@@ -256,6 +265,7 @@ def candidates(n: int, k: int, current: mm.Tile, args, sms: int, dev: torch.devi
     step: its tiny K would have none)."""
     grid = list((SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else [])
     grid += (SMOKE_PREFILL_SWEEP if args.smoke else PREFILL_SWEEP) if args.prefill_sweep else []
+    grid += (SMOKE_WARP_SWEEP if args.smoke else WARP_SWEEP) if args.warp_sweep else []
     dt = torch.float16 if args.smoke else torch.bfloat16
     decode, tall = mm.decode_tile(current, n, k, dt, dev), mm.tall_tile(current, n, k, dt, dev)
     tiles = list(dict.fromkeys([current, decode, tall] + [t for t in grid if fits(t, n, k)]))
@@ -341,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="also time 128-row tiles of two warpgroups (matmul.tall_tile's form)")
+    parser.add_argument("--warp-sweep", action="store_true",
+                        help="also time 16-row tiles of one or two warps (the warp's MMA; time them at M <= 16)")
     parser.add_argument("--chunk-k", action="store_true", help="also each timed tile with K in fixed chunks")
     parser.add_argument("--out", type=Path, default=None,
                         help="the full log (default $OUT/tune_matmul.log if OUT is set, else ./tune_matmul.log)")
