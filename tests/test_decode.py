@@ -266,4 +266,8 @@ def test_one_query_row_has_no_right_edge_to_mask(batch_invariant):
     for opts in (dict(causal=True), dict(window_size=(-1, 3))):
         out, masked = run(ones, **opts)
         assert not masked and torch.equal(out, full), opts
+    sliding = run(ones, window_size=(5, -1))[0]  # a left edge stays
+    for right in (0, 3):
+        out, masked = run(ones, window_size=(5, right))
+        assert not masked and torch.equal(out, sliding), right
     assert run([2, 1, 1], causal=True)[1]

@@ -150,6 +150,18 @@ def test_varlen(kind, slack, dtype):
     check(out, lse, ref_out, ref_lse, _rows(Q_LENS, bad_seqs), dtype, fault)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_one_row_grid_covers_more_rows_than_sequences(num_splits):
+    """max_seqlen_q = 1 launches a program a sequence, unless the rows would not fit: one sequence
+    claiming 40 rows (a fault) gets a program for each tile of them, every row NaN."""
+    q, k, v = randn(40, HQ, D), randn(10, HKV, D), randn(10, HKV, D)
+    ref_out, ref_lse = torch.zeros_like(q), torch.zeros(HQ, 40, device=DEVICE)
+    out = sentinel_out(q.shape, q.dtype)
+    _, lse = flash_attn_varlen_func(q, k, v, i32([0, 40]), i32([0, 10]), 1, 10, causal=True, return_lse=True,
+                                    num_splits=num_splits, out=out[PAD:-PAD])
+    check(out, lse, ref_out, ref_lse, range(40), q.dtype, "cu_seqlens_q")
+
+
 # ---------------------------------------------------------------- varlen over a paged cache
 
 P_Q_LENS, P_K_LENS = [2, 3, 1, 2], [5, 9, 3, 6]  # pages [2, 3, 1, 2] of 4; 3 table columns
