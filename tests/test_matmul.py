@@ -231,10 +231,10 @@ def check_rows_invariant(x: torch.Tensor, w: torch.Tensor, b, rows) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode", "rows"],
-                         ids=["table", "small_tile", "chunked", "decode_tiles", "row_tiles"])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE, "decode", "rows", "warp"],
+                         ids=["table", "small_tile", "chunked", "decode_tiles", "row_tiles", "warp_tile"])
 def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, tile):
-    decode, rows = tile == "decode", tile == "rows"
+    decode, rows, warp = tile == "decode", tile == "rows", tile == "warp"
     monkeypatch.setattr(mm, "DECODE_TILES", decode)
     monkeypatch.setattr(mm, "ROW_TILES", rows)
     if decode:  # rows alone and in 7 run the narrow tile, 130 rows the wide one
@@ -243,17 +243,29 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
     if rows:  # 130 rows run the tall tile (5 x 3 tiles fill 4 SMs), rows alone and in 7 the wide one
         monkeypatch.setattr(mm, "TALL_TILE", TALL_TILE)
         tile = WIDE_TILE
+    if warp:  # rows alone and in 7 run one warp's 16 rows by 32-deep steps, 130 rows the wide tile
+        monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:32:1:2"))
+        tile = WIDE_TILE
     monkeypatch.setattr(mm, "TILE", tile)
     # chunked: 130 rows folded, 1 and 7 split
     monkeypatch.setattr(mm, "num_sms", lambda device: 4 if rows else 16)
     x, w = randn(130, 100, dtype=dtype), in_wider_rows(randn(37, 100, dtype=dtype))
     b = randn(37, dtype=dtype) if bias else None
     check_rows_invariant(x, w, b, rows=[0, 6, 11, 63, 64, 129])
-    if decode or rows:  # which tile each call ran
-        want = ((1, "BLOCK_N", 16), (130, "BLOCK_N", 32)) if decode else ((7, "BLOCK_M", 16), (130, "BLOCK_M", 32))
+    if decode or rows or warp:  # which tile each call ran
+        want = (((1, "BLOCK_N", 16), (130, "BLOCK_N", 32)) if decode else ((7, "BLOCK_M", 16), (130, "BLOCK_M", 32))
+                if rows else ((7, "BLOCK_K", 32), (130, "BLOCK_K", 16)))
         for rows, const, value in want:
             out = mm.matmul(x[:rows], w, b)
             assert mm._PLANS[mm.plan_key(x[:rows], w, b, out)].main.consts[const] == value
+
+
+def test_warp_tile_variable():
+    assert mm.parse_warp_tile("") is None and mm.WARP_TILE is None  # unset: none
+    assert mm.parse_warp_tile("16:32:256:1:4") == mm.Tile(16, 32, 256, 1, 4, 0)
+    for bad in ("16:32:256:1", "16:32:256:3:4", "8:32:256:1:4", "128:32:256:4:4", "16:32:8:1:4", "16:a:256:1:4"):
+        with pytest.raises(ValueError, match=r"PAGEDFLASH_MATMUL_WARP_TILE: expected rows:columns:k_step:warps"):
+            mm.parse_warp_tile(bad)
 
 
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):

@@ -40,7 +40,12 @@ summed in different orders, and greedy decoding then depends on what else is ser
   swept tiles, 16-256 columns, 64-256-deep K steps, 4 and 8 warps, agreed on every weight,
   docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
   across the tiles (under the interpreter with a dot that chains 16-deep steps,
-  :func:`pagedflash.testing.row_exact_interpreter_dot`).
+  :func:`pagedflash.testing.row_exact_interpreter_dot`);
+- opt-in, :data:`WARP_TILE` (``PAGEDFLASH_MATMUL_WARP_TILE``): calls of at most its rows on a tile of
+  one or two warps issuing the warp's MMA (``mma.sync``), not the warpgroup's: the same 16-deep K
+  steps, but another instruction, so a row keeps its bits only where the GPU rounds both alike
+  (the attention's decode tile relies on that on an H100; ``tools/tune_matmul.py --warp-sweep``
+  checks it for the GEMM).
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -199,6 +204,29 @@ DECODE_TILE: Tile | None = None  # forced decode tile (also rows_tile's narrowed
 # (PAGEDFLASH_MATMUL_ROW_TILES=0 turns it off); part of every plan's key
 ROW_TILES = os.environ.get("PAGEDFLASH_MATMUL_ROW_TILES", "1") != "0"
 TALL_TILE: Tile | None = None  # forced 128-row tile (tests, tuning); part of every plan's key
+
+
+def parse_warp_tile(text: str) -> Tile | None:
+    """``PAGEDFLASH_MATMUL_WARP_TILE``'s value ``rows:columns:k_step:warps:stages`` as a tile (group_m
+    and chunk_k come from the weight's tile, :func:`warp_tile`), None when empty, or a clear error."""
+    if not text.strip():
+        return None
+    try:
+        rows, cols, k_step, warps, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        rows = cols = k_step = warps = stages = 0
+    pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (rows, cols, k_step, warps))
+    if not (pow2 and rows >= 16 and cols >= 16 and k_step >= 16 and stages >= 1 and rows <= BLOCK_M):
+        raise ValueError(f"PAGEDFLASH_MATMUL_WARP_TILE: expected rows:columns:k_step:warps:stages (powers of two, "
+                         f"rows 16 to {BLOCK_M}, columns and K steps at least 16, stages >= 1), got {text!r}")
+    return Tile(rows, cols, k_step, warps, stages, 0)
+
+
+# calls of at most WARP_TILE.block_m rows run this tile (warp_tile): rows of a warp's MMA (mma.sync) rather
+# than a warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only
+# where the device's two MMAs round alike: opt-in (PAGEDFLASH_MATMUL_WARP_TILE, unset: none) until
+# tools/tune_matmul.py --warp-sweep shows that they do on the GPU; part of every plan's key
+WARP_TILE = parse_warp_tile(os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE", ""))
 # rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
 # one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
 # tiles this rule picks for the 1B model's projections ran at 0.65-0.99x cuBLAS from M = 96 to 8192,
@@ -277,6 +305,17 @@ def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.de
         block_k = max(block_k, DECODE_DEEP_K)
     stages = max(main.stages, min(6, SMEM_SM90 // ((main.block_m + block_n) * block_k * 2)))
     return main._replace(block_n=block_n, block_k=block_k, stages=stages)
+
+
+def warp_tile(main: Tile, n: int, k: int) -> Tile:
+    """:data:`WARP_TILE` for the weight whose tile is ``main``: its ``group_m`` and ``chunk_k``, columns
+    and K steps no wider than ``N`` / ``K`` need; ``main`` itself where its K steps would cross the
+    chunks."""
+    block_n = max(16, min(WARP_TILE.block_n, next_pow2(n)))
+    block_k = max(16, min(WARP_TILE.block_k, next_pow2(k)))
+    if main.chunk_k % block_k:
+        return main
+    return WARP_TILE._replace(block_n=block_n, block_k=block_k, group_m=main.group_m, chunk_k=main.chunk_k)
 
 
 def rows_tile(main: Tile, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
@@ -364,7 +403,9 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
-    if DECODE_TILES and m <= t.block_m:
+    if WARP_TILE is not None and m <= WARP_TILE.block_m:
+        t = warp_tile(t, n, k)
+    elif DECODE_TILES and m <= t.block_m:
         t = decode_tile(t, n, k, x.dtype, x.device)
     elif ROW_TILES and m > t.block_m:
         t = rows_tile(t, m, n, k, x.dtype, x.device)
@@ -396,7 +437,7 @@ _PLANS = PlanCache()
 def plan_key(x, weight, bias, out) -> tuple | None:
     """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
     return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
-                                                       TALL_TILE, TALL_FILL))
+                                                       TALL_TILE, TALL_FILL, WARP_TILE))
 
 
 def _launch(x, weight, bias, out) -> None:
