@@ -13,7 +13,8 @@ import pytest
 from test_serve import MODEL, LiveServer, assert_400
 
 from pagedflash.entrypoints.openai import protocol as p
-from pagedflash.entrypoints.openai import tools
+from pagedflash.entrypoints.openai import serving, tools
+from pagedflash.entrypoints.openai.tokenizer import TextTokenizer
 
 pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
@@ -100,6 +101,51 @@ def test_mistral_parser():
                  "[TOOL_CALLS][ARGS]{}", "[TOOL_CALLS]" + "9" * 5000, *UNSERIALIZABLE("[TOOL_CALLS]f[ARGS]{}"),
                  *UNSERIALIZABLE('[TOOL_CALLS] [{{"name": "f", "arguments": {}}}]')):
         assert tools.parse_mistral(text) == (text, []), text
+
+
+# a Mistral template's checks of earlier calls' ids (its own words), each id printed where it is used
+MISTRAL_IDS_TEMPLATE = (
+    "{% for message in messages %}{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% if not (call.id is string and call.id|length == 9) %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_CALLS]{{ call.id }}{% endfor %}{% elif message.role == 'tool' %}"
+    "{% if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ message.tool_call_id }}:{{ message.content }}{% else %}{{ message.content }}{% endif %}"
+    "{% endfor %}")
+PRINTED_IDS_TEMPLATE = MISTRAL_IDS_TEMPLATE.replace("length == 9", "length > 0").replace("length != 9", "length < 1")
+
+
+def earlier_call(call_id: str) -> list[dict]:
+    return MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "12:00"}]
+
+
+def test_nine_char_ids_fit_mistral_templates():
+    """A client's own call ids (OpenAI's ``call_...``, ours without the mistral parser) reach a Mistral
+    template as 9 letters and digits, the same in the call and in its answer; ids of that form stay;
+    other templates and parsers see the ids as sent."""
+    fitted = tools.nine_char_id("call_Xy7")
+    assert len(fitted) == 9 and fitted.isalnum()
+    assert fitted == tools.nine_char_id("call_Xy7") != tools.nine_char_id("call_Xy8")
+    assert tools.nine_char_id("a1b2c3d4e") == "a1b2c3d4e" and tools.nine_char_id("a1b2c3d4-") != "a1b2c3d4-"
+
+    def prompt(template, parser=None, call_id="call_Xy7"):
+        tokenizer = TextTokenizer.tiny(chat_template=template)
+        state = serving.ServerState(engine=None, tokenizer=tokenizer, model_name="m", max_model_len=1024,
+                                    vocab_size=512, pool_tokens=1200, tool_parser=parser)
+        request = p.ChatCompletionRequest.model_validate({"model": "m", "messages": earlier_call(call_id)})
+        return tokenizer.decode(serving.chat_prompt(state, request, check=False), skip_special_tokens=False)
+
+    assert TextTokenizer.tiny(chat_template=MISTRAL_IDS_TEMPLATE).nine_char_tool_ids
+    assert not TextTokenizer.tiny(chat_template=TEMPLATE).nine_char_tool_ids
+    for template, parser in ((MISTRAL_IDS_TEMPLATE, None), (PRINTED_IDS_TEMPLATE, "mistral")):
+        text = prompt(template, parser)
+        assert f"[TOOL_CALLS]{fitted}" in text and f"[TOOL_RESULTS]{fitted}:12:00" in text, text
+        assert "[TOOL_CALLS]a1b2c3d4e" in prompt(template, parser, "a1b2c3d4e")
+    assert "[TOOL_CALLS]call_Xy7" in prompt(PRINTED_IDS_TEMPLATE, "hermes")
 
 
 def test_every_call_takes_the_parsers_id_form():

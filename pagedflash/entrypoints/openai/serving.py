@@ -281,7 +281,8 @@ def chat_prompt(state: ServerState, request: p.ChatCompletionRequest, *, check: 
         messages.append({**message.model_dump(exclude_none=True), "content": content or ""})
     tool_list = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
     try:
-        messages = tools.template_messages(messages)
+        messages = tools.template_messages(
+            messages, nine_char_ids=state.tool_parser == "mistral" or state.tokenizer.nine_char_tool_ids)
     except tools.ToolError as e:
         raise bad_request(str(e), param=e.param) from None
     try:

@@ -36,6 +36,7 @@ Questions, answers, stories and lists: first, second, third; yes or no; north, s
 Light travels faster than sound, water freezes at zero degrees, and the moon orbits the earth every month."""
 TINY_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2 (TINY_LLAMA's eos_token_id is 2)
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's token for one byte
+_NINE_CHAR_IDS = re.compile(r"\|\s*length\s*[!=]=\s*9\b")  # a template's test of a tool-call id (Mistral's)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -184,6 +185,13 @@ class TextTokenizer:
             spec = json.loads(decoder.__getstate__()) if decoder is not None else {}
             self._decoders = {d.get("type") for d in spec.get("decoders", [spec])}
         return self._decoders
+
+    @property
+    def nine_char_tool_ids(self) -> bool:
+        """Whether the chat template refuses tool-call ids of other than 9 characters (Mistral's test
+        ``tool_call.id|length == 9``), so that a client's ids must be fitted to it
+        (:func:`pagedflash.entrypoints.openai.tools.nine_char_id`)."""
+        return bool(self.chat_template and _NINE_CHAR_IDS.search(self.chat_template))
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> str:

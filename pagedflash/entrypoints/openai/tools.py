@@ -23,6 +23,7 @@ output has ended, then the finish reason in a chunk of its own.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -50,6 +51,18 @@ def new_call_id() -> str:
 def mistral_call_id() -> str:
     """9 letters and digits: what Mistral's chat templates require of an earlier call's id."""
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def nine_char_id(call_id: str) -> str:
+    """A client's tool-call id in the form Mistral's chat templates require (9 letters and digits):
+    the id itself when it has that form, else 9 base-62 digits of its SHA-256, so that an id the client
+    made up (OpenAI's ``call_...``, our own ``chatcmpl-tool-...`` from a server without the mistral
+    parser) names the same call in the assistant message and in the tool message that answers it."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    value = int.from_bytes(hashlib.sha256(call_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    digits = string.digits + string.ascii_letters
+    return "".join(digits[value // 62**i % 62] for i in range(9))
 
 
 @dataclass
@@ -120,11 +133,15 @@ def _check_tools(tools: list[p.Tool]) -> None:
                             f"{schema.get('type')!r}", f"tools[{i}].function.parameters")
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
+def template_messages(messages: list[dict], *, nine_char_ids: bool = False) -> list[dict]:
     """``messages`` with assistant ``tool_calls``' ``arguments`` as dicts (JSON text in the API; an
-    empty text is ``{}``); :class:`ToolError` naming the one that is not a JSON object."""
+    empty text is ``{}``); :class:`ToolError` naming the one that is not a JSON object.
+    ``nine_char_ids``: every call id (the assistant's ``tool_calls[].id``, a tool message's
+    ``tool_call_id``) through :func:`nine_char_id`, as a Mistral template requires (vLLM fits them too)."""
     out = []
     for i, m in enumerate(messages):
+        if nine_char_ids and isinstance(m.get("tool_call_id"), str):
+            m = {**m, "tool_call_id": nine_char_id(m["tool_call_id"])}
         if m.get("tool_calls"):
             calls = []
             for j, call in enumerate(m["tool_calls"]):
@@ -136,7 +153,10 @@ def template_messages(messages: list[dict]) -> list[dict]:
                 if not isinstance(arguments, dict):
                     field = f"messages[{i}].tool_calls[{j}].function.arguments"
                     raise ToolError(f"{field} must be the JSON text of an object, got {text[:80]!r}", field)
-                calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+                call = {**call, "function": {**call["function"], "arguments": arguments}}
+                if nine_char_ids and isinstance(call.get("id"), str):
+                    call["id"] = nine_char_id(call["id"])
+                calls.append(call)
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
