@@ -268,6 +268,15 @@ def test_warp_tile_variable():
             mm.parse_warp_tile(bad)
 
 
+def test_warp_tile_keeps_the_weights_k_chunks(monkeypatch):
+    """The warp tile takes the weight's K chunks; where its K steps would cross them, calls of its rows
+    run the tile they would without it."""
+    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:64:1:2"))
+    assert mm.warp_tile(CHUNK_TILE, 37, 100) is None  # 64-deep steps across 32-key chunks
+    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:64:32:1:2"))
+    assert mm.warp_tile(CHUNK_TILE, 37, 100) == mm.Tile(16, 64, 32, 1, 2, CHUNK_TILE.group_m, CHUNK_TILE.chunk_k)
+
+
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "TILE", WIDE_TILE)

@@ -74,7 +74,7 @@ SMOKE_PREFILL_SWEEP = [mm.Tile(2 * mm.BLOCK_M, 32, 64, 8, 2, 8)]
 # --warp-sweep: 16-row tiles of one or two warps, each issuing the warp's MMA (mma.sync m16n8k16) rather
 # than a warpgroup's wgmma: batch-1 decode wastes 63 of the 64-row tile's rows. A row tile of another MMA
 # instruction keeps a row's bits only where the device rounds both alike (the attention decode tile's
-# premise, shown on an H100 by tests/test_batch_invariance.py): the log's bit-for-bit line says
+# premise, shown on an H100 by tests/test_batch_invariance.py): the log's bit-for-bit line says whether they do
 WARP_SWEEP = [mm.Tile(16, bn, bk, w, st, 8) for bn, bk, w, st in itertools.product(
     (16, 32, 64), (128, 256), (1, 2), (3, 4)) if st * (16 + bn) * bk * 2 <= SMEM]
 SMOKE_WARP_SWEEP = [mm.Tile(16, 16, 64, 1, 2, 8)]

@@ -307,14 +307,13 @@ def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.de
     return main._replace(block_n=block_n, block_k=block_k, stages=stages)
 
 
-def warp_tile(main: Tile, n: int, k: int) -> Tile:
+def warp_tile(main: Tile, n: int, k: int) -> Tile | None:
     """:data:`WARP_TILE` for the weight whose tile is ``main``: its ``group_m`` and ``chunk_k``, columns
-    and K steps no wider than ``N`` / ``K`` need; ``main`` itself where its K steps would cross the
-    chunks."""
+    and K steps no wider than ``N`` / ``K`` need; None where its K steps would cross the chunks."""
     block_n = max(16, min(WARP_TILE.block_n, next_pow2(n)))
     block_k = max(16, min(WARP_TILE.block_k, next_pow2(k)))
     if main.chunk_k % block_k:
-        return main
+        return None
     return WARP_TILE._replace(block_n=block_n, block_k=block_k, group_m=main.group_m, chunk_k=main.chunk_k)
 
 
@@ -403,8 +402,9 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
-    if WARP_TILE is not None and m <= WARP_TILE.block_m:
-        t = warp_tile(t, n, k)
+    warp = warp_tile(t, n, k) if WARP_TILE is not None and m <= WARP_TILE.block_m else None
+    if warp is not None:
+        t = warp
     elif DECODE_TILES and m <= t.block_m:
         t = decode_tile(t, n, k, x.dtype, x.device)
     elif ROW_TILES and m > t.block_m:
