@@ -635,17 +635,19 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     assert graph_split_bytes(model, spec, sms) == bound([1, 2])
 
 
-def test_combine_merges_the_rows_count_of_splits():
+@pytest.mark.parametrize("loads", [1, 4])
+def test_combine_merges_the_rows_count_of_splits(loads):
     """The mode's combine merges as many splits as a row's count says (the LSE partials' last plane,
     which the attention kernel writes): slots past it are never read, whatever they hold; an empty
     split among the row's (lse -inf or +inf) merges as the identity, leading or not; a NaN split
-    (invalid metadata) gives NaN; a row of empty splits gives 0 and -inf."""
-    def combine(out_part, lse_part, counts):
+    (invalid metadata) gives NaN; a row of empty splits gives 0 and -inf. ``loads``: partials loaded
+    that many at a time (``PAGEDFLASH_INVARIANT_COMBINE_LOADS``), the same bits as one at a time."""
+    def combine(out_part, lse_part, counts, loads=loads):
         lse_part = torch.cat([lse_part, counts.float()[None]])
         out = torch.empty(out_part.shape[1:], device=DEVICE)
         lse = torch.empty(out_part.shape[2], out_part.shape[1], device=DEVICE)
-        launch_combine(plan_combine(out_part, lse_part, out, lse, tokens_per_batch=out_part.shape[1], invariant=True),
-                       out_part, lse_part, out, lse)
+        launch_combine(plan_combine(out_part, lse_part, out, lse, tokens_per_batch=out_part.shape[1], invariant=True,
+                                    loads=loads), out_part, lse_part, out, lse)
         return out, lse
 
     g = torch.Generator().manual_seed(0)
@@ -661,6 +663,9 @@ def test_combine_merges_the_rows_count_of_splits():
     lse_part[6, 3] = float("nan")  # token 3: every split, one of them NaN
     lse_part[:3, 0, 1] = float("-inf")  # token 0, head 1: nothing
     out, lse = combine(out_part, lse_part, counts)
+    one_out, one_lse = combine(out_part, lse_part, counts, loads=1)
+    assert torch.equal(out.view(torch.int32), one_out.view(torch.int32))  # (bits: NaN rows and signed zeros too)
+    assert torch.equal(lse.view(torch.int32), one_lse.view(torch.int32))
     own_out, own_lse = combine(out_part[:3, :3].contiguous(), lse_part[:3, :3].contiguous(), counts[:3])
     assert torch.equal(out[:3], own_out) and torch.equal(lse[:, :3], own_lse)
     assert torch.isfinite(out[:3]).all()
@@ -673,6 +678,25 @@ def test_combine_merges_the_rows_count_of_splits():
     unwritten = torch.full((tokens, heads), float("nan"), device=DEVICE)  # no count: NaN rows, not zeros
     assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, unwritten))
     assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, torch.zeros(tokens, heads, device=DEVICE)))
+
+
+def test_combine_loads_switch_reaches_the_launch(monkeypatch):
+    """``PAGEDFLASH_INVARIANT_COMBINE_LOADS`` (launch.INVARIANT_COMBINE_LOADS) plans the mode's combine
+    with that many loads at a time (a switch of the plans' keys), with the bits of one at a time."""
+    hq, hkv, d, dtype = 4, 2, 32, DTYPES[-1]
+    rule = launch.invariant_split_rule(interpreted(), d)
+    lens = [rule.head_keys + 3 * rule.keys + 5, 40]
+    k_cache, v_cache, table = make_pool(lens, PAGE, hkv, d, dtype)
+    q = randn(2, hq, d, dtype=dtype)
+    got = {}
+    attention.clear_plans()
+    for loads in (1, 3):
+        monkeypatch.setattr(launch, "INVARIANT_COMBINE_LOADS", loads)
+        got[loads] = _varlen(q, (k_cache, v_cache), table, [1, 1], lens, {}, num_splits=2)
+        plans = [p for p in attention._PLANS.values() if p.consts["INVARIANT"] and p.combine is not None]
+        assert plans and {p.combine.consts["LOADS"] for p in plans} == {loads}
+        attention.clear_plans()
+    assert all(torch.equal(a, b) for a, b in zip(got[1], got[3]))
 
 
 def test_rows_past_max_seqlen_k_are_nan_in_a_split_launch():

@@ -16,9 +16,9 @@ loads, the fp8 conversion instruction):
   of the ladder, their fixed split count, the capacity as the key bound), and a 512-token chunk over
   4K cached keys; the same over an fp8 cache; contiguous decode (``flash_attn_with_kvcache``), dense
   prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill (with the
-  opt-in prefill tile too). The GEMM's other forms too: K chunks (its split form and fold, opt-in)
-  and, beside the decode tiles small calls run by default, the wide tile they run with those off, and
-  the opt-in warp tiles (``PAGEDFLASH_MATMUL_WARP_TILE``).
+  opt-in prefill tile and the combine's grouped loads too). The GEMM's other forms too: K chunks (its
+  split form and fold, opt-in) and, beside the decode tiles small calls run by default, the wide tile
+  they run with those off, and the opt-in warp tiles (``PAGEDFLASH_MATMUL_WARP_TILE``).
 
 Not covered: the Hopper Gluon prefill kernel and its metadata pre-pass (their own check,
 ``tools/gluon_compile_check.py``, needs Triton 3.6's Gluon). Where that kernel takes a call on an
@@ -181,6 +181,8 @@ def _attention_calls(cfg: dict):
     yield "invariant decode fp8 1x16K", paged(1, 1, 16383, fp8=True, invariant=True)  # q scaled per row
     yield "invariant decode 1x16K, a middle tier", _opted(launch_table, "INVARIANT_MID_KEYS", 32768,
                                                          paged(1, 1, 16383, invariant=True))
+    yield "invariant decode 1x16K, combine loads 8", _opted(launch_table, "INVARIANT_COMBINE_LOADS", 8,
+                                                           paged(1, 1, 16383, invariant=True))
     yield "invariant chunk fp8 512/4K", paged(1, 512, 4096, fp8=True, invariant=True)
     yield "invariant chunk, prefill tile", _opted(launch_table, "INVARIANT_PREFILL_TILE", "128:8:3",
                                                   paged(1, 512, 4096, invariant=True))

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit, attention_launch, combine, scratch
+from pagedflash.ops import _jit, attention_launch, combine, launch, scratch
 from pagedflash.ops._jit import LOG2E, NEG_INF
 from pagedflash.ops.attention_plan import Plan, make_plan, plan_key
 from pagedflash.ops.attention_tiles import (
@@ -520,5 +520,5 @@ def _run(plan: Plan, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, b
     if split:
         if plan.combine is None:
             plan.combine = combine.plan_combine(out_part, lse_part, out, lse, tokens_per_batch=plan.tokens_per_batch,
-                                                invariant=batch_invariant)
+                                                invariant=batch_invariant, loads=launch.INVARIANT_COMBINE_LOADS)
         combine.launch_combine(plan.combine, out_part, lse_part, out, lse)

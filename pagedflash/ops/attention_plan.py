@@ -96,7 +96,7 @@ def launch_switches(invariant: bool) -> tuple:
                            launch_table.INVARIANT_MAX_SPLITS, launch_table.INVARIANT_SPLIT_STATES,
                            launch_table.INVARIANT_SPLIT_WAVES, launch_table.INVARIANT_DECODE_TILE,
                            launch_table.INVARIANT_DECODE_WAVES, launch_table.INVARIANT_DECODE_WAVES_FP8,
-                           launch_table.INVARIANT_DECODE_WAVES_SPLIT))
+                           launch_table.INVARIANT_DECODE_WAVES_SPLIT, launch_table.INVARIANT_COMBINE_LOADS))
 
 
 checks_id = itertools.count().__next__  # a number per kept outcome of a public call's checks (public_plan_key)

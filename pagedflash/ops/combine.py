@@ -33,7 +33,7 @@ def _combine_kernel(
     stride_lb, stride_lh, stride_lt,
     tokens_per_batch, num_splits,
     ALL_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, INVARIANT: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, INVARIANT: tl.constexpr, LOADS: tl.constexpr = 1,
 ):
     """One (token, head) per program. All split LSEs (ALL_S of them) are read at once and the partial
     outputs with them (up to BLOCK_S splits) or in chunks of BLOCK_S splits whose loads do not wait
@@ -48,7 +48,9 @@ def _combine_kernel(
     count of slots is the LSE partials' last plane (``LsePart[num_splits]``, written by the attention
     kernel): slots past it (a graph sized for the longest row) are never read nor written, and an
     empty split among the row's (lse ``±inf``, partial 0) merges as the identity (weights 1 and 0),
-    as in the kernel's own fold."""
+    as in the kernel's own fold. ``LOADS`` > 1: the row's splits loaded ``LOADS`` at a time, each
+    group's loads issued together, then folded in order (a split past the count leaves the state
+    as it was): the same operations in the same order, so the same bits, for fewer round trips."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -62,19 +64,36 @@ def _combine_kernel(
         out = tl.zeros([BLOCK_D], dtype=tl.float32)
         lse = tl.full([], float("-inf"), dtype=tl.float32)
         o_base = OutPart + tok * stride_pt + head * stride_ph + offs_d
-        # split s + 1 is loaded before split s is folded: its memory round trip overlaps the fold
-        # (the fold's order and arithmetic, and so its bits, are those of a load-then-fold loop)
-        lse_next = tl.load(lse_base, mask=used >= 1, other=float("-inf"))
-        o_next = tl.load(o_base, mask=offs_d < tl.where(used >= 1, HEAD_DIM, 0), other=0.0)
-        for s in range(0, used):
-            lse_s = lse_next
-            o_s = o_next
-            s1 = tl.cast(s + 1, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
-            more = s + 1 < used
-            lse_next = tl.load(lse_base + s1 * stride_lps, mask=more, other=float("-inf"))
-            o_next = tl.load(o_base + s1 * stride_ps, mask=offs_d < tl.where(more, HEAD_DIM, 0), other=0.0)
-            w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
-            out = tl.fma(out, w_a, o_s * w_b)
+        if LOADS > 1:
+            for c in range(0, used, LOADS):
+                lses = ()
+                outs = ()
+                for j in tl.static_range(LOADS):
+                    here = c + j < used
+                    sj = tl.cast(c + j, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+                    lses = lses + (tl.load(lse_base + sj * stride_lps, mask=here, other=float("-inf")),)
+                    outs = outs + (tl.load(o_base + sj * stride_ps, mask=offs_d < tl.where(here, HEAD_DIM, 0),
+                                           other=0.0),)
+                for j in tl.static_range(LOADS):
+                    w_a, w_b, lse_j = _jit.merge_weights(lse, lses[j])
+                    out_j = tl.fma(out, w_a, outs[j] * w_b)
+                    here = c + j < used
+                    out = tl.where(here, out_j, out)
+                    lse = tl.where(here, lse_j, lse)
+        else:
+            # split s + 1 is loaded before split s is folded: its memory round trip overlaps the fold
+            # (the fold's order and arithmetic, and so its bits, are those of a load-then-fold loop)
+            lse_next = tl.load(lse_base, mask=used >= 1, other=float("-inf"))
+            o_next = tl.load(o_base, mask=offs_d < tl.where(used >= 1, HEAD_DIM, 0), other=0.0)
+            for s in range(0, used):
+                lse_s = lse_next
+                o_s = o_next
+                s1 = tl.cast(s + 1, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+                more = s + 1 < used
+                lse_next = tl.load(lse_base + s1 * stride_lps, mask=more, other=float("-inf"))
+                o_next = tl.load(o_base + s1 * stride_ps, mask=offs_d < tl.where(more, HEAD_DIM, 0), other=0.0)
+                w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
+                out = tl.fma(out, w_a, o_s * w_b)
         out = tl.where(used >= 1, out, float("nan"))  # no count written: a NaN, never a plausible 0
         lse = tl.where(used >= 1, lse, float("nan"))
         tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
@@ -118,14 +137,16 @@ class CombineLaunch:
     __slots__ = ("grid", "ints", "consts", "slot")
 
 
-def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invariant: bool = False) -> CombineLaunch:
+def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invariant: bool = False,
+                 loads: int = 1) -> CombineLaunch:
     """The launch that folds split partials ``[S, tokens, H, D]`` / ``[S, tokens, H]`` (``invariant``:
     ``[S + 1, tokens, H]``, the last plane each row's count of splits) into ``out`` (and ``lse``), for
     every call with these tensors' shapes, strides, dtypes and alignment.
 
     ``out`` is ``[B, Sq, H, D]`` with ``tokens_per_batch = Sq`` or ``[tokens, H, D]`` with
     ``tokens_per_batch = tokens``; ``lse`` is ``[B, H, Sq]``, ``[H, tokens]`` or None. ``invariant``:
-    the batch-invariant merge order (:func:`_combine_kernel`)."""
+    the batch-invariant merge order (:func:`_combine_kernel`), its partials ``loads`` at a time (the
+    same bits)."""
     num_splits, tokens, heads, d = out_part.shape
     if lse is None:
         stride_l = (0, 0, 0)
@@ -140,7 +161,7 @@ def plan_combine(out_part, lse_part, out, lse, *, tokens_per_batch: int, invaria
     all_s = 1 if invariant else next_pow2(num_splits)  # (the mode's merge loads one split at a time)
     plan.consts = dict(ALL_S=all_s, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
                        BLOCK_S=min(SPLITS_PER_LOAD, next_pow2(num_splits)), WRITE_LSE=lse is not None,
-                       INVARIANT=invariant)
+                       INVARIANT=invariant, LOADS=loads if invariant else 1)
     plan.slot = fastlaunch.Slot()
     return plan
 

@@ -196,6 +196,11 @@ INVARIANT_SPLIT_STATES = env_count("PAGEDFLASH_INVARIANT_SPLIT_STATES", None)
 # to hide their block-table reads, without a second round of one-warp decode programs at 128 row-heads
 # (docs/performance.md v47 measures 2, 4 and 8 contiguous, v51 8 over pages, v53 7 against 8).
 INVARIANT_SPLIT_WAVES = env_count("PAGEDFLASH_INVARIANT_SPLIT_WAVES", 7)
+# Split partials the mode's combine loads at once before folding them in order (combine._combine_kernel):
+# 1 (the default) loads each split's one ahead of its fold, so a row of S splits waits on S round trips
+# in a row; LOADS > 1 waits on ceil(S / LOADS) of them, for more registers and instructions (the same
+# bits: one fold order). Opt-in until measured (docs/performance.md v58).
+INVARIANT_COMBINE_LOADS = env_count("PAGEDFLASH_INVARIANT_COMBINE_LOADS", 1, most=32)
 # The GPU tile of the mode, rows:keys:warps:stages (invariant_config); empty: _invariant_tile's default
 # (64:64:4 with as many stages as shared memory holds; docs/performance.md v36 measures five tiles).
 # Another value is the tuning lever (every launch of a process takes the same one, so results stay
