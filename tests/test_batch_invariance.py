@@ -678,6 +678,13 @@ def test_combine_merges_the_rows_count_of_splits(loads):
     unwritten = torch.full((tokens, heads), float("nan"), device=DEVICE)  # no count: NaN rows, not zeros
     assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, unwritten))
     assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, torch.zeros(tokens, heads, device=DEVICE)))
+    # a state of -0.0 (a negative value weighted to 0 by a far larger lse, then a -0.0 partial) keeps its
+    # sign through the slots past the row's count, as when they are never visited
+    sign_out = torch.tensor([[-1.0], [-0.0], [5.0], [5.0]], device=DEVICE).expand(4, d)[:, None, None].contiguous()
+    sign_lse = torch.tensor([0.0, 200.0, 1.0, 1.0], device=DEVICE)[:, None, None].contiguous()
+    two = torch.full((1, 1), 2, device=DEVICE)
+    signed, _ = combine(sign_out, sign_lse, two)
+    assert torch.signbit(signed).all() and (signed == 0).all()
 
 
 def test_combine_loads_switch_reaches_the_launch(monkeypatch):
@@ -690,12 +697,11 @@ def test_combine_loads_switch_reaches_the_launch(monkeypatch):
     q = randn(2, hq, d, dtype=dtype)
     got = {}
     attention.clear_plans()
-    for loads in (1, 3):
+    for loads in (1, 3):  # the second call's own plan (the switch is part of the key), beside the first's
         monkeypatch.setattr(launch, "INVARIANT_COMBINE_LOADS", loads)
         got[loads] = _varlen(q, (k_cache, v_cache), table, [1, 1], lens, {}, num_splits=2)
-        plans = [p for p in attention._PLANS.values() if p.consts["INVARIANT"] and p.combine is not None]
-        assert plans and {p.combine.consts["LOADS"] for p in plans} == {loads}
-        attention.clear_plans()
+    plans = [p for p in attention._PLANS.values() if p.consts["INVARIANT"] and p.combine is not None]
+    assert sorted(p.combine.consts["LOADS"] for p in plans) == [1, 3]
     assert all(torch.equal(a, b) for a, b in zip(got[1], got[3]))
 
 
