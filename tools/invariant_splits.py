@@ -1,6 +1,6 @@
 """Issue 32: what the batch-invariant mode's split rule costs each kernel, on a few prefill and decode
 cells (bf16; decode 32 query / 8 KV heads; the 1B engine's decode-graph launches over 16-row pages, as the
-graph makes them since v58: packed one-row queries, causal, the graph's split count and 131,072-key
+graph makes them: packed one-row queries, causal, the graph's split count and 131,072-key
 length), mode off and on in one process, printed as on/off time.
 
 The rule is read when pagedflash loads, so compare rules by running this once per environment:
