@@ -272,9 +272,28 @@ def test_warp_tile_keeps_the_weights_k_chunks(monkeypatch):
     """The warp tile takes the weight's K chunks; where its K steps would cross them, calls of its rows
     run the tile they would without it."""
     monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:64:1:2"))
-    assert mm.warp_tile(CHUNK_TILE, 37, 100) is None  # 64-deep steps across 32-key chunks
+    cpu = torch.device("cpu")
+    assert mm.warp_tile(CHUNK_TILE, 37, 100, torch.float16, cpu) is None  # 64-deep steps across 32-key chunks
     monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:64:32:1:2"))
-    assert mm.warp_tile(CHUNK_TILE, 37, 100) == mm.Tile(16, 64, 32, 1, 2, CHUNK_TILE.group_m, CHUNK_TILE.chunk_k)
+    assert mm.warp_tile(CHUNK_TILE, 37, 100, torch.float16, cpu) == mm.Tile(16, 64, 32, 1, 2, CHUNK_TILE.group_m,
+                                                                             CHUNK_TILE.chunk_k)
+
+
+def test_warp_tile_serves_the_layers_whose_decode_tile_is_as_narrow(monkeypatch):
+    """Where the weight has sm90's wgmma decode tiles, the warp tile replaces only those no wider than
+    its columns (the 1B shape on 132 SMs: o_proj and down at 16 columns, not qkv at 32 nor gate/up at
+    128); with no wgmma tile to compare (fp32, other GPUs, the interpreter) it serves every weight."""
+    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:256:2:4"))
+    monkeypatch.setattr(mm, "num_sms", lambda device: 132)
+    main, cpu, bf16 = mm.Tile(64, 128, 128, 4, 4, 8), torch.device("cpu"), torch.bfloat16
+    assert mm.warp_tile(main, 2048, 8192, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)  # no wgmma here
+    monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: True)
+    for n, k in ((2048, 2048), (2048, 8192)):  # o_proj, down
+        assert mm.decode_tile(main, n, k, bf16, cpu).block_n == 16
+        assert mm.warp_tile(main, n, k, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)
+    assert mm.decode_tile(main, 3072, 2048, bf16, cpu).block_n == 32
+    assert mm.warp_tile(main, 3072, 2048, bf16, cpu) is None  # qkv
+    assert mm.warp_tile(mm.Tile(64, 256, 64, 4, 5, 8), 16384, 2048, bf16, cpu) is None  # gate/up
 
 
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):

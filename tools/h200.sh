@@ -11,7 +11,8 @@
 # mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048; SPLITS_ARGS=--engine: the
 # engine's decode cells only); TUNE_ARGS
 # adds options to the bench tune steps (--cells, --tiles, ...), TESTS picks test files. Any step may run under
-# environment variables of its own: VAR=VALUE[:VAR=VALUE...]@<step> (its log named after them, its results in
+# environment variables of its own: VAR=VALUE[:VAR=VALUE...]@<step> (a colon before the next NAME= separates
+# them, so values may hold colons: PAGEDFLASH_MATMUL_WARP_TILE=16:16:256:2:4@serve:itl; its log named after them, its results in
 # $R/<their letters and digits>/), e.g. the same serve section with and without an opt-in, in one call:
 #   SERVE_ARGS="--no-hf --batch-invariant" STEPS="serve:itl PAGEDFLASH_INVARIANT_DECODE_WAVES_SPLIT=8@serve:itl"
 # Issue 32's cost and invariance (batch-invariant mode off vs on, same run), one call (estimated ~12 min,
@@ -31,7 +32,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 R=${R:-bench_results}; mkdir -p $R
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt
 for step in ${STEPS:-tests}; do
-  vars=; case $step in *@*) vars=${step%%@*}; vars=${vars//:/ }; step=${step#*@} ;; esac
+  vars=; case $step in *@*) vars=$(sed -E 's/:([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "${step%%@*}"); step=${step#*@} ;; esac
   vt=${vars:+_${vars//[^A-Za-z0-9]/}}; out=$R${vars:+/${vars//[^A-Za-z0-9]/}}; mkdir -p $out
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
@@ -56,7 +57,7 @@ for step in ${STEPS:-tests}; do
     profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
            log=$R/profile_$ctx${tag:+_$tag}$vt.log
            env $vars timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
-    splits) [ "$arg" != splits ] && vars="$vars ${arg//:/ }"; sa=${SPLITS_ARGS:-}
+    splits) [ "$arg" != splits ] && vars="$vars $(sed -E 's/:([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "$arg")"; sa=${SPLITS_ARGS:-}
            log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}${sa:+_${sa//[^A-Za-z0-9]/}}.log
            env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py $sa > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}$vt.log
