@@ -635,13 +635,14 @@ def test_graph_split_bytes_follow_the_cap_and_budget(monkeypatch):
     assert graph_split_bytes(model, spec, sms) == bound([1, 2])
 
 
-@pytest.mark.parametrize("loads", [1, 4])
+@pytest.mark.parametrize("loads", [1, 2, 4])
 def test_combine_merges_the_rows_count_of_splits(loads):
     """The mode's combine merges as many splits as a row's count says (the LSE partials' last plane,
     which the attention kernel writes): slots past it are never read, whatever they hold; an empty
     split among the row's (lse -inf or +inf) merges as the identity, leading or not; a NaN split
     (invalid metadata) gives NaN; a row of empty splits gives 0 and -inf. ``loads``: partials loaded
-    that many at a time (``PAGEDFLASH_INVARIANT_COMBINE_LOADS``), the same bits as one at a time."""
+    that many at a time (``PAGEDFLASH_INVARIANT_COMBINE_LOADS``) where a row has more, one ahead where
+    it has no more (loads 4: rows of 3 and of 9 splits take each form), the same bits as one at a time."""
     def combine(out_part, lse_part, counts, loads=loads):
         lse_part = torch.cat([lse_part, counts.float()[None]])
         out = torch.empty(out_part.shape[1:], device=DEVICE)
@@ -680,10 +681,11 @@ def test_combine_merges_the_rows_count_of_splits(loads):
     assert all(torch.isnan(t).all() for t in combine(out_part, lse_part, torch.zeros(tokens, heads, device=DEVICE)))
     # a state of -0.0 (a negative value weighted to 0 by a far larger lse, then a -0.0 partial) keeps its
     # sign through the slots past the row's count, as when they are never visited
-    sign_out = torch.tensor([[-1.0], [-0.0], [5.0], [5.0]], device=DEVICE).expand(4, d)[:, None, None].contiguous()
-    sign_lse = torch.tensor([0.0, 200.0, 1.0, 1.0], device=DEVICE)[:, None, None].contiguous()
-    two = torch.full((1, 1), 2, device=DEVICE)
-    signed, _ = combine(sign_out, sign_lse, two)
+    # (loads 2: the second group holds the third split and a slot past the count)
+    sign_out = torch.tensor([[-1.0], [-0.0], [-0.0], [5.0]], device=DEVICE).expand(4, d)[:, None, None].contiguous()
+    sign_lse = torch.tensor([0.0, 200.0, 200.0, 1.0], device=DEVICE)[:, None, None].contiguous()
+    three = torch.full((1, 1), 3, device=DEVICE)
+    signed, _ = combine(sign_out, sign_lse, three)
     assert torch.signbit(signed).all() and (signed == 0).all()
 
 
