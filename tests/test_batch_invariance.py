@@ -641,8 +641,8 @@ def test_combine_merges_the_rows_count_of_splits(loads):
     which the attention kernel writes): slots past it are never read, whatever they hold; an empty
     split among the row's (lse -inf or +inf) merges as the identity, leading or not; a NaN split
     (invalid metadata) gives NaN; a row of empty splits gives 0 and -inf. ``loads``: partials loaded
-    that many at a time (``PAGEDFLASH_INVARIANT_COMBINE_LOADS``) where a row has more, one ahead where
-    it has no more (loads 4: rows of 3 and of 9 splits take each form), the same bits as one at a time."""
+    that many at a time (``PAGEDFLASH_INVARIANT_COMBINE_LOADS``), the same bits as one at a time (loads 2
+    and 4: groups that end past a row's count of 3 and of 9 splits)."""
     def combine(out_part, lse_part, counts, loads=loads):
         lse_part = torch.cat([lse_part, counts.float()[None]])
         out = torch.empty(out_part.shape[1:], device=DEVICE)

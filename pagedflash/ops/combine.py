@@ -21,48 +21,6 @@ from pagedflash.ops.utils import cdiv, next_pow2
 SPLITS_PER_LOAD = 16  # partial outputs loaded at once: [16, D] fp32 stays in registers
 
 
-@triton.jit
-def _fold_one_ahead(lse_base, o_base, used, stride_lps, stride_ps, offs_d, out, lse, HEAD_DIM: tl.constexpr):
-    """The mode's fold of a row's ``used`` split partials, left to right, split s + 1 loaded before split s
-    is folded: its memory round trip overlaps the fold (the fold's order and arithmetic, and so its bits,
-    are those of a load-then-fold loop)."""
-    lse_next = tl.load(lse_base, mask=used >= 1, other=float("-inf"))
-    o_next = tl.load(o_base, mask=offs_d < tl.where(used >= 1, HEAD_DIM, 0), other=0.0)
-    for s in range(0, used):
-        lse_s = lse_next
-        o_s = o_next
-        s1 = tl.cast(s + 1, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
-        more = s + 1 < used
-        lse_next = tl.load(lse_base + s1 * stride_lps, mask=more, other=float("-inf"))
-        o_next = tl.load(o_base + s1 * stride_ps, mask=offs_d < tl.where(more, HEAD_DIM, 0), other=0.0)
-        w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
-        out = tl.fma(out, w_a, o_s * w_b)
-    return out, lse
-
-
-@triton.jit
-def _fold_grouped(lse_base, o_base, used, stride_lps, stride_ps, offs_d, out, lse, HEAD_DIM: tl.constexpr,
-                  LOADS: tl.constexpr):
-    """The same fold with the partials loaded ``LOADS`` at a time, each group's loads issued together,
-    then folded in order (a split past the count leaves the state as it was): the same operations in
-    the same order, so the same bits, in ceil(used / LOADS) round trips instead of ``used``."""
-    for c in range(0, used, LOADS):
-        lses = ()
-        outs = ()
-        for j in tl.static_range(LOADS):
-            here = c + j < used
-            sj = tl.cast(c + j, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
-            lses = lses + (tl.load(lse_base + sj * stride_lps, mask=here, other=float("-inf")),)
-            outs = outs + (tl.load(o_base + sj * stride_ps, mask=offs_d < tl.where(here, HEAD_DIM, 0), other=0.0),)
-        for j in tl.static_range(LOADS):
-            w_a, w_b, lse_j = _jit.merge_weights(lse, lses[j])
-            out_j = tl.fma(out, w_a, outs[j] * w_b)
-            here = c + j < used
-            out = tl.where(here, out_j, out)
-            lse = tl.where(here, lse_j, lse)
-    return out, lse
-
-
 @triton.jit(do_not_specialize=["tokens_per_batch", "num_splits"])  # vary per call: no recompiles
 def _combine_kernel(
     OutPart,  # [num_splits, tokens, H, D] fp32
@@ -90,10 +48,9 @@ def _combine_kernel(
     count of slots is the LSE partials' last plane (``LsePart[num_splits]``, written by the attention
     kernel): slots past it (a graph sized for the longest row) are never read nor written, and an
     empty split among the row's (lse ``±inf``, partial 0) merges as the identity (weights 1 and 0),
-    as in the kernel's own fold. ``LOADS`` > 1: rows of more than ``LOADS`` splits load them
-    ``LOADS`` at a time (:func:`_fold_grouped`), other rows one ahead (:func:`_fold_one_ahead`): the
-    same operations in the same order, so the same bits, in fewer round trips on long rows and with
-    no masked loads past a short row's count."""
+    as in the kernel's own fold. ``LOADS`` > 1: the row's splits loaded ``LOADS`` at a time, each
+    group's loads issued together, then folded in order (a split past the count leaves the state
+    as it was): the same operations in the same order, so the same bits, for fewer round trips."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -108,13 +65,35 @@ def _combine_kernel(
         lse = tl.full([], float("-inf"), dtype=tl.float32)
         o_base = OutPart + tok * stride_pt + head * stride_ph + offs_d
         if LOADS > 1:
-            if used > LOADS:
-                out, lse = _fold_grouped(lse_base, o_base, used, stride_lps, stride_ps, offs_d, out, lse, HEAD_DIM,
-                                         LOADS)
-            else:
-                out, lse = _fold_one_ahead(lse_base, o_base, used, stride_lps, stride_ps, offs_d, out, lse, HEAD_DIM)
+            for c in range(0, used, LOADS):
+                lses = ()
+                outs = ()
+                for j in tl.static_range(LOADS):
+                    here = c + j < used
+                    sj = tl.cast(c + j, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+                    lses = lses + (tl.load(lse_base + sj * stride_lps, mask=here, other=float("-inf")),)
+                    outs = outs + (tl.load(o_base + sj * stride_ps, mask=offs_d < tl.where(here, HEAD_DIM, 0),
+                                           other=0.0),)
+                for j in tl.static_range(LOADS):
+                    w_a, w_b, lse_j = _jit.merge_weights(lse, lses[j])
+                    out_j = tl.fma(out, w_a, outs[j] * w_b)
+                    here = c + j < used
+                    out = tl.where(here, out_j, out)
+                    lse = tl.where(here, lse_j, lse)
         else:
-            out, lse = _fold_one_ahead(lse_base, o_base, used, stride_lps, stride_ps, offs_d, out, lse, HEAD_DIM)
+            # split s + 1 is loaded before split s is folded: its memory round trip overlaps the fold
+            # (the fold's order and arithmetic, and so its bits, are those of a load-then-fold loop)
+            lse_next = tl.load(lse_base, mask=used >= 1, other=float("-inf"))
+            o_next = tl.load(o_base, mask=offs_d < tl.where(used >= 1, HEAD_DIM, 0), other=0.0)
+            for s in range(0, used):
+                lse_s = lse_next
+                o_s = o_next
+                s1 = tl.cast(s + 1, tl.int64)  # split offsets in int64: splits x tokens x H x D may pass 2^31
+                more = s + 1 < used
+                lse_next = tl.load(lse_base + s1 * stride_lps, mask=more, other=float("-inf"))
+                o_next = tl.load(o_base + s1 * stride_ps, mask=offs_d < tl.where(more, HEAD_DIM, 0), other=0.0)
+                w_a, w_b, lse = _jit.merge_weights(lse, lse_s)
+                out = tl.fma(out, w_a, o_s * w_b)
         out = tl.where(used >= 1, out, float("nan"))  # no count written: a NaN, never a plausible 0
         lse = tl.where(used >= 1, lse, float("nan"))
         tl.store(Out + b * stride_ob + t * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
