@@ -23,7 +23,8 @@
 # that the archive is written inside the call's limit; logs land beside the results. The whole
 # compiled matrix took 380 s with -n 12 (2079 cases, 2026-12-01): NPROC defaults to 12, T_tests to 540.
 # Two instances may run side by side (one per GPU of a 2-GPU machine): give each its own R (results
-# folder, also the archive's name) and CUDA_VISIBLE_DEVICES. SERVE_ARGS adds options to serve steps
+# folder, also the archive's name) and CUDA_VISIBLE_DEVICES. An R under $OUT (R=$OUT/r1) is not archived:
+# its logs come back as written, those of a call cut short by its limit too. SERVE_ARGS adds options to serve steps
 # (--tensor-parallel-size 2), PYTEST_EXTRA to the tests step (--timeout=300 --timeout-method=thread).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -67,5 +68,7 @@ for step in ${STEPS:-tests}; do
   grep -E " passed| failed|^FAILED|Error|^summary|geomean|speedup|failures|tok/s|TTFT|ITL|ERROR SUMMARY|cuBLAS/ours|% of requests|graph replay|on/off" $log | tail -${TAIL:-14}
   echo "== ${vars:+$vars @ }$step rc=$rc $((SECONDS - t0)) s"
 done
-[ "$R" = bench_results ] && a=results || a=$R
-tar czf $OUT/$a.tgz $R
+case $R in
+  "$OUT"/*) ;;  # already under $OUT: its files come back as they are
+  *) [ "$R" = bench_results ] && a=results || a=$(basename "$R"); tar czf "$OUT/$a.tgz" "$R" ;;
+esac
