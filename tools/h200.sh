@@ -31,9 +31,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 source tools/wheels.sh  # the serve extra (carry [".whl"])
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 R=${R:-bench_results}; mkdir -p $R
+step_vars() { sed -E 's/:([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "$1"; }  # NAME=V[:NAME=V...] -> NAME=V NAME=V
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee $R/gpu.txt
 for step in ${STEPS:-tests}; do
-  vars=; case $step in *@*) vars=$(sed -E 's/:([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "${step%%@*}"); step=${step#*@} ;; esac
+  vars=; case $step in *@*) vars=$(step_vars "${step%%@*}"); step=${step#*@} ;; esac
   vt=${vars:+_${vars//[^A-Za-z0-9]/}}; out=$R${vars:+/${vars//[^A-Za-z0-9]/}}; mkdir -p $out
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
@@ -58,7 +59,7 @@ for step in ${STEPS:-tests}; do
     profile) ctx=${arg%%:*}; opts=; [ "$ctx" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
            log=$R/profile_$ctx${tag:+_$tag}$vt.log
            env $vars timeout ${T_profile:-90} python3 tools/profile_engine_step.py $ctx ${opts//:/ } > $log 2>&1 ;;
-    splits) [ "$arg" != splits ] && vars="$vars $(sed -E 's/:([A-Z_][A-Z0-9_]*=)/ \1/g' <<< "$arg")"; sa=${SPLITS_ARGS:-}
+    splits) [ "$arg" != splits ] && vars="$vars $(step_vars "$arg")"; sa=${SPLITS_ARGS:-}
            log=$R/splits${vars:+_${vars//[^A-Za-z0-9]/}}${sa:+_${sa//[^A-Za-z0-9]/}}.log
            env $vars timeout ${T_splits:-90} python3 tools/invariant_splits.py $sa > $log 2>&1 ;;
     serve) sec=${arg%%:*}; n=${arg#*:}; [ "$n" = "$arg" ] && n=; log=$R/serve_${sec//,/_}$vt.log

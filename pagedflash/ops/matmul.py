@@ -313,7 +313,7 @@ def warp_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.devi
     where the weight has sm90's wgmma decode tiles, where :func:`decode_tile` is wider than the warp
     tile's columns: a warp's tile beats the 64-row tile only on layers narrow enough that decode tiles
     reach its width (on an H100 at batch 1: o_proj and down of the 1B shape 0.87 -> 0.96 of cuBLAS at
-    16 columns; qkv's and gate/up's wider decode tiles 0.95-0.97 against 0.86-0.91, v59)."""
+    16 columns; qkv's and gate/up's wider decode tiles 0.95-0.97 against 0.86-0.91; docs/performance.md v59)."""
     if _sm90_wgmma(dtype, device) and decode_tile(main, n, k, dtype, device).block_n > WARP_TILE.block_n:
         return None
     block_n = max(16, min(WARP_TILE.block_n, next_pow2(n)))
