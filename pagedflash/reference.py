@@ -265,6 +265,13 @@ def silu_mul_ref(gate_up):
     return _rounded(torch.nn.functional.silu(gate), gate_up.dtype) * up
 
 
+def gelu_tanh_mul_ref(gate_up):
+    """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]``; the GELU
+    rounded to the input dtype before the multiply."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return _rounded(torch.nn.functional.gelu(gate, approximate="tanh"), gate_up.dtype) * up
+
+
 def argmax_ref(logits):
     """First index of each row's maximum of ``logits [R, V]`` (NaN the largest) -> int64 ``[R]``."""
     return logits.float().argmax(-1)

@@ -214,7 +214,7 @@ def _decoder(x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out,
     rope.rope_(qkv, pos, cos, sin, num_heads=heads, head_dim=d)
     rope.rope_(qkv, pos, cos, sin, num_heads=heads, head_dim=d, q_norm_weight=norm_w[:d], k_norm_weight=norm_w[-d:],
                num_q_heads=heads // 2, eps=1e-5)  # with the q/k norm
-    act = activation.silu_mul(gate_up)
+    act = activation.silu_mul(gate_up) + activation.gelu_tanh_mul(gate_up)
     row_out, row_res = gemv.rms_norm_gemv(x[:1], w_in, norm_weight=norm_w, eps=1e-5, residual=res[:1])
     down = gemv.silu_mul_gemv(gate_up[:1], w_out, norm_w)
     return (normed, summed, plain, same, qkv, act, row_out, row_res, down, gemv.gemv(x[:1], w_in),
@@ -257,7 +257,7 @@ CASES = {
     "kvcache_paged_fp8_sinks": Case(_kvcache_fp8, "flash_attn_with_kvcache", _fp8_kvcache_args),
     "merge": Case(merge_attn_states, "merge_attn_states", _merge_args),
     "write_kv_cache": Case(_write, "write_kv_cache", _write_args),
-    "decoder_ops": Case(_decoder, {"rms_norm", "rope_", "silu_mul", "gemv", "argmax"}, _decoder_args),
+    "decoder_ops": Case(_decoder, {"rms_norm", "rope_", "silu_mul", "gelu_tanh_mul", "gemv", "argmax"}, _decoder_args),
     "write_kv_cache_fp8": Case(_write_fp8, "write_kv_cache", _fp8_write_args),
     "moe_route": Case(_route, "moe_route", _route_args),
 }

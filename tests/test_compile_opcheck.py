@@ -56,6 +56,7 @@ OP_CALLS = {
     "rms_norm": lambda: (*fresh_args(CASES["decoder_ops"])[:3:2], 1e-5, fresh_args(CASES["decoder_ops"])[1]),
     "rope_": lambda: (*fresh_args(CASES["decoder_ops"])[3:9], fresh_args(CASES["decoder_ops"])[8] // 2),  # half rotated
     "silu_mul": lambda: (fresh_args(CASES["decoder_ops"])[9],),
+    "gelu_tanh_mul": lambda: (fresh_args(CASES["decoder_ops"])[9],),
     "argmax": lambda: (fresh_args(CASES["decoder_ops"])[12],),
     "gemv": lambda: _gemv_op_args(),
     "write_kv_cache[fp8]": lambda: fresh_args(CASES["write_kv_cache_fp8"]),

@@ -122,17 +122,31 @@ def test_rope_partial_rotary_real_sizes(t, dtype):
 
 
 # ---------------------------------------------------------------------------------------- activation
-def check_silu_mul(t, n, dtype):
+def check_gated_activations(t, n, dtype):
     gate_up = in_wider_rows(randn(t, 2 * n, dtype=dtype) * 3)
-    out = activation.silu_mul(gate_up)
-    assert out.shape == (t, n) and out.dtype == dtype
-    assert_close(out, ref.silu_mul_ref(gate_up), dtype)
+    for fn, reference in ((activation.silu_mul, ref.silu_mul_ref), (activation.gelu_tanh_mul, ref.gelu_tanh_mul_ref)):
+        out = fn(gate_up)
+        assert out.shape == (t, n) and out.dtype == dtype
+        assert_close(out, reference(gate_up), dtype)
+
+
+def test_gelu_tanh_mul_matches_torch_at_the_extremes():
+    """Gemma's GeGLU: the kernel's ``g * sigmoid(2 z)`` form equals torch's ``0.5 g (1 + tanh(z))`` where
+    its exponential overflows (very negative gates: -0.0 as torch's) and saturates (very positive: g),
+    and is finite for every finite gate."""
+    gate = torch.tensor([-1e4, -60.0, -6.0, -1.0, -1e-3, 0.0, 1e-3, 1.0, 6.0, 60.0, 1e4], device=DEVICE)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
+    out = activation.gelu_tanh_mul(gate_up)[0]
+    want = torch.nn.functional.gelu(gate.cpu(), approximate="tanh")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.signbit(out[:3].cpu()), torch.signbit(want[:3]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("t,n", [(6, 300), (1, 1), (2, 1500), (0, 4)])  # 1500: two column blocks
-def test_silu_mul(t, n, dtype):
-    check_silu_mul(t, n, dtype)
+def test_gated_activations(t, n, dtype):
+    check_gated_activations(t, n, dtype)
 
 
 @pytest.mark.gpu
@@ -140,8 +154,8 @@ def test_silu_mul(t, n, dtype):
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=ids)
 @pytest.mark.parametrize("n", [8192, I8B])
 @pytest.mark.parametrize("t", [1, 333])
-def test_silu_mul_real_sizes(t, n, dtype):
-    check_silu_mul(t, n, dtype)
+def test_gated_activations_real_sizes(t, n, dtype):
+    check_gated_activations(t, n, dtype)
 
 
 # ------------------------------------------------------------------------------------------ sampling
@@ -272,6 +286,7 @@ def _errors():
            r"cos: expected shape \[max_len, >= rotary_dim = 10\], got \(16, 8\)")
     yield lambda: call(sin=randn(15, 20)), ValueError, r"sin: expected the shape of cos"
     yield lambda: activation.silu_mul(randn(2, 7)), ValueError, r"gate_up: expected an even, nonzero number of columns"
+    yield lambda: activation.gelu_tanh_mul(randn(2, 0)), ValueError, r"gate_up: expected an even, nonzero number of columns"
     yield lambda: sampling.argmax(randn(2, 0)), ValueError, r"logits: expected between 1 and 2\*\*31 - 1 columns"
     yield lambda: sampling.argmax(randn(5)), ValueError, r"logits: expected a 2-D tensor"
     row, weight = randn(1, 8), randn(4, 8)

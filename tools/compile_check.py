@@ -87,6 +87,7 @@ def _layer_calls(cfg: dict, rows: int):
     yield "rope + q/k norm", lambda: rope.rope_(qkv, positions, cos, sin, num_heads=hq + hkv, head_dim=d,
                                                 q_norm_weight=w_d, k_norm_weight=w_d, num_q_heads=hq, eps=1e-6)
     yield "silu_mul", lambda: activation.silu_mul(gate_up)
+    yield "gelu_tanh_mul", lambda: activation.gelu_tanh_mul(gate_up)
     if rows == 1:
         yield "gemv qkv", lambda: gemv.gemv(x, w_qkv)
         yield "rms_norm_gemv qkv", lambda: gemv.rms_norm_gemv(x, w_qkv, norm_weight=w_h, eps=1e-6, residual=x)

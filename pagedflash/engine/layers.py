@@ -1,9 +1,8 @@
 """The decoder's steps around attention, each run by a kernel of :mod:`pagedflash.ops` on a GPU and
 by the same math in PyTorch elsewhere (the ops' references, :mod:`pagedflash.reference`, cast to the
-model's dtype): residual add + RMSNorm, RoPE in place, SiLU-and-multiply, greedy argmax, and the
-single-row projections of batch-1 decode with the norm or SiLU fused in front, and a mixture of
-experts' routing and expert MLPs (:mod:`pagedflash.ops.moe`). GeGLU (Gemma) runs in PyTorch on every
-device.
+model's dtype): residual add + RMSNorm, RoPE in place, SiLU- and GELU-and-multiply, greedy argmax,
+and the single-row projections of batch-1 decode with the norm or SiLU fused in front, and a mixture
+of experts' routing and expert MLPs (:mod:`pagedflash.ops.moe`).
 
 Why kernels: in plain PyTorch these are ~40 small launches per layer, and a batch-1 decode step of a
 16-layer model would spend more time launching them than reading the weights. Why PyTorch off the
@@ -63,10 +62,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]`` (Gemma's GeGLU), in
-    PyTorch everywhere (no kernel yet)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.gelu(gate, approximate="tanh") * up
+    """``gelu_tanh(gate) * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]`` (Gemma's GeGLU)."""
+    if use_kernels(gate_up):
+        return activation.gelu_tanh_mul(gate_up)
+    return reference.gelu_tanh_mul_ref(gate_up).to(gate_up.dtype)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str, renormalize: bool):

@@ -1,6 +1,8 @@
-"""SiLU-and-multiply of a gate/up projection's output: ``silu(gate) * up`` for ``[T, 2n]`` rows (gate
-first). SiLU is rounded to the input dtype before the multiply, as in transformers' unfused MLP
-(:func:`pagedflash.reference.silu_mul_ref`).
+"""Gated activations of a gate/up projection's output, ``act(gate) * up`` for ``[T, 2n]`` rows (gate
+first): SiLU (SwiGLU: Llama, Mistral, Qwen, ...) and tanh-approximated GELU (GeGLU: Gemma's
+``gelu_pytorch_tanh``). The activation is rounded to the input dtype before the multiply, as in
+transformers' unfused MLPs (:func:`pagedflash.reference.silu_mul_ref`,
+:func:`pagedflash.reference.gelu_tanh_mul_ref`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from pagedflash.ops import custom_ops
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_gate_up_width, check_operand, next_pow2
 
 MAX_BLOCK = 1024  # columns per program
+ACTIVATIONS = ("silu", "gelu_tanh")
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # the tanh GELU's sqrt(2 / pi)
 
 
 @triton.jit
-def _silu_mul_kernel(
+def _act_mul_kernel(
     GateUp,  # [T, 2 * n]: gate then up, row stride stride_g
     Out,  # [T, n]
     stride_g, stride_o, n,
+    ACT: tl.constexpr,  # one of ACTIVATIONS
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -28,7 +33,12 @@ def _silu_mul_kernel(
     mask = cols < n
     g = tl.load(GateUp + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GateUp + row * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+    if ACT == "silu":
+        act = g / (1.0 + tl.exp(-g))
+    else:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        z = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * z))  # exp overflows to inf for very negative g: act -0.0, as tanh's -1
+    act = act.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=mask)
 
 
@@ -38,27 +48,28 @@ def _check(gate_up) -> None:
     validate.check_no_grad(gate_up=gate_up)
 
 
-def _plan(gate_up) -> Launch:
+def _plan(gate_up, act: str) -> Launch:
     """Check the operand (all the checks read is in the plan's key) and work out the launch."""
     _check(gate_up)
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     block = min(MAX_BLOCK, next_pow2(n))
-    return Launch(_silu_mul_kernel, (t, cdiv(n, block)) if t else None, dict(BLOCK=block))
+    return Launch(_act_mul_kernel, (t, cdiv(n, block)) if t else None, dict(ACT=act, BLOCK=block))
 
 
 _PLANS = PlanCache()
 
 
-def _launch(gate_up):
-    key = _PLANS.key(gate_up)
-    plan = _PLANS.get(key) or _PLANS.add(key, _plan(gate_up))
+def _launch(gate_up, act: str):
+    key = _PLANS.key(gate_up, extra=(act,))
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(gate_up, act))
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     plan(gate_up, out, gate_up.stride(0), out.stride(0), n)
     return out
 
 
-_op = custom_ops.implement("silu_mul", _launch)
+_silu_op = custom_ops.implement("silu_mul", lambda gate_up: _launch(gate_up, "silu"))
+_gelu_tanh_op = custom_ops.implement("gelu_tanh_mul", lambda gate_up: _launch(gate_up, "gelu_tanh"))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -66,4 +77,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     -> ``[T, n]`` in its dtype. Checked on a call signature's first call (and when traced)."""
     if custom_ops.via_operator():
         _check(gate_up)
-    return _op(gate_up)
+    return _silu_op(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2n]`` (fp16/bf16/fp32, gate first, rows
+    may be strided) -> ``[T, n]`` in its dtype. Checked as :func:`silu_mul`."""
+    if custom_ops.via_operator():
+        _check(gate_up)
+    return _gelu_tanh_op(gate_up)

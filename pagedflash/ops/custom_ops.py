@@ -17,6 +17,7 @@ operator                        public function                                m
 ``rms_norm``                    :func:`pagedflash.ops.norm.rms_norm`           —
 ``rope_``                       :func:`pagedflash.ops.rope.rope_`              ``x``
 ``silu_mul``                    :func:`pagedflash.ops.activation.silu_mul`     —
+``gelu_tanh_mul``               :func:`pagedflash.ops.activation.gelu_tanh_mul` —
 ``argmax``                      :func:`pagedflash.ops.sampling.argmax`         —
 ``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
                                 forms (``rms_norm_gemv``, ``silu_mul_gemv``)
@@ -111,6 +112,7 @@ _SCHEMAS = {
              "int rotary_dim, Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, int num_q_heads=0, "
              "float eps=0.0) -> ()",
     "silu_mul": "(Tensor gate_up) -> Tensor",
+    "gelu_tanh_mul": "(Tensor gate_up) -> Tensor",
     "argmax": "(Tensor logits) -> Tensor",
     "gemv": "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, "
             "int prologue, Tensor(a!) out) -> Tensor",
@@ -158,7 +160,7 @@ def _fake_rope(x, positions, cos, sin, num_heads, head_dim, rotary_dim, q_norm_w
     return None
 
 
-def _fake_silu_mul(gate_up):
+def _fake_act_mul(gate_up):
     return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
 
 
@@ -173,7 +175,7 @@ def _fake_gemv(x, weight, bias, residual, norm_weight, eps, prologue, out):
 for _name, _fake in (("flash_attn_func", _fake_dense), ("flash_attn_varlen_func", _fake_varlen),
                      ("flash_attn_with_kvcache", _fake_kvcache), ("merge_attn_states", _fake_merge),
                      ("write_kv_cache", _fake_write), ("rms_norm", _fake_rms_norm), ("rope_", _fake_rope),
-                     ("silu_mul", _fake_silu_mul), ("argmax", _fake_argmax), ("gemv", _fake_gemv)):
+                     ("silu_mul", _fake_act_mul), ("gelu_tanh_mul", _fake_act_mul), ("argmax", _fake_argmax), ("gemv", _fake_gemv)):
     torch.library.register_fake(f"pagedflash::{_name}", _fake, lib=_lib)
 
 # moe_route (pagedflash.ops.moe.route): new (weights fp32, ids int32) [T, top_k]; scoring: an index of SCORINGS
