@@ -6,25 +6,25 @@ and dtypes, so that ``torch.compile(fullgraph=True)`` traces code calling pagedf
 graph break, with static or dynamic (SymInt) shapes, under any backend (``aot_eager``, Inductor,
 ``mode="reduce-overhead"``'s CUDA graphs):
 
-=============================== ============================================== ============================
-operator                        public function                                mutates
-=============================== ============================================== ============================
-``flash_attn_func``             :func:`pagedflash.flash_attn_func`             ``out``
-``flash_attn_varlen_func``      :func:`pagedflash.flash_attn_varlen_func`      ``out``
-``flash_attn_with_kvcache``     :func:`pagedflash.flash_attn_with_kvcache`     ``k_cache``, ``v_cache``, ``out``
-``merge_attn_states``           :func:`pagedflash.merge_attn_states`           —
-``write_kv_cache``              :func:`pagedflash.write_kv_cache`              ``k_cache``, ``v_cache``
-``rms_norm``                    :func:`pagedflash.ops.norm.rms_norm`           —
-``rope_``                       :func:`pagedflash.ops.rope.rope_`              ``x``
-``silu_mul``                    :func:`pagedflash.ops.activation.silu_mul`     —
-``gelu_tanh_mul``               :func:`pagedflash.ops.activation.gelu_tanh_mul` —
-``argmax``                      :func:`pagedflash.ops.sampling.argmax`         —
-``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused ``out``
+=============================== ================================================ ============================
+operator                        public function                                  mutates
+=============================== ================================================ ============================
+``flash_attn_func``             :func:`pagedflash.flash_attn_func`               ``out``
+``flash_attn_varlen_func``      :func:`pagedflash.flash_attn_varlen_func`        ``out``
+``flash_attn_with_kvcache``     :func:`pagedflash.flash_attn_with_kvcache`       ``k_cache``, ``v_cache``, ``out``
+``merge_attn_states``           :func:`pagedflash.merge_attn_states`             —
+``write_kv_cache``              :func:`pagedflash.write_kv_cache`                ``k_cache``, ``v_cache``
+``rms_norm``                    :func:`pagedflash.ops.norm.rms_norm`             —
+``rope_``                       :func:`pagedflash.ops.rope.rope_`                ``x``
+``silu_mul``                    :func:`pagedflash.ops.activation.silu_mul`       —
+``gelu_tanh_mul``               :func:`pagedflash.ops.activation.gelu_tanh_mul`  —
+``argmax``                      :func:`pagedflash.ops.sampling.argmax`           —
+``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused   ``out``
                                 forms (``rms_norm_gemv``, ``silu_mul_gemv``)
-``moe_route``                   :func:`pagedflash.ops.moe.route`               —
-``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`           ``out``
-``matmul``                      :func:`pagedflash.ops.matmul.matmul`           ``out``
-=============================== ============================================== ============================
+``moe_route``                   :func:`pagedflash.ops.moe.route`                 —
+``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`             ``out``
+``matmul``                      :func:`pagedflash.ops.matmul.matmul`             ``out``
+=============================== ================================================ ============================
 
 The operators take the arguments the public functions have already checked and normalized
 (``window_size`` as two ints, the output preallocated): call the public functions, which check
