@@ -267,9 +267,10 @@ def silu_mul_ref(gate_up):
 
 def gelu_tanh_mul_ref(gate_up):
     """``gelu(gate, approximate="tanh") * up`` for ``gate_up [T, 2n]`` (gate first) -> ``[T, n]``; the GELU
-    rounded to the input dtype before the multiply."""
+    rounded to the input dtype before the multiply. The GELU in fp64: in fp32, ``1 + tanh(z)`` cancels
+    for gates below about -4 (the value itself under 1e-4), off by up to 100 % where fp16 still holds it."""
     gate, up = gate_up.float().chunk(2, dim=-1)
-    return _rounded(torch.nn.functional.gelu(gate, approximate="tanh"), gate_up.dtype) * up
+    return _rounded(torch.nn.functional.gelu(gate.double(), approximate="tanh"), gate_up.dtype) * up
 
 
 def argmax_ref(logits):
