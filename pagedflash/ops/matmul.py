@@ -224,8 +224,9 @@ def parse_warp_tile(text: str) -> Tile | None:
 
 # calls of at most WARP_TILE.block_m rows run this tile (warp_tile): rows of a warp's MMA (mma.sync) rather
 # than a warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only
-# where the device's two MMAs round alike: opt-in (PAGEDFLASH_MATMUL_WARP_TILE, unset: none) until
-# tools/tune_matmul.py --warp-sweep shows that they do on the GPU; part of every plan's key
+# where the device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it): opt-in
+# (PAGEDFLASH_MATMUL_WARP_TILE, unset: none); on sm90 only for the layers warp_tile() admits; part of
+# every plan's key
 WARP_TILE = parse_warp_tile(os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE", ""))
 # rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
 # one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
