@@ -261,7 +261,9 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
 
 
 def test_warp_tile_variable():
-    assert mm.parse_warp_tile("") is None and mm.WARP_TILE is None  # unset: none
+    """Unset: sm90's warp tile (16-bit calls there only), no tile for every device; ``0``: none anywhere."""
+    assert mm.WARP_TILE is None and mm.WARP_TILE_SM90 == mm.Tile(16, 16, 256, 2, 4, 0)
+    assert mm.parse_warp_tile("") is None and mm.parse_warp_tile("0") is None
     assert mm.parse_warp_tile("16:32:256:1:4") == mm.Tile(16, 32, 256, 1, 4, 0)
     for bad in ("16:32:256:1", "16:32:256:3:4", "8:32:256:1:4", "128:32:256:4:4", "16:32:8:1:4", "16:a:256:1:4"):
         with pytest.raises(ValueError, match=r"PAGEDFLASH_MATMUL_WARP_TILE: expected rows:columns:k_step:warps"):
@@ -271,32 +273,52 @@ def test_warp_tile_variable():
 def test_warp_tile_keeps_the_weights_k_chunks(monkeypatch):
     """The warp tile takes the weight's K chunks; where its K steps would cross them, calls of its rows
     run the tile they would without it."""
-    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:64:1:2"))
-    cpu = torch.device("cpu")
-    assert mm.warp_tile(CHUNK_TILE, 37, 100, torch.float16, cpu) is None  # 64-deep steps across 32-key chunks
-    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:64:32:1:2"))
-    assert mm.warp_tile(CHUNK_TILE, 37, 100, torch.float16, cpu) == mm.Tile(16, 64, 32, 1, 2, CHUNK_TILE.group_m,
-                                                                             CHUNK_TILE.chunk_k)
+    cpu = torch.device("cpu")  # 64-deep steps across 32-key chunks:
+    assert mm.warp_tile(mm.parse_warp_tile("16:16:64:1:2"), CHUNK_TILE, 37, 100, torch.float16, cpu) is None
+    assert mm.warp_tile(mm.parse_warp_tile("16:64:32:1:2"), CHUNK_TILE, 37, 100, torch.float16, cpu) == \
+        mm.Tile(16, 64, 32, 1, 2, CHUNK_TILE.group_m, CHUNK_TILE.chunk_k)
 
 
 def test_warp_tile_serves_the_layers_whose_decode_tile_is_as_narrow(monkeypatch):
     """Where the weight has sm90's wgmma decode tiles, the warp tile replaces only those no wider than
     its columns (the 1B shape on 132 SMs: o_proj and down at 16 columns, not qkv at 32 nor gate/up at
     128); with no wgmma tile to compare (fp32, other GPUs, the interpreter) it serves every weight."""
-    monkeypatch.setattr(mm, "WARP_TILE", mm.parse_warp_tile("16:16:256:2:4"))
+    warp = mm.Tile(16, 16, 256, 2, 4, 0)  # WARP_TILE_SM90
     monkeypatch.setattr(mm, "num_sms", lambda device: 132)
     main, cpu, bf16 = mm.Tile(64, 128, 128, 4, 4, 8), torch.device("cpu"), torch.bfloat16
-    assert mm.warp_tile(main, 2048, 8192, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)  # no wgmma here
+    assert mm.warp_tile(warp, main, 2048, 8192, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)  # no wgmma here
     monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: True)
     for n, k in ((2048, 2048), (2048, 8192)):  # o_proj, down
         assert mm.decode_tile(main, n, k, bf16, cpu).block_n == 16
-        assert mm.warp_tile(main, n, k, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)
+        assert mm.warp_tile(warp, main, n, k, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)
     assert mm.decode_tile(main, 3072, 2048, bf16, cpu).block_n == 32
-    assert mm.warp_tile(main, 3072, 2048, bf16, cpu) is None  # qkv
-    assert mm.warp_tile(mm.Tile(64, 256, 64, 4, 5, 8), 16384, 2048, bf16, cpu) is None  # gate/up
+    assert mm.warp_tile(warp, main, 3072, 2048, bf16, cpu) is None  # qkv
+    assert mm.warp_tile(warp, mm.Tile(64, 256, 64, 4, 5, 8), 16384, 2048, bf16, cpu) is None  # gate/up
+
+
+def test_sm90s_warp_tile_is_the_default_for_its_16_bit_calls(monkeypatch):
+    """With the variable unset, 16-bit calls of at most 16 rows on sm90 run WARP_TILE_SM90 where the
+    decode tile is as narrow (here 4 SMs: 64 columns narrow to 16); fp32 calls and more rows do not,
+    nor any call with no sm90 tile (the variable's tile, WARP_TILE, would serve them)."""
+    monkeypatch.setattr(mm, "WARP_TILE", None)
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.Tile(16, 16, 256, 2, 4, 0))
+    monkeypatch.setattr(mm, "num_sms", lambda device: 4)
+    w16, w32 = randn(64, 512, dtype=torch.float16), randn(64, 512)
+    monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: False)
+
+    def block_m(x, w):
+        return mm._PLANS[mm.plan_key(x, w, None, mm.matmul(x, w))].main.consts["BLOCK_M"]
+
+    assert block_m(randn(2, 512, dtype=torch.float16), w16) == mm.BLOCK_M  # no sm90 tile on this device
+    monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: dtype != torch.float32)
+    assert [block_m(randn(m, 512, dtype=torch.float16), w16) for m in (1, 16, 17)] == [16, 16, mm.BLOCK_M]
+    assert block_m(randn(1, 512), w32) == mm.BLOCK_M
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", None)  # PAGEDFLASH_MATMUL_WARP_TILE set
+    assert block_m(randn(3, 512, dtype=torch.float16), w16) == mm.BLOCK_M
 
 
 def test_a_forced_decode_tile_must_keep_the_sum_order(monkeypatch):
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", None)
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "TILE", WIDE_TILE)
     for other in (NARROW_TILE._replace(chunk_k=32), NARROW_TILE._replace(warps=8), NARROW_TILE._replace(block_m=32)):
@@ -445,22 +467,30 @@ def test_llama_projections(monkeypatch, name, dtype, tiles):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("decode_tiles", [False, True], ids=["one_tile", "decode_tiles"])
-def test_one_compiled_kernel_for_every_m(monkeypatch, decode_tiles):
-    """A weight shape no other test uses (K = 520: not a multiple of 16; N = 272 + the case): its
-    first call of each tile compiles, no other batch size of that tile does (with DECODE_TILES, and
-    the default ROW_TILES: 1,000 rows run a 64-column tile, the rows up to 65 the decode tile)."""
-    monkeypatch.setattr(mm, "DECODE_TILES", decode_tiles)
-    w = randn(272 + decode_tiles, 520, dtype=torch.float16)
+@pytest.mark.parametrize("tiles", ["one_tile", "decode_tiles", "warp_tile"])
+def test_one_compiled_kernel_for_every_m(monkeypatch, tiles):
+    """A weight shape no other test uses (K = 520: not a multiple of 16; N = 272 + the case's index):
+    its first call of each tile compiles, no other batch size of that tile does (with DECODE_TILES,
+    and the default ROW_TILES: 1,000 rows run a 64-column tile, the rows up to 65 the decode tile;
+    with sm90's warp tile too, the rows up to 16 run that one)."""
+    case = ["one_tile", "decode_tiles", "warp_tile"].index(tiles)
+    monkeypatch.setattr(mm, "DECODE_TILES", tiles != "one_tile")
+    if tiles != "warp_tile":
+        monkeypatch.setattr(mm, "WARP_TILE_SM90", None)
+    w = randn(272 + case, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
-    widths = []
-    for m in (1, 1000):
+    launched = []
+    for m in (1, 17, 1000):
         x = randn(m, 520, dtype=torch.float16)
         out = mm.matmul(x, w)
-        widths.append(mm._PLANS[mm.plan_key(x, w, None, out)].main.consts["BLOCK_N"])
+        consts = mm._PLANS[mm.plan_key(x, w, None, out)].main.consts
+        launched.append((consts["BLOCK_M"], consts["BLOCK_N"]))
     compiled = len(kernels)
-    two = decode_tiles and torch.cuda.get_device_capability()[0] == 9  # decode tiles are sm90's
-    assert (widths[0] < widths[1]) == two, widths
+    sm90 = torch.cuda.get_device_capability()[0] == 9  # decode and warp tiles are sm90's
+    narrow = tiles != "one_tile" and sm90
+    warp = tiles == "warp_tile" and sm90 and mm.WARP_TILE is None
+    assert (launched[1][1] < launched[2][1]) == narrow, launched
+    assert (launched[0][0] == 16 != launched[1][0]) == warp, launched
     for m in (2, 3, 16, 17, 64, 65, 1000):
         mm.matmul(randn(m, 520, dtype=torch.float16), w)
     assert len(kernels) == compiled

@@ -18,7 +18,8 @@ loads, the fp8 conversion instruction):
   prefill (``flash_attn_func``), ``merge_attn_states``; batch-invariant decode and prefill (with the
   opt-in prefill tile and the combine's grouped loads too). The GEMM's other forms too: K chunks (its
   split form and fold, opt-in) and, beside the decode tiles small calls run by default, the wide tile
-  they run with those off, and the opt-in warp tiles (``PAGEDFLASH_MATMUL_WARP_TILE``).
+  they run with those off, and the warp tiles (at one row sm90's default on the narrow layers, two
+  others through ``PAGEDFLASH_MATMUL_WARP_TILE``).
 
 Not covered: the Hopper Gluon prefill kernel and its metadata pre-pass (their own check,
 ``tools/gluon_compile_check.py``, needs Triton 3.6's Gluon). Where that kernel takes a call on an
@@ -101,7 +102,7 @@ def _layer_calls(cfg: dict, rows: int):
         yield "matmul down, K chunks, wide tile", _opted(matmul, "DECODE_TILES", False,
                                                          _opted(matmul, "CHUNK_K", True, down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
-    if rows == 1:  # the opt-in warp tile (matmul.WARP_TILE), one and two warps
+    if rows == 1:  # warp tiles other than sm90's default (matmul.WARP_TILE), one and two warps
         for spec in ("16:32:256:1:4", "16:64:128:2:4"):
             yield f"matmul down, warp tile {spec}", _opted(matmul, "WARP_TILE", matmul.parse_warp_tile(spec), down)
     if rows == 1:  # the row tiles: a narrowed 64-row tile, and two warpgroups' 128 rows

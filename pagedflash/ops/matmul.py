@@ -41,11 +41,13 @@ summed in different orders, and greedy decoding then depends on what else is ser
   docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
   across the tiles (under the interpreter with a dot that chains 16-deep steps,
   :func:`pagedflash.testing.row_exact_interpreter_dot`);
-- opt-in, :data:`WARP_TILE` (``PAGEDFLASH_MATMUL_WARP_TILE``): calls of at most its rows on a tile of
-  one or two warps issuing the warp's MMA (``mma.sync``), not the warpgroup's: the same 16-deep K
-  steps, but another instruction, so a row keeps its bits only where the GPU rounds both alike
-  (the attention's decode tile relies on that on an H100; ``tools/tune_matmul.py --warp-sweep``
-  checks it for the GEMM).
+- on sm90 in 16-bit, :data:`WARP_TILE_SM90` (by default): calls of at most 16 rows, on the layers
+  whose decode tile has narrowed to 16 columns, run a tile of two warps issuing the warp's MMA
+  (``mma.sync``), not the warpgroup's: the same 16-deep K steps through another instruction, which
+  an H100 rounds as it rounds wgmma (``tools/tune_matmul.py --warp-sweep``: every tile's bits equal
+  on the 1B shape's five weights; the attention's decode tile relies on the same, docs/performance.md
+  v59); ``PAGEDFLASH_MATMUL_WARP_TILE`` (:data:`WARP_TILE`) names another such tile for every device
+  (``0``: none anywhere).
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -208,8 +210,9 @@ TALL_TILE: Tile | None = None  # forced 128-row tile (tests, tuning); part of ev
 
 def parse_warp_tile(text: str) -> Tile | None:
     """``PAGEDFLASH_MATMUL_WARP_TILE``'s value ``rows:columns:k_step:warps:stages`` as a tile (group_m
-    and chunk_k come from the weight's tile, :func:`warp_tile`), None when empty, or a clear error."""
-    if not text.strip():
+    and chunk_k come from the weight's tile, :func:`warp_tile`), None when empty or ``0``, or a clear
+    error."""
+    if text.strip() in ("", "0"):
         return None
     try:
         rows, cols, k_step, warps, stages = (int(x) for x in text.split(":"))
@@ -218,16 +221,19 @@ def parse_warp_tile(text: str) -> Tile | None:
     pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (rows, cols, k_step, warps))
     if not (pow2 and rows >= 16 and cols >= 16 and k_step >= 16 and stages >= 1 and rows <= BLOCK_M):
         raise ValueError(f"PAGEDFLASH_MATMUL_WARP_TILE: expected rows:columns:k_step:warps:stages (powers of two, "
-                         f"rows 16 to {BLOCK_M}, columns and K steps at least 16, stages >= 1), got {text!r}")
+                         f"rows 16 to {BLOCK_M}, columns and K steps at least 16, stages >= 1) or 0, got {text!r}")
     return Tile(rows, cols, k_step, warps, stages, 0)
 
 
-# calls of at most WARP_TILE.block_m rows run this tile (warp_tile): rows of a warp's MMA (mma.sync) rather
-# than a warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only
-# where the device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it): opt-in
-# (PAGEDFLASH_MATMUL_WARP_TILE, unset: none); on sm90 only for the layers warp_tile() admits; part of
-# every plan's key
-WARP_TILE = parse_warp_tile(os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE", ""))
+# calls of at most a warp tile's rows run it (warp_tile): rows of a warp's MMA (mma.sync) rather than a
+# warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only where the
+# device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it). WARP_TILE_SM90 serves sm90's
+# 16-bit calls while PAGEDFLASH_MATMUL_WARP_TILE is unset (the best of v59's sweep on o_proj and down:
+# 0.87 -> 0.96 of cuBLAS at M = 1 on an H100); the variable's tile (WARP_TILE) serves every device, 0
+# none. Both are part of every plan's key
+_WARP_ENV = os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE")
+WARP_TILE = parse_warp_tile(_WARP_ENV or "")
+WARP_TILE_SM90 = Tile(16, 16, 256, 2, 4, 0) if _WARP_ENV is None else None
 # rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
 # one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
 # tiles this rule picks for the 1B model's projections ran at 0.65-0.99x cuBLAS from M = 96 to 8192,
@@ -308,20 +314,20 @@ def decode_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.de
     return main._replace(block_n=block_n, block_k=block_k, stages=stages)
 
 
-def warp_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile | None:
-    """:data:`WARP_TILE` for the weight whose tile is ``main``: its ``group_m`` and ``chunk_k``, columns
-    and K steps no wider than ``N`` / ``K`` need. None where its K steps would cross the chunks, and,
-    where the weight has sm90's wgmma decode tiles, where :func:`decode_tile` is wider than the warp
-    tile's columns: a warp's tile beats the 64-row tile only on layers narrow enough that decode tiles
-    reach its width (on an H100 at batch 1: o_proj and down of the 1B shape 0.87 -> 0.96 of cuBLAS at
-    16 columns; qkv's and gate/up's wider decode tiles 0.95-0.97 against 0.86-0.91; docs/performance.md v59)."""
-    if _sm90_wgmma(dtype, device) and decode_tile(main, n, k, dtype, device).block_n > WARP_TILE.block_n:
+def warp_tile(warp: Tile, main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile | None:
+    """The warp tile ``warp`` for the weight whose tile is ``main``: its ``group_m`` and ``chunk_k``,
+    columns and K steps no wider than ``N`` / ``K`` need. None where its K steps would cross the chunks,
+    and, where the weight has sm90's wgmma decode tiles, where :func:`decode_tile` is wider than the
+    warp tile's columns: a warp's tile beats the 64-row tile only on layers narrow enough that decode
+    tiles reach its width (on an H100 at batch 1: o_proj and down of the 1B shape 0.87 -> 0.96 of cuBLAS
+    at 16 columns; qkv's and gate/up's wider decode tiles 0.95-0.97 against 0.86-0.91; docs/performance.md v59)."""
+    if _sm90_wgmma(dtype, device) and decode_tile(main, n, k, dtype, device).block_n > warp.block_n:
         return None
-    block_n = max(16, min(WARP_TILE.block_n, next_pow2(n)))
-    block_k = max(16, min(WARP_TILE.block_k, next_pow2(k)))
+    block_n = max(16, min(warp.block_n, next_pow2(n)))
+    block_k = max(16, min(warp.block_k, next_pow2(k)))
     if main.chunk_k % block_k:
         return None
-    return WARP_TILE._replace(block_n=block_n, block_k=block_k, group_m=main.group_m, chunk_k=main.chunk_k)
+    return warp._replace(block_n=block_n, block_k=block_k, group_m=main.group_m, chunk_k=main.chunk_k)
 
 
 def rows_tile(main: Tile, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
@@ -409,7 +415,8 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
-    warp = warp_tile(t, n, k, x.dtype, x.device) if WARP_TILE is not None and m <= WARP_TILE.block_m else None
+    wt = WARP_TILE if WARP_TILE is not None else WARP_TILE_SM90 if _sm90_wgmma(x.dtype, x.device) else None
+    warp = warp_tile(wt, t, n, k, x.dtype, x.device) if wt is not None and m <= wt.block_m else None
     if warp is not None:
         t = warp
     elif DECODE_TILES and m <= t.block_m:
@@ -444,7 +451,7 @@ _PLANS = PlanCache()
 def plan_key(x, weight, bias, out) -> tuple | None:
     """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
     return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
-                                                       TALL_TILE, TALL_FILL, WARP_TILE))
+                                                       TALL_TILE, TALL_FILL, WARP_TILE, WARP_TILE_SM90))
 
 
 def _launch(x, weight, bias, out) -> None:
