@@ -40,5 +40,7 @@ for sec in itl throughput; do
       | tail -${TAIL:-8}
   done
 done
-[ "$R" = bench_results ] && a=moe || a=$(basename "$R")
-tar czf $OUT/$a.tgz $R
+case $R in
+  "$OUT"/*) ;;  # already under $OUT: its files come back as they are, a call cut short's too
+  *) [ "$R" = bench_results ] && a=moe || a=$(basename "$R"); tar czf $OUT/$a.tgz $R ;;
+esac
