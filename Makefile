@@ -7,8 +7,8 @@
 # offline, with the dependencies present, DEPS=installed installs nothing.
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip --disable-pip-version-check -q
-# pytest-xdist: one worker per core (CI: 2), at most 8 on a GPU host
-PYTEST_ARGS ?= -n auto --maxprocesses=8
+# pytest-xdist: one worker per core (CI: 2), at most 8 on a GPU host; the 25 slowest tests listed at the end
+PYTEST_ARGS ?= -n auto --maxprocesses=8 --durations=25
 # The CPU builds installed where no torch / triton is present (a CUDA build already there is kept)
 TORCH = 2.13.0
 TRITON = 3.9.0
