@@ -297,6 +297,11 @@ def silu_mul_gemv_ref(gate_up, weight, bias=None):
     return gemv_ref(_rounded(silu_mul_ref(gate_up), gate_up.dtype), weight, bias)
 
 
+def gelu_tanh_mul_gemv_ref(gate_up, weight, bias=None):
+    """``gemv_ref(gelu_tanh(gate) * up)`` for one row ``gate_up [1, 2k]``, the product rounded to its dtype."""
+    return gemv_ref(_rounded(gelu_tanh_mul_ref(gate_up), gate_up.dtype), weight, bias)
+
+
 def varlen_bounds_reference(cu_seqlens_q, cu_seqlens_k, block_table=None, *, total_q, total_k=0, max_seqlen_q,
                             num_blocks=0, page_size=0):
     """Each sequence's ``(start, end)`` query and key rows as :func:`pagedflash.ops.metadata.varlen_bounds`

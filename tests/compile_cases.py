@@ -216,7 +216,7 @@ def _decoder(x, res, norm_w, qkv, pos, cos, sin, heads, d, gate_up, w_in, w_out,
                num_q_heads=heads // 2, eps=1e-5)  # with the q/k norm
     act = activation.silu_mul(gate_up) + activation.gelu_tanh_mul(gate_up)
     row_out, row_res = gemv.rms_norm_gemv(x[:1], w_in, norm_weight=norm_w, eps=1e-5, residual=res[:1])
-    down = gemv.silu_mul_gemv(gate_up[:1], w_out, norm_w)
+    down = gemv.silu_mul_gemv(gate_up[:1], w_out, norm_w) + gemv.gelu_tanh_mul_gemv(gate_up[:1], w_out)
     return (normed, summed, plain, same, qkv, act, row_out, row_res, down, gemv.gemv(x[:1], w_in),
             sampling.argmax(logits))
 

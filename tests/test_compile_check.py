@@ -20,7 +20,8 @@ def test_engine_kernels_compile_for_sm90():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines[-1].endswith(" 0 failed")
-    for label in ("rope + q/k norm", "rms_norm + residual", "silu_mul_gemv down", "gelu_tanh_mul", "matmul qkv", "argmax",
+    for label in ("rope + q/k norm", "rms_norm + residual", "silu_mul_gemv down", "gelu_tanh_mul",
+                  "gelu_tanh_mul_gemv down", "matmul qkv", "argmax",
                   "paged decode 1x1024", "paged chunk fp8 512/4K", "paged decode window", "invariant decode 1x16K",
                   "decode 64x1K", "prefill 2K", "graph decode 1x1024", "matmul down, K chunks", "merge states 512",
                   "matmul qkv, wide tile", "invariant chunk, prefill tile", "invariant graph decode fp8 256x1024"):

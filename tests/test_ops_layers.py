@@ -222,9 +222,11 @@ def check_gemv(prologue, n, k, dtype, *, bias, residual):
     followed by NaN and which has a NaN row after its last, so unmasked loads show."""
     w = in_wider_rows(randn(n, k, dtype=dtype))
     b = randn(n, dtype=dtype) if bias else None
-    if prologue == gemv.SILU_MUL:
-        gate_up = randn(1, 2 * k, dtype=dtype)
-        assert_close(gemv.silu_mul_gemv(gate_up, w, b), ref.silu_mul_gemv_ref(gate_up, w, b), dtype)
+    if prologue in gemv.GATED:
+        gate_up = randn(1, 2 * k, dtype=dtype) * 3  # gates past the GELU's bend and the fp16 subnormals
+        fused, want = ((gemv.silu_mul_gemv, ref.silu_mul_gemv_ref) if prologue == gemv.SILU_MUL else
+                       (gemv.gelu_tanh_mul_gemv, ref.gelu_tanh_mul_gemv_ref))
+        assert_close(fused(gate_up, w, b), want(gate_up, w, b), dtype)
         return
     x = randn(1, k, dtype=dtype)
     if prologue == gemv.PLAIN:
@@ -243,7 +245,8 @@ def check_gemv(prologue, n, k, dtype, *, bias, residual):
         assert res_out is x
 
 
-PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_mul": gemv.SILU_MUL}
+PROLOGUES = {"plain": gemv.PLAIN, "rms_norm": gemv.RMS_NORM, "silu_mul": gemv.SILU_MUL,
+             "gelu_tanh_mul": gemv.GELU_TANH_MUL}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
@@ -263,6 +266,7 @@ def test_gemv(monkeypatch, prologue, tile, dtype, bias, residual):
     ("o_proj", gemv.PLAIN, H8B, H8B, False, False),
     ("gate_up", gemv.RMS_NORM, 2 * I8B, H8B, False, True),
     ("down", gemv.SILU_MUL, H8B, I8B, False, False),
+    ("down_geglu", gemv.GELU_TANH_MUL, H8B, I8B, False, False),  # Gemma's
     ("lm_head", gemv.RMS_NORM, V, H8B, False, True),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_gemv_llama3_8b_layer(name, prologue, n, k, bias, residual, dtype):
@@ -319,6 +323,7 @@ def _errors():
     yield (lambda: gemv.rms_norm_gemv(row, weight, norm_weight=randn(8), eps=-1.0), ValueError,
            r"eps: expected a finite number >= 0")
     yield lambda: gemv.silu_mul_gemv(randn(1, 9), weight), ValueError, r"gate_up: expected an even"
+    yield lambda: gemv.gelu_tanh_mul_gemv(randn(1, 9), weight), ValueError, r"gate_up: expected an even"
 
 
 @pytest.mark.parametrize("case", range(len(list(_errors()))))

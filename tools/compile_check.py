@@ -7,8 +7,8 @@ device queries answering as an sm90 GPU of 132 SMs would (capability, SM count, 
 loads, the fp8 conversion instruction):
 
 - ``layers``: RMSNorm with and without the residual, RoPE with and without the fused q/k norm,
-  SiLU-and-mul, the single-row projections (gemv and its RMSNorm and SiLU prologues), the GEMM,
-  the argmax of the LM head's logits, and a mixture-of-experts shape's routing; one decode row, a
+  SiLU-and-mul and GeGLU, the single-row projections (gemv and its RMSNorm, SiLU and GeGLU
+  prologues), the GEMM, the argmax of the LM head's logits, and a mixture-of-experts shape's routing; one decode row, a
   64-row decode step and a 512-token prefill chunk;
 - ``attention``: the engine's attention as its layers call it (K/V written into 16-row pages, then
   one paged varlen launch with the shape's window, softcap and sinks): a 1-row and a 64-row decode
@@ -93,6 +93,7 @@ def _layer_calls(cfg: dict, rows: int):
         yield "gemv qkv", lambda: gemv.gemv(x, w_qkv)
         yield "rms_norm_gemv qkv", lambda: gemv.rms_norm_gemv(x, w_qkv, norm_weight=w_h, eps=1e-6, residual=x)
         yield "silu_mul_gemv down", lambda: gemv.silu_mul_gemv(gate_up, w_down)
+        yield "gelu_tanh_mul_gemv down", lambda: gemv.gelu_tanh_mul_gemv(gate_up, w_down)
     yield "matmul qkv", lambda: matmul.matmul(x, w_qkv)
     if rows == 1:
         def down():

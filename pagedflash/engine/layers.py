@@ -116,11 +116,13 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, line
     return linear(h, linear_layer, out=out), residual
 
 
-def silu_mul_linear(gate_up: torch.Tensor, linear_layer: nn.Linear) -> torch.Tensor:
-    """``linear_layer(silu(gate) * up)`` for ``gate_up [T, 2n]`` (gate first)."""
+def gated_linear(gate_up: torch.Tensor, linear_layer: nn.Linear, act: str = "silu") -> torch.Tensor:
+    """``linear_layer(act(gate) * up)`` for ``gate_up [T, 2n]`` (gate first); ``act`` ``"silu"`` or
+    ``"gelu_tanh"``. One row: the activation fused into the projection's single-row kernel."""
     if single_row(gate_up, linear_layer):
-        return gemv.silu_mul_gemv(gate_up, linear_layer.weight, linear_layer.bias)
-    return linear(silu_mul(gate_up), linear_layer)
+        fused = gemv.silu_mul_gemv if act == "silu" else gemv.gelu_tanh_mul_gemv
+        return fused(gate_up, linear_layer.weight, linear_layer.bias)
+    return linear(silu_mul(gate_up) if act == "silu" else gelu_tanh_mul(gate_up), linear_layer)
 
 
 def linear(x: torch.Tensor, linear_layer: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 FLT_MIN: tl.constexpr = tl.constexpr(1.1754943508222875e-38)  # the least normal fp32
 # 2^23: for 0 <= y < 2^22, (y + 2^23) - 2^23 is y rounded to an integer, ties to even (fp32 spacing is 1 there)
 ROUND_TO_INT: tl.constexpr = tl.constexpr(8388608.0)
+SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # the tanh GELU's sqrt(2 / pi)
 
 
 @triton.jit
@@ -279,6 +280,18 @@ def mac_total(acc, WIDE: tl.constexpr):
         return tl.sum(acc, axis=0)[None, :]
     else:
         return acc
+
+
+@triton.jit
+def gate_activation(g, ACT: tl.constexpr):
+    """A gated MLP's activation of its fp32 gate ``g``: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (Gemma's
+    GeGLU, transformers' ``gelu_pytorch_tanh``), in fp32."""
+    if ACT == "silu":
+        act = g / (1.0 + tl.exp(-g))
+    else:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+        z = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * z))  # exp overflows to inf for very negative g: act -0.0, as tanh's -1
+    return act
 
 
 @triton.jit

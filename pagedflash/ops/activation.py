@@ -13,11 +13,11 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
+from pagedflash.ops._jit import gate_activation
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_gate_up_width, check_operand, next_pow2
 
 MAX_BLOCK = 1024  # columns per program
 ACTIVATIONS = ("silu", "gelu_tanh")
-SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)  # the tanh GELU's sqrt(2 / pi)
 
 
 @triton.jit
@@ -33,11 +33,7 @@ def _act_mul_kernel(
     mask = cols < n
     g = tl.load(GateUp + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(GateUp + row * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == "silu":
-        act = g / (1.0 + tl.exp(-g))
-    else:  # gelu_tanh: 0.5 g (1 + tanh(z)) = g sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
-        z = SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        act = g / (1.0 + tl.exp(-2.0 * z))  # exp overflows to inf for very negative g: act -0.0, as tanh's -1
+    act = gate_activation(g, ACT)
     act = act.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=mask)
 

@@ -20,7 +20,8 @@ operator                        public function                                 
 ``gelu_tanh_mul``               :func:`pagedflash.ops.activation.gelu_tanh_mul`  —
 ``argmax``                      :func:`pagedflash.ops.sampling.argmax`           —
 ``gemv``                        :func:`pagedflash.ops.gemv.gemv` and its fused   ``out``
-                                forms (``rms_norm_gemv``, ``silu_mul_gemv``)
+                                forms (``rms_norm_gemv``, ``silu_mul_gemv``,
+                                ``gelu_tanh_mul_gemv``)
 ``moe_route``                   :func:`pagedflash.ops.moe.route`                 —
 ``fused_moe``                   :func:`pagedflash.ops.moe.fused_moe`             ``out``
 ``matmul``                      :func:`pagedflash.ops.matmul.matmul`             ``out``

@@ -10,9 +10,10 @@ The input row is formed as the loop reads it, not by a separate launch:
 - :func:`rms_norm_gemv`: ``linear(rms_norm(x + residual) * norm_weight)``. Every program walks the
   whole input row, so it sums the squares on the way and scales its dot products by the rstd at the
   end; program 0 also stores ``x + residual``, the residual stream.
-- :func:`silu_mul_gemv`: ``linear(silu(gate) * up)`` from the gate/up projection's output.
+- :func:`silu_mul_gemv`: ``linear(silu(gate) * up)`` from the gate/up projection's output, and
+  :func:`gelu_tanh_mul_gemv` the same with Gemma's tanh GELU.
 
-Rounding: the residual sum and the SiLU product are rounded to the input dtype as in the unfused
+Rounding: the residual sum and the gated product are rounded to the input dtype as in the unfused
 ops (:mod:`pagedflash.ops.norm`, :mod:`pagedflash.ops.activation`); the normalized row is not
 rounded (the unfused path rounds it after the rstd and after the norm weight), a difference of the
 order of one rounding of the output. fp32 accumulation, one rounding of the output. References:
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
+from pagedflash.ops._jit import gate_activation
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
@@ -37,12 +39,13 @@ from pagedflash.ops.utils import (
     next_pow2,
 )
 
-PLAIN, RMS_NORM, SILU_MUL = 0, 1, 2  # the prologue that forms the input row
+PLAIN, RMS_NORM, SILU_MUL, GELU_TANH_MUL = 0, 1, 2, 3  # the prologue that forms the input row
+GATED = {SILU_MUL: "silu", GELU_TANH_MUL: "gelu_tanh"}  # the gated prologues' activations
 
 
 @triton.jit(do_not_specialize=["eps"])
 def _gemv_kernel(
-    X,  # [k] (PLAIN, RMS_NORM) or [2k] (SILU_MUL): the one input row
+    X,  # [k] (PLAIN, RMS_NORM) or [2k] (SILU_MUL, GELU_TANH_MUL): the one input row
     Res,  # [k] residual (HAS_RES)
     NormW,  # [k] RMSNorm weight (RMS_NORM)
     W,  # [n, k] weight, row stride stride_w
@@ -50,7 +53,7 @@ def _gemv_kernel(
     Out,  # [n]
     ResOut,  # [k] x + residual (HAS_RES)
     n, k, stride_w, eps,
-    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -63,10 +66,10 @@ def _gemv_kernel(
     for k0 in tl.range(0, k, BLOCK_K, num_stages=NUM_STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        if PROLOGUE == 2:  # silu(gate) * up; X = [gate | up], k wide each
+        if PROLOGUE >= 2:  # act(gate) * up; X = [gate | up], k wide each
             g = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
             u = tl.load(X + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            act = gate_activation(g, ACT).to(dtype).to(tl.float32)
             xk = (act * u).to(dtype).to(tl.float32)
         else:
             x = tl.load(X + ks, mask=k_ok, other=0.0)
@@ -103,9 +106,9 @@ def tile(n: int, k: int) -> tuple[int, int, int, int]:
 
 def _check(x, weight, bias, residual, norm_weight, prologue: int, out) -> None:
     """The operands of every form: ``x`` the ``[1, k]`` row (``[1, 2k]`` gate and up)."""
-    name = "gate_up" if prologue == SILU_MUL else "x"
+    name = "gate_up" if prologue in GATED else "x"
     check_operand(name, x, (1, None))
-    k = check_gate_up_width(name, x) if prologue == SILU_MUL else x.shape[1]
+    k = check_gate_up_width(name, x) if prologue in GATED else x.shape[1]
     if prologue == RMS_NORM:
         check_operand("norm_weight", norm_weight, (k,), like=("x", x))
     if residual is not None:
@@ -126,7 +129,7 @@ def _plan(x, weight, bias, residual, norm_weight, prologue: int, out) -> Launch:
     _check(x, weight, bias, residual, norm_weight, prologue, out)
     block_n, block_k, warps, stages = tile(*weight.shape)
     return Launch(_gemv_kernel, (cdiv(weight.shape[0], block_n),),
-                  dict(PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+                  dict(PROLOGUE=prologue, ACT=GATED.get(prologue, ""), HAS_RES=residual is not None, HAS_BIAS=bias is not None,
                        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages), num_warps=warps)
 
 
@@ -185,3 +188,11 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     """``gemv(silu(gate) * up, weight, bias)`` for one row ``gate_up [1, 2k]`` (gate first); weight
     ``[n, k]``, bias and out as in :func:`gemv`."""
     return _run(gate_up, weight, bias, None, None, 0.0, SILU_MUL, out)[0]
+
+
+def gelu_tanh_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv(gelu_tanh(gate) * up, weight, bias)`` for one row ``gate_up [1, 2k]`` (gate first; Gemma's
+    GeGLU, the GELU as :func:`pagedflash.ops.activation.gelu_tanh_mul` computes it); weight ``[n, k]``,
+    bias and out as in :func:`gemv`."""
+    return _run(gate_up, weight, bias, None, None, 0.0, GELU_TANH_MUL, out)[0]

@@ -205,13 +205,11 @@ class MLP(nn.Module):
         inter = shard.intermediate_size if intermediate_size is None else intermediate_size  # this rank's rows
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
-        self.act = config.hidden_act
+        self.act = "silu" if config.hidden_act == "silu" else "gelu_tanh"  # gelu_pytorch_tanh: Gemma's GeGLU
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``down_proj(act(gate) * up)`` of the projected ``gate_up [T, 2 I]``: this rank's part."""
-        if self.act == "silu":
-            return layers.silu_mul_linear(gate_up, self.down_proj)
-        return layers.linear(layers.gelu_tanh_mul(gate_up), self.down_proj)
+        return layers.gated_linear(gate_up, self.down_proj, self.act)
 
 
 class VocabEmbedding(nn.Module):
