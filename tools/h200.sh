@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call, several steps, every result back in $OUT/results.tgz.
 #   STEPS="tests tune:paged bench:decode serve:prefix,itl serve:throughput:64" bash tools/h200.sh
-# Steps: tests (the compiled matrix, -n 12), sanitize (compute-sanitizer memcheck over SANITIZE_TESTS,
+# Steps: tests (the compiled matrix, -n 12; tests:K/N its Kth of N parts, every Nth test file: the whole
+# matrix passed 560 s on an H100 in v60, so run it as tests:1/2 and tests:2/2 in two calls), sanitize (compute-sanitizer memcheck over SANITIZE_TESTS,
 # the invalid-metadata tests by default), bench:<name>[:<option>...] (any `pagedflash bench` benchmark but
 # serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
 # bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
@@ -38,8 +39,12 @@ for step in ${STEPS:-tests}; do
   vt=${vars:+_${vars//[^A-Za-z0-9]/}}; out=$R${vars:+/${vars//[^A-Za-z0-9]/}}; mkdir -p $out
   kind=${step%%:*}; arg=${step#*:}; t0=$SECONDS
   case $kind in
-    tests) log=$R/test_gpu$vt.log
-           env $vars timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider ${TESTS:-tests} > $log 2>&1 ;;
+    tests) files=${TESTS:-tests}; part=; [ "$arg" != tests ] && part=$arg  # tests:K/N: every Nth file from the Kth
+           if [ -n "$part" ]; then
+             files=$(ls tests/test_*.py | awk -v k=${part%/*} -v n=${part#*/} '(NR - k) % n == 0' | tr '\n' ' ')
+           fi
+           log=$R/test_gpu${part:+_${part//\//of}}$vt.log
+           env $vars timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider $files > $log 2>&1 ;;
     bench) name=${arg%%:*}; opts=; [ "$name" != "$arg" ] && opts=${arg#*:}; tag=${opts//[^a-z0-9]/}
            log=$R/bench_$name${tag:+_$tag}$vt.log
            env $vars timeout ${T_bench:-170} python3 -m pagedflash bench $name --out $out --rep-ms ${REP:-60} --warmup-ms 10 \
