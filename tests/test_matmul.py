@@ -299,9 +299,11 @@ def test_warp_tile_serves_the_layers_whose_decode_tile_is_as_narrow(monkeypatch)
 def test_sm90s_warp_tile_is_the_default_for_its_16_bit_calls(monkeypatch):
     """With the variable unset, 16-bit calls of at most 16 rows on sm90 run WARP_TILE_SM90 where the
     decode tile is as narrow (here 4 SMs: 64 columns narrow to 16); fp32 calls and more rows do not,
-    nor any call with no sm90 tile (the variable's tile, WARP_TILE, would serve them)."""
+    nor calls with the decode tiles off, nor any call with no sm90 tile (the variable's tile,
+    WARP_TILE, would serve them)."""
     monkeypatch.setattr(mm, "WARP_TILE", None)
     monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.Tile(16, 16, 256, 2, 4, 0))
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "num_sms", lambda device: 4)
     w16, w32 = randn(64, 512, dtype=torch.float16), randn(64, 512)
     monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: False)
@@ -313,6 +315,9 @@ def test_sm90s_warp_tile_is_the_default_for_its_16_bit_calls(monkeypatch):
     monkeypatch.setattr(mm, "_sm90_wgmma", lambda dtype, device: dtype != torch.float32)
     assert [block_m(randn(m, 512, dtype=torch.float16), w16) for m in (1, 16, 17)] == [16, 16, mm.BLOCK_M]
     assert block_m(randn(1, 512), w32) == mm.BLOCK_M
+    monkeypatch.setattr(mm, "DECODE_TILES", False)  # it is one of the decode tiles
+    assert block_m(randn(4, 512, dtype=torch.float16), w16) == mm.BLOCK_M
+    monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "WARP_TILE_SM90", None)  # PAGEDFLASH_MATMUL_WARP_TILE set
     assert block_m(randn(3, 512, dtype=torch.float16), w16) == mm.BLOCK_M
 
@@ -450,7 +455,8 @@ def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
 def test_llama_projections(monkeypatch, name, dtype, tiles):
     """Against the reference at M = 1 and 300, and batch invariance with the real dot at M = 1, 7, 256
     and 1000 (the row in several row tiles and at several positions in its tile); with DECODE_TILES,
-    M = 1 and 7 run the narrow decode tile and the others the weight's tile: the MMA's bits must not
+    M = 1 and 7 run the narrow decode tile (on sm90 the 1B's o_proj and down the warp tile, another MMA
+    instruction) and the others the weight's tile: the MMA's bits must not
     depend on the tile's width or K steps (Llama-3-8B's projections; Llama-3.2-1B's o_proj and down,
     whose decode tiles take 256-deep steps); with ROW_TILES too, 4,096 rows run the 128-row tile
     of two warpgroups."""
@@ -475,8 +481,8 @@ def test_one_compiled_kernel_for_every_m(monkeypatch, tiles):
     with sm90's warp tile too, the rows up to 16 run that one)."""
     case = ["one_tile", "decode_tiles", "warp_tile"].index(tiles)
     monkeypatch.setattr(mm, "DECODE_TILES", tiles != "one_tile")
-    if tiles != "warp_tile":
-        monkeypatch.setattr(mm, "WARP_TILE_SM90", None)
+    monkeypatch.setattr(mm, "WARP_TILE", None)
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.Tile(16, 16, 256, 2, 4, 0) if tiles == "warp_tile" else None)
     w = randn(272 + case, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
     launched = []
@@ -488,7 +494,7 @@ def test_one_compiled_kernel_for_every_m(monkeypatch, tiles):
     compiled = len(kernels)
     sm90 = torch.cuda.get_device_capability()[0] == 9  # decode and warp tiles are sm90's
     narrow = tiles != "one_tile" and sm90
-    warp = tiles == "warp_tile" and sm90 and mm.WARP_TILE is None
+    warp = tiles == "warp_tile" and sm90
     assert (launched[1][1] < launched[2][1]) == narrow, launched
     assert (launched[0][0] == 16 != launched[1][0]) == warp, launched
     for m in (2, 3, 16, 17, 64, 65, 1000):

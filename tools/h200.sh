@@ -41,7 +41,9 @@ for step in ${STEPS:-tests}; do
   case $kind in
     tests) files=${TESTS:-tests}; part=; [ "$arg" != tests ] && part=$arg  # tests:K/N: every Nth file from the Kth
            if [ -n "$part" ]; then
-             files=$(ls tests/test_*.py | awk -v k=${part%/*} -v n=${part#*/} '(NR - k) % n == 0' | tr '\n' ' ')
+             [[ $part =~ ^[1-9][0-9]*/[1-9][0-9]*$ ]] || { echo "h200.sh: expected tests:K/N, got tests:$part"; continue; }
+             files=$(for f in $files; do [ -d $f ] && ls $f/test_*.py || echo $f; done \
+                     | awk -v k=${part%/*} -v n=${part#*/} '(NR - k) % n == 0' | tr '\n' ' ')
            fi
            log=$R/test_gpu${part:+_${part//\//of}}$vt.log
            env $vars timeout ${T_tests:-540} python3 -m pytest -v -n ${NPROC:-12} ${PYTEST_EXTRA:-} --maxfail=25 --durations=15 -p no:cacheprovider $files > $log 2>&1 ;;

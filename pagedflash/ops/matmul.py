@@ -41,7 +41,7 @@ summed in different orders, and greedy decoding then depends on what else is ser
   docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
   across the tiles (under the interpreter with a dot that chains 16-deep steps,
   :func:`pagedflash.testing.row_exact_interpreter_dot`);
-- on sm90 in 16-bit, :data:`WARP_TILE_SM90` (by default): calls of at most 16 rows, on the layers
+- on sm90 in 16-bit, :data:`WARP_TILE_SM90` (with :data:`DECODE_TILES`): calls of at most 16 rows, on the layers
   whose decode tile has narrowed to 16 columns, run a tile of two warps issuing the warp's MMA
   (``mma.sync``), not the warpgroup's: the same 16-deep K steps through another instruction, which
   an H100 rounds as it rounds wgmma (``tools/tune_matmul.py --warp-sweep``: every tile's bits equal
@@ -228,7 +228,7 @@ def parse_warp_tile(text: str) -> Tile | None:
 # calls of at most a warp tile's rows run it (warp_tile): rows of a warp's MMA (mma.sync) rather than a
 # warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only where the
 # device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it). WARP_TILE_SM90 serves sm90's
-# 16-bit calls while PAGEDFLASH_MATMUL_WARP_TILE is unset (the best of v59's sweep on o_proj and down:
+# 16-bit calls with DECODE_TILES (it is one more decode tile) while PAGEDFLASH_MATMUL_WARP_TILE is unset (the best of v59's sweep on o_proj and down:
 # 0.87 -> 0.96 of cuBLAS at M = 1 on an H100); the variable's tile (WARP_TILE) serves every device, 0
 # none. Both are part of every plan's key
 _WARP_ENV = os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE")
@@ -415,7 +415,8 @@ def _plan(x, weight, bias, out) -> _Plan:
                          f"TRITON_INTERPRET=1), got one on {x.device}")
     (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
-    wt = WARP_TILE if WARP_TILE is not None else WARP_TILE_SM90 if _sm90_wgmma(x.dtype, x.device) else None
+    wt = WARP_TILE if WARP_TILE is not None else \
+        WARP_TILE_SM90 if DECODE_TILES and _sm90_wgmma(x.dtype, x.device) else None
     warp = warp_tile(wt, t, n, k, x.dtype, x.device) if wt is not None and m <= wt.block_m else None
     if warp is not None:
         t = warp
