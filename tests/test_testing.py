@@ -18,6 +18,7 @@ from pagedflash.testing import (
     compare,
     random_block_table,
     random_paged_kv,
+    skip_interpreter_overflow_checks,
     skip_repeated_interpreter_patching,
     to_paged,
 )
@@ -35,6 +36,12 @@ def _helper_loop_kernel(X, Out, N: tl.constexpr):
     for _ in range(5):
         x = _twice(x)
     tl.store(Out + offs, x)
+
+
+@triton.jit
+def _add_one_kernel(X, Out, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Out + offs, tl.load(X + offs) + 1)
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
@@ -148,3 +155,22 @@ def test_interpreter_patches_the_language_once_a_launch(monkeypatch):
     _helper_loop_kernel[(1,)](x, out, N=8)
     assert torch.equal(out, x * 32)
     assert calls == ["_helper_loop_kernel"]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's options")
+def test_interpreter_computes_no_overflow_checks(monkeypatch):
+    """The session switched off skip_interpreter_overflow_checks's checks (conftest): an int32 add that
+    overflows wraps as compiled code does, with no check computed, and debug stays off."""
+    from triton.language import semantic
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    assert not options.sanitize_overflow and not options.debug
+    assert not skip_interpreter_overflow_checks()  # off already
+    checks = []  # a computed check ends in device_assert
+    real = semantic.TritonSemantic.device_assert
+    monkeypatch.setattr(semantic.TritonSemantic, "device_assert", lambda self, *a: checks.append(1) or real(self, *a))
+    x = torch.full((8,), 2**31 - 1, dtype=torch.int32)
+    out = torch.empty_like(x)
+    _add_one_kernel[(1,)](x, out, N=8)
+    assert out.tolist() == [-(2**31)] * 8 and not checks
