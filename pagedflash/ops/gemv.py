@@ -129,8 +129,8 @@ def _plan(x, weight, bias, residual, norm_weight, prologue: int, out) -> Launch:
     _check(x, weight, bias, residual, norm_weight, prologue, out)
     block_n, block_k, warps, stages = tile(*weight.shape)
     return Launch(_gemv_kernel, (cdiv(weight.shape[0], block_n),),
-                  dict(PROLOGUE=prologue, ACT=GATED.get(prologue, ""), HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-                       BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages), num_warps=warps)
+                  dict(PROLOGUE=prologue, ACT=GATED.get(prologue, ""), HAS_RES=residual is not None,
+                       HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages), num_warps=warps)
 
 
 _PLANS = PlanCache()

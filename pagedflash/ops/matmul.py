@@ -41,8 +41,8 @@ summed in different orders, and greedy decoding then depends on what else is ser
   docs/performance.md v41, and the 128-row tiles, v48) and ``tests/test_matmul.py`` checks rows
   across the tiles (under the interpreter with a dot that chains 16-deep steps,
   :func:`pagedflash.testing.row_exact_interpreter_dot`);
-- on sm90 in 16-bit, :data:`WARP_TILE_SM90` (with :data:`DECODE_TILES`): calls of at most 16 rows, on the layers
-  whose decode tile has narrowed to 16 columns, run a tile of two warps issuing the warp's MMA
+- on sm90 in 16-bit, :data:`WARP_TILE_SM90` (with :data:`DECODE_TILES`): calls of at most 16 rows,
+  on the layers whose decode tile has narrowed to 16 columns, run a tile of two warps issuing the warp's MMA
   (``mma.sync``), not the warpgroup's: the same 16-deep K steps through another instruction, which
   an H100 rounds as it rounds wgmma (``tools/tune_matmul.py --warp-sweep``: every tile's bits equal
   on the 1B shape's five weights; the attention's decode tile relies on the same, docs/performance.md
@@ -227,10 +227,11 @@ def parse_warp_tile(text: str) -> Tile | None:
 
 # calls of at most a warp tile's rows run it (warp_tile): rows of a warp's MMA (mma.sync) rather than a
 # warpgroup's wgmma, where batch-1 decode leaves 63 of 64 rows empty. A row keeps its bits only where the
-# device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it). WARP_TILE_SM90 serves sm90's
-# 16-bit calls with DECODE_TILES (it is one more decode tile) while PAGEDFLASH_MATMUL_WARP_TILE is unset (the best of v59's sweep on o_proj and down:
-# 0.87 -> 0.96 of cuBLAS at M = 1 on an H100); the variable's tile (WARP_TILE) serves every device, 0
-# none. Both are part of every plan's key
+# device's two MMAs round alike (tools/tune_matmul.py --warp-sweep checks it). While
+# PAGEDFLASH_MATMUL_WARP_TILE is unset, WARP_TILE_SM90 serves sm90's 16-bit calls with DECODE_TILES (it
+# is one more decode tile; the best of v59's sweep on o_proj and down: 0.87 -> 0.96 of cuBLAS at M = 1
+# on an H100); the variable's tile (WARP_TILE) serves every device, 0 none. Both are part of every
+# plan's key
 _WARP_ENV = os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE")
 WARP_TILE = parse_warp_tile(_WARP_ENV or "")
 WARP_TILE_SM90 = Tile(16, 16, 256, 2, 4, 0) if _WARP_ENV is None else None
