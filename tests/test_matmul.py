@@ -262,7 +262,7 @@ def test_rows_are_batch_invariant(per_element_dot, monkeypatch, dtype, bias, til
 
 def test_warp_tile_variable():
     """Unset: sm90's warp tile (16-bit calls there only), no tile for every device; ``0``: none anywhere."""
-    assert mm.WARP_TILE is None and mm.WARP_TILE_SM90 == mm.Tile(16, 16, 256, 2, 4, 0)
+    assert mm.WARP_TILE is None and mm.WARP_TILE_SM90 == mm.SM90_WARP_TILE == mm.Tile(16, 16, 256, 2, 4, 0)
     assert mm.parse_warp_tile("") is None and mm.parse_warp_tile("0") is None
     assert mm.parse_warp_tile("16:32:256:1:4") == mm.Tile(16, 32, 256, 1, 4, 0)
     for bad in ("16:32:256:1", "16:32:256:3:4", "8:32:256:1:4", "128:32:256:4:4", "16:32:8:1:4", "16:a:256:1:4"):
@@ -283,7 +283,7 @@ def test_warp_tile_serves_the_layers_whose_decode_tile_is_as_narrow(monkeypatch)
     """Where the weight has sm90's wgmma decode tiles, the warp tile replaces only those no wider than
     its columns (the 1B shape on 132 SMs: o_proj and down at 16 columns, not qkv at 32 nor gate/up at
     128); with no wgmma tile to compare (fp32, other GPUs, the interpreter) it serves every weight."""
-    warp = mm.Tile(16, 16, 256, 2, 4, 0)  # WARP_TILE_SM90
+    warp = mm.SM90_WARP_TILE
     monkeypatch.setattr(mm, "num_sms", lambda device: 132)
     main, cpu, bf16 = mm.Tile(64, 128, 128, 4, 4, 8), torch.device("cpu"), torch.bfloat16
     assert mm.warp_tile(warp, main, 2048, 8192, bf16, cpu) == mm.Tile(16, 16, 256, 2, 4, 8)  # no wgmma here
@@ -302,7 +302,7 @@ def test_sm90s_warp_tile_is_the_default_for_its_16_bit_calls(monkeypatch):
     nor calls with the decode tiles off, nor any call with no sm90 tile (the variable's tile,
     WARP_TILE, would serve them)."""
     monkeypatch.setattr(mm, "WARP_TILE", None)
-    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.Tile(16, 16, 256, 2, 4, 0))
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.SM90_WARP_TILE)
     monkeypatch.setattr(mm, "DECODE_TILES", True)
     monkeypatch.setattr(mm, "num_sms", lambda device: 4)
     w16, w32 = randn(64, 512, dtype=torch.float16), randn(64, 512)
@@ -482,7 +482,7 @@ def test_one_compiled_kernel_for_every_m(monkeypatch, tiles):
     case = ["one_tile", "decode_tiles", "warp_tile"].index(tiles)
     monkeypatch.setattr(mm, "DECODE_TILES", tiles != "one_tile")
     monkeypatch.setattr(mm, "WARP_TILE", None)
-    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.Tile(16, 16, 256, 2, 4, 0) if tiles == "warp_tile" else None)
+    monkeypatch.setattr(mm, "WARP_TILE_SM90", mm.SM90_WARP_TILE if tiles == "warp_tile" else None)
     w = randn(272 + case, 520, dtype=torch.float16)
     kernels = mm._matmul_kernel.device_caches[torch.cuda.current_device()][0]
     launched = []

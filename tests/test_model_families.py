@@ -178,8 +178,8 @@ def test_family_in_bf16_on_the_gpu(tmp_path, family):
 def test_kernel_path_and_decode_graphs_match_transformers(tmp_path, monkeypatch):
     """The GPU path under the interpreter, on Gemma 3 (the family that uses the most of it): the
     kernels of pagedflash.ops (norms on q/k heads, RoPE tables per layer type, the fused single-row
-    projections after (1 + w) norms and after the GeGLU) and the decode-graph body (logits softcapped into the static
-    buffer), replayed eagerly. Gemma 3's attn_logit_softcapping is ignored, as transformers does."""
+    projections after (1 + w) norms and after the GeGLU) and the decode-graph body (logits softcapped
+    into the static buffer), replayed eagerly. Gemma 3's attn_logit_softcapping is ignored, as transformers does."""
     from pagedflash.engine import layers
     from pagedflash.engine import runner as runner_mod
 

@@ -8,8 +8,8 @@ loads, the fp8 conversion instruction):
 
 - ``layers``: RMSNorm with and without the residual, RoPE with and without the fused q/k norm,
   SiLU-and-mul and GeGLU, the single-row projections (gemv and its RMSNorm, SiLU and GeGLU
-  prologues), the GEMM, the argmax of the LM head's logits, and a mixture-of-experts shape's routing; one decode row, a
-  64-row decode step and a 512-token prefill chunk;
+  prologues), the GEMM, the argmax of the LM head's logits, and a mixture-of-experts shape's
+  routing; one decode row, a 64-row decode step and a 512-token prefill chunk;
 - ``attention``: the engine's attention as its layers call it (K/V written into 16-row pages, then
   one paged varlen launch with the shape's window, softcap and sinks): a 1-row and a 64-row decode
   step at 1K and 16K keys (split-KV and its combine), the decode graphs' launches (every batch size

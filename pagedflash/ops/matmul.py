@@ -234,7 +234,8 @@ def parse_warp_tile(text: str) -> Tile | None:
 # plan's key
 _WARP_ENV = os.environ.get("PAGEDFLASH_MATMUL_WARP_TILE")
 WARP_TILE = parse_warp_tile(_WARP_ENV or "")
-WARP_TILE_SM90 = Tile(16, 16, 256, 2, 4, 0) if _WARP_ENV is None else None
+SM90_WARP_TILE = Tile(16, 16, 256, 2, 4, 0)  # group_m and chunk_k from the weight's tile
+WARP_TILE_SM90 = SM90_WARP_TILE if _WARP_ENV is None else None
 # rows_tile: the widest tile whose tiles number at least this share of the SMs. Fewer, wider tiles in
 # one partial wave beat more, narrower ones in a fuller wave down to about half the SMs: on an H100 the
 # tiles this rule picks for the 1B model's projections ran at 0.65-0.99x cuBLAS from M = 96 to 8192,
