@@ -366,9 +366,9 @@ def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):
     monkeypatch.setattr(runner_mod, "capture", lambda body, pool: (EagerReplay(body), pool))
     path, hf = llama
     prompts = prompts_of([12, 14, 10, 15, 3], seed=5)
-    llm = fp32_llm(path, page_size=8, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=6)
+    llm = fp32_llm(path, page_size=8, num_blocks=6, max_num_batched_tokens=64, max_num_seqs=64)
     llm.runner.capture_graphs()
-    assert sorted(llm.runner.graphs) == [1, 2, 4, 6]
+    assert sorted(llm.runner.graphs) == [1, 2, 4, 6]  # no more rows than pages (a decoding row owns its last)
     sizes, ahead, decode, launch_ahead = [], [], llm.runner._decode, llm.runner.launch_ahead
     monkeypatch.setattr(llm.runner, "_decode", lambda batch: sizes.append(len(batch.rows)) or decode(batch))
     monkeypatch.setattr(llm.runner, "launch_ahead", lambda batch: ahead.append(len(batch.rows)) or launch_ahead(batch))
