@@ -387,7 +387,11 @@ def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
     return torch.where(invalid[:, None], float("nan"), out)
 
 
-def matmul_ref(x, weight, bias=None):
+def matmul_ref(x, weight, bias=None, act=None):
     """``x @ weight.T + bias`` in fp32 for any number of rows (:func:`gemv_ref`'s product): x ``[M, K]``,
-    weight ``[N, K]`` (``nn.Linear``'s layout), bias ``[N]`` -> ``[M, N]``."""
+    weight ``[N, K]`` (``nn.Linear``'s layout), bias ``[N]`` -> ``[M, N]``. ``act`` (``"silu"``,
+    ``"gelu_tanh"``): x is gate_up ``[M, 2K]`` and the operand ``act(gate) * up`` rounded to its dtype."""
+    if act is not None:
+        gated = silu_mul_ref(x) if act == "silu" else gelu_tanh_mul_ref(x)
+        x = _rounded(gated, x.dtype)
     return gemv_ref(x, weight, bias)

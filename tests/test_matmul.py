@@ -23,8 +23,9 @@ from helpers import DEVICE, DTYPES, ON_GPU, assert_close, ids, randn
 from test_ops_layers import in_wider_rows
 
 from pagedflash import reference as ref
-from pagedflash.ops import custom_ops
+from pagedflash.ops import activation, custom_ops
 from pagedflash.ops import matmul as mm
+from pagedflash.ops.activation import ACTIVATIONS
 from pagedflash.ops.utils import interpreted
 from pagedflash.testing import capture_graph, row_exact_interpreter_dot
 
@@ -352,6 +353,74 @@ def test_tile_is_chosen_without_m():
             assert 16 <= t.block_n <= 256 and 16 <= t.block_k <= 128
 
 
+# ---------------------------------------------------------------------------------------------- gated
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 130])
+@pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE], ids=["table", "small_tile", "chunked"])
+def test_gated_matches_reference_and_the_unfused_bits(per_element_dot, monkeypatch, dtype, act, m, tile):
+    """``matmul(gate_up, act=...)``: against the reference, and bit for bit the activation kernel's
+    product through the plain GEMM, whether the prologue forms it (up to GATED_MAX_ROWS rows, in
+    shorter K steps: :func:`~pagedflash.ops.matmul.gated_tile`) or the activation kernel does (more);
+    the K chunks and several tiles a program included."""
+    monkeypatch.setattr(mm, "TILE", tile)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 1 and 5 rows split, 130 folded
+    gate_up, w = in_wider_rows(randn(m, 200, dtype=dtype) * 3), in_wider_rows(randn(37, 100, dtype=dtype))
+    b = randn(37, dtype=dtype)
+    out = mm.matmul(gate_up, w, b, act=act)
+    assert out.dtype == dtype and out.shape == (m, 37)
+    assert_close(out, ref.matmul_ref(gate_up, w, b, act=act), dtype)
+    assert torch.equal(bits(out), bits(mm.matmul(activation.act_mul(gate_up, act), w, b)))
+    fused = m <= mm.GATED_MAX_ROWS
+    assert (mm.plan_key(gate_up, w, b, out, act) in mm._PLANS) == fused  # which form ran
+
+
+def test_gated_tile_rule(monkeypatch):
+    """A gated call's stages hold a gate and an up tile: K steps halved until they fit sm90's budget
+    (the 1B down projection's 64-row decode tile: 256 -> 128 deep), elsewhere the plain tile's bytes."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
+    assert mm.gated_tile(mm.Tile(64, 16, 256, 4, 5, 8), 2, cpu) == mm.Tile(64, 16, 128, 4, 5, 8)
+    assert mm.gated_tile(mm.SM90_WARP_TILE, 2, cpu) == mm.SM90_WARP_TILE  # 96 KB: fits as it is
+    monkeypatch.setattr(mm, "nvidia_capability", lambda device: None)
+    assert mm.gated_tile(mm.Tile(64, 64, 64, 4, 2, 8), 2, cpu) == mm.Tile(64, 64, 32, 4, 2, 8)
+    assert mm.gated_tile(mm.Tile(16, 16, 16, 4, 1, 2), 4, cpu).block_k == 16  # never below one MMA step
+
+
+def test_gated_rows_are_batch_invariant(per_element_dot, monkeypatch):
+    """A row alone and among 7 (the product in the prologue) has the bits it has among 130 (the
+    activation kernel, then the GEMM)."""
+    monkeypatch.setattr(mm, "TILE", SMALL_TILE)
+    gate_up, w, b = randn(130, 200) * 3, randn(37, 100), randn(37)
+    full = mm.matmul(gate_up, w, b, act="silu")
+    for i in (0, 6, 64, 129):
+        assert torch.equal(bits(mm.matmul(gate_up[i:i + 1], w, b, act="silu")[0]), bits(full[i])), f"row {i} alone"
+        batch = randn(7, 200) * 3
+        batch[3] = gate_up[i]
+        assert torch.equal(bits(mm.matmul(batch, w, b, act="silu")[3]), bits(full[i])), f"row {i} among 7"
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_the_invariant_mlp_forms_its_product_in_the_gemm(per_element_dot, monkeypatch, act):
+    """The engine's batch-invariant MLP (``layers.gated_linear`` into a marked layer) at decode sizes:
+    one GEMM launch, the activation kernel's bits."""
+    from pagedflash.engine import layers
+
+    monkeypatch.setattr(layers, "FORCE_KERNELS", True)
+    down = torch.nn.Linear(100, 37, device=DEVICE).requires_grad_(False)
+    down.batch_invariant = True
+    gate_up = randn(3, 200) * 3
+    want = mm.matmul(activation.act_mul(gate_up, act), down.weight, down.bias)
+
+    def unfused(*args):
+        raise AssertionError("the activation kernel ran")
+
+    for name in ("act_mul", "silu_mul", "gelu_tanh_mul"):
+        monkeypatch.setattr(activation, name, unfused)
+        monkeypatch.setattr(layers, name, unfused, raising=False)
+    assert torch.equal(bits(layers.gated_linear(gate_up, down, act)), bits(want))
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def _errors():
     x, w = randn(3, 8), randn(4, 8)
@@ -376,6 +445,12 @@ def _errors():
     square = randn(4, 4)
     yield lambda: mm.matmul(randn(4, 4), square, out=square), ValueError, r"out: shares memory with weight"
     yield lambda: mm.matmul(x.clone().requires_grad_(), w), ValueError, r"x: requires grad"
+    yield lambda: mm.matmul(x, w, act="relu"), ValueError, r"act: expected None or one of \('silu', 'gelu_tanh'\), got 'relu'"
+    yield (lambda: mm.matmul(randn(3, 7), w, act="silu"), ValueError,
+           r"gate_up: expected an even, nonzero number of columns \(gate then up\), got shape \(3, 7\)")
+    yield lambda: mm.matmul(randn(3, 8), w, act="silu"), ValueError, r"weight: expected shape \(\*, 4\), got \(4, 8\)"
+    yield (lambda: mm.matmul(randn(3, 16), w, act="gelu_tanh", out=randn(3, 5)), ValueError,
+           r"out: expected shape \(3, 4\), got \(3, 5\)")
 
 
 @pytest.mark.parametrize("case", range(len(list(_errors()))))
@@ -408,6 +483,9 @@ def test_a_signature_checked_once_still_refuses_other_inputs():
 def test_operator_passes_opcheck():
     x, w = randn(5, 24), randn(12, 24)
     torch.library.opcheck(torch.ops.pagedflash.matmul.default, (x, w, randn(12), torch.empty(5, 12, device=DEVICE)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.pagedflash.matmul.default,
+                          (randn(5, 48), w, None, torch.empty(5, 12, device=DEVICE), "silu"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

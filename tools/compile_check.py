@@ -103,6 +103,9 @@ def _layer_calls(cfg: dict, rows: int):
         yield "matmul down, K chunks, wide tile", _opted(matmul, "DECODE_TILES", False,
                                                          _opted(matmul, "CHUNK_K", True, down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
+    if rows <= matmul.GATED_MAX_ROWS:  # the batch-invariant MLP's down projection, the product in its prologue
+        for act in activation.ACTIVATIONS:
+            yield f"matmul down, {act} prologue", lambda act=act: matmul.matmul(gate_up, w_down, act=act)
     if rows == 1:  # warp tiles other than sm90's default (matmul.WARP_TILE), one and two warps
         for spec in ("16:32:256:1:4", "16:64:128:2:4"):
             yield f"matmul down, warp tile {spec}", _opted(matmul, "WARP_TILE", matmul.parse_warp_tile(spec), down)

@@ -119,6 +119,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, line
 def gated_linear(gate_up: torch.Tensor, linear_layer: nn.Linear, act: str = "silu") -> torch.Tensor:
     """``linear_layer(act(gate) * up)`` for ``gate_up [T, 2n]`` (gate first); ``act`` ``"silu"`` or
     ``"gelu_tanh"``. One row: the activation fused into the projection's single-row kernel."""
+    if invariant(linear_layer) and use_kernels(gate_up):
+        return matmul.matmul(gate_up, linear_layer.weight, linear_layer.bias, act=act)
     if single_row(gate_up, linear_layer):
         fused = gemv.silu_mul_gemv if act == "silu" else gemv.gelu_tanh_mul_gemv
         return fused(gate_up, linear_layer.weight, linear_layer.bias)

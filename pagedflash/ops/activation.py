@@ -13,7 +13,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
-from pagedflash.ops._jit import gate_activation
+from pagedflash.ops._jit import gated_product
 from pagedflash.ops.utils import Launch, PlanCache, cdiv, check_gate_up_width, check_operand, next_pow2
 
 MAX_BLOCK = 1024  # columns per program
@@ -31,11 +31,9 @@ def _act_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    g = tl.load(GateUp + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GateUp + row * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
-    act = gate_activation(g, ACT)
-    act = act.to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (act * u).to(Out.dtype.element_ty), mask=mask)
+    g = tl.load(GateUp + row * stride_g + cols, mask=mask, other=0.0)
+    u = tl.load(GateUp + row * stride_g + n + cols, mask=mask, other=0.0)
+    tl.store(Out + row * stride_o + cols, gated_product(g, u, ACT), mask=mask)
 
 
 def _check(gate_up) -> None:
@@ -82,3 +80,10 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if custom_ops.via_operator():
         _check(gate_up)
     return _gelu_tanh_op(gate_up)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """:func:`silu_mul` or :func:`gelu_tanh_mul` by name (``act``, one of :data:`ACTIVATIONS`)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act: expected one of {ACTIVATIONS}, got {act!r}")
+    return silu_mul(gate_up) if act == "silu" else gelu_tanh_mul(gate_up)

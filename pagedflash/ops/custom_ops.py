@@ -206,11 +206,11 @@ def _fake_fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, 
 torch.library.register_fake("pagedflash::fused_moe", _fake_fused_moe, lib=_lib)
 
 # matmul (pagedflash.ops.matmul.matmul, batch-invariant x @ weight.T + bias): writes out
-_SCHEMAS["matmul"] = "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()"
+_SCHEMAS["matmul"] = "(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out, str act=\"\") -> ()"
 _lib.define("matmul" + _SCHEMAS["matmul"])
 
 
-def _fake_matmul(x, weight, bias, out):
+def _fake_matmul(x, weight, bias, out, act=""):
     return None
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from pagedflash import validate
 from pagedflash.ops import custom_ops
-from pagedflash.ops._jit import gate_activation
+from pagedflash.ops._jit import gated_product
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
@@ -67,10 +67,8 @@ def _gemv_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         if PROLOGUE >= 2:  # act(gate) * up; X = [gate | up], k wide each
-            g = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(X + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            act = gate_activation(g, ACT).to(dtype).to(tl.float32)
-            xk = (act * u).to(dtype).to(tl.float32)
+            g = tl.load(X + ks, mask=k_ok, other=0.0)
+            xk = gated_product(g, tl.load(X + k + ks, mask=k_ok, other=0.0), ACT).to(tl.float32)
         else:
             x = tl.load(X + ks, mask=k_ok, other=0.0)
             if HAS_RES:  # the residual stream: the sum rounded as unfused; program 0 stores it

@@ -47,7 +47,12 @@ summed in different orders, and greedy decoding then depends on what else is ser
   an H100 rounds as it rounds wgmma (``tools/tune_matmul.py --warp-sweep``: every tile's bits equal
   on the 1B shape's five weights; the attention's decode tile relies on the same, docs/performance.md
   v59); ``PAGEDFLASH_MATMUL_WARP_TILE`` (:data:`WARP_TILE`) names another such tile for every device
-  (``0``: none anywhere).
+  (``0``: none anywhere);
+- with ``act``, x is a gated MLP's ``[gate | up]`` and the operand ``act(gate) * up``: calls of at
+  most :data:`GATED_MAX_ROWS` rows form it in the GEMM's prologue (their K steps shortened by
+  :func:`gated_tile`, as each stage holds two tiles of x), by the activation kernel's own arithmetic
+  (:func:`pagedflash.ops._jit.gated_product`), longer calls by that kernel: the operand has the same
+  bits whichever form ``M`` picks.
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -72,11 +77,13 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit, custom_ops, scratch
+from pagedflash.ops import _jit, activation, custom_ops, scratch
+from pagedflash.ops.activation import ACTIVATIONS
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
     cdiv,
+    check_gate_up_width,
     check_operand,
     interpreted,
     next_pow2,
@@ -88,34 +95,35 @@ from pagedflash.ops.utils import (
 @triton.jit
 def _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-              CHUNKED: tl.constexpr):
+              CHUNKED: tl.constexpr, ACT: tl.constexpr):
     """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0; x's rows ``m_rows`` read, the
     others zeros): unchunked, one accumulator over every ``BLOCK_K`` step; chunked, ``0 + sum_c
     (chunk c's own sum from zero)`` over the chunks ``first_chunk .. first_chunk + num_chunks - 1``
-    of ``CHUNK_K`` keys, in increasing order."""
+    of ``CHUNK_K`` keys, in increasing order. ``ACT``: x is ``[gate | up]``, K wide each, and the
+    operand ``act(gate) * up`` (:func:`pagedflash.ops._jit.gated_product`)."""
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if CHUNKED:
         for c in range(first_chunk, first_chunk + num_chunks):
             k0 = c * CHUNK_K
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             part = _jit.dot_over_k(part, p_x + k0, p_w + k0, tl.minimum(CHUNK_K, K - k0), BLOCK_K, EVEN_K,
-                                   DOT_PRECISION, NUM_STAGES, m_rows)
+                                   DOT_PRECISION, NUM_STAGES, m_rows, ACT, K)
             total += part
     else:
-        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES, m_rows)
+        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES, m_rows, ACT, K)
     return total
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    X,  # [M, K], row stride stride_xm
+    X,  # [M, K] (ACT: [M, 2 * K], gate then up), row stride stride_xm
     W,  # [N, K], row stride stride_wn
     Bias,  # [N] (HAS_BIAS)
     Out,  # [M, N], row stride stride_om; SPLIT: fp32 partials [num_chunks, M, N]
     M, N, K, stride_xm, stride_wn, stride_om, CHUNK_K,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr, CHUNKED: tl.constexpr, SPLIT: tl.constexpr,
+    NUM_STAGES: tl.constexpr, CHUNKED: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
     """Persistent programs over the output tiles; SPLIT (chunked only): over (tile, chunk) pairs, each
     writing its chunk's fp32 sum to the partials, which :func:`_fold_kernel` adds in chunk order."""
@@ -148,12 +156,12 @@ def _matmul_kernel(
         if SPLIT:
             chunk = item % num_chunks
             acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, chunk, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                            NUM_STAGES, CHUNKED)
+                            NUM_STAGES, CHUNKED, ACT)
             p_part = Out + (chunk * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
             tl.store(p_part, acc, mask=mask)
         else:
             acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, 0, num_chunks, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                            NUM_STAGES, CHUNKED)
+                            NUM_STAGES, CHUNKED, ACT)
             if HAS_BIAS:
                 acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
             p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -246,6 +254,10 @@ DECODE_DEEP_K = 256  # K steps of 16-column decode tiles (v41's sweep: o_proj an
 SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
 MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
 FOLD_BLOCK = 1024  # elements per program of the chunk fold
+# gated calls (act) of at most this many rows form act(gate) * up in the GEMM's prologue (the decode and
+# warp tiles' calls); longer ones, whose column tiles would each recompute it, run the activation kernel
+# first (PAGEDFLASH_MATMUL_GATED_ROWS: another bound, 0 never; the bits are the same either way)
+GATED_MAX_ROWS = int(os.environ.get("PAGEDFLASH_MATMUL_GATED_ROWS", BLOCK_M))
 
 
 def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
@@ -369,6 +381,23 @@ def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return main._replace(block_m=block_m, block_n=block_n, block_k=block_k, warps=8, stages=stages)
 
 
+def gated_tile(t: Tile, element_size: int, device: torch.device) -> Tile:
+    """The tile ``t`` for a call whose prologue forms a gated product (``act``): each stage holds a
+    gate and an up tile of x, so its K steps are halved (down to 16) until its stages fit what sm90's
+    pipeline may fill (:data:`SMEM_SM90`; elsewhere the plain tile's own shared memory). The K step
+    does not enter a row's bits (module doc)."""
+    def smem(rows: int, block_k: int) -> int:
+        return t.stages * (rows + t.block_n) * block_k * element_size
+
+    capability = nvidia_capability(device)
+    sm90 = capability is not None and (9, 0) <= capability < (10, 0)
+    budget = SMEM_SM90 if sm90 else smem(t.block_m, t.block_k)
+    block_k = t.block_k
+    while block_k > 16 and smem(2 * t.block_m, block_k) > budget:
+        block_k //= 2
+    return t._replace(block_k=block_k)
+
+
 def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
     """The K chunk of :func:`tile`'s rule for a ``block_n`` x ``block_k`` tile: where its column tiles
     are fewer than half of ``sms``, chunks of at least ``min_chunk`` keys (a multiple of ``block_k``)
@@ -383,17 +412,20 @@ def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int
 # ---------------------------------------------------------------- host
 
 
-def _check(x, weight, bias, out) -> None:
-    """x ``[M, K]``, weight ``[N, K]``, bias ``[N]``, out ``[M, N]``: one dtype and device, last dims
-    contiguous, out's rows apart."""
-    check_operand("x", x, (None, None))
-    m, k = x.shape
-    check_operand("weight", weight, (None, k), like=("x", x))
+def _check(x, weight, bias, out, act: str = "") -> None:
+    """x ``[M, K]`` (with ``act``: gate_up ``[M, 2K]``), weight ``[N, K]``, bias ``[N]``, out ``[M, N]``:
+    one dtype and device, last dims contiguous, out's rows apart; act one of ``ACTIVATIONS`` or none."""
+    if act not in ("", *ACTIVATIONS):
+        raise ValueError(f"act: expected None or one of {ACTIVATIONS}, got {act!r}")
+    name = "gate_up" if act else "x"
+    check_operand(name, x, (None, None))
+    m, k = x.shape[0], check_gate_up_width(name, x) if act else x.shape[1]
+    check_operand("weight", weight, (None, k), like=(name, x))
     n = weight.shape[0]
     if bias is not None:
-        check_operand("bias", bias, (n,), like=("x", x))
+        check_operand("bias", bias, (n,), like=(name, x))
     if out is not None:
-        check_operand("out", out, (m, n), like=("x", x))
+        check_operand("out", out, (m, n), like=(name, x))
         if m > 1 and out.stride(0) < n:  # an expanded out: programs would race on shared rows
             raise ValueError(f"out: expected rows that do not overlap (row stride >= {n}), got strides {out.stride()}")
     validate.check_no_grad(x=x, weight=weight, bias=bias)
@@ -406,16 +438,17 @@ class _Plan(NamedTuple):
     num_chunks: int
 
 
-def _plan(x, weight, bias, out) -> _Plan:
+def _plan(x, weight, bias, out, act: str) -> _Plan:
     """Check the operands (all the checks read is in the plan's key; the device's type here, as it
     reads Triton's interpreter switch, which ``torch.compile`` cannot trace) and work out the launch:
     a chunked tile runs one program per (tile, chunk) while the output tiles alone leave SMs idle
-    (the split form), else one program per tile adds its chunks itself; both give the same bits."""
-    _check(x, weight, bias, out)
+    (the split form), else one program per tile adds its chunks itself; both give the same bits.
+    ``act``: x is gate_up, its product formed in the GEMM's prologue."""
+    _check(x, weight, bias, out, act)
     if x.device.type != "cuda" and not interpreted():
-        raise ValueError(f"x: expected a CUDA tensor (a CPU one only under the Triton interpreter, "
-                         f"TRITON_INTERPRET=1), got one on {x.device}")
-    (m, k), n = x.shape, weight.shape[0]
+        raise ValueError(f"{'gate_up' if act else 'x'}: expected a CUDA tensor (a CPU one only under the Triton "
+                         f"interpreter, TRITON_INTERPRET=1), got one on {x.device}")
+    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
     wt = WARP_TILE if WARP_TILE is not None else \
         WARP_TILE_SM90 if DECODE_TILES and _sm90_wgmma(x.dtype, x.device) else None
@@ -426,6 +459,8 @@ def _plan(x, weight, bias, out) -> _Plan:
         t = decode_tile(t, n, k, x.dtype, x.device)
     elif ROW_TILES and m > t.block_m:
         t = rows_tile(t, m, n, k, x.dtype, x.device)
+    if act:
+        t = gated_tile(t, x.element_size(), x.device)
     if t.chunk_k < 0 or t.chunk_k % t.block_k:
         raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
                          f"got {t.chunk_k}")
@@ -439,7 +474,7 @@ def _plan(x, weight, bias, out) -> _Plan:
                   dict(HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
                        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-                       NUM_STAGES=t.stages, CHUNKED=chunked, SPLIT=split),
+                       NUM_STAGES=t.stages, CHUNKED=chunked, SPLIT=split, ACT=act),
                   num_warps=t.warps)
     fold = None
     if split and work:
@@ -451,16 +486,18 @@ def _plan(x, weight, bias, out) -> _Plan:
 _PLANS = PlanCache()
 
 
-def plan_key(x, weight, bias, out) -> tuple | None:
+def plan_key(x, weight, bias, out, act: str = "") -> tuple | None:
     """The key of a call's plan in ``_PLANS``: the operands and every switch that shapes the launch."""
-    return _PLANS.key(x, weight, bias, out, extra=(TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
+    return _PLANS.key(x, weight, bias, out, extra=(act, TILE, CHUNK_K, DECODE_TILES, DECODE_TILE, ROW_TILES,
                                                        TALL_TILE, TALL_FILL, WARP_TILE, WARP_TILE_SM90))
 
 
-def _launch(x, weight, bias, out) -> None:
-    key = plan_key(x, weight, bias, out)
-    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out))
-    (m, k), n = x.shape, weight.shape[0]
+def _launch(x, weight, bias, out, act: str = "") -> None:
+    if act and x.shape[0] > GATED_MAX_ROWS:  # the product by its own kernel: the same operand bits
+        x, act = activation.act_mul(x, act), ""
+    key = plan_key(x, weight, bias, out, act)
+    plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out, act))
+    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     b = weight if bias is None else bias
     if plan.fold is None:
         plan.main(x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.chunk_k)
@@ -473,7 +510,7 @@ def _launch(x, weight, bias, out) -> None:
 _op = custom_ops.implement("matmul", _launch)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, act: str | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias``, batch-invariant: row ``i`` of the result is bitwise the same for any
     number of rows and any position of the row in ``x`` (module doc).
@@ -483,14 +520,24 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     be contiguous. Returns ``[M, N]`` in x's dtype, accumulated in fp32; written into ``out``
     (``[M, N]``, x's dtype and device, last dim contiguous, no memory shared with an input) and
     returned, if given. The checks run on a call signature's first call, and at trace time under
-    ``torch.compile``; no host sync (CUDA-graph safe)."""
+    ``torch.compile``; no host sync (CUDA-graph safe).
+
+    ``act`` (``"silu"`` or ``"gelu_tanh"``, :data:`ACTIVATIONS`): x is a gated MLP's gate_up ``[M,
+    2K]`` (gate first) and the product is ``(act(gate) * up) @ weight.T + bias``, bitwise
+    ``matmul(activation.act_mul(x, act), weight, bias)``: calls of at most :data:`GATED_MAX_ROWS` rows
+    (decode) form the product in the GEMM's prologue, one launch instead of two, by the activation
+    kernel's own arithmetic (:func:`pagedflash.ops._jit.gated_product`); longer calls, where the
+    prologue would recompute the activation for every column tile, run the activation kernel
+    first."""
+    act = act or ""
     if custom_ops.via_operator():
-        _check(x, weight, bias, out)
+        _check(x, weight, bias, out, act)
     if out is None:
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() != 2 or weight.dim() != 2:
-            _check(x, weight, bias, out)  # says what is wrong
+            _check(x, weight, bias, out, act)  # says what is wrong
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     elif isinstance(out, torch.Tensor):  # programs write out while others still read the inputs
-        validate.check_out_separate(out, dict(x=x, weight=weight, bias=bias))
-    _op(x, weight, bias, out)
+        validate.check_out_separate(out, dict(gate_up=x, weight=weight, bias=bias) if act else
+                                    dict(x=x, weight=weight, bias=bias))
+    _op(x, weight, bias, out, act)
     return out
