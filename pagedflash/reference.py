@@ -390,8 +390,10 @@ def fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids, *, activation="silu",
 def matmul_ref(x, weight, bias=None, act=None):
     """``x @ weight.T + bias`` in fp32 for any number of rows (:func:`gemv_ref`'s product): x ``[M, K]``,
     weight ``[N, K]`` (``nn.Linear``'s layout), bias ``[N]`` -> ``[M, N]``. ``act`` (``"silu"``,
-    ``"gelu_tanh"``): x is gate_up ``[M, 2K]`` and the operand ``act(gate) * up`` rounded to its dtype."""
-    if act is not None:
-        gated = silu_mul_ref(x) if act == "silu" else gelu_tanh_mul_ref(x)
-        x = _rounded(gated, x.dtype)
-    return gemv_ref(x, weight, bias)
+    ``"gelu_tanh"``): weight is a gated MLP's gate/up projection (gate rows first) and the result
+    ``act(gate) * up`` ``[M, N / 2]`` of the product rounded to x's dtype."""
+    y = gemv_ref(x, weight, bias)
+    if act is None:
+        return y
+    gate_up = y.to(x.dtype)
+    return silu_mul_ref(gate_up) if act == "silu" else gelu_tanh_mul_ref(gate_up)

@@ -356,61 +356,60 @@ def test_tile_is_chosen_without_m():
 # ---------------------------------------------------------------------------------------------- gated
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
 @pytest.mark.parametrize("act", ACTIVATIONS)
-@pytest.mark.parametrize("m", [1, 5, 64, 65, 130])
+@pytest.mark.parametrize("m", [1, 5, 65, 130])
 @pytest.mark.parametrize("tile", [None, SMALL_TILE, CHUNK_TILE], ids=["table", "small_tile", "chunked"])
-def test_gated_matches_reference_and_the_unfused_bits(per_element_dot, monkeypatch, dtype, act, m, tile):
-    """``matmul(gate_up, act=...)``: against the reference, and bit for bit the activation kernel's
-    product through the plain GEMM, whether the prologue forms it (up to GATED_MAX_ROWS rows, in
-    shorter K steps: :func:`~pagedflash.ops.matmul.gated_tile`) or the activation kernel does (more);
-    the K chunks and several tiles a program included."""
+@pytest.mark.parametrize("bias,use_out", [(True, False), (False, True)], ids=["bias", "out"])
+def test_gated_matches_reference_and_the_unfused_bits(per_element_dot, monkeypatch, dtype, act, m, tile, bias, use_out):
+    """``matmul(x, gate_up_weight, act=...)``: against the reference, and bit for bit the plain GEMM's
+    product through the activation kernel (the K chunks, which the gated form never splits, and
+    several tiles a program included; 37 outputs: a ragged last tile)."""
     monkeypatch.setattr(mm, "TILE", tile)
-    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: 1 and 5 rows split, 130 folded
-    gate_up, w = in_wider_rows(randn(m, 200, dtype=dtype) * 3), in_wider_rows(randn(37, 100, dtype=dtype))
-    b = randn(37, dtype=dtype)
-    out = mm.matmul(gate_up, w, b, act=act)
+    monkeypatch.setattr(mm, "num_sms", lambda device: 16)  # chunked: the plain form splits 1 and 5 rows
+    x, w = in_wider_rows(randn(m, 100, dtype=dtype)), in_wider_rows(randn(74, 100, dtype=dtype) * 0.3)
+    b = randn(74, dtype=dtype) if bias else None
+    if use_out:
+        buf = torch.full((m + 1, 40), 7.0, dtype=dtype, device=DEVICE)
+        out = buf[:m, :37].fill_(float("nan"))
+        assert mm.matmul(x, w, b, act=act, out=out) is out
+        assert (buf[:, 37:] == 7).all() and (buf[m] == 7).all()
+    else:
+        out = mm.matmul(x, w, b, act=act)
     assert out.dtype == dtype and out.shape == (m, 37)
-    assert_close(out, ref.matmul_ref(gate_up, w, b, act=act), dtype)
-    assert torch.equal(bits(out), bits(mm.matmul(activation.act_mul(gate_up, act), w, b)))
-    fused = m <= mm.GATED_MAX_ROWS
-    assert (mm.plan_key(gate_up, w, b, out, act) in mm._PLANS) == fused  # which form ran
-
-
-def test_gated_tile_rule(monkeypatch):
-    """A gated call's stages hold a gate and an up tile: K steps halved until they fit sm90's budget
-    (the 1B down projection's 64-row decode tile: 256 -> 128 deep), elsewhere the plain tile's bytes."""
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(mm, "nvidia_capability", lambda device: (9, 0))
-    assert mm.gated_tile(mm.Tile(64, 16, 256, 4, 5, 8), 2, cpu) == mm.Tile(64, 16, 128, 4, 5, 8)
-    assert mm.gated_tile(mm.SM90_WARP_TILE, 2, cpu) == mm.SM90_WARP_TILE  # 96 KB: fits as it is
-    monkeypatch.setattr(mm, "nvidia_capability", lambda device: None)
-    assert mm.gated_tile(mm.Tile(64, 64, 64, 4, 2, 8), 2, cpu) == mm.Tile(64, 64, 32, 4, 2, 8)
-    assert mm.gated_tile(mm.Tile(16, 16, 16, 4, 1, 2), 4, cpu).block_k == 16  # never below one MMA step
+    assert_close(out, ref.matmul_ref(x, w, b, act=act), dtype)
+    assert torch.equal(bits(out), bits(activation.act_mul(mm.matmul(x, w, b), act)))
 
 
 def test_gated_rows_are_batch_invariant(per_element_dot, monkeypatch):
-    """A row alone and among 7 (the product in the prologue) has the bits it has among 130 (the
-    activation kernel, then the GEMM)."""
     monkeypatch.setattr(mm, "TILE", SMALL_TILE)
-    gate_up, w, b = randn(130, 200) * 3, randn(37, 100), randn(37)
-    full = mm.matmul(gate_up, w, b, act="silu")
+    x, w, b = randn(130, 100), randn(74, 100) * 0.3, randn(74)
+    full = mm.matmul(x, w, b, act="silu")
     for i in (0, 6, 64, 129):
-        assert torch.equal(bits(mm.matmul(gate_up[i:i + 1], w, b, act="silu")[0]), bits(full[i])), f"row {i} alone"
-        batch = randn(7, 200) * 3
-        batch[3] = gate_up[i]
+        assert torch.equal(bits(mm.matmul(x[i:i + 1], w, b, act="silu")[0]), bits(full[i])), f"row {i} alone"
+        batch = randn(7, 100)
+        batch[3] = x[i]
         assert torch.equal(bits(mm.matmul(batch, w, b, act="silu")[3]), bits(full[i])), f"row {i} among 7"
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)
-def test_the_invariant_mlp_forms_its_product_in_the_gemm(per_element_dot, monkeypatch, act):
-    """The engine's batch-invariant MLP (``layers.gated_linear`` into a marked layer) at decode sizes:
-    one GEMM launch, the activation kernel's bits."""
+def test_the_invariant_mlp_runs_its_activation_in_the_gate_up_epilogue(per_element_dot, monkeypatch, act):
+    """The engine's batch-invariant MLP (``layers.mlp``): two GEMM launches, the bits of the gate/up
+    GEMM, the activation kernel and the down GEMM."""
     from pagedflash.engine import layers
 
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Linear(48, 74, device=DEVICE).requires_grad_(False)
+            self.down_proj = torch.nn.Linear(37, 48, device=DEVICE).requires_grad_(False)
+            self.act = act
+
     monkeypatch.setattr(layers, "FORCE_KERNELS", True)
-    down = torch.nn.Linear(100, 37, device=DEVICE).requires_grad_(False)
-    down.batch_invariant = True
-    gate_up = randn(3, 200) * 3
-    want = mm.matmul(activation.act_mul(gate_up, act), down.weight, down.bias)
+    module = MLP()
+    for linear in (module.gate_up_proj, module.down_proj):
+        linear.batch_invariant = True
+    x = randn(3, 48)
+    gate_up = mm.matmul(x, module.gate_up_proj.weight, module.gate_up_proj.bias)
+    want = mm.matmul(activation.act_mul(gate_up, act), module.down_proj.weight, module.down_proj.bias)
 
     def unfused(*args):
         raise AssertionError("the activation kernel ran")
@@ -418,7 +417,7 @@ def test_the_invariant_mlp_forms_its_product_in_the_gemm(per_element_dot, monkey
     for name in ("act_mul", "silu_mul", "gelu_tanh_mul"):
         monkeypatch.setattr(activation, name, unfused)
         monkeypatch.setattr(layers, name, unfused, raising=False)
-    assert torch.equal(bits(layers.gated_linear(gate_up, down, act)), bits(want))
+    assert torch.equal(bits(layers.mlp(x, module)), bits(want))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -446,11 +445,12 @@ def _errors():
     yield lambda: mm.matmul(randn(4, 4), square, out=square), ValueError, r"out: shares memory with weight"
     yield lambda: mm.matmul(x.clone().requires_grad_(), w), ValueError, r"x: requires grad"
     yield lambda: mm.matmul(x, w, act="relu"), ValueError, r"act: expected None or one of \('silu', 'gelu_tanh'\), got 'relu'"
-    yield (lambda: mm.matmul(randn(3, 7), w, act="silu"), ValueError,
-           r"gate_up: expected an even, nonzero number of columns \(gate then up\), got shape \(3, 7\)")
-    yield lambda: mm.matmul(randn(3, 8), w, act="silu"), ValueError, r"weight: expected shape \(\*, 4\), got \(4, 8\)"
-    yield (lambda: mm.matmul(randn(3, 16), w, act="gelu_tanh", out=randn(3, 5)), ValueError,
-           r"out: expected shape \(3, 4\), got \(3, 5\)")
+    yield (lambda: mm.matmul(x, randn(5, 8), act="silu"), ValueError,
+           r"weight: expected an even number of rows with act \(gate rows, then as many up rows\), got shape \(5, 8\)")
+    yield (lambda: mm.matmul(x, w, act="gelu_tanh", out=randn(3, 4)), ValueError,
+           r"out: expected shape \(3, 2\), got \(3, 4\)")
+    yield (lambda: mm.matmul(x, w, act="silu", out=randn(1, 2).expand(3, 2)), ValueError,
+           r"out: expected rows that do not overlap \(row stride >= 2\), got strides \(0, 1\)")
 
 
 @pytest.mark.parametrize("case", range(len(list(_errors()))))
@@ -484,8 +484,7 @@ def test_operator_passes_opcheck():
     x, w = randn(5, 24), randn(12, 24)
     torch.library.opcheck(torch.ops.pagedflash.matmul.default, (x, w, randn(12), torch.empty(5, 12, device=DEVICE)),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-    torch.library.opcheck(torch.ops.pagedflash.matmul.default,
-                          (randn(5, 48), w, None, torch.empty(5, 12, device=DEVICE), "silu"),
+    torch.library.opcheck(torch.ops.pagedflash.matmul.default, (x, w, None, torch.empty(5, 6, device=DEVICE), "silu"),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

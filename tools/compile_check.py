@@ -82,6 +82,7 @@ def _layer_calls(cfg: dict, rows: int):
     w_d = torch.empty(d, **bf16)
     gate_up = torch.empty(rows, 2 * i, **bf16)
     w_qkv, w_down = torch.empty((hq + 2 * hkv) * d, h, **bf16), torch.empty(h, i, **bf16)
+    w_gate_up = torch.empty(2 * i, h, **bf16)
     yield "rms_norm", lambda: norm.rms_norm(x, w_h, 1e-6)
     yield "rms_norm + residual", lambda: norm.rms_norm(x, w_h, 1e-6, residual=x)
     yield "rope", lambda: rope.rope_(qkv, positions, cos, sin, num_heads=hq + hkv, head_dim=d)
@@ -103,9 +104,11 @@ def _layer_calls(cfg: dict, rows: int):
         yield "matmul down, K chunks, wide tile", _opted(matmul, "DECODE_TILES", False,
                                                          _opted(matmul, "CHUNK_K", True, down))
     yield "matmul down", lambda: matmul.matmul(torch.empty(rows, i, **bf16), w_down)
-    if rows <= matmul.GATED_MAX_ROWS:  # the batch-invariant MLP's down projection, the product in its prologue
-        for act in activation.ACTIVATIONS:
-            yield f"matmul down, {act} prologue", lambda act=act: matmul.matmul(gate_up, w_down, act=act)
+    for act in activation.ACTIVATIONS:  # the batch-invariant MLP's gate/up projection, the activation in its epilogue
+        yield f"matmul gate_up, {act}", lambda act=act: matmul.matmul(x, w_gate_up, act=act)
+    if rows == 1:  # and its row tiles
+        yield "matmul gate_up, silu, 8192 rows", lambda: matmul.matmul(torch.empty(8192, h, **bf16), w_gate_up,
+                                                                        act="silu")
     if rows == 1:  # warp tiles other than sm90's default (matmul.WARP_TILE), one and two warps
         for spec in ("16:32:256:1:4", "16:64:128:2:4"):
             yield f"matmul down, warp tile {spec}", _opted(matmul, "WARP_TILE", matmul.parse_warp_tile(spec), down)

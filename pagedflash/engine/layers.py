@@ -119,12 +119,30 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, line
 def gated_linear(gate_up: torch.Tensor, linear_layer: nn.Linear, act: str = "silu") -> torch.Tensor:
     """``linear_layer(act(gate) * up)`` for ``gate_up [T, 2n]`` (gate first); ``act`` ``"silu"`` or
     ``"gelu_tanh"``. One row: the activation fused into the projection's single-row kernel."""
-    if invariant(linear_layer) and use_kernels(gate_up):
-        return matmul.matmul(gate_up, linear_layer.weight, linear_layer.bias, act=act)
     if single_row(gate_up, linear_layer):
         fused = gemv.silu_mul_gemv if act == "silu" else gemv.gelu_tanh_mul_gemv
         return fused(gate_up, linear_layer.weight, linear_layer.bias)
     return linear(silu_mul(gate_up) if act == "silu" else gelu_tanh_mul(gate_up), linear_layer)
+
+
+def mlp(x: torch.Tensor, mlp_module) -> torch.Tensor:
+    """``mlp_module(gate_up_proj(x))`` for the model's gated MLP (``gate_up_proj``, ``down_proj``,
+    ``act``); batch-invariant on a GPU, the activation in the gate/up projection's epilogue (the bits
+    of the projection, then the activation kernel, in one launch)."""
+    gate_up = mlp_module.gate_up_proj
+    if invariant(gate_up) and use_kernels(x):
+        return linear(matmul.matmul(x, gate_up.weight, gate_up.bias, act=mlp_module.act), mlp_module.down_proj)
+    return mlp_module(linear(x, gate_up))
+
+
+def norm_mlp(x: torch.Tensor, residual: torch.Tensor | None, norm_layer, mlp_module):
+    """``(mlp(norm_layer(x + residual)), x + residual)``: :func:`norm_linear` into the gated MLP, or
+    batch-invariant on a GPU, the norm then :func:`mlp`."""
+    if invariant(mlp_module.gate_up_proj) and use_kernels(x):
+        h, residual = norm_layer(x, residual)
+        return mlp(h, mlp_module), residual
+    gate_up, residual = norm_linear(x, residual, norm_layer, mlp_module.gate_up_proj)
+    return mlp_module(gate_up), residual
 
 
 def linear(x: torch.Tensor, linear_layer: nn.Linear, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -183,52 +183,35 @@ def empty_if_inf(lse):
 def gated_product(g, u, ACT: tl.constexpr):
     """``act(gate) * up`` of a gated MLP as its unfused kernels round it, for ``g`` and ``u`` as loaded
     (one dtype): the activation of the fp32 gate (:func:`gate_activation`) rounded to that dtype, times
-    the fp32 up, rounded to it. Every kernel that feeds the product to a projection computes it here,
-    so that a fused prologue gives the projection the activation kernel's operand bits."""
+    the fp32 up, rounded to it. Every kernel that forms the product computes it here, so that a fused
+    form has the activation kernel's bits."""
     act = gate_activation(g.to(tl.float32), ACT).to(g.dtype).to(tl.float32)
     return (act * u.to(tl.float32)).to(g.dtype)
 
 
 @triton.jit
-def _load_a(p_a, mask, ACT: tl.constexpr, UP_OFFSET):
-    """One step of A: the tile at ``p_a``, or with ``ACT`` the :func:`gated_product` of the gate tile
-    at ``p_a`` and the up tile ``UP_OFFSET`` elements to its right; ``mask`` None: every element."""
-    if mask is None:
-        a = tl.load(p_a)
-        if ACT != "":
-            a = gated_product(a, tl.load(p_a + UP_OFFSET), ACT)
-    else:
-        a = tl.load(p_a, mask=mask, other=0.0)
-        if ACT != "":
-            a = gated_product(a, tl.load(p_a + UP_OFFSET, mask=mask, other=0.0), ACT)
-    return a
-
-
-@triton.jit
 def dot_over_k(acc, p_a, p_b, K, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               NUM_STAGES: tl.constexpr, a_rows=None, ACT: tl.constexpr = "", UP_OFFSET=0):
+               NUM_STAGES: tl.constexpr, a_rows=None):
     """``acc + A @ B`` over ``K`` in steps of ``BK``, in one fixed order: ``p_a`` points at A's first
     step ``[M, BK]`` (k along axis 1), ``p_b`` at B's ``[BK, N]`` (k along axis 0), k contiguous in
     both (each step moves them ``BK`` elements); past ``K`` the loads give zeros (unless ``EVEN_K``).
     ``a_rows`` (``[M]`` bool, or None: all): the rows of A to read; the others are zeros, read from
     nowhere (a tile's padding rows would otherwise all read one row: at M = 1, 64 reads of the same
-    bytes a step from every SM). ``ACT`` (``"silu"``, ``"gelu_tanh"``; ``""`` none): A is a gated
-    MLP's product, computed in the prologue from gate tiles at ``p_a`` and up tiles ``UP_OFFSET``
-    elements to their right (:func:`gated_product`; masked elements give ``act(0) * 0 = 0``)."""
+    bytes a step from every SM)."""
     offs_k = tl.arange(0, BK)
     for k0 in tl.range(0, K, BK, num_stages=NUM_STAGES):
         if EVEN_K:
             if a_rows is None:
-                a = _load_a(p_a, None, ACT, UP_OFFSET)
+                a = tl.load(p_a)
             else:
-                a = _load_a(p_a, a_rows[:, None], ACT, UP_OFFSET)
+                a = tl.load(p_a, mask=a_rows[:, None], other=0.0)
             b = tl.load(p_b)
         else:
             k_ok = offs_k < K - k0
             if a_rows is None:
-                a = _load_a(p_a, k_ok[None, :], ACT, UP_OFFSET)
+                a = tl.load(p_a, mask=k_ok[None, :], other=0.0)
             else:
-                a = _load_a(p_a, a_rows[:, None] & k_ok[None, :], ACT, UP_OFFSET)
+                a = tl.load(p_a, mask=a_rows[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(p_b, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         p_a += BK

@@ -48,11 +48,12 @@ summed in different orders, and greedy decoding then depends on what else is ser
   on the 1B shape's five weights; the attention's decode tile relies on the same, docs/performance.md
   v59); ``PAGEDFLASH_MATMUL_WARP_TILE`` (:data:`WARP_TILE`) names another such tile for every device
   (``0``: none anywhere);
-- with ``act``, x is a gated MLP's ``[gate | up]`` and the operand ``act(gate) * up``: calls of at
-  most :data:`GATED_MAX_ROWS` rows form it in the GEMM's prologue (their K steps shortened by
-  :func:`gated_tile`, as each stage holds two tiles of x), by the activation kernel's own arithmetic
-  (:func:`pagedflash.ops._jit.gated_product`), longer calls by that kernel: the operand has the same
-  bits whichever form ``M`` picks.
+- with ``act``, the weight is a gated MLP's gate/up projection and the result ``act(gate) * up``:
+  each tile computes gate and up columns side by side (the same sums, rounded as the plain tile
+  rounds them) and its epilogue applies the activation kernel's own arithmetic
+  (:func:`pagedflash.ops._jit.gated_product`), so the result has the bits of the plain GEMM followed
+  by :func:`pagedflash.ops.activation.act_mul`, without that launch nor the ``[M, 2n]`` product
+  written and read back.
 
 fp32 inputs use IEEE fp32 products (``input_precision="ieee"``, not TF32), as ``torch.mm`` does by
 default. References: :func:`pagedflash.reference.matmul_ref`; tests: ``tests/test_matmul.py``.
@@ -77,13 +78,12 @@ import triton
 import triton.language as tl
 
 from pagedflash import validate
-from pagedflash.ops import _jit, activation, custom_ops, scratch
+from pagedflash.ops import _jit, custom_ops, scratch
 from pagedflash.ops.activation import ACTIVATIONS
 from pagedflash.ops.utils import (
     Launch,
     PlanCache,
     cdiv,
-    check_gate_up_width,
     check_operand,
     interpreted,
     next_pow2,
@@ -95,38 +95,41 @@ from pagedflash.ops.utils import (
 @triton.jit
 def _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, first_chunk, num_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-              CHUNKED: tl.constexpr, ACT: tl.constexpr):
+              CHUNKED: tl.constexpr):
     """One output tile's fp32 sum over K (``p_x`` / ``p_w`` at k = 0; x's rows ``m_rows`` read, the
     others zeros): unchunked, one accumulator over every ``BLOCK_K`` step; chunked, ``0 + sum_c
     (chunk c's own sum from zero)`` over the chunks ``first_chunk .. first_chunk + num_chunks - 1``
-    of ``CHUNK_K`` keys, in increasing order. ``ACT``: x is ``[gate | up]``, K wide each, and the
-    operand ``act(gate) * up`` (:func:`pagedflash.ops._jit.gated_product`)."""
+    of ``CHUNK_K`` keys, in increasing order."""
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if CHUNKED:
         for c in range(first_chunk, first_chunk + num_chunks):
             k0 = c * CHUNK_K
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             part = _jit.dot_over_k(part, p_x + k0, p_w + k0, tl.minimum(CHUNK_K, K - k0), BLOCK_K, EVEN_K,
-                                   DOT_PRECISION, NUM_STAGES, m_rows, ACT, K)
+                                   DOT_PRECISION, NUM_STAGES, m_rows)
             total += part
     else:
-        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES, m_rows, ACT, K)
+        total = _jit.dot_over_k(total, p_x, p_w, K, BLOCK_K, EVEN_K, DOT_PRECISION, NUM_STAGES, m_rows)
     return total
 
 
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
-    X,  # [M, K] (ACT: [M, 2 * K], gate then up), row stride stride_xm
-    W,  # [N, K], row stride stride_wn
+    X,  # [M, K], row stride stride_xm
+    W,  # [N, K], row stride stride_wn (ACT: gate rows, then as many up rows)
     Bias,  # [N] (HAS_BIAS)
-    Out,  # [M, N], row stride stride_om; SPLIT: fp32 partials [num_chunks, M, N]
+    Out,  # [M, N] (ACT: [M, N / 2]), row stride stride_om; SPLIT: fp32 partials [num_chunks, M, N]
     M, N, K, stride_xm, stride_wn, stride_om, CHUNK_K,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, CHUNKED: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
 ):
     """Persistent programs over the output tiles; SPLIT (chunked only): over (tile, chunk) pairs, each
-    writing its chunk's fp32 sum to the partials, which :func:`_fold_kernel` adds in chunk order."""
+    writing its chunk's fp32 sum to the partials, which :func:`_fold_kernel` adds in chunk order.
+    ACT (a gated MLP's gate/up projection, not SPLIT): a tile's columns alternate gate and up rows of
+    W (column ``2j`` gate row ``c + j``, ``2j + 1`` up row ``N / 2 + c + j``), so that its epilogue
+    rounds both products as the plain tile would and stores ``act(gate) * up``
+    (:func:`pagedflash.ops._jit.gated_product`) for its ``BLOCK_N / 2`` output columns."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     num_chunks = 1
@@ -149,23 +152,32 @@ def _matmul_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_rows = rows < M
         m_cols = cols < N
+        w_rows = cols
+        if ACT != "":  # gate and up rows side by side
+            w_rows = (cols % 2) * (N // 2) + cols // 2
         # rows past M are zeros, read from nowhere; columns past N read weight row 0: in bounds, never stored
         p_x = X + tl.where(m_rows, rows, 0).to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-        p_w = W + tl.where(m_cols, cols, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        p_w = W + tl.where(m_cols, w_rows, 0).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
         mask = m_rows[:, None] & m_cols[None, :]
         if SPLIT:
             chunk = item % num_chunks
             acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, chunk, 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                            NUM_STAGES, CHUNKED, ACT)
+                            NUM_STAGES, CHUNKED)
             p_part = Out + (chunk * M + rows).to(tl.int64)[:, None] * N + cols[None, :]
             tl.store(p_part, acc, mask=mask)
         else:
             acc = _tile_sum(p_x, m_rows, p_w, K, CHUNK_K, 0, num_chunks, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION,
-                            NUM_STAGES, CHUNKED, ACT)
+                            NUM_STAGES, CHUNKED)
             if HAS_BIAS:
-                acc += tl.load(Bias + cols, mask=m_cols, other=0.0).to(tl.float32)[None, :]
+                acc += tl.load(Bias + w_rows, mask=m_cols, other=0.0).to(tl.float32)[None, :]
+            y = acc.to(Out.dtype.element_ty)
+            if ACT != "":
+                gate, up = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+                y = _jit.gated_product(gate, up, ACT)
+                cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                mask = m_rows[:, None] & (cols < N // 2)[None, :]
             p_o = Out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(p_o, acc.to(Out.dtype.element_ty), mask=mask)
+            tl.store(p_o, y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -254,10 +266,6 @@ DECODE_DEEP_K = 256  # K steps of 16-column decode tiles (v41's sweep: o_proj an
 SMEM_SM90 = 200 * 1024  # shared memory the sm90 pipeline may fill (of 227 KB a block)
 MIN_CHUNK = 1024  # keys per chunk at least: the chunked kernel restarts its K pipeline at each chunk
 FOLD_BLOCK = 1024  # elements per program of the chunk fold
-# gated calls (act) of at most this many rows form act(gate) * up in the GEMM's prologue (the decode and
-# warp tiles' calls); longer ones, whose column tiles would each recompute it, run the activation kernel
-# first (PAGEDFLASH_MATMUL_GATED_ROWS: another bound, 0 never; the bits are the same either way)
-GATED_MAX_ROWS = int(os.environ.get("PAGEDFLASH_MATMUL_GATED_ROWS", BLOCK_M))
 
 
 def tile(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Tile:
@@ -381,23 +389,6 @@ def tall_tile(main: Tile, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return main._replace(block_m=block_m, block_n=block_n, block_k=block_k, warps=8, stages=stages)
 
 
-def gated_tile(t: Tile, element_size: int, device: torch.device) -> Tile:
-    """The tile ``t`` for a call whose prologue forms a gated product (``act``): each stage holds a
-    gate and an up tile of x, so its K steps are halved (down to 16) until its stages fit what sm90's
-    pipeline may fill (:data:`SMEM_SM90`; elsewhere the plain tile's own shared memory). The K step
-    does not enter a row's bits (module doc)."""
-    def smem(rows: int, block_k: int) -> int:
-        return t.stages * (rows + t.block_n) * block_k * element_size
-
-    capability = nvidia_capability(device)
-    sm90 = capability is not None and (9, 0) <= capability < (10, 0)
-    budget = SMEM_SM90 if sm90 else smem(t.block_m, t.block_k)
-    block_k = t.block_k
-    while block_k > 16 and smem(2 * t.block_m, block_k) > budget:
-        block_k //= 2
-    return t._replace(block_k=block_k)
-
-
 def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int = MIN_CHUNK) -> int:
     """The K chunk of :func:`tile`'s rule for a ``block_n`` x ``block_k`` tile: where its column tiles
     are fewer than half of ``sms``, chunks of at least ``min_chunk`` keys (a multiple of ``block_k``)
@@ -413,21 +404,26 @@ def k_chunk(n: int, k: int, block_n: int, block_k: int, sms: int, min_chunk: int
 
 
 def _check(x, weight, bias, out, act: str = "") -> None:
-    """x ``[M, K]`` (with ``act``: gate_up ``[M, 2K]``), weight ``[N, K]``, bias ``[N]``, out ``[M, N]``:
-    one dtype and device, last dims contiguous, out's rows apart; act one of ``ACTIVATIONS`` or none."""
+    """x ``[M, K]``, weight ``[N, K]`` (with ``act``: N even, gate rows then up rows), bias ``[N]``, out
+    ``[M, N]`` (with ``act``: ``[M, N / 2]``): one dtype and device, last dims contiguous, out's rows
+    apart; act one of ``ACTIVATIONS`` or none."""
     if act not in ("", *ACTIVATIONS):
         raise ValueError(f"act: expected None or one of {ACTIVATIONS}, got {act!r}")
-    name = "gate_up" if act else "x"
-    check_operand(name, x, (None, None))
-    m, k = x.shape[0], check_gate_up_width(name, x) if act else x.shape[1]
-    check_operand("weight", weight, (None, k), like=(name, x))
+    check_operand("x", x, (None, None))
+    m, k = x.shape
+    check_operand("weight", weight, (None, k), like=("x", x))
     n = weight.shape[0]
+    if act and n % 2:
+        raise ValueError(f"weight: expected an even number of rows with act (gate rows, then as many up rows), "
+                         f"got shape {tuple(weight.shape)}")
     if bias is not None:
-        check_operand("bias", bias, (n,), like=(name, x))
+        check_operand("bias", bias, (n,), like=("x", x))
     if out is not None:
-        check_operand("out", out, (m, n), like=(name, x))
-        if m > 1 and out.stride(0) < n:  # an expanded out: programs would race on shared rows
-            raise ValueError(f"out: expected rows that do not overlap (row stride >= {n}), got strides {out.stride()}")
+        width = n // 2 if act else n
+        check_operand("out", out, (m, width), like=("x", x))
+        if m > 1 and out.stride(0) < width:  # an expanded out: programs would race on shared rows
+            raise ValueError(f"out: expected rows that do not overlap (row stride >= {width}), "
+                             f"got strides {out.stride()}")
     validate.check_no_grad(x=x, weight=weight, bias=bias)
 
 
@@ -443,11 +439,11 @@ def _plan(x, weight, bias, out, act: str) -> _Plan:
     reads Triton's interpreter switch, which ``torch.compile`` cannot trace) and work out the launch:
     a chunked tile runs one program per (tile, chunk) while the output tiles alone leave SMs idle
     (the split form), else one program per tile adds its chunks itself; both give the same bits.
-    ``act``: x is gate_up, its product formed in the GEMM's prologue."""
+    ``act``: the gated epilogue, never split (its tiles add their own chunks: the same bits)."""
     _check(x, weight, bias, out, act)
     if x.device.type != "cuda" and not interpreted():
-        raise ValueError(f"{'gate_up' if act else 'x'}: expected a CUDA tensor (a CPU one only under the Triton "
-                         f"interpreter, TRITON_INTERPRET=1), got one on {x.device}")
+        raise ValueError(f"x: expected a CUDA tensor (a CPU one only under the Triton interpreter, "
+                         f"TRITON_INTERPRET=1), got one on {x.device}")
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
     wt = WARP_TILE if WARP_TILE is not None else \
@@ -459,8 +455,6 @@ def _plan(x, weight, bias, out, act: str) -> _Plan:
         t = decode_tile(t, n, k, x.dtype, x.device)
     elif ROW_TILES and m > t.block_m:
         t = rows_tile(t, m, n, k, x.dtype, x.device)
-    if act:
-        t = gated_tile(t, x.element_size(), x.device)
     if t.chunk_k < 0 or t.chunk_k % t.block_k:
         raise ValueError(f"matmul.TILE: chunk_k: expected 0 or a positive multiple of block_k ({t.block_k}), "
                          f"got {t.chunk_k}")
@@ -468,7 +462,7 @@ def _plan(x, weight, bias, out, act: str) -> _Plan:
     chunked = 0 < t.chunk_k < k
     num_chunks = cdiv(k, t.chunk_k) if chunked else 1
     sms = num_sms(x.device)
-    split = chunked and tiles < sms
+    split = chunked and tiles < sms and not act
     work = tiles * num_chunks if split else tiles
     main = Launch(_matmul_kernel, (min(work, sms),) if work else None,
                   dict(HAS_BIAS=bias is not None, EVEN_K=k % t.block_k == 0,
@@ -493,8 +487,6 @@ def plan_key(x, weight, bias, out, act: str = "") -> tuple | None:
 
 
 def _launch(x, weight, bias, out, act: str = "") -> None:
-    if act and x.shape[0] > GATED_MAX_ROWS:  # the product by its own kernel: the same operand bits
-        x, act = activation.act_mul(x, act), ""
     key = plan_key(x, weight, bias, out, act)
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out, act))
     m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
@@ -522,22 +514,19 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     returned, if given. The checks run on a call signature's first call, and at trace time under
     ``torch.compile``; no host sync (CUDA-graph safe).
 
-    ``act`` (``"silu"`` or ``"gelu_tanh"``, :data:`ACTIVATIONS`): x is a gated MLP's gate_up ``[M,
-    2K]`` (gate first) and the product is ``(act(gate) * up) @ weight.T + bias``, bitwise
-    ``matmul(activation.act_mul(x, act), weight, bias)``: calls of at most :data:`GATED_MAX_ROWS` rows
-    (decode) form the product in the GEMM's prologue, one launch instead of two, by the activation
-    kernel's own arithmetic (:func:`pagedflash.ops._jit.gated_product`); longer calls, where the
-    prologue would recompute the activation for every column tile, run the activation kernel
-    first."""
+    ``act`` (``"silu"`` or ``"gelu_tanh"``, :data:`ACTIVATIONS`): weight ``[2n, K]`` is a gated MLP's
+    gate/up projection (gate rows first, bias likewise) and the result ``act(gate) * up`` ``[M, n]``,
+    bitwise ``activation.act_mul(matmul(x, weight, bias), act)`` in one launch (module doc); out
+    ``[M, n]``."""
     act = act or ""
     if custom_ops.via_operator():
         _check(x, weight, bias, out, act)
     if out is None:
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or x.dim() != 2 or weight.dim() != 2:
             _check(x, weight, bias, out, act)  # says what is wrong
-        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+        out = torch.empty((x.shape[0], weight.shape[0] // 2 if act else weight.shape[0]), dtype=x.dtype,
+                          device=x.device)
     elif isinstance(out, torch.Tensor):  # programs write out while others still read the inputs
-        validate.check_out_separate(out, dict(gate_up=x, weight=weight, bias=bias) if act else
-                                    dict(x=x, weight=weight, bias=bias))
+        validate.check_out_separate(out, dict(x=x, weight=weight, bias=bias))
     _op(x, weight, bias, out, act)
     return out

@@ -35,8 +35,8 @@ class GemmaDecoderLayer(nn.Module):
         qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
         h = self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache))
         h = self.post_attention_layernorm(h)[0]
-        gate_up, residual = layers.norm_linear(h, residual, self.pre_feedforward_layernorm, mlp.gate_up_proj)
-        return self.post_feedforward_layernorm(self.comm.all_reduce(mlp(gate_up)))[0], residual
+        out, residual = layers.norm_mlp(h, residual, self.pre_feedforward_layernorm, mlp)
+        return self.post_feedforward_layernorm(self.comm.all_reduce(out))[0], residual
 
 
 class GemmaForCausalLM(CausalLM):

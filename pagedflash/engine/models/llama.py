@@ -34,8 +34,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = layers.norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
         h = residual_branch(self.comm.all_reduce(attn(qkv, positions, rope, meta, kv_cache)), self.residual_multiplier)
-        gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return residual_branch(self.comm.all_reduce(mlp(gate_up)), self.residual_multiplier), residual
+        out, residual = layers.norm_mlp(h, residual, self.post_attention_layernorm, mlp)
+        return residual_branch(self.comm.all_reduce(out), self.residual_multiplier), residual
 
 
 class LlamaForCausalLM(CausalLM):

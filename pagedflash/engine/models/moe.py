@@ -88,7 +88,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_expert is None:
             return out
-        shared = self.shared_expert(layers.linear(x, self.shared_expert.gate_up_proj))
+        shared = layers.mlp(x, self.shared_expert)
         return out.addcmul_(torch.sigmoid(logits[:, e:]), shared)
 
 
@@ -120,8 +120,7 @@ class MoeDecoderLayer(nn.Module):
             h, residual = self.post_attention_layernorm(h, residual)
             out = mlp(h)
         else:
-            gate_up, residual = layers.norm_linear(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-            out = mlp(gate_up)
+            out, residual = layers.norm_mlp(h, residual, self.post_attention_layernorm, mlp)
         return residual_branch(self.comm.all_reduce(out), self.residual_multiplier), residual
 
 

@@ -27,7 +27,7 @@ class Olmo2DecoderLayer(nn.Module):
         stream = x if residual is None else x + residual
         h = self.comm.all_reduce(attn(layers.linear(stream, attn.qkv_proj), positions, rope, meta, kv_cache))
         stream = stream + self.post_attention_layernorm(h)[0]
-        m = self.comm.all_reduce(mlp(layers.linear(stream, mlp.gate_up_proj)))
+        m = self.comm.all_reduce(layers.mlp(stream, mlp))
         return self.post_feedforward_layernorm(m)[0], stream
 
 
