@@ -393,7 +393,7 @@ def matmul_ref(x, weight, bias=None, act=None):
     ``"gelu_tanh"``): weight is a gated MLP's gate/up projection (gate rows first) and the result
     ``act(gate) * up`` ``[M, N / 2]`` of the product rounded to x's dtype."""
     y = gemv_ref(x, weight, bias)
-    if act is None:
+    if not act:
         return y
     gate_up = y.to(x.dtype)
-    return silu_mul_ref(gate_up) if act == "silu" else gelu_tanh_mul_ref(gate_up)
+    return {"silu": silu_mul_ref, "gelu_tanh": gelu_tanh_mul_ref}[act](gate_up)

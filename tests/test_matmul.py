@@ -379,8 +379,18 @@ def test_gated_matches_reference_and_the_unfused_bits(per_element_dot, monkeypat
     assert torch.equal(bits(out), bits(activation.act_mul(mm.matmul(x, w, b), act)))
 
 
-def test_gated_rows_are_batch_invariant(per_element_dot, monkeypatch):
-    monkeypatch.setattr(mm, "TILE", SMALL_TILE)
+@pytest.mark.parametrize("tile", [SMALL_TILE, "decode", "rows"], ids=["small_tile", "decode_tiles", "row_tiles"])
+def test_gated_rows_are_batch_invariant(per_element_dot, monkeypatch, tile):
+    """A row alone and among 7 has the bits it has among 130, through tiles that follow M (decode: 1
+    and 7 rows the narrow tile, 130 the wide one; rows: 130 rows the 32-row tile of 8 warps)."""
+    monkeypatch.setattr(mm, "DECODE_TILES", tile == "decode")
+    monkeypatch.setattr(mm, "ROW_TILES", tile == "rows")
+    if tile == "decode":
+        monkeypatch.setattr(mm, "DECODE_TILE", NARROW_TILE)
+    if tile == "rows":
+        monkeypatch.setattr(mm, "TALL_TILE", TALL_TILE)
+        monkeypatch.setattr(mm, "num_sms", lambda device: 4)
+    monkeypatch.setattr(mm, "TILE", tile if isinstance(tile, mm.Tile) else WIDE_TILE)
     x, w, b = randn(130, 100), randn(74, 100) * 0.3, randn(74)
     full = mm.matmul(x, w, b, act="silu")
     for i in (0, 6, 64, 129):
@@ -395,6 +405,7 @@ def test_the_invariant_mlp_runs_its_activation_in_the_gate_up_epilogue(per_eleme
     """The engine's batch-invariant MLP (``layers.mlp``): two GEMM launches, the bits of the gate/up
     GEMM, the activation kernel and the down GEMM."""
     from pagedflash.engine import layers
+    from pagedflash.engine.models.common import RMSNorm
 
     class MLP(torch.nn.Module):
         def __init__(self):
@@ -418,6 +429,11 @@ def test_the_invariant_mlp_runs_its_activation_in_the_gate_up_epilogue(per_eleme
         monkeypatch.setattr(activation, name, unfused)
         monkeypatch.setattr(layers, name, unfused, raising=False)
     assert torch.equal(bits(layers.mlp(x, module)), bits(want))
+    # after the norm (the residual added first), as the pre-norm decoder layers call it
+    norm, residual = RMSNorm(48, 1e-6).to(DEVICE).requires_grad_(False), randn(3, 48)
+    normed, summed = norm(x, residual)
+    out, stream = layers.norm_mlp(x, residual, norm, module)
+    assert torch.equal(bits(stream), bits(summed)) and torch.equal(bits(out), bits(layers.mlp(normed, module)))
 
 
 # ---------------------------------------------------------------------------------------------- errors

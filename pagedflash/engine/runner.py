@@ -114,8 +114,9 @@ class ModelRunner:
         if release_hooks is not None:  # graphs that capture collectives must go before their group does
             release_hooks.append(self.graphs.clear)
         self.workers = None  # rank 0 of a tensor-parallel engine: the Workers that follow each step
-        # a decoding sequence holds a page of its own (the one its next token's K/V goes to), so no decode
-        # step has more rows than the pool has pages: no graph is captured for a batch that cannot come
+        # every running sequence holds a page no other holds (its last: a prompt's last page is never a
+        # prefix hit, a page joins the cache only full, and a new one comes before the token that needs
+        # it), so no decode step has more rows than the pool has pages: no graph for a batch that cannot come
         self._alloc_decode_buffers(min(max_num_seqs, kv_cache.num_blocks, GRAPH_BATCH_SIZES[-1]))
         if self.device.type == "cuda":
             self.warmup()

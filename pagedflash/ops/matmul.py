@@ -444,7 +444,7 @@ def _plan(x, weight, bias, out, act: str) -> _Plan:
     if x.device.type != "cuda" and not interpreted():
         raise ValueError(f"x: expected a CUDA tensor (a CPU one only under the Triton interpreter, "
                          f"TRITON_INTERPRET=1), got one on {x.device}")
-    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0]
     t = tile(n, k, x.dtype, x.device)
     wt = WARP_TILE if WARP_TILE is not None else \
         WARP_TILE_SM90 if DECODE_TILES and _sm90_wgmma(x.dtype, x.device) else None
@@ -489,7 +489,7 @@ def plan_key(x, weight, bias, out, act: str = "") -> tuple | None:
 def _launch(x, weight, bias, out, act: str = "") -> None:
     key = plan_key(x, weight, bias, out, act)
     plan = _PLANS.get(key) or _PLANS.add(key, _plan(x, weight, bias, out, act))
-    m, k, n = x.shape[0], weight.shape[1], weight.shape[0]
+    (m, k), n = x.shape, weight.shape[0]
     b = weight if bias is None else bias
     if plan.fold is None:
         plan.main(x, weight, b, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), plan.chunk_k)
