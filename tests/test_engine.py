@@ -377,6 +377,17 @@ def test_cuda_graph_decode_buffers_under_interpreter(llama, monkeypatch):
     assert {3, 5} & set(sizes + ahead), f"no padded replay among batch sizes {sizes}, {ahead}"
     assert ahead, "no step was launched ahead"
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 9) for p in prompts]
+    # decode steps of more rows than the buffers hold take the general path, with the same tokens
+    llm.runner._alloc_decode_buffers(2)
+    llm.runner.graphs.clear()
+    llm.runner.capture_graphs()
+    assert sorted(llm.runner.graphs) == [1, 2]
+    steps, launch, sizes[:], ahead[:] = [], llm.runner.launch, [], []
+    monkeypatch.setattr(llm.runner, "launch",
+                        lambda batch: steps.append(len(batch.rows) * batch.is_decode_only) or launch(batch))
+    again = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert max(sizes + ahead) <= 2 and max(steps) > 2, (steps, sizes, ahead)  # steps: decode-only rows
+    assert [o.token_ids for o in again] == [hf_greedy(hf, p, 4) for p in prompts]
 
 
 @pytest.mark.gpu
