@@ -169,7 +169,8 @@ def graph_split_bytes(model: CausalLM, spec: EngineSpec, sms: int) -> int:
     if not (spec.batch_invariant and spec.cuda_graphs):
         return 0
     rule, heads = invariant_split_rule(interpreted(), spec.config.head_dim), model.shard.num_heads
-    sizes = graph_sizes(min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1]))  # ModelRunner.max_decode_rows at most
+    # ModelRunner.max_decode_rows or more: it also caps by the pool's pages, which this sizes
+    sizes = graph_sizes(min(spec.max_num_seqs, GRAPH_BATCH_SIZES[-1]))
     kv_heads = model.shard.num_kv_heads
     group = heads // kv_heads  # a decode row's programs: a KV head's query heads packed when they divide the tile
     g_pack = invariant_config(group=group, head_dim=spec.config.head_dim, capability=None,
