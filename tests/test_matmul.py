@@ -527,6 +527,27 @@ def test_compiled_is_bit_identical_and_compiles_once_for_every_m(monkeypatch, ti
         torch._dynamo.reset()
 
 
+def test_gated_compiles_without_a_graph_break():
+    """``act`` through ``torch.compile(fullgraph=True, dynamic=True)``: one graph for two batch sizes,
+    eager's bits."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def mlp_in(x, w, b):
+        return mm.matmul(x, w, b, act="gelu_tanh")
+
+    compiled = torch.compile(mlp_in, backend=counter, fullgraph=True, dynamic=True)
+    w, b = randn(24, 100), randn(24)
+    try:
+        with torch.inference_mode():
+            for m in (5, 9):
+                x = randn(m, 100)
+                assert torch.equal(bits(compiled(x, w, b)), bits(mlp_in(x, w, b)))
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
 def test_eager_through_the_dispatcher_is_bit_identical(monkeypatch, tile):
     monkeypatch.setattr(mm, "TILE", tile)
@@ -598,14 +619,15 @@ def test_one_compiled_kernel_for_every_m(monkeypatch, tiles):
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
-def test_cuda_graph_replay_is_bit_identical(monkeypatch, tile):
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_cuda_graph_replay_is_bit_identical(monkeypatch, tile, act):
     """Captured into a CUDA graph (no host sync in the call) and replayed on new values of x (chunked:
-    the split form's partials allocated inside the capture)."""
+    the split form's partials allocated inside the capture; with act, the gated epilogue)."""
     monkeypatch.setattr(mm, "TILE", tile)
     dtype = torch.bfloat16
     x, w, b = randn(37, 520, dtype=dtype), randn(300, 520, dtype=dtype), randn(300, dtype=dtype)
-    out = torch.empty(37, 300, dtype=dtype, device=DEVICE)
-    graph, _ = capture_graph(lambda: mm.matmul(x, w, b, out=out))  # checks and compilation outside the capture
+    out = torch.empty(37, 150 if act else 300, dtype=dtype, device=DEVICE)
+    graph, _ = capture_graph(lambda: mm.matmul(x, w, b, act=act, out=out))  # checks and compilation outside
     x.copy_(randn(37, 520, dtype=dtype))
     graph.replay()
-    assert torch.equal(bits(out), bits(mm.matmul(x, w, b)))
+    assert torch.equal(bits(out), bits(mm.matmul(x, w, b, act=act)))
