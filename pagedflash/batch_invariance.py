@@ -7,7 +7,7 @@ cache (one prefill, chunked-prefill chunks, decode steps): one key tile and one 
 its warp for every call (:func:`pagedflash.ops.launch.invariant_config`; the decode tile of wide
 decode launches and the opt-in prefill tile change how many rows and warps share a tile, never a
 row's layout), keys in splits at fixed absolute key positions (:class:`pagedflash.ops.launch.SplitRule`:
-a row's first 4,096 keys in splits of 256, then splits of 2,048; opt-in, a middle tier of its own
+a row's first 4,096 keys in splits of 512, then splits of 2,048; opt-in, a middle tier of its own
 split size), each split's state computed by the same EXACT step (masked or not, a key's bits agree), and the splits merged left to
 right in one order, by the kernel itself (one program per row) or by the combine (programs sharing a
 row's splits, a partial state each). On Hopper the Gluon prefill kernel takes the mode's prefill

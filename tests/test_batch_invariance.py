@@ -431,13 +431,13 @@ def test_split_rule():
     rule = launch.SplitRule(keys=32, head_keys=64, head_split=16)
     assert [rule.count(n) for n in (0, 1, 16, 17, 64, 65, 96, 97, 340)] == [1, 1, 1, 2, 4, 5, 5, 6, 13]
     assert [launch.SplitRule(32).count(n) for n in (1, 32, 33, 340)] == [1, 1, 2, 11]
-    default = launch.SplitRule(2048, 4096, 256)  # the GPU's: 128K keys in 78 splits, the default cap ~1M keys
-    assert [default.count(n) for n in (1024, 4096, 4097, 131072, 1019904, 1019905)] == [4, 16, 17, 78, 512, 513]
+    default = launch.SplitRule(2048, 4096, 512)  # the GPU's: 128K keys in 70 splits, the default cap ~1M keys
+    assert [default.count(n) for n in (1024, 4096, 4097, 131072, 1036288, 1036289)] == [2, 8, 9, 70, 512, 513]
     assert launch.INVARIANT_MAX_SPLITS_DEFAULT == 512
     mid = launch.SplitRule(keys=48, head_keys=32, head_split=16, mid_keys=96, mid_split=32)  # 0 16 32 64 96 144
     assert [mid.count(n) for n in (0, 16, 17, 32, 33, 64, 65, 96, 97, 144, 145)] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
     assert [mid.start(s) for s in range(7)] == [0, 16, 32, 64, 96, 144, 192]
-    assert [default.start(s) for s in (0, 15, 16, 17)] == [0, 3840, 4096, 6144]
+    assert [default.start(s) for s in (0, 7, 8, 9)] == [0, 3584, 4096, 6144]
     assert launch.SplitRule(32, mid_keys=64, mid_split=16).count(100) == 4 + 2  # no head: 16s to 64, then 32s
     for name, env, match in (("PAGEDFLASH_INVARIANT_SPLIT_KEYS", "INVARIANT_SPLIT_KEYS", "positive multiple of 64"),
                              ("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", "INVARIANT_HEAD_SPLIT_KEYS", "multiple of 64"),
@@ -476,8 +476,8 @@ def test_split_switches_from_the_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     copy = fresh()
     assert copy.INVARIANT_MAX_SPLITS == 512 and copy.INVARIANT_SPLIT_STATES is None
-    assert copy.invariant_split_rule(False, 64) == copy.SplitRule(2048, 4096, 256)
-    for name, value, rule in zip(rule_vars, ("1024", "0", "128"), ((1024, 4096, 256), (1024, 0, 1024), (1024, 0, 1024))):
+    assert copy.invariant_split_rule(False, 64) == copy.SplitRule(2048, 4096, 512)
+    for name, value, rule in zip(rule_vars, ("1024", "0", "128"), ((1024, 4096, 512), (1024, 0, 1024), (1024, 0, 1024))):
         monkeypatch.setenv(name, value)  # each on top of the ones before (no head: its split size unused)
         copy = fresh()
         assert copy.invariant_split_rule(False, 64) == copy.SplitRule(*rule), name
@@ -592,8 +592,8 @@ def test_decode_tile_admission_of_split_launches(monkeypatch):
                                                      else (64, False)), (batch, n)
     monkeypatch.setattr(launch, "INVARIANT_DECODE_WAVES_SPLIT", 1)  # the default
     split = plan(32, 1024)  # 256 row-heads, split: the one-warp tile, 4 rows a program, the same splits
-    assert (split.cfg.block_m, split.cfg.num_warps, split.num_splits) == (16, 1, 4)
-    assert split.grid == (32, 8, 4)  # a program a sequence of one row
+    assert (split.cfg.block_m, split.cfg.num_warps, split.num_splits) == (16, 1, 2)  # 1K: two 512-key head splits
+    assert split.grid == (32, 8, 2)  # a program a sequence of one row
     assert plan(64, 1024).cfg.block_m == 64  # unsplit: 512 row-heads under 8 waves
     assert plan(1, 32768).cfg.block_m == 64  # split, but 8 row-heads under a wave
     for batch in (1, 16, 24, 32, 64):  # the 1B engine's decode graphs (131,072 keys) plan as their launches do

@@ -1,6 +1,6 @@
 """The Gluon prefill kernel's batch-invariant variant (sm90): a row's output and LSE bit for bit the
 portable kernel's in the mode (dense, varlen, paged over a NaN-poisoned pool, causal or not, through
-the split rule's 256-key head and past it into its 2,048-key splits; other rules and tiles; fp8 K/V
+the split rule's 4,096-key head (512-key splits) and past it into its 2,048-key splits; other rules and tiles; fp8 K/V
 with their descales), and so the decode step's of the same row; the switch
 (``PAGEDFLASH_INVARIANT_GLUON``) decides which kernel takes the mode's calls.
 Its routing on every machine: tests/test_prefill_hopper.py.

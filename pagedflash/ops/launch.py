@@ -164,12 +164,15 @@ def env_count(name: str, default: int | None, most: int | None = None, least: in
 # first INVARIANT_HEAD_KEYS keys of a row in splits of INVARIANT_HEAD_SPLIT_KEYS, the rest in splits of
 # INVARIANT_SPLIT_KEYS, each split's state merged left to right (SplitRule). Short splits at the head
 # give a short row's decode several programs (at batch 1 a 1K row is otherwise one program streaming
-# 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). A split's
-# partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any rule of multiples of
-# the invariant tile's key count gives invariant results; outputs under different rules differ.
+# 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). Every head
+# split is a fold in prefill: 512 against 256 took the prefill grid from 1.34x to 1.27x of the mode
+# off and the engine's ITL at batch 1, 32K from 1.34x to 1.31x, at batch 1, 1K from 1.16x to 1.21x
+# (H100, docs/performance.md v62). A split's partial state is kept in fp32 ([splits, tokens, Hq, D])
+# until the combine. Any rule of multiples of the invariant tile's key count gives invariant results;
+# outputs under different rules differ.
 INVARIANT_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_SPLIT_KEYS", 2048)
 INVARIANT_HEAD_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_KEYS", 4096, least=0)
-INVARIANT_HEAD_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", 256)
+INVARIANT_HEAD_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", 512)
 # A middle tier (opt-in, none by default): the keys past the head up to INVARIANT_MID_KEYS (an
 # absolute position; 0: no middle tier) in splits of INVARIANT_MID_SPLIT_KEYS, so that rows long
 # enough to pass the head but not that position get more, shorter splits than the rest.
@@ -186,7 +189,7 @@ MAX_GRID_SPLITS = 65535  # a CUDA grid's third dimension (programs sharing a row
 # number at most INVARIANT_SPLIT_STATES (None: no limit), its programs sharing a row's splits
 # (invariant_split_programs); else, or where that leaves one program a row, one program folds a row's
 # splits. The budget bounds the partials' memory (a decode graph is sized for the model's longest row).
-# Defaults: 512 splits (the default rule's 1,019,904 keys, fewer with a middle tier: 991,232 with
+# Defaults: 512 splits (the default rule's 1,036,288 keys, fewer with a middle tier: 1,007,616 with
 # PAGEDFLASH_INVARIANT_MID_KEYS=32768; the programs do not grow with them), no budget.
 INVARIANT_MAX_SPLITS_DEFAULT = 512
 INVARIANT_MAX_SPLITS = env_count("PAGEDFLASH_INVARIANT_MAX_SPLITS", INVARIANT_MAX_SPLITS_DEFAULT, MAX_GRID_SPLITS)
