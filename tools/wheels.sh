@@ -1,6 +1,11 @@
 # Sourced by the device scripts: the serve and structured extras' wheels (carry [".whl"]: the device image
 # lacks FastAPI/uvicorn/pydantic and xgrammar/apache-tvm-ffi). The image's python is a venv, which ignores
-# `pip install --user`, so they go to a target added to PYTHONPATH.
+# `pip install --user`, so they go to a target added to PYTHONPATH. Made on the development machine with
+# `pip download --no-deps --python-version 3.12 --only-binary :all: -d .whl -c constraints.txt fastapi
+# starlette annotated-doc opentelemetry-api uvicorn h11 httptools anyio sniffio pydantic pydantic-core
+# annotated-types typing-inspection prometheus-client openai httpx httpcore distro jiter xgrammar
+# apache-tvm-ffi` (a dependency missing here makes the server's GPU tests skip: fastapi 0.165 imports
+# opentelemetry).
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > /dev/null 2>&1 && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site || echo "wheels.sh: the .whl install failed"
