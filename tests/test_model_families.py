@@ -16,6 +16,7 @@ from helpers import ON_GPU, TWO_GPUS, hf_greedy, prompts_of
 from pagedflash.engine import LLM, ModelConfig, SamplingParams
 from pagedflash.engine.config import FAMILIES
 from pagedflash.engine.models import MODELS
+from pagedflash.engine.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,10 +125,15 @@ def assert_matches_transformers(llm, hf, lengths=(19, 6), prefix_cache=True):
 
 
 @pytest.mark.parametrize("family, layers", [("granite", 2), ("gemma3", 6)])
-def test_left_out_keys_match_transformers(tmp_path, family, layers):
+def test_left_out_keys_match_transformers(tmp_path, monkeypatch, family, layers):
     """A config.json with only the required keys: the engine takes transformers' defaults (Granite's
     attention_multiplier 1.0 as the softmax scale; Gemma 3's head_dim 256, 4 KV heads,
     query_pre_attn_scalar 256, five sliding layers to one global with RoPE thetas 1e4 and 1e6)."""
+    # the engine's warm-up on a GPU compiles every chunk length's kernels; fp32 at head_dim 256 takes
+    # 6-14 s a kernel to compile, minutes for the whole ladder (docs/performance.md v62): warm up the
+    # decode row and the prompt's chunk only (the rest compiles if a step needs it)
+    warmup = ModelRunner.warmup
+    monkeypatch.setattr(ModelRunner, "warmup", lambda self: warmup(self, lengths=(1, 16)))
     hf = save_family(tmp_path, family, minimal=True, num_hidden_layers=layers, initializer_range=0.1)
     with open(tmp_path / "config.json") as f:
         assert not {"head_dim", "num_key_value_heads", "rope_parameters", "rope_theta"} & set(json.load(f))
