@@ -53,17 +53,34 @@ def test_option_refused_where_it_means_nothing(capsys):
     assert "--batch-invariant times one-GPU engines" in capsys.readouterr().err
 
 
-def test_serve_runs_the_engine_in_both_modes(tmp_path, monkeypatch):
+def test_serve_runs_the_engine_in_both_modes_in_turns(tmp_path, monkeypatch, capsys):
+    """Three rounds: engines built off, on, off, on, off, on; each mode's row its median run."""
     monkeypatch.setitem(serve.QUICK, "num_requests", 2)
     monkeypatch.setitem(serve.QUICK, "output", (2, 2))
     monkeypatch.setattr(serve, "_warm", lambda *args: None)  # no timing figure is read here
-    assert serve.main(["--quick", "--sections", "throughput", "--no-hf", "--batch-invariant",
+    built, engine = [], serve.LLM
+
+    def llm(*args, batch_invariant=False, **kwargs):  # the engines in the order they are built
+        built.append(batch_invariant)
+        return engine(*args, batch_invariant=batch_invariant, **kwargs)
+
+    monkeypatch.setattr(serve, "LLM", llm)
+    assert serve.main(["--quick", "--sections", "throughput", "--no-hf", "--batch-invariant", "--rounds", "3",
                        "--out", str(tmp_path)]) == 0
+    assert built == [False, True] * 3
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pagedflash engine")]
+    runs = {mode: [float(line.split(": ")[1].split()[0]) for line in printed if (", batch-invariant" in line) == mode]
+            for mode in (False, True)}
     doc = _doc(tmp_path, "serve")
     off, on = doc["tables"]["throughput"]["rows"]
     assert (off["invariant"], on["invariant"]) == ("off", "on") and "batch-invariant" in on["system"]
+    for row, mode in ((off, False), (on, True)):
+        assert len(runs[mode]) == 3 and f"{row['tok_s']:.0f}" == f"{sorted(runs[mode])[1]:.0f}"
+        assert row["note"].endswith("median of 3 runs: " + " / ".join(f"{x:.0f}" for x in runs[mode]) + " tok/s")
     assert "inv_x" not in off and on["inv_x"] == pytest.approx(off["tok_s"] / on["tok_s"])
     assert doc["summary"]["throughput_invariant_x"] == on["inv_x"]
+    assert serve.main(["--quick", "--sections", "throughput", "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_serve_ratios_pair_rows_by_point():

@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="KV cache of the throughput/prefix/itl engines (longctx runs both auto and fp8_e4m3)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="throughput and itl: the engine with the batch-invariant mode off and on, and the on/off ratios")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="throughput: runs of the workload per engine mode, each on a new engine, the modes in turn; "
+                        "each mode's row is its median run")
     return p
 
 
@@ -152,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape is not None and "throughput" in sections and not args.no_hf:
         print(f"bench serve: --shape {args.shape} builds the engine in memory, with no checkpoint for transformers' "
               "baselines: add --no-hf (or serve a directory with --model DIR)", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"bench serve: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
     if args.max_model_len is not None and args.max_model_len < 1:
         print(f"bench serve: --max-model-len must be >= 1, got {args.max_model_len}", file=sys.stderr)
@@ -244,20 +250,22 @@ def bench_throughput(model, config, w, rng, engine_kw, args, summary) -> Table:
     out_lens = [rng.randint(olo, ohi) for _ in range(n)]
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in out_lens]
     useful = sum(out_lens)
-    rows = []
-    for invariant in engine_modes(args.batch_invariant):
-        llm = LLM(model, batch_invariant=invariant, **engine_kw)
-        _warm(llm, config, rng)
-        outs = llm.generate(prompts, params, use_tqdm=True)
-        s = llm.last_stats
-        assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
-        system = "pagedflash engine" + (", batch-invariant" if invariant else "")
-        print(f"{system}: {s['output_tokens_per_s']:.0f} output tok/s, {s['elapsed_s']:.1f} s, {s['steps']} steps",
-              flush=True)
-        rows.append(dict(system=system, invariant=label(invariant), tok_s=s["output_tokens_per_s"],
-                         seconds=s["elapsed_s"], ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
-                         itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
-        _close(llm)
+    runs = {invariant: [] for invariant in engine_modes(args.batch_invariant)}
+    for r in range(args.rounds):  # the modes in turn, so that a drift of the machine reaches both
+        for invariant, done in runs.items():
+            llm = LLM(model, batch_invariant=invariant, **engine_kw)
+            _warm(llm, config, rng)
+            outs = llm.generate(prompts, params, use_tqdm=True)
+            s = llm.last_stats
+            assert s["output_tokens"] == useful, f"engine produced {s['output_tokens']} tokens, expected {useful}"
+            system = "pagedflash engine" + (", batch-invariant" if invariant else "")
+            print(f"{system}: {s['output_tokens_per_s']:.0f} output tok/s, {s['elapsed_s']:.1f} s, {s['steps']} steps"
+                  + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""), flush=True)
+            done.append(dict(system=system, invariant=label(invariant), tok_s=s["output_tokens_per_s"],
+                             seconds=s["elapsed_s"], ttft_ms=1e3 * statistics.mean(o.ttft for o in outs),
+                             itl_ms=1e3 * statistics.mean(x for o in outs for x in o.itl), note=f"{s['steps']} steps"))
+            _close(llm)
+    rows = [_median_run(done) for done in runs.values()]
     ours = rows[0]["tok_s"]
     best = None
     if not args.no_hf:
@@ -287,6 +295,16 @@ def bench_throughput(model, config, w, rng, engine_kw, args, summary) -> Table:
                  | (INV_COLUMNS if args.batch_invariant else {}),
                  rows, note=f"target: pagedflash >= {TARGETS['throughput']}x the best transformers path"
                             + (f"; {INV_NOTE}" if args.batch_invariant else ""))
+
+
+def _median_run(done: list[dict]) -> dict:
+    """The run of median output tok/s (the lower of the middle two for an even count), its note
+    listing every run's."""
+    row = sorted(done, key=lambda d: d["tok_s"])[(len(done) - 1) // 2]
+    if len(done) > 1:
+        row = dict(row, note=row["note"] + f"; median of {len(done)} runs: "
+                   + " / ".join(f"{d['tok_s']:.0f}" for d in done) + " tok/s")
+    return row
 
 
 def bench_prefix(model, config, w, rng, engine_kw, summary) -> Table:
