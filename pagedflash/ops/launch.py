@@ -164,12 +164,11 @@ def env_count(name: str, default: int | None, most: int | None = None, least: in
 # first INVARIANT_HEAD_KEYS keys of a row in splits of INVARIANT_HEAD_SPLIT_KEYS, the rest in splits of
 # INVARIANT_SPLIT_KEYS, each split's state merged left to right (SplitRule). Short splits at the head
 # give a short row's decode several programs (at batch 1 a 1K row is otherwise one program streaming
-# 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). Every head
-# split is a fold in prefill: 512 against 256 took the prefill grid from 1.34x to 1.27x of the mode
-# off and the engine's ITL at batch 1, 32K from 1.34x to 1.31x, at batch 1, 1K from 1.16x to 1.21x
-# (H100, docs/performance.md v62). A split's partial state is kept in fp32 ([splits, tokens, Hq, D])
-# until the combine. Any rule of multiples of the invariant tile's key count gives invariant results;
-# outputs under different rules differ.
+# 16 tiles); long ones past it keep a long row's loop pipelined (each split restarts it). Each split
+# is a fold in prefill, and a partial the combine folds in decode: 512-key head splits cost a 1K row's
+# batch-1 decode less than 256's folds cost prefill and long rows (docs/performance.md v62). A split's
+# partial state is kept in fp32 ([splits, tokens, Hq, D]) until the combine. Any rule of multiples of
+# the invariant tile's key count gives invariant results; outputs under different rules differ.
 INVARIANT_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_SPLIT_KEYS", 2048)
 INVARIANT_HEAD_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_KEYS", 4096, least=0)
 INVARIANT_HEAD_SPLIT_KEYS = env_count("PAGEDFLASH_INVARIANT_HEAD_SPLIT_KEYS", 512)
