@@ -1,7 +1,10 @@
-"""Where a decode step of the 1B engine spends its time (H200): the kernels of one decode-graph replay
+"""Where a decode step of the engine spends its time (H200): the kernels of one decode-graph replay
 (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
-    python tools/profile_engine_step.py [context] [--batch B] [--batch-invariant]  # default 1024, 1, mode off
+    python tools/profile_engine_step.py [context] [--batch B] [--batch-invariant] [--shape NAME]
+    # default 1024, 1, mode off, the Llama-3.2-1B shape
 ``--batch B``: B requests of that context decoding together (the graph of the ladder's size for B).
+``--shape NAME``: a named config of :mod:`pagedflash.bench.shapes` (e.g. ``qwen3-30b-a3b``,
+``gpt-oss-20b``: a mixture of experts' step), seeded random weights.
 ``--batch-invariant``: the engine in batch-invariant mode (issue 32: which kernels make its step
 slower than the mode-off one; run both in one call to compare).
 """
@@ -14,8 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagedflash.bench.common import time_ms
+from pagedflash.bench.shapes import SHAPES, shape_config
 from pagedflash.engine import LLM, SamplingParams
-from pagedflash.engine.config import LLAMA_3_2_1B
 from pagedflash.engine.runner import GRAPH_BATCH_SIZES
 
 
@@ -24,13 +27,17 @@ def main() -> None:
     p.add_argument("context", type=int, nargs="?", default=1024, help="prompt tokens of each request")
     p.add_argument("--batch", type=int, default=1, help=f"requests decoding together (1-{GRAPH_BATCH_SIZES[-1]})")
     p.add_argument("--batch-invariant", action="store_true", help="the engine in batch-invariant mode")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b", help="the model's shape")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's length cap (default: the model's; tools/moe_h200.sh serves MoE shapes at 4096)")
     args = p.parse_args()
     if not 1 <= args.batch <= GRAPH_BATCH_SIZES[-1]:
         p.error(f"--batch: expected 1 to {GRAPH_BATCH_SIZES[-1]} (the largest decode graph), got {args.batch}")
     ctx, batch, invariant = args.context, args.batch, args.batch_invariant
     rng = random.Random(0)
-    llm = LLM(LLAMA_3_2_1B, max_num_seqs=max(64, batch), batch_invariant=invariant)  # seeded random weights
-    print(f"batch-invariant mode {'on' if invariant else 'off'}, batch {batch}")
+    cap = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    llm = LLM(shape_config(args.shape), max_num_seqs=max(64, batch), batch_invariant=invariant, **cap)  # random weights
+    print(f"{args.shape}, batch-invariant mode {'on' if invariant else 'off'}, batch {batch}")
     prompts = [[rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=1))
     outs = llm.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
