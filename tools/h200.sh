@@ -7,7 +7,7 @@
 # serve and tune; options after the name, colons for spaces: bench:decode:--batch-invariant,
 # bench:invariance:--logprobs:0), tune:<prefill|decode|overhead|paged>, tune:matmul[:--sweep]
 # (tools/tune_matmul.py: the batch-invariant GEMM vs cuBLAS), serve:<sections>[:<num-requests>],
-# profile:<context>[:--batch:B][:--batch-invariant][:--shape:NAME] (tools/profile_engine_step.py: a decode step's kernels, the 1B shape by default),
+# profile:<context>[:--batch:B][:--batch-invariant][:--shape:NAME][:--max-model-len:N] (tools/profile_engine_step.py: a decode step's kernels, the 1B shape by default),
 # splits[:VAR=VALUE...] (tools/invariant_splits.py under those environment variables: the batch-invariant
 # mode's cost on its cells, e.g. splits:PAGEDFLASH_INVARIANT_HEAD_KEYS=2048; SPLITS_ARGS=--engine: the
 # engine's decode cells only); TUNE_ARGS

@@ -1,7 +1,7 @@
 """Where a decode step of the engine spends its time (H200): the kernels of one decode-graph replay
 (torch.profiler, grouped by kernel name) and the host's share of a full generate step.
-    python tools/profile_engine_step.py [context] [--batch B] [--batch-invariant] [--shape NAME]
-    # default 1024, 1, mode off, the Llama-3.2-1B shape
+    python tools/profile_engine_step.py [context] [--batch B] [--batch-invariant] [--shape NAME] [--max-model-len N]
+    # default 1024, 1, mode off, the Llama-3.2-1B shape, the model's length
 ``--batch B``: B requests of that context decoding together (the graph of the ladder's size for B).
 ``--shape NAME``: a named config of :mod:`pagedflash.bench.shapes` (e.g. ``qwen3-30b-a3b``,
 ``gpt-oss-20b``: a mixture of experts' step), seeded random weights.

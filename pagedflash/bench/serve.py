@@ -49,7 +49,9 @@ longer contexts; ``longctx`` and ``tp`` set their own). serve.json's summary nam
 ``--kv-cache-dtype fp8_e4m3`` runs the other sections' engines with an fp8 KV cache too (the ``%
 of bound`` of ``itl`` and ``tp`` then counts one byte per cached K/V element). ``--batch-invariant``
 runs the engines of ``throughput`` and ``itl`` with the batch-invariant mode off and on, and reports
-the on/off time ratios (:mod:`pagedflash.bench.serve_invariant`).
+the on/off time ratios (:mod:`pagedflash.bench.serve_invariant`). ``--rounds N`` runs the
+``throughput`` workload N times a mode, each on a new engine, the modes in turn, and reports each
+mode's median run (the other sections run once).
 
 Figures are printed and written to ``<out>/serve.json`` (tables of sections not run this time are
 kept from an earlier file). ``--quick`` runs a tiny model with tiny workloads anywhere (CPU: Triton
@@ -123,8 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true",
                    help="throughput and itl: the engine with the batch-invariant mode off and on, and the on/off ratios")
     p.add_argument("--rounds", type=int, default=1,
-                   help="throughput: runs of the workload per engine mode, each on a new engine, the modes in turn; "
-                        "each mode's row is its median run")
+                   help="throughput only: runs of the workload per engine mode, each on a new engine, the modes in "
+                        "turn; each mode's row is its median run")
     return p
 
 
