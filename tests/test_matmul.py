@@ -504,48 +504,35 @@ def test_operator_passes_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def assert_compiles_once_with_eagers_bits(fn, n):
+    """``fn(x, w [n, 100], b [n])`` through ``torch.compile(fullgraph=True, dynamic=True)``: one graph
+    for 5 and 9 rows, eager's bits."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    w, b = randn(n, 100), randn(n)
+    try:
+        with torch.inference_mode():
+            for m in (5, 9):
+                x = randn(m, 100)
+                assert torch.equal(bits(compiled(x, w, b)), bits(fn(x, w, b)))
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])
 def test_compiled_is_bit_identical_and_compiles_once_for_every_m(monkeypatch, tile):
     """``torch.compile(dynamic=True, fullgraph=True)``: one graph (the operator) for two batch sizes,
     results bit-identical to eager (chunked: K = 100 in 4 chunks, the split form at 5 and 9 rows)."""
     monkeypatch.setattr(mm, "TILE", tile)
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-
-    def linear(x, w, b):
-        return mm.matmul(x, w, b)
-
-    compiled = torch.compile(linear, backend=counter, fullgraph=True, dynamic=True)
-    w, b = randn(12, 100), randn(12)
-    try:
-        with torch.inference_mode():
-            for m in (5, 9):
-                x = randn(m, 100)
-                assert torch.equal(bits(compiled(x, w, b)), bits(linear(x, w, b)))
-        assert counter.frame_count == 1
-    finally:
-        torch._dynamo.reset()
+    assert_compiles_once_with_eagers_bits(lambda x, w, b: mm.matmul(x, w, b), 12)
 
 
 def test_gated_compiles_without_a_graph_break():
     """``act`` through ``torch.compile(fullgraph=True, dynamic=True)``: one graph for two batch sizes,
     eager's bits."""
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-
-    def mlp_in(x, w, b):
-        return mm.matmul(x, w, b, act="gelu_tanh")
-
-    compiled = torch.compile(mlp_in, backend=counter, fullgraph=True, dynamic=True)
-    w, b = randn(24, 100), randn(24)
-    try:
-        with torch.inference_mode():
-            for m in (5, 9):
-                x = randn(m, 100)
-                assert torch.equal(bits(compiled(x, w, b)), bits(mlp_in(x, w, b)))
-        assert counter.frame_count == 1
-    finally:
-        torch._dynamo.reset()
+    assert_compiles_once_with_eagers_bits(lambda x, w, b: mm.matmul(x, w, b, act="gelu_tanh"), 24)
 
 
 @pytest.mark.parametrize("tile", [None, CHUNK_TILE], ids=["table", "chunked"])

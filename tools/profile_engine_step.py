@@ -35,8 +35,8 @@ def main() -> None:
         p.error(f"--batch: expected 1 to {GRAPH_BATCH_SIZES[-1]} (the largest decode graph), got {args.batch}")
     ctx, batch, invariant = args.context, args.batch, args.batch_invariant
     rng = random.Random(0)
-    cap = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
-    llm = LLM(shape_config(args.shape), max_num_seqs=max(64, batch), batch_invariant=invariant, **cap)  # random weights
+    llm = LLM(shape_config(args.shape), max_num_seqs=max(64, batch), batch_invariant=invariant,
+              max_model_len=args.max_model_len)  # seeded random weights
     print(f"{args.shape}, batch-invariant mode {'on' if invariant else 'off'}, batch {batch}")
     prompts = [[rng.randrange(3, llm.config.vocab_size) for _ in range(ctx)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=1))
