@@ -18,7 +18,7 @@ from prefill_hopper_checks import ON_SM90, empty_qkv
 from pagedflash import flash_attn_func, flash_attn_varlen_func
 from pagedflash import reference as ref
 from pagedflash.cache import cu_seqlens_tensor
-from pagedflash.ops import launch, prefill_hopper
+from pagedflash.ops import launch, prefill_hopper, prefill_hopper_kernel
 
 hopper_here = checks.hopper_here  # the shared fixture, found by its name here
 
@@ -40,8 +40,8 @@ def test_dense_calls_never_take_fp8_kv(hopper_here):
 
 def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
     """The mode's calls take the kernel's invariant variant unless PAGEDFLASH_INVARIANT_GLUON=0, with
-    16-bit or fp8 K/V (fp8 unless INVARIANT_FP8 is off) and the mode's own tile (64-key tiles, 16 rows a
-    warp of a warpgroup)."""
+    16-bit or fp8 K/V (fp8 unless INVARIANT_FP8 is off) and the mode's own tile (64- or 128-key tiles, 16
+    rows a warp of a warpgroup)."""
     q, k, v = empty_qkv()
     monkeypatch.setattr(prefill_hopper, "INVARIANT_ENABLED", False)
     assert "PAGEDFLASH_INVARIANT_GLUON" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)
@@ -54,6 +54,9 @@ def test_batch_invariant_calls_by_the_mode_switch(hopper_here, monkeypatch):
     monkeypatch.setattr(prefill_hopper, "INVARIANT_FP8", False)
     assert "fp8" in prefill_hopper.refusal_varlen(q[0], k8, v8, 1, 1024, 1024, None, -1, 0, 0.0, None, True)
     assert prefill_hopper.refusal_varlen(q[0], k[0], v[0], 1, 1024, 1024, None, -1, 0, 0.0, None, True) is None
+    monkeypatch.setattr(launch, "INVARIANT_TILE", "64:128:4:2")  # the variant's other key tile
+    assert prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True) is None
+    assert prefill_hopper_kernel.invariant_block_n(64) == 128
     monkeypatch.setattr(launch, "INVARIANT_TILE", "64:32:4:2")
     assert "tile" in prefill_hopper.refusal(q, k, v, -1, 0, 0.0, None, True)
 

@@ -75,14 +75,15 @@ SETTINGS = {  # launch-table switches: split rules other than the default, the o
     "no head": dict(INVARIANT_HEAD_KEYS=0),
     "middle tier": dict(INVARIANT_MID_KEYS=6144, INVARIANT_MID_SPLIT_KEYS=1024),
     "prefill tile": dict(INVARIANT_PREFILL_TILE="128:8:3"),
+    "128-key tiles": dict(INVARIANT_TILE="64:128:4:2"),  # the variant's other key tile (opt-in)
 }
 
 
 @checks.sm90
 @pytest.mark.parametrize("setting", SETTINGS, ids=str)
 def test_rows_equal_under_other_rules_and_tiles(gluon, monkeypatch, setting):
-    """Other rules and the opt-in prefill tile (whose rows a warp the variant shares), GQA groups of 4,
-    and rows that see no key: a sequence without keys, causal rows before a shorter key range."""
+    """Other rules, the opt-in prefill tile (whose rows a warp the variant shares) and 128-key tiles, GQA
+    groups of 4, and rows that see no key: a sequence without keys, causal rows before a shorter key range."""
     for name, value in SETTINGS[setting].items():
         monkeypatch.setattr(launch, name, value)
     hq, hkv, d, page = 8, 2, 64, 16

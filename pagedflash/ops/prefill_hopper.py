@@ -140,7 +140,7 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
     n_items, sms = cdiv(sq, BLOCK_M) * hq * batch, num_sms(q.device)
     if n_items < MIN_PROGRAMS_PER_SM[d] * sms:
         return f"{n_items} work items on {sms} SMs (the portable kernel splits the keys)"
-    bn = INVARIANT_BLOCK_N if invariant else BLOCK_N
+    bn = _invariant_variant(d)[2] if invariant else BLOCK_N
     if n_items >= 2**31 - sms or cdiv(n_items, max(int(0.85 * sms), 1)) * cdiv(sk, bn) >= 2**31:
         return "a program's work items or key tiles past int32"  # its ring index (programs() >= 85 % of sms, or n_items)
     for name, t in (("q", q), ("k", k), ("v", v)):  # what a TMA descriptor takes
@@ -156,18 +156,19 @@ def _refusal(q, k, v, batch: int, sq: int, sk: int, hq: int, hkv: int, d: int, w
 _VARIANTS: dict = {}  # _invariant_variant's answers by head dim and the launch table's switches
 
 
-def _invariant_variant(d: int) -> tuple[launch.SplitRule, str | None]:
-    """The batch-invariant mode's split rule at head dim ``d``, and why the mode's prefill tile refuses
-    the kernel's variant (None: it takes it), kept by the launch table's switches."""
+def _invariant_variant(d: int) -> tuple[launch.SplitRule, str | None, int]:
+    """The batch-invariant mode's split rule at head dim ``d``, why the mode's prefill tile refuses the
+    kernel's variant (None: it takes it) and the tile's keys, kept by the launch table's switches."""
     key = (d, attention_plan.launch_switches(True))
     known = _VARIANTS.get(key)
     if known is None:
         tile = launch.invariant_config(group=1, head_dim=d, capability=(9, 0), interpreted=False, prefill=True)
         why = None
-        if tile.block_n != INVARIANT_BLOCK_N or tile.block_m != 16 * tile.num_warps or tile.num_warps % 4:
+        if tile.block_n not in INVARIANT_BLOCK_N or tile.block_m != 16 * tile.num_warps or tile.num_warps % 4:
             why = (f"the batch-invariant tile ({tile.block_m} rows, {tile.block_n} keys, {tile.num_warps} warps): the "
-                   f"kernel's variant runs {INVARIANT_BLOCK_N}-key tiles, 16 rows a warp of a warpgroup")
-        known = _VARIANTS[key] = (launch.invariant_split_rule(False, d), why)
+                   f"kernel's variant runs {' or '.join(map(str, INVARIANT_BLOCK_N))}-key tiles, 16 rows a warp of a "
+                   f"warpgroup")
+        known = _VARIANTS[key] = (launch.invariant_split_rule(False, d), why, tile.block_n)
     return known
 
 
@@ -248,7 +249,7 @@ def _make_plan(q, k, v, out, causal: bool, return_lse: bool, varlen: tuple | Non
     plan.ints = ints
     plan.int_values = tuple(ints.values())  # the kernel's int parameters, in its order (INT_ARGS)
     n_m = cdiv(sq, BLOCK_M)
-    bn = BLOCK_N if rule is None else INVARIANT_BLOCK_N
+    bn = BLOCK_N if rule is None else _invariant_variant(q.shape[-1])[2]
     plan.grid = (programs(n_m * hq * batch, n_m, causal, num_sms(q.device), sq, sk, bn),)
     plan.grid3 = (plan.grid[0], 1, 1)
     plan.slot = fastlaunch.Slot()

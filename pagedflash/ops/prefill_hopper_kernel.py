@@ -42,10 +42,10 @@ async wgmma, warp specialization).
   descale the output's.
 - The output (and the natural-log LSE) leave through masked pointer stores: any ``out`` strides
   with a contiguous last dim.
-- Batch-invariant mode (``INVARIANT``): the mode's 64-key tiles in rings twice as deep, the softmax by
-  the portable kernel's EXACT step, and at each split of the mode's rule (``SPLIT_N``, ``HEAD_N``,
-  ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``: :func:`pagedflash.ops.attention_tiles.split_start`) a fresh
-  state, the ended split finalized and merged into the row's by the portable kernel's own functions: a
+- Batch-invariant mode (``INVARIANT``): the mode's key tiles (64 keys, in rings twice as deep, or
+  128), the softmax by the portable kernel's EXACT step, and at each split of the mode's rule
+  (``SPLIT_N``, ``HEAD_N``, ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``:
+  :func:`pagedflash.ops.attention_tiles.split_start`) a fresh state, the ended split finalized and merged into the row's by the portable kernel's own functions: a
   row's output and LSE bit for bit the portable kernel's
   (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`). Over fp8 K/V as the portable kernel
   does it in the mode: a bf16 Q tile scaled by a power of two a row, the value descale applied to each
@@ -66,12 +66,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from pagedflash.ops.launch import SplitRule
+from pagedflash.ops.launch import SplitRule, invariant_config
 from pagedflash.ops.utils import interpreted
 
 BLOCK_M = 128  # query rows per program: two consumers of 64
 BLOCK_N = 128  # keys per K/V tile
-INVARIANT_BLOCK_N = 64  # in the batch-invariant mode: the mode's key tile (pagedflash.ops.launch.invariant_config)
+INVARIANT_BLOCK_N = (64, 128)  # the batch-invariant mode's key tiles the variant takes (invariant_block_n)
 STAGES = {64: 3, 128: 2}  # K/V ring depth by head dim (shared memory: Q + STAGES x (K + V) tiles, fp8 twice)
 NUM_WARPS = 4  # the default partition (consumer 0); consumer 1, the two loaders (and the converter) are workers
 MAX_REGISTERS = 168  # per thread before the partitions rebalance (setmaxnreg)
@@ -430,15 +430,21 @@ if UNAVAILABLE is None:
             ], [ROWS // 16, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
 
 
+def invariant_block_n(head_dim: int) -> int:
+    """The batch-invariant mode's key tile at ``head_dim`` on sm90, which its variant's K/V tiles take
+    (:func:`pagedflash.ops.launch.invariant_config`: 64 keys unless ``PAGEDFLASH_INVARIANT_TILE`` says)."""
+    return invariant_config(group=1, head_dim=head_dim, capability=(9, 0), interpreted=False, prefill=True).block_n
+
+
 def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dtype, varlen: bool = False,
                   page: int = 0, kv_dtype: torch.dtype | None = None, rule: SplitRule | None = None) -> tuple:
     """What a launch for these values compiles: ``(constexprs, options, q block, k/v block, q layout,
     k/v layout)`` (the blocks and layouts of the host descriptors: dense Q/K/V, or the paged K/V
     caches with ``page``). ``kv_dtype``: K/V's dtype where it is not q's (fp8, with ``varlen`` or
-    ``page``). ``rule``: the batch-invariant variant with this split rule: key tiles of
-    :data:`INVARIANT_BLOCK_N` (the mode's), in rings twice as deep (the same shared memory). Shared by
-    the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
-    bn = BLOCK_N if rule is None else INVARIANT_BLOCK_N
+    ``page``). ``rule``: the batch-invariant variant with this split rule: the mode's key
+    tiles (:func:`invariant_block_n`), in rings as much deeper as they are narrower (the same shared
+    memory). Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
+    bn = BLOCK_N if rule is None else invariant_block_n(head_dim)
     chunk = min(page, bn)
     kv8 = kv_dtype is not None and kv_dtype != dtype
     consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=bn, STAGES=STAGES[head_dim] * (BLOCK_N // bn), CAUSAL=causal,
