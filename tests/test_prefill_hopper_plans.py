@@ -12,7 +12,7 @@ from prefill_hopper_checks import check_paged, check_varlen, empty_qkv, sm90
 
 from pagedflash import flash_attn_func
 from pagedflash import reference as ref
-from pagedflash.ops import prefill_hopper
+from pagedflash.ops import launch, prefill_hopper
 
 gluon, hopper_here = checks.gluon, checks.hopper_here  # the shared fixtures, found by their names here
 
@@ -113,3 +113,21 @@ def test_gluon_relaunches_through_its_fast_handle(gluon, paged):
             check_varlen([300, 200], [300, 200], 4, 2, 128, torch.bfloat16, True)
     assert fastlaunch.enabled(), fastlaunch.status()
     assert any(plan.slot.handle is not None for plan in prefill_hopper._PLANS.values())
+
+
+def test_the_modes_key_tile_is_part_of_a_plans_signature(monkeypatch):
+    # a plan kept for the mode's 64-key tiles never serves a call under 128-key ones (a row's bits
+    # follow its tile), nor the other way round; back at 64 keys the first plan is found again
+    made = []
+
+    class Failed:  # a plan that failed to compile: the call takes the portable kernel
+        failed = True
+
+    monkeypatch.setattr(prefill_hopper, "_PLANS", type(prefill_hopper._PLANS)())
+    monkeypatch.setattr(prefill_hopper, "_make_plan", lambda *args: made.append(launch.INVARIANT_TILE) or Failed())
+    monkeypatch.setattr(prefill_hopper, "refusal", lambda *args: None)  # routed here, whatever the machine
+    q, k, v = randn(1, 20, 2, 64), randn(1, 20, 2, 64), randn(1, 20, 2, 64)
+    for tile in ("", "64:128:4:2", ""):
+        monkeypatch.setattr(launch, "INVARIANT_TILE", tile)
+        flash_attn_func(q, k, v, causal=True, batch_invariant=True)
+    assert made == ["", "64:128:4:2"]

@@ -282,14 +282,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     :func:`refusal_varlen`) accepted with it."""
     global launches
     sizes = None if varlen is None else (varlen[0].shape[0] - 1, varlen[2], varlen[3])
-    rule = _invariant_variant(q.shape[-1])[0] if invariant else None
+    rule, _, block_n = _invariant_variant(q.shape[-1]) if invariant else (None, None, BLOCK_N)
     # everything a launch specializes on (refusal() has made q, k, v 16-byte aligned), so that the
     # plan's fast handle (pagedflash.ops.fastlaunch) only relaunches the kernel compiled for it
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, k.dtype, q.device, causal,
            return_lse, sizes, out.data_ptr() % 16, None if block_table is None else
            (block_table.stride(), block_table.data_ptr() % 16),
            *((None,) if t is None else (t.numel(), t.stride(), t.data_ptr() % 16) for t in (k_descale, v_descale)),
-           rule)
+           rule, block_n)
     plan = _PLANS.get(key) or _PLANS.add(key, _make_plan(q, k, v, out, causal, return_lse, sizes, block_table,
                                                          k_descale, v_descale, rule))
     if plan.failed:
