@@ -70,7 +70,7 @@ def test_rows_equal_the_portable_kernels(gluon, d, dtype, causal, layout):
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
-SETTINGS = {  # launch-table switches: split rules other than the default, the opt-in prefill tile
+SETTINGS = {  # launch-table switches: split rules other than the default, the opt-in prefill and 128-key tiles
     "one-tile head splits": dict(INVARIANT_HEAD_KEYS=1024, INVARIANT_HEAD_SPLIT_KEYS=64),
     "no head": dict(INVARIANT_HEAD_KEYS=0),
     "middle tier": dict(INVARIANT_MID_KEYS=6144, INVARIANT_MID_SPLIT_KEYS=1024),

@@ -5,8 +5,8 @@
 # starlette annotated-doc opentelemetry-api uvicorn h11 httptools anyio sniffio pydantic pydantic-core
 # annotated-types typing-inspection prometheus-client openai httpx httpcore httpx2 httpcore2 truststore
 # distro jiter xgrammar apache-tvm-ffi` (a dependency missing here makes the server's GPU tests skip:
-# fastapi 0.165 imports opentelemetry, openai 3.60 httpx2). The rest they need (click, idna, certifi, typing-extensions) the image had when the
-# server ran there (docs/performance.md v31, v42).
+# fastapi 0.165 imports opentelemetry, openai 3.60 imports httpx2). The rest they need (click, idna,
+# certifi, typing-extensions) the image had when the server ran there (docs/performance.md v31, v42).
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > /dev/null 2>&1 && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site || echo "wheels.sh: the .whl install failed"

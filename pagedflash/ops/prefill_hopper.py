@@ -12,7 +12,7 @@ which never changes a result. Everything else, and every call with ``PAGEDFLASH_
 the portable kernel, which stays the tested fallback.
 
 In the batch-invariant mode (:mod:`pagedflash.batch_invariance`) the kernel's own variant
-(``INVARIANT``: the mode's 64-key tiles and split rule, the portable kernel's EXACT softmax step,
+(``INVARIANT``: the mode's key tiles, 64 or 128 keys, and split rule, the portable kernel's EXACT softmax step,
 finalize and merge) takes the same calls, with 16-bit or fp8 K/V (fp8 unless :data:`INVARIANT_FP8` is
 off): a row gets the portable kernel's bits, so which kernel runs a call never changes a row.
 ``PAGEDFLASH_INVARIANT_GLUON=0`` sends the mode's calls to the portable kernel.

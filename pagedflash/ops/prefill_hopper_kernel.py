@@ -45,8 +45,9 @@ async wgmma, warp specialization).
 - Batch-invariant mode (``INVARIANT``): the mode's key tiles (64 keys, in rings twice as deep, or
   128), the softmax by the portable kernel's EXACT step, and at each split of the mode's rule
   (``SPLIT_N``, ``HEAD_N``, ``HEAD_KEYS``, ``MID_N``, ``MID_KEYS``:
-  :func:`pagedflash.ops.attention_tiles.split_start`) a fresh state, the ended split finalized and merged into the row's by the portable kernel's own functions: a
-  row's output and LSE bit for bit the portable kernel's
+  :func:`pagedflash.ops.attention_tiles.split_start`) a fresh state, the ended split finalized and
+  merged into the row's by the portable kernel's own functions: a row's output and LSE bit for bit the
+  portable kernel's
   (:func:`pagedflash.ops.prefill_hopper_attend._attend_invariant`). Over fp8 K/V as the portable kernel
   does it in the mode: a bf16 Q tile scaled by a power of two a row, the value descale applied to each
   split's output (``prefill_hopper.INVARIANT_FP8`` off sends these calls to the portable kernel).
@@ -335,7 +336,7 @@ if UNAVAILABLE is None:
         ``VARLEN``): K/V are fp8; the loaders fill rings of fp8 tiles that the convert partition turns
         into the fp16 rings the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
-        and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's 64 keys) under the split
+        and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's key tile, 64 or 128 keys) under the split
         rule of ``SPLIT_N`` .. ``MID_KEYS`` (:func:`pagedflash.ops.attention_tiles.split_start`'s);
         ``qk_scale`` is then the softmax scale itself (the kernel forms the portable kernel's products)."""
         ROWS: gl.constexpr = BM // 2
@@ -445,6 +446,7 @@ def kernel_config(head_dim: int, causal: bool, write_lse: bool, dtype: torch.dty
     tiles (:func:`invariant_block_n`), in rings as much deeper as they are narrower (the same shared
     memory). Shared by the launcher and the sm90 compile check (tools/gluon_compile_check.py)."""
     bn = BLOCK_N if rule is None else invariant_block_n(head_dim)
+    assert rule is None or bn in INVARIANT_BLOCK_N, f"a {bn}-key tile: the variant takes {INVARIANT_BLOCK_N}"
     chunk = min(page, bn)
     kv8 = kv_dtype is not None and kv_dtype != dtype
     consts = dict(HEAD_DIM=head_dim, BM=BLOCK_M, BN=bn, STAGES=STAGES[head_dim] * (BLOCK_N // bn), CAUSAL=causal,
