@@ -176,8 +176,8 @@ def _attend_invariant(q, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_e
                       SPLIT_N: gl.constexpr, HEAD_N: gl.constexpr, HEAD_KEYS: gl.constexpr, MID_N: gl.constexpr,
                       MID_KEYS: gl.constexpr, V_SCALED: gl.constexpr):
     """:func:`_attend` in the batch-invariant mode (:mod:`pagedflash.batch_invariance`): the row's
-    key tiles (``BN`` = the mode's key tile, 64 or 128 keys) through the portable kernel's EXACT step, in splits at
-    the rule's absolute key positions, each from a fresh state, finalized and merged left to right
+    key tiles (``BN`` = the mode's key tile, 64 or 128 keys) through the portable kernel's EXACT step, in
+    splits at the rule's absolute key positions, each from a fresh state, finalized and merged left to right
     (:func:`_step_invariant`): a row's output and LSE bit for bit the portable kernel's. ``sm_scale``:
     the softmax scale times the key descale (fp8 K/V), the portable kernel's first product; the score
     scale follows as there (bf16 q over fp8 K/V: q scaled per row, its shift's power of two next; then

@@ -336,8 +336,9 @@ if UNAVAILABLE is None:
         ``VARLEN``): K/V are fp8; the loaders fill rings of fp8 tiles that the convert partition turns
         into the fp16 rings the consumers read, and ``KDescale``/``VDescale`` (fp32, or None for 1.0;
         per KV head with strides ``stride_kds``/``stride_vds``, or one with stride 0) scale the real keys
-        and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's key tile, 64 or 128 keys) under the split
-        rule of ``SPLIT_N`` .. ``MID_KEYS`` (:func:`pagedflash.ops.attention_tiles.split_start`'s);
+        and values. ``INVARIANT``: the batch-invariant variant (``BN`` the mode's key tile, 64 or 128
+        keys) under the split rule of ``SPLIT_N`` .. ``MID_KEYS``
+        (:func:`pagedflash.ops.attention_tiles.split_start`'s);
         ``qk_scale`` is then the softmax scale itself (the kernel forms the portable kernel's products)."""
         ROWS: gl.constexpr = BM // 2
         gl.static_assert(ROWS == 64)  # a consumer is one warpgroup: 16 rows per warp
