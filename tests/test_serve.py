@@ -80,6 +80,11 @@ class LiveServer:
                 out[(s.name, labels)] = s.value
         return out
 
+    def request_counts(self) -> dict:
+        """The engine's requests running and waiting, and those finished by reason (a failure's context)."""
+        return {f"{name}{dict(labels) or ''}": value for (name, labels), value in self.metrics().items()
+                if name.startswith(("pagedflash:num_requests_", "pagedflash:request_success_total"))}
+
     def wait_idle(self, timeout=60.0):
         """Until the engine holds no request (read through /metrics: the loop thread owns the engine)."""
         deadline = time.monotonic() + timeout
@@ -475,7 +480,7 @@ def test_queue_full_is_a_503():
             with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=TIMEOUT) as waiting:
                 assert waiting.status_code == 200  # admitted to the queue (headers come after admission)
                 r = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1})
-                assert r.status_code == 503, r.text
+                assert r.status_code == 503, (r.text, s.request_counts())
                 assert r.json()["error"]["code"] == "queue_full"
         s.assert_pool_whole()
     finally:
